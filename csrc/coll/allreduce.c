@@ -1,0 +1,144 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Allreduce and reduce-scatter over the staging slots of one host.
+ *
+ * Small messages (up to small_bytes) take one step: every rank copies its whole input into its half, all sync, and
+ * every rank reduces all halves itself. Redundant arithmetic, but a single synchronisation, which is what latency
+ * is made of.
+ *
+ * Larger messages are cut into one range per rank; rank r owns range r. Each step moves one piece of every range:
+ *   1. copy-in:  rank r copies piece k of every range j != r into section j of its half. Its own piece stays in its
+ *                input, it reads it from there.
+ *   2. sync
+ *   3. reduce:   rank r reduces section r of every half (and its own input) into its output. Each element is reduced
+ *                by exactly one rank in a fixed operand order, so every rank ends with bit-identical results.
+ *   For allreduce, also:
+ *   3b. rank r copies its reduced piece into section r of its half;
+ *   4. sync
+ *   5. gather:   rank r copies section j of rank j's half into its output, for every j != r.
+ * Pieces are sized so that a step's working set stays in cache. Reduce-scatter is steps 1-3 with per-rank ranges
+ * given by the caller. */
+#include "coll/comm.h"
+#include "core/error.h"
+
+typedef struct {
+  const uint8_t* src;
+  uint8_t* dst;           /* allreduce: the full output; reduce-scatter: this rank's range only */
+  smc_datatype_t dtype;
+  smc_redop_t op;
+  double prescale, postscale;
+  int64_t divisor;
+  size_t esize;
+  const uint64_t* start;  /* per-rank range, in elements */
+  const uint64_t* len;
+  int gather;             /* allreduce: every rank receives every range */
+} plan_t;
+
+static smc_result_t check_args(smc_comm_t* c, const void* send, const void* recv, size_t count, smc_datatype_t dtype,
+                               smc_redop_t op, int64_t divisor, const char* what) {
+  SMC_CHECK(smc_comm_usable(c, what));
+  if ((unsigned)dtype >= SMC_NUM_DTYPES) return smc_set_error(SMC_ERR_INVALID, "%s: unknown dtype %d", what, dtype);
+  if ((unsigned)op >= SMC_NUM_OPS) return smc_set_error(SMC_ERR_INVALID, "%s: unknown op %d", what, op);
+  if (divisor < 1) return smc_set_error(SMC_ERR_INVALID, "%s: divisor %lld < 1", what, (long long)divisor);
+  if (count > SIZE_MAX / 8) return smc_set_error(SMC_ERR_INVALID, "%s: count %zu is too large", what, count);
+  if (count > 0 && (send == NULL || recv == NULL)) return smc_set_error(SMC_ERR_INVALID, "%s: NULL buffer", what);
+  return SMC_SUCCESS;
+}
+
+static smc_result_t one_step(smc_comm_t* c, const plan_t* p, size_t count, smc_desc_t* desc) {
+  const void* srcs[SMC_MAX_RANKS];
+  memcpy(smc_half(c, c->rank), p->src, count * p->esize);
+  SMC_CHECK(smc_coll_begin(c, desc, "allreduce"));
+  for (int r = 0; r < c->size; r++) srcs[r] = r == c->rank ? (const void*)p->src : (const void*)smc_half(c, r);
+  smc_result_t rc = smc_reduce(p->dst, srcs, c->size, count, p->dtype, p->op, p->prescale, p->postscale, p->divisor);
+  smc_flip(c);
+  return rc;
+}
+
+/* Elements of rank j's range that step k moves. */
+static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
+  uint64_t done = (uint64_t)k * per_piece;
+  if (done >= p->len[j]) return 0;
+  return p->len[j] - done < per_piece ? (size_t)(p->len[j] - done) : per_piece;
+}
+
+static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, const char* what) {
+  const void* srcs[SMC_MAX_RANKS];
+  const int me = c->rank, n = c->size;
+  const size_t es = p->esize;
+  const size_t section = c->half_bytes / (size_t)n / SMC_CACHE_LINE * SMC_CACHE_LINE;
+  const size_t per_piece = section / es;
+  uint64_t longest = 0;
+  for (int j = 0; j < n; j++) longest = p->len[j] > longest ? p->len[j] : longest;
+  size_t steps = longest == 0 ? 1 : (size_t)((longest + per_piece - 1) / per_piece);
+
+  for (size_t k = 0; k < steps; k++) {
+    uint8_t* mine = smc_half(c, me);
+    for (int j = 0; j < n; j++) {
+      size_t l = piece_len(p, j, k, per_piece);
+      if (j != me && l > 0) memcpy(mine + (size_t)j * section, p->src + (p->start[j] + k * per_piece) * es, l * es);
+    }
+    if (k == 0)
+      SMC_CHECK(smc_coll_begin(c, desc, what));
+    else
+      SMC_CHECK(smc_sync(c, what));
+
+    size_t l = piece_len(p, me, k, per_piece);
+    if (l > 0) {
+      size_t at = p->start[me] + k * per_piece;
+      for (int j = 0; j < n; j++) srcs[j] = j == me ? (const void*)(p->src + at * es) : smc_half(c, j) + (size_t)me * section;
+      uint8_t* out = p->gather ? p->dst + at * es : p->dst + k * per_piece * es;
+      SMC_CHECK(smc_reduce(out, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor));
+      if (p->gather) memcpy(mine + (size_t)me * section, out, l * es);
+    }
+    if (p->gather) {
+      SMC_CHECK(smc_sync(c, what));
+      for (int j = 0; j < n; j++) {
+        size_t lj = piece_len(p, j, k, per_piece);
+        if (j != me && lj > 0)
+          memcpy(p->dst + (p->start[j] + k * per_piece) * es, smc_half(c, j) + (size_t)j * section, lj * es);
+      }
+    }
+    smc_flip(c);
+  }
+  return SMC_SUCCESS;
+}
+
+smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t count, smc_datatype_t dtype,
+                           smc_redop_t op, double prescale, double postscale, int64_t divisor, uint64_t tag) {
+  SMC_CHECK(check_args(c, sendbuf, recvbuf, count, dtype, op, divisor, "allreduce"));
+  plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), NULL, NULL, 1};
+  if (c->size == 1)
+    return count ? smc_reduce(recvbuf, &sendbuf, 1, count, dtype, op, prescale, postscale, divisor) : SMC_SUCCESS;
+  smc_desc_t desc = {prescale, postscale, count, tag, divisor, 0, SMC_COLL_ALLREDUCE, dtype, op, -1};
+  if (count * p.esize <= c->small_bytes) return one_step(c, &p, count, &desc);
+
+  /* Equal ranges, each a whole number of cache lines, so that no two ranks write the same line of the output. */
+  uint64_t start[SMC_MAX_RANKS], len[SMC_MAX_RANKS];
+  size_t line = SMC_CACHE_LINE / p.esize;
+  size_t per = ((count + (size_t)c->size - 1) / (size_t)c->size + line - 1) / line * line;
+  for (int j = 0; j < c->size; j++) {
+    start[j] = (uint64_t)j * per < count ? (uint64_t)j * per : count;
+    len[j] = count - start[j] < per ? count - start[j] : per;
+  }
+  p.start = start;
+  p.len = len;
+  return pipelined(c, &p, &desc, "allreduce");
+}
+
+smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf, const uint64_t* counts,
+                               smc_datatype_t dtype, smc_redop_t op, double prescale, double postscale,
+                               int64_t divisor, uint64_t tag) {
+  if (counts == NULL) return smc_set_error(SMC_ERR_INVALID, "reducescatter: counts is NULL");
+  uint64_t start[SMC_MAX_RANKS], total = 0;
+  for (int j = 0; c != NULL && j < c->size; j++) {
+    start[j] = total;
+    total += counts[j];
+  }
+  SMC_CHECK(check_args(c, sendbuf, total ? recvbuf : sendbuf, (size_t)total, dtype, op, divisor, "reducescatter"));
+  plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), start, counts, 0};
+  if (c->size == 1)
+    return total ? smc_reduce(recvbuf, &sendbuf, 1, total, dtype, op, prescale, postscale, divisor) : SMC_SUCCESS;
+  smc_desc_t desc = {prescale, postscale, total, smc_digest(counts, c->size, tag), divisor, 0, SMC_COLL_REDUCESCATTER,
+                     dtype, op, -1};
+  return pipelined(c, &p, &desc, "reducescatter");
+}

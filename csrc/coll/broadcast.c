@@ -1,0 +1,29 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Broadcast: the root streams its buffer through its staging half, one half-sized window per step, and every other
+ * rank copies each window out. */
+#include "coll/comm.h"
+#include "core/error.h"
+
+smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t bytes, int root, uint64_t tag) {
+  SMC_CHECK(smc_comm_usable(c, "broadcast"));
+  if (root < 0 || root >= c->size)
+    return smc_set_error(SMC_ERR_INVALID, "broadcast: root %d is outside 0..%d", root, c->size - 1);
+  const int me = c->rank;
+  if (bytes > 0 && ((me == root && sendbuf == NULL) || recvbuf == NULL))
+    return smc_set_error(SMC_ERR_INVALID, "broadcast: NULL buffer");
+  smc_desc_t desc = {1, 1, bytes, tag, 1, 0, SMC_COLL_BROADCAST, 0, 0, root};
+  size_t steps = bytes == 0 ? 1 : (bytes + c->half_bytes - 1) / c->half_bytes;
+  for (size_t k = 0; c->size > 1 && k < steps; k++) {
+    size_t at = k * c->half_bytes;
+    size_t len = bytes - at < c->half_bytes ? bytes - at : c->half_bytes;
+    if (me == root && len > 0) memcpy(smc_half(c, me), (const uint8_t*)sendbuf + at, len);
+    if (k == 0)
+      SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
+    else
+      SMC_CHECK(smc_sync(c, "broadcast"));
+    if (me != root && len > 0) memcpy((uint8_t*)recvbuf + at, smc_half(c, root), len);
+    smc_flip(c);
+  }
+  if (me == root && bytes > 0 && sendbuf != recvbuf) memmove(recvbuf, sendbuf, bytes);
+  return SMC_SUCCESS;
+}

@@ -1,0 +1,200 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Communicator life cycle: meet the other ranks of this host in a job segment, and leave it.
+ *
+ * Rank 0 creates the segment exclusively (mode 0600) under a name made from the job token, the others open it.
+ * Once every rank has attached, rank 0 removes the name: the memory lives on in the mappings, and nothing can be
+ * left behind in /dev/shm, whatever happens to the job afterwards. Only a crash during init can leave a name, and
+ * the launcher removes every name carrying its job token. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "coll/comm.h"
+#include "core/clock.h"
+#include "core/error.h"
+#include "shm/segment.h"
+
+static size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+static smc_result_t validate(const smc_config_t* cfg) {
+  if (cfg == NULL) return smc_set_error(SMC_ERR_INVALID, "init: config is NULL");
+  size_t len = cfg->token ? strlen(cfg->token) : 0;
+  if (len < 8 || len > 64) return smc_set_error(SMC_ERR_INVALID, "init: job token must have 8 to 64 characters");
+  for (size_t i = 0; i < len; i++) {
+    char ch = cfg->token[i];
+    if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_'))
+      return smc_set_error(SMC_ERR_INVALID, "init: job token may hold only letters, digits and '_'");
+  }
+  if (cfg->size < 1 || cfg->size > SMC_MAX_RANKS)
+    return smc_set_error(SMC_ERR_INVALID, "init: size %d is outside 1..%d", cfg->size, SMC_MAX_RANKS);
+  if (cfg->rank < 0 || cfg->rank >= cfg->size)
+    return smc_set_error(SMC_ERR_INVALID, "init: rank %d is outside 0..%d", cfg->rank, cfg->size - 1);
+  if (cfg->slot_bytes < (size_t)2 * SMC_CACHE_LINE * (size_t)cfg->size || cfg->slot_bytes < 2 * SMC_PAGE)
+    return smc_set_error(SMC_ERR_INVALID, "init: slot_bytes %zu is too small for %d ranks", cfg->slot_bytes,
+                         cfg->size);
+  if (!(cfg->timeout_s > 0) || !(cfg->start_timeout_s > 0) || !(cfg->liveness_s > 0))
+    return smc_set_error(SMC_ERR_INVALID, "init: timeouts must be positive");
+  return SMC_SUCCESS;
+}
+
+static smc_result_t init_shared_mutex(pthread_mutex_t* m, int recursive) {
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  if (recursive) pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_RECURSIVE);
+  int rc = pthread_mutex_init(m, &attr);
+  pthread_mutexattr_destroy(&attr);
+  if (rc != 0) return smc_set_error(SMC_ERR_SYSTEM, "pthread_mutex_init failed: %s", strerror(rc));
+  return SMC_SUCCESS;
+}
+
+/* Creator only: fill in the header before anyone may look at it. */
+static smc_result_t init_header(smc_comm_t* c, const smc_config_t* cfg, size_t ctl_off, size_t slots_off,
+                                size_t arena_off) {
+  smc_shm_header_t* h = c->hdr;
+  h->magic = SMC_MAGIC;
+  h->layout_version = SMC_LAYOUT_VERSION;
+  h->size = cfg->size;
+  h->total_bytes = c->total_bytes;
+  h->slot_bytes = cfg->slot_bytes;
+  h->ctl_offset = ctl_off;
+  h->slots_offset = slots_off;
+  h->arena_offset = arena_off;
+  h->arena_bytes = c->total_bytes - arena_off;
+  SMC_CHECK(init_shared_mutex(&h->registry_lock, 0));
+  for (int r = 0; r < cfg->size; r++) SMC_CHECK(init_shared_mutex(&c->ctl[r].alive, 0));
+  atomic_store(&h->ready, 1);
+  smc_futex_wake_all(&h->ready);
+  return SMC_SUCCESS;
+}
+
+static smc_result_t wait_ready(smc_comm_t* c, double timeout_s) {
+  double deadline = smc_now() + timeout_s;
+  while (atomic_load(&c->hdr->ready) == 0) {
+    if (smc_now() > deadline) return smc_set_error(SMC_ERR_TIMEOUT, "init: segment %s never became ready", c->name);
+    smc_futex_sleep(&c->hdr->ready, 0, 0.01);
+  }
+  if (c->hdr->magic != SMC_MAGIC || c->hdr->layout_version != SMC_LAYOUT_VERSION || c->hdr->size != c->size)
+    return smc_set_error(SMC_ERR_INVALID, "init: segment %s was made by another shmcomm version or job size (%d ranks)",
+                         c->name, (int)c->hdr->size);
+  return SMC_SUCCESS;
+}
+
+typedef struct {
+  smc_comm_t* comm;
+} attach_check_t;
+
+/* While waiting for the others to attach, fail fast if one that already attached has died. */
+static smc_result_t check_attached_peers(void* arg) {
+  smc_comm_t* c = ((attach_check_t*)arg)->comm;
+  for (int r = 0; r < c->size; r++)
+    if (r != c->rank && c->ctl[r].pid != 0) SMC_CHECK(smc_peer_check(c, r, "init"));
+  return SMC_SUCCESS;
+}
+
+static smc_result_t wait_all_attached(smc_comm_t* c, double timeout_s) {
+  attach_check_t arg = {c};
+  smc_wait_opts_t opts = {c->spin, timeout_s, c->liveness_s, check_attached_peers, &arg};
+  smc_result_t rc = smc_wait_reach(&c->hdr->attached, &c->hdr->attach_sleepers, (uint32_t)c->size, &opts);
+  if (rc != SMC_ERR_TIMEOUT) return rc;
+  char missing[256] = "";
+  size_t used = 0;
+  for (int r = 0; r < c->size && used < sizeof(missing) - 16; r++)
+    if (c->ctl[r].pid == 0) used += (size_t)snprintf(missing + used, sizeof(missing) - used, "%s%d", used ? ", " : "", r);
+  return smc_set_error(SMC_ERR_TIMEOUT, "init: only %u of %d ranks attached within %.1f s; missing ranks: %s",
+                       atomic_load(&c->hdr->attached), c->size, timeout_s, missing);
+}
+
+smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
+  smc_result_t res = SMC_SUCCESS;
+  SMC_CHECK(validate(cfg));
+  if (out == NULL) return smc_set_error(SMC_ERR_INVALID, "init: output pointer is NULL");
+  smc_comm_t* c = calloc(1, sizeof(*c));
+  if (c == NULL) return smc_set_error(SMC_ERR_NOMEM, "init: out of memory");
+  c->rank = cfg->rank;
+  c->size = cfg->size;
+  c->slot_bytes = round_up(cfg->slot_bytes, 2 * SMC_PAGE);
+  c->half_bytes = c->slot_bytes / 2;
+  c->small_bytes = cfg->small_bytes < c->half_bytes ? cfg->small_bytes : c->half_bytes;
+  c->timeout_s = cfg->timeout_s;
+  c->liveness_s = cfg->liveness_s;
+  c->spin = cfg->spin < 0 ? 0 : cfg->spin;
+  snprintf(c->name, sizeof(c->name), "/shmcomm-%s-%d", cfg->token, cfg->generation);
+
+  size_t ctl_off = round_up(sizeof(smc_shm_header_t), SMC_PAGE);
+  size_t slots_off = ctl_off + round_up(sizeof(smc_rank_ctl_t) * (size_t)c->size, SMC_PAGE);
+  size_t arena_off = slots_off + c->slot_bytes * (size_t)c->size;
+  c->total_bytes = arena_off + round_up(cfg->arena_bytes, SMC_PAGE);
+
+  void* base = NULL;
+  if (c->rank == 0)
+    SMC_CHECK_GOTO(smc_segment_create(c->name, c->total_bytes, &base), res, fail);
+  else
+    SMC_CHECK_GOTO(smc_segment_open(c->name, c->total_bytes, cfg->start_timeout_s, &base), res, fail);
+  c->base = base;
+  c->hdr = base;
+  c->ctl = (smc_rank_ctl_t*)(c->base + ctl_off);
+  c->slots = c->base + slots_off;
+  if (c->rank == 0)
+    SMC_CHECK_GOTO(init_header(c, cfg, ctl_off, slots_off, arena_off), res, fail_unmap);
+  else
+    SMC_CHECK_GOTO(wait_ready(c, cfg->start_timeout_s), res, fail_unmap);
+
+  smc_rank_ctl_t* me = &c->ctl[c->rank];
+  if (me->pid != 0) {
+    res = smc_set_error(SMC_ERR_INVALID, "init: rank %d is taken by pid %d: two processes were given the same rank",
+                        c->rank, (int)me->pid);
+    goto fail_unmap;
+  }
+  int lrc = pthread_mutex_lock(&me->alive);
+  if (lrc != 0) {
+    res = smc_set_error(SMC_ERR_SYSTEM, "init: taking the liveness lock failed: %s", strerror(lrc));
+    goto fail_unmap;
+  }
+  c->holds_alive = 1;
+  me->pid = (int32_t)getpid();
+  atomic_fetch_add(&c->hdr->refcount, 1);
+  atomic_fetch_add(&c->hdr->attached, 1);
+  smc_futex_wake_all(&c->hdr->attached);
+  SMC_CHECK_GOTO(wait_all_attached(c, cfg->start_timeout_s), res, fail_leave);
+  if (c->rank == 0) {
+    smc_segment_unlink(c->name);
+    atomic_store(&c->hdr->unlinked, 1);
+  }
+  *out = c;
+  return SMC_SUCCESS;
+
+fail_leave:
+  smc_comm_destroy(c);
+  return res;
+fail_unmap:
+  if (c->rank == 0) smc_segment_unlink(c->name);
+  smc_segment_unmap(c->base, c->total_bytes);
+fail:
+  free(c);
+  return res;
+}
+
+void smc_comm_destroy(smc_comm_t* c) {
+  if (c == NULL) return;
+  if (c->holds_alive) {
+    atomic_store(&c->ctl[c->rank].departed, 1);
+    pthread_mutex_unlock(&c->ctl[c->rank].alive);
+  }
+  if (atomic_fetch_sub(&c->hdr->refcount, 1) == 1 && !atomic_load(&c->hdr->unlinked)) smc_segment_unlink(c->name);
+  smc_segment_unmap(c->base, c->total_bytes);
+  free(c);
+}
+
+int smc_comm_rank(const smc_comm_t* c) { return c->rank; }
+int smc_comm_size(const smc_comm_t* c) { return c->size; }
+
+uint64_t smc_comm_failed_ranks(smc_comm_t* c) {
+  uint64_t mask = 0;
+  for (int r = 0; r < c->size && r < 64; r++)
+    if (r != c->rank && smc_peer_check(c, r, "status") == SMC_ERR_RANK_FAILED && !atomic_load(&c->ctl[r].departed))
+      mask |= 1ULL << r;
+  return mask;
+}

@@ -1,0 +1,67 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The communicator: everything a rank knows about its job segment. No state lives outside it. */
+#ifndef SMC_COLL_COMM_H_
+#define SMC_COLL_COMM_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "shm/layout.h"
+#include "shm/wait.h"
+#include "shmcomm.h"
+
+typedef enum {
+  SMC_COLL_BARRIER = 1,
+  SMC_COLL_ALLREDUCE,
+  SMC_COLL_REDUCESCATTER,
+  SMC_COLL_BROADCAST,
+  SMC_COLL_ALLGATHERV,
+  SMC_COLL_ALLTOALLV
+} smc_coll_kind_t;
+
+struct smc_comm {
+  int rank;
+  int size;
+  char name[128];          /* segment name, "/shmcomm-<token>-<generation>" */
+  uint8_t* base;           /* the mapping */
+  size_t total_bytes;
+  smc_shm_header_t* hdr;
+  smc_rank_ctl_t* ctl;     /* size entries */
+  uint8_t* slots;          /* size x slot_bytes */
+  size_t slot_bytes;
+  size_t half_bytes;       /* one staging half: a step writes one half while peers may still read the other */
+  size_t small_bytes;
+  uint32_t seq;            /* the last value this rank posted */
+  int parity;              /* the half the next step uses */
+  int holds_alive;         /* this rank holds ctl[rank].alive */
+  double timeout_s;
+  double liveness_s;
+  int spin;
+  smc_result_t broken;     /* non-success once a failure left the protocol state unknown */
+  char broken_msg[512];
+};
+
+/* The half of rank r's slot that the current step uses. */
+static inline uint8_t* smc_half(smc_comm_t* c, int r) {
+  return c->slots + (size_t)r * c->slot_bytes + (size_t)c->parity * c->half_bytes;
+}
+
+/* liveness.c: SMC_SUCCESS while rank r is attached and alive; otherwise SMC_ERR_RANK_FAILED with a text naming it. */
+smc_result_t smc_peer_check(smc_comm_t* c, int r, const char* what);
+
+/* step.c: the building blocks of every collective. A collective is a series of steps; in a step each rank writes
+ * into its current half (smc_half), all ranks synchronise (smc_sync; more than once if the step has phases), each
+ * reads what it needs from the others' halves, and the step ends with smc_flip. Alternating halves is what makes
+ * this safe without a trailing barrier: before a rank writes a half again, the sync of the step in between proved
+ * that every peer finished reading it.
+ * smc_coll_begin: the sync of a collective's first step. Publishes `desc` and compares every rank's: a difference
+ * fails the collective on every rank alike (SMC_ERR_MISMATCH, halves flipped) and leaves the communicator usable. */
+smc_result_t smc_coll_begin(smc_comm_t* c, smc_desc_t* desc, const char* what);
+smc_result_t smc_sync(smc_comm_t* c, const char* what);
+static inline void smc_flip(smc_comm_t* c) { c->parity ^= 1; }
+const smc_desc_t* smc_peer_desc(smc_comm_t* c, int r); /* valid between begin and the next step */
+/* Entry check of every public call: a broken communicator refuses work. */
+smc_result_t smc_comm_usable(smc_comm_t* c, const char* what);
+uint64_t smc_digest(const uint64_t* values, int n, uint64_t seed);
+
+#endif

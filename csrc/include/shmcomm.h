@@ -1,0 +1,141 @@
+/* SPDX-License-Identifier: Apache-2.0
+ *
+ * shmcomm.h: the one public C header of the shmcomm core. csrc/ffi_build.py feeds every line of it that is not
+ * a preprocessor directive to cffi's cdef, so it must stay C99 and free of macros in declarations.
+ *
+ * Conventions: every non-trivial function returns smc_result_t; on failure the calling thread's last-error text
+ * (smc_last_error) says what went wrong. `count` is in elements, `*_bytes` in bytes. In-place iff sendbuf == recvbuf.
+ */
+#ifndef SHMCOMM_H_
+#define SHMCOMM_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum {
+  SMC_SUCCESS = 0,
+  SMC_ERR_INVALID = 1,     /* bad argument from the caller */
+  SMC_ERR_SYSTEM = 2,      /* a system call failed */
+  SMC_ERR_TIMEOUT = 3,     /* a wait ran past its limit while every peer was alive */
+  SMC_ERR_RANK_FAILED = 4, /* a peer died or left; the communicator is unusable from now on */
+  SMC_ERR_MISMATCH = 5,    /* ranks called different collectives or disagreed on arguments; every rank gets it */
+  SMC_ERR_NOMEM = 6,       /* out of memory, or the box arena is full */
+  SMC_ERR_EXISTS = 7,      /* a box of that name exists already */
+  SMC_ERR_NOT_FOUND = 8,   /* no box of that name */
+  SMC_ERR_BROKEN = 9       /* an earlier failure left the communicator unusable */
+} smc_result_t;
+
+typedef enum {
+  SMC_FLOAT16 = 0,
+  SMC_BFLOAT16 = 1,
+  SMC_FLOAT32 = 2,
+  SMC_FLOAT64 = 3,
+  SMC_INT8 = 4,
+  SMC_UINT8 = 5,
+  SMC_INT16 = 6,
+  SMC_INT32 = 7,
+  SMC_INT64 = 8,
+  SMC_NUM_DTYPES = 9
+} smc_datatype_t;
+
+typedef enum {
+  SMC_SUM = 0,
+  SMC_MIN = 1,
+  SMC_MAX = 2,
+  SMC_PROD = 3,
+  SMC_NUM_OPS = 4
+} smc_redop_t;
+
+/* How a rank finds its peers and how it waits. Every rank of a job passes the same values except `rank`. */
+typedef struct {
+  const char* token;      /* job token: 8..64 characters of [A-Za-z0-9_]; names the shared segment */
+  int generation;         /* bumped on each init in one process, so init/shutdown/init meets a fresh segment */
+  int rank;               /* 0 .. size-1 */
+  int size;               /* ranks sharing this segment (the ranks of one host) */
+  double start_timeout_s; /* how long init waits for every rank to attach */
+  double timeout_s;       /* how long any collective wait may last while all peers are alive */
+  double liveness_s;      /* how often a sleeping waiter checks that the peers it waits for are alive */
+  size_t slot_bytes;      /* per-rank staging buffer, split in two halves used alternately */
+  size_t small_bytes;     /* allreduce up to this many bytes takes the one-step path */
+  size_t arena_bytes;     /* room for Soft Memory Boxes */
+  int spin;               /* polls before a waiter sleeps on a futex */
+} smc_config_t;
+
+typedef struct smc_comm smc_comm_t;
+typedef struct smc_box smc_box_t;
+
+/* ---- errors ---- */
+const char* smc_last_error(void);                /* this thread's text for its last failure */
+const char* smc_result_string(smc_result_t rc);  /* a short name for a code */
+
+/* ---- communicator (csrc/coll/comm.c) ---- */
+/* Creates or attaches the job segment, waits until all `size` ranks have attached, then removes the segment's name
+ * so nothing is left in /dev/shm whatever happens next. */
+smc_result_t smc_comm_create(const smc_config_t* config, smc_comm_t** comm);
+/* Leaves the job; never blocks on peers. Safe on NULL. */
+void smc_comm_destroy(smc_comm_t* comm);
+int smc_comm_rank(const smc_comm_t* comm);
+int smc_comm_size(const smc_comm_t* comm);
+/* Ranks whose process is gone, as a bit mask (bit r = rank r); for error reports and tests. */
+uint64_t smc_comm_failed_ranks(smc_comm_t* comm);
+
+/* ---- collectives (csrc/coll/); every rank calls them in the same order ----
+ * `tag` is any 64-bit value that must be equal on all ranks (a digest of shapes, say); a difference is a mismatch. */
+/* recvbuf = postscale * op(prescale * sendbuf of every rank) / divisor. divisor is 1, or the size for an average. */
+smc_result_t smc_allreduce(smc_comm_t* comm, const void* sendbuf, void* recvbuf, size_t count, smc_datatype_t dtype,
+                           smc_redop_t op, double prescale, double postscale, int64_t divisor, uint64_t tag);
+/* Rank r receives elements [sum(counts[0..r-1]), +counts[r]) of the reduction of every rank's sendbuf. */
+smc_result_t smc_reducescatter(smc_comm_t* comm, const void* sendbuf, void* recvbuf, const uint64_t* counts,
+                               smc_datatype_t dtype, smc_redop_t op, double prescale, double postscale,
+                               int64_t divisor, uint64_t tag);
+/* Root's sendbuf lands in every rank's recvbuf (the root's own too, unless they are the same buffer). */
+smc_result_t smc_broadcast(smc_comm_t* comm, const void* sendbuf, void* recvbuf, size_t bytes, int root,
+                           uint64_t tag);
+/* recvbuf = concatenation of every rank's sendbuf; recv_bytes[r] is rank r's contribution and must be the same
+ * array on every rank. */
+smc_result_t smc_allgatherv(smc_comm_t* comm, const void* sendbuf, size_t send_bytes, void* recvbuf,
+                            const uint64_t* recv_bytes, uint64_t tag);
+/* send_bytes[j] bytes of sendbuf (in order) go to rank j; recv_bytes[j] bytes from rank j land in recvbuf in rank
+ * order. recv_bytes[j] must equal rank j's send_bytes[me]. */
+smc_result_t smc_alltoallv(smc_comm_t* comm, const void* sendbuf, const uint64_t* send_bytes, void* recvbuf,
+                           const uint64_t* recv_bytes, uint64_t tag);
+smc_result_t smc_barrier(smc_comm_t* comm);
+
+/* ---- Soft Memory Box (csrc/shm/box.c): named typed buffers in the job arena ---- */
+/* Creates a box of `count` elements, zero-filled. exist_ok: attach instead when one of that name, dtype and count
+ * exists. */
+smc_result_t smc_box_create(smc_comm_t* comm, const char* name, size_t count, smc_datatype_t dtype, int exist_ok,
+                            smc_box_t** box);
+/* Attaches a box another rank creates, waiting up to timeout_s for it to appear. */
+smc_result_t smc_box_attach(smc_comm_t* comm, const char* name, double timeout_s, smc_box_t** box);
+/* Releases this handle; the box stays for others. */
+void smc_box_close(smc_box_t* box);
+/* Removes the box name; space is reused once no handle to it remains. */
+smc_result_t smc_box_destroy(smc_comm_t* comm, const char* name);
+void* smc_box_data(smc_box_t* box);
+size_t smc_box_count(smc_box_t* box);
+smc_datatype_t smc_box_dtype(smc_box_t* box);
+uint64_t smc_box_version(smc_box_t* box);
+/* Copies elements [offset, offset+count) out under the box lock; *version gets the version read. */
+smc_result_t smc_box_read(smc_box_t* box, size_t offset, size_t count, void* dst, uint64_t* version);
+/* Overwrites elements [offset, offset+count) and bumps the version. */
+smc_result_t smc_box_write(smc_box_t* box, size_t offset, size_t count, const void* src, uint64_t* version);
+/* dst = beta*dst + alpha*src over [offset, offset+count), atomic against every other writer; bumps the version. */
+smc_result_t smc_box_accumulate(smc_box_t* box, size_t offset, size_t count, const void* src, double alpha,
+                                double beta, uint64_t* version);
+/* The box lock is recursive for its holder: read/write/accumulate inside lock/unlock do not deadlock. */
+smc_result_t smc_box_lock(smc_box_t* box, double timeout_s);
+smc_result_t smc_box_unlock(smc_box_t* box);
+/* Waits until the version is at least min_version; *version gets the version seen. */
+smc_result_t smc_box_wait_version(smc_box_t* box, uint64_t min_version, double timeout_s, uint64_t* version);
+
+/* ---- kernels (csrc/reduce/), exposed for tests and benchmarks ---- */
+size_t smc_dtype_size(smc_datatype_t dtype);
+/* dst[i] = postscale * op_k(prescale * srcs[k][i]) / divisor, accumulated in float for 16-bit floats. dst may be
+ * one of the srcs. */
+smc_result_t smc_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_datatype_t dtype,
+                        smc_redop_t op, double prescale, double postscale, int64_t divisor);
+/* dst[i] = beta*dst[i] + alpha*src[i]; integers wrap on exact 1/1 sums and truncate otherwise. */
+smc_result_t smc_axpby(void* dst, const void* src, size_t count, smc_datatype_t dtype, double alpha, double beta);
+
+#endif

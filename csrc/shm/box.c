@@ -1,0 +1,255 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Soft Memory Box: named, typed buffers in the job arena that every rank of the host reads, writes and accumulates
+ * into. The registry (names, places, handle counts) sits in the segment header under one robust lock; each box has
+ * its own robust, recursive lock, so that an accumulate is atomic against every other writer and a user may hold the
+ * lock across several operations. A holder that dies releases the lock to the next taker (EOWNERDEAD), which
+ * marks it consistent and goes on: boxes are meant to outlive a lost worker. */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "coll/comm.h"
+#include "core/clock.h"
+#include "core/error.h"
+
+struct smc_box {
+  smc_comm_t* comm;
+  smc_box_entry_t* entry;
+  uint8_t* data;
+  size_t esize;
+  double timeout_s;
+};
+
+static smc_result_t lock_robust(pthread_mutex_t* m, double timeout_s, const char* what) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += (time_t)timeout_s;
+  ts.tv_nsec += (long)((timeout_s - (double)(time_t)timeout_s) * 1e9);
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec += 1;
+    ts.tv_nsec -= 1000000000L;
+  }
+  int rc;
+  do {
+    rc = pthread_mutex_timedlock(m, &ts);
+  } while (rc == EINTR);
+  if (rc == EOWNERDEAD) rc = pthread_mutex_consistent(m);
+  if (rc == 0) return SMC_SUCCESS;
+  if (rc == ETIMEDOUT) return smc_set_error(SMC_ERR_TIMEOUT, "%s: lock not obtained within %.1f s", what, timeout_s);
+  return smc_set_error(SMC_ERR_SYSTEM, "%s: lock failed: %s", what, strerror(rc));
+}
+
+static smc_box_entry_t* find_live(smc_shm_header_t* h, const char* name) {
+  for (int i = 0; i < SMC_MAX_BOXES; i++)
+    if (h->boxes[i].state == BOX_LIVE && strncmp(h->boxes[i].name, name, SMC_BOX_NAME_MAX) == 0) return &h->boxes[i];
+  return NULL;
+}
+
+/* A free entry whose old space fits, else a never-used entry with fresh space from the end of the arena. */
+static smc_result_t allocate(smc_comm_t* c, size_t bytes, smc_box_entry_t** out) {
+  smc_shm_header_t* h = c->hdr;
+  smc_box_entry_t* blank = NULL;
+  for (int i = 0; i < SMC_MAX_BOXES; i++) {
+    smc_box_entry_t* e = &h->boxes[i];
+    if (e->state != BOX_FREE) continue;
+    if (e->offset != 0 && e->capacity_bytes >= bytes) {
+      *out = e;
+      return SMC_SUCCESS;
+    }
+    if (e->offset == 0 && blank == NULL) blank = e;
+  }
+  size_t need = (bytes + SMC_CACHE_LINE - 1) / SMC_CACHE_LINE * SMC_CACHE_LINE;
+  if (need == 0) need = SMC_CACHE_LINE;
+  if (blank == NULL) return smc_set_error(SMC_ERR_NOMEM, "box: all %d box entries are in use", SMC_MAX_BOXES);
+  if (h->arena_used + need > h->arena_bytes)
+    return smc_set_error(SMC_ERR_NOMEM, "box: the arena is full (%llu of %llu bytes used, %zu more needed); raise "
+                         "SHMCOMM_SMB_BYTES", (unsigned long long)h->arena_used, (unsigned long long)h->arena_bytes, need);
+  blank->offset = h->arena_offset + h->arena_used;
+  blank->capacity_bytes = need;
+  h->arena_used += need;
+  *out = blank;
+  return SMC_SUCCESS;
+}
+
+static smc_result_t open_handle(smc_comm_t* c, smc_box_entry_t* e, smc_box_t** out) {
+  smc_box_t* b = calloc(1, sizeof(*b));
+  if (b == NULL) return smc_set_error(SMC_ERR_NOMEM, "box: out of memory");
+  b->comm = c;
+  b->entry = e;
+  b->data = c->base + e->offset;
+  b->esize = smc_dtype_size((smc_datatype_t)e->dtype);
+  b->timeout_s = c->timeout_s;
+  e->handles++;
+  *out = b;
+  return SMC_SUCCESS;
+}
+
+static smc_result_t check_name(const char* name) {
+  if (name == NULL || name[0] == '\0' || strlen(name) >= SMC_BOX_NAME_MAX)
+    return smc_set_error(SMC_ERR_INVALID, "box: a name must have 1 to %d characters", SMC_BOX_NAME_MAX - 1);
+  return SMC_SUCCESS;
+}
+
+smc_result_t smc_box_create(smc_comm_t* c, const char* name, size_t count, smc_datatype_t dtype, int exist_ok,
+                            smc_box_t** box) {
+  SMC_CHECK(smc_comm_usable(c, "box create"));
+  SMC_CHECK(check_name(name));
+  if ((unsigned)dtype >= SMC_NUM_DTYPES) return smc_set_error(SMC_ERR_INVALID, "box: unknown dtype %d", dtype);
+  if (count > SIZE_MAX / 16) return smc_set_error(SMC_ERR_INVALID, "box: count %zu is too large", count);
+  SMC_CHECK(lock_robust(&c->hdr->registry_lock, c->timeout_s, "box registry"));
+  smc_result_t rc = SMC_SUCCESS;
+  smc_box_entry_t* e = find_live(c->hdr, name);
+  if (e != NULL) {
+    if (!exist_ok)
+      rc = smc_set_error(SMC_ERR_EXISTS, "box '%s' exists already", name);
+    else if (e->count != count || e->dtype != (uint32_t)dtype)
+      rc = smc_set_error(SMC_ERR_EXISTS, "box '%s' exists with %llu elements of dtype %u, not %zu of dtype %d", name,
+                         (unsigned long long)e->count, e->dtype, count, (int)dtype);
+    else
+      rc = open_handle(c, e, box);
+    goto out;
+  }
+  size_t bytes = count * smc_dtype_size(dtype);
+  SMC_CHECK_GOTO(allocate(c, bytes, &e), rc, out);
+  SMC_CHECK_GOTO(open_handle(c, e, box), rc, out);
+  memset(c->base + e->offset, 0, bytes);
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_RECURSIVE);
+  pthread_mutex_init(&e->lock, &attr);
+  pthread_mutexattr_destroy(&attr);
+  strncpy(e->name, name, SMC_BOX_NAME_MAX - 1);
+  e->name[SMC_BOX_NAME_MAX - 1] = '\0';
+  e->dtype = (uint32_t)dtype;
+  e->count = count;
+  atomic_store(&e->version, 0);
+  atomic_store(&e->version_word, 0);
+  e->handles = 1;
+  e->state = BOX_LIVE;
+out:
+  pthread_mutex_unlock(&c->hdr->registry_lock);
+  return rc;
+}
+
+smc_result_t smc_box_attach(smc_comm_t* c, const char* name, double timeout_s, smc_box_t** box) {
+  SMC_CHECK(smc_comm_usable(c, "box attach"));
+  SMC_CHECK(check_name(name));
+  double deadline = smc_now() + timeout_s, pause = 0.0005;
+  for (;;) {
+    SMC_CHECK(lock_robust(&c->hdr->registry_lock, c->timeout_s, "box registry"));
+    smc_box_entry_t* e = find_live(c->hdr, name);
+    smc_result_t rc = e != NULL ? open_handle(c, e, box) : SMC_ERR_NOT_FOUND;
+    pthread_mutex_unlock(&c->hdr->registry_lock);
+    if (rc != SMC_ERR_NOT_FOUND) return rc;
+    if (smc_now() >= deadline)
+      return smc_set_error(SMC_ERR_NOT_FOUND, "box '%s' does not exist (waited %.1f s)", name, timeout_s);
+    smc_sleep(pause);
+    if (pause < 0.02) pause *= 2;
+  }
+}
+
+void smc_box_close(smc_box_t* b) {
+  if (b == NULL) return;
+  smc_shm_header_t* h = b->comm->hdr;
+  if (lock_robust(&h->registry_lock, b->timeout_s, "box close") == SMC_SUCCESS) {
+    if (--b->entry->handles == 0 && b->entry->state == BOX_DOOMED) b->entry->state = BOX_FREE;
+    pthread_mutex_unlock(&h->registry_lock);
+  }
+  free(b);
+}
+
+smc_result_t smc_box_destroy(smc_comm_t* c, const char* name) {
+  SMC_CHECK(smc_comm_usable(c, "box destroy"));
+  SMC_CHECK(check_name(name));
+  SMC_CHECK(lock_robust(&c->hdr->registry_lock, c->timeout_s, "box registry"));
+  smc_box_entry_t* e = find_live(c->hdr, name);
+  if (e != NULL) e->state = e->handles == 0 ? BOX_FREE : BOX_DOOMED;
+  pthread_mutex_unlock(&c->hdr->registry_lock);
+  return e != NULL ? SMC_SUCCESS : smc_set_error(SMC_ERR_NOT_FOUND, "box '%s' does not exist", name);
+}
+
+void* smc_box_data(smc_box_t* b) { return b->data; }
+size_t smc_box_count(smc_box_t* b) { return (size_t)b->entry->count; }
+smc_datatype_t smc_box_dtype(smc_box_t* b) { return (smc_datatype_t)b->entry->dtype; }
+uint64_t smc_box_version(smc_box_t* b) { return atomic_load(&b->entry->version); }
+
+static smc_result_t check_range(smc_box_t* b, size_t offset, size_t count, const void* buf, const char* what) {
+  if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "%s: box is NULL", what);
+  if (offset > b->entry->count || count > b->entry->count - offset)
+    return smc_set_error(SMC_ERR_INVALID, "%s: elements [%zu, %zu) are outside box '%s' of %llu elements", what, offset,
+                         offset + count, b->entry->name, (unsigned long long)b->entry->count);
+  if (count > 0 && buf == NULL) return smc_set_error(SMC_ERR_INVALID, "%s: NULL buffer", what);
+  return SMC_SUCCESS;
+}
+
+smc_result_t smc_box_lock(smc_box_t* b, double timeout_s) {
+  if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box lock: box is NULL");
+  return lock_robust(&b->entry->lock, timeout_s, b->entry->name);
+}
+
+smc_result_t smc_box_unlock(smc_box_t* b) {
+  if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box unlock: box is NULL");
+  int rc = pthread_mutex_unlock(&b->entry->lock);
+  if (rc == EPERM) return smc_set_error(SMC_ERR_INVALID, "box '%s': unlock without holding the lock", b->entry->name);
+  return rc == 0 ? SMC_SUCCESS : smc_set_error(SMC_ERR_SYSTEM, "box unlock failed: %s", strerror(rc));
+}
+
+/* Called with the box lock held: publish the new version and wake version waiters. */
+static uint64_t bump_version(smc_box_entry_t* e) {
+  uint64_t v = atomic_fetch_add(&e->version, 1) + 1;
+  smc_post(&e->version_word, &e->sleepers, (uint32_t)v);
+  return v;
+}
+
+smc_result_t smc_box_read(smc_box_t* b, size_t offset, size_t count, void* dst, uint64_t* version) {
+  SMC_CHECK(check_range(b, offset, count, dst, "box read"));
+  SMC_CHECK(smc_box_lock(b, b->timeout_s));
+  memcpy(dst, b->data + offset * b->esize, count * b->esize);
+  if (version != NULL) *version = atomic_load(&b->entry->version);
+  pthread_mutex_unlock(&b->entry->lock);
+  return SMC_SUCCESS;
+}
+
+smc_result_t smc_box_write(smc_box_t* b, size_t offset, size_t count, const void* src, uint64_t* version) {
+  SMC_CHECK(check_range(b, offset, count, src, "box write"));
+  SMC_CHECK(smc_box_lock(b, b->timeout_s));
+  memmove(b->data + offset * b->esize, src, count * b->esize);
+  uint64_t v = bump_version(b->entry);
+  pthread_mutex_unlock(&b->entry->lock);
+  if (version != NULL) *version = v;
+  return SMC_SUCCESS;
+}
+
+smc_result_t smc_box_accumulate(smc_box_t* b, size_t offset, size_t count, const void* src, double alpha,
+                                double beta, uint64_t* version) {
+  SMC_CHECK(check_range(b, offset, count, src, "box accumulate"));
+  SMC_CHECK(smc_box_lock(b, b->timeout_s));
+  smc_result_t rc = smc_axpby(b->data + offset * b->esize, src, count, (smc_datatype_t)b->entry->dtype, alpha, beta);
+  uint64_t v = rc == SMC_SUCCESS ? bump_version(b->entry) : 0;
+  pthread_mutex_unlock(&b->entry->lock);
+  if (version != NULL) *version = v;
+  return rc;
+}
+
+smc_result_t smc_box_wait_version(smc_box_t* b, uint64_t min_version, double timeout_s, uint64_t* version) {
+  if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box wait: box is NULL");
+  smc_box_entry_t* e = b->entry;
+  double deadline = smc_now() + timeout_s;
+  for (;;) {
+    atomic_fetch_add(&e->sleepers, 1);
+    uint32_t word = atomic_load(&e->version_word);
+    uint64_t v = atomic_load(&e->version);
+    if (v >= min_version) {
+      atomic_fetch_sub(&e->sleepers, 1);
+      if (version != NULL) *version = v;
+      return SMC_SUCCESS;
+    }
+    double left = deadline - smc_now();
+    if (left > 0) smc_futex_sleep(&e->version_word, word, left < 0.1 ? left : 0.1);
+    atomic_fetch_sub(&e->sleepers, 1);
+    if (left <= 0)
+      return smc_set_error(SMC_ERR_TIMEOUT, "box '%s': version %llu not reached within %.1f s (at %llu)", e->name,
+                           (unsigned long long)min_version, timeout_s, (unsigned long long)v);
+  }
+}

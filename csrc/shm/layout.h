@@ -1,0 +1,88 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The layout of a job segment. Every rank maps the same bytes, so these structs are the wire format between the
+ * processes of one host: change them only together with SMC_LAYOUT_VERSION.
+ *
+ *   [header + box registry][rank control blocks][staging slots: size x slot_bytes][box arena]
+ *
+ * Words that one rank writes and others poll sit alone on their cache line, so a poller never steals the line a
+ * writer is filling. */
+#ifndef SMC_SHM_LAYOUT_H_
+#define SMC_SHM_LAYOUT_H_
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define SMC_CACHE_LINE 64
+#define SMC_PAGE 4096
+#define SMC_MAGIC 0x31474553434d53ULL /* "SMCSEG1" */
+#define SMC_LAYOUT_VERSION 1
+#define SMC_MAX_RANKS 1024
+#define SMC_MAX_BOXES 256
+#define SMC_BOX_NAME_MAX 64
+
+enum { BOX_FREE = 0, BOX_LIVE = 1, BOX_DOOMED = 2 /* destroyed, space held until the last handle closes */ };
+
+typedef struct {
+  char name[SMC_BOX_NAME_MAX]; /* NUL-terminated */
+  uint32_t state;              /* BOX_* ; guarded by the registry lock, like every field up to `handles` */
+  uint32_t dtype;              /* smc_datatype_t */
+  uint64_t count;              /* elements */
+  uint64_t offset;             /* data position from the segment start; 0 = never allocated */
+  uint64_t capacity_bytes;     /* space owned by this entry, kept when freed so it can be reused */
+  uint32_t handles;            /* open handles across all ranks */
+  _Atomic uint32_t sleepers;   /* waiters on version_word */
+  _Atomic uint64_t version;    /* bumped on every write and accumulate */
+  _Atomic uint32_t version_word; /* low 32 bits of version: the futex word waiters sleep on */
+  pthread_mutex_t lock;        /* pshared, robust, recursive: the box lock */
+} __attribute__((aligned(SMC_CACHE_LINE))) smc_box_entry_t;
+
+/* What a rank is about to do, published at the first step of every collective and compared by every rank. */
+typedef struct {
+  double prescale;
+  double postscale;
+  uint64_t count; /* elements, or bytes for byte-oriented collectives */
+  uint64_t tag;   /* caller's digest (shapes) mixed with a digest of per-rank count arrays */
+  int64_t divisor;
+  uint64_t own;  /* a per-rank value that is not compared (what this rank contributes to an allgatherv) */
+  uint32_t coll; /* smc_coll_kind_t */
+  uint32_t dtype;
+  uint32_t op;
+  int32_t root;
+} smc_desc_t;
+
+typedef struct {
+  /* Line 1, written by the owner on every step, polled by everyone: the owner's progress counter. */
+  _Atomic uint32_t seq __attribute__((aligned(SMC_CACHE_LINE)));
+  _Atomic uint32_t sleepers; /* peers asleep on seq; the owner wakes them only when non-zero */
+  /* Line 2, liveness: the owner holds `alive` while attached; the kernel releases it as "owner died" if the
+   * process dies, which peers observe with a trylock. */
+  int32_t pid __attribute__((aligned(SMC_CACHE_LINE)));
+  _Atomic uint32_t dead;     /* set by the first peer that saw the owner die */
+  _Atomic uint32_t departed; /* set by the owner on a clean shutdown */
+  pthread_mutex_t alive;
+  /* Line 3+: the descriptor of the collective in flight, one per staging half. */
+  smc_desc_t desc[2] __attribute__((aligned(SMC_CACHE_LINE)));
+} smc_rank_ctl_t;
+
+typedef struct {
+  uint64_t magic;
+  uint32_t layout_version;
+  int32_t size;
+  uint64_t total_bytes;
+  uint64_t slot_bytes;
+  uint64_t ctl_offset;
+  uint64_t slots_offset;
+  uint64_t arena_offset;
+  uint64_t arena_bytes;
+  _Atomic uint32_t ready __attribute__((aligned(SMC_CACHE_LINE))); /* creator sets 1 when the header is valid */
+  _Atomic uint32_t attached;                                       /* ranks attached so far (futex word) */
+  _Atomic uint32_t attach_sleepers;
+  _Atomic uint32_t refcount; /* mappings alive; the last to leave unlinks the name if nobody did */
+  _Atomic uint32_t unlinked;
+  pthread_mutex_t registry_lock __attribute__((aligned(SMC_CACHE_LINE))); /* pshared, robust: box registry */
+  uint64_t arena_used;
+  smc_box_entry_t boxes[SMC_MAX_BOXES];
+} smc_shm_header_t;
+
+#endif

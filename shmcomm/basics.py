@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""init/shutdown and the questions about where this process sits in the job.
+
+The process holds at most one communicator at a time. `generation` counts inits so that init/shutdown/init in one
+process (all ranks doing the same) meets a fresh segment."""
+import atexit
+import threading
+
+from shmcomm import env
+from shmcomm._native import check, ffi, lib
+from shmcomm.exceptions import NotInitializedError, ShmCommError
+
+_NOT_INITIALIZED = "shmcomm has not been initialized; use shmcomm.init()."
+
+
+class Communicator:
+    """A live communicator over the ranks of this host."""
+
+    def __init__(self, topo, tuning, generation):
+        self.topology = topo
+        self.tuning = tuning
+        self._token = ffi.new("char[]", topo.token.encode())
+        cfg = ffi.new("smc_config_t *")
+        cfg.token = self._token
+        cfg.generation = generation
+        cfg.rank = topo.local_rank
+        cfg.size = topo.local_size
+        cfg.start_timeout_s = tuning.start_timeout_s
+        cfg.timeout_s = tuning.timeout_s
+        cfg.liveness_s = tuning.liveness_s
+        cfg.slot_bytes = tuning.slot_bytes
+        cfg.small_bytes = tuning.small_bytes
+        cfg.arena_bytes = tuning.arena_bytes
+        cfg.spin = tuning.spin
+        out = ffi.new("smc_comm_t **")
+        check(lib.smc_comm_create(cfg, out))
+        self.handle = out[0]
+
+    def close(self):
+        if self.handle is not None:
+            lib.smc_comm_destroy(self.handle)
+            self.handle = None
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.comm = None
+        self.generation = 0
+
+
+_state = _State()
+
+
+def init():
+    """Joins the job described by the launcher's environment (a world of one without it). Idempotent."""
+    with _state.lock:
+        if _state.comm is not None:
+            return
+        topo = env.topology()
+        if topo.cross_size > 1 or topo.local_size != topo.size:
+            raise ShmCommError(
+                "this job spans %d hosts; this version of shmcomm runs the ranks of one host only" % topo.cross_size)
+        comm = Communicator(topo, env.tuning(topo.local_size), _state.generation)
+        _state.generation += 1
+        _state.comm = comm
+
+
+def shutdown():
+    """Leaves the job. Never blocks on other ranks; init() may be called again afterwards."""
+    with _state.lock:
+        comm, _state.comm = _state.comm, None
+    if comm is not None:
+        comm.close()
+
+
+atexit.register(shutdown)
+
+
+def is_initialized():
+    return _state.comm is not None
+
+
+def communicator():
+    comm = _state.comm
+    if comm is None:
+        raise NotInitializedError(_NOT_INITIALIZED)
+    return comm
+
+
+def rank():
+    return communicator().topology.rank
+
+
+def size():
+    return communicator().topology.size
+
+
+def local_rank():
+    return communicator().topology.local_rank
+
+
+def local_size():
+    return communicator().topology.local_size
+
+
+def cross_rank():
+    return communicator().topology.cross_rank
+
+
+def cross_size():
+    return communicator().topology.cross_size

@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Turns numpy arrays and torch CPU tensors into what the C core takes: a pointer, a count and a type code.
+
+The checks here are the ones Horovod users know (contiguous, supported dtype, right device); they run before any
+rank touches shared memory."""
+import sys
+import zlib
+
+import numpy as np
+
+from shmcomm import dtypes
+from shmcomm._native import ffi
+from shmcomm.exceptions import InvalidArgumentError
+
+
+class Buffer:
+    """A borrowed view of an array. Holds a reference to the array so its memory outlives the call."""
+
+    __slots__ = ("array", "ptr", "count", "code", "itemsize", "shape", "is_torch")
+
+    def __init__(self, array, ptr, count, code, itemsize, shape, is_torch):
+        self.array = array
+        self.ptr = ptr
+        self.count = count
+        self.code = code          # core dtype code, or None for types that can be moved but not reduced
+        self.itemsize = itemsize
+        self.shape = shape
+        self.is_torch = is_torch
+
+    @property
+    def nbytes(self):
+        return self.count * self.itemsize
+
+    def dtype_key(self):
+        """An integer that is equal across ranks exactly when the element types are equal."""
+        if self.code is not None:
+            return self.code
+        return 1000 + zlib.crc32(self.type_name().encode())  # str hashes differ between processes; crc32 does not
+
+    def type_name(self):
+        return dtypes.NAMES.get(self.code) or str(self.array.dtype).replace("torch.", "")
+
+
+def _is_torch(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def wrap(x, what, writable=False):
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise InvalidArgumentError("%s: tensor is required to be contiguous" % what)
+        if writable and not x.flags.writeable:
+            raise InvalidArgumentError("%s: the output array is read-only" % what)
+        ptr = ffi.cast("void *", x.ctypes.data) if x.dtype.fields is None else None
+        if ptr is None:
+            raise InvalidArgumentError("%s: structured dtype %s is not supported" % (what, x.dtype))
+        return Buffer(x, ptr, x.size, dtypes.numpy_code(x.dtype), x.dtype.itemsize, x.shape, False)
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise InvalidArgumentError(
+                "%s: tensor is on %s; this build moves CPU tensors only (move it with .cpu())" % (what, x.device))
+        if not x.is_contiguous():
+            raise InvalidArgumentError("%s: tensor is required to be contiguous" % what)
+        if x.is_sparse or x.is_quantized:
+            raise InvalidArgumentError("%s: sparse and quantized tensors are not supported" % what)
+        return Buffer(x, ffi.cast("void *", x.data_ptr()), x.numel(), dtypes.torch_codes().get(x.dtype),
+                      x.element_size(), tuple(x.shape), True)
+    raise InvalidArgumentError("%s: expected a numpy array or a torch tensor, got %s" % (what, type(x).__name__))
+
+
+def require_reducible(buf, what):
+    if buf.code is None:
+        raise InvalidArgumentError(
+            "%s: tensor type %s is not supported for reductions (supported: %s)"
+            % (what, buf.type_name(), ", ".join(sorted(dtypes.NAMES.values()))))
+
+
+def empty_like(buf, shape):
+    """A new array of the same kind and dtype as `buf`, with the given shape."""
+    if buf.is_torch:
+        import torch
+
+        return torch.empty(shape, dtype=buf.array.dtype)
+    return np.empty(shape, dtype=buf.array.dtype)

@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which array element types the core reduces, and how numpy and torch spell them."""
+import numpy as np
+
+from shmcomm._native import lib
+
+_NUMPY = {
+    np.dtype(np.float16): lib.SMC_FLOAT16,
+    np.dtype(np.float32): lib.SMC_FLOAT32,
+    np.dtype(np.float64): lib.SMC_FLOAT64,
+    np.dtype(np.int8): lib.SMC_INT8,
+    np.dtype(np.uint8): lib.SMC_UINT8,
+    np.dtype(np.int16): lib.SMC_INT16,
+    np.dtype(np.int32): lib.SMC_INT32,
+    np.dtype(np.int64): lib.SMC_INT64,
+}
+try:  # numpy has no bfloat16 of its own; ml_dtypes (shipped with jax) provides one
+    import ml_dtypes
+
+    _NUMPY[np.dtype(ml_dtypes.bfloat16)] = lib.SMC_BFLOAT16
+except ImportError:
+    pass
+
+NAMES = {
+    lib.SMC_FLOAT16: "float16", lib.SMC_BFLOAT16: "bfloat16", lib.SMC_FLOAT32: "float32", lib.SMC_FLOAT64: "float64",
+    lib.SMC_INT8: "int8", lib.SMC_UINT8: "uint8", lib.SMC_INT16: "int16", lib.SMC_INT32: "int32",
+    lib.SMC_INT64: "int64",
+}
+INTEGER = {lib.SMC_INT8, lib.SMC_UINT8, lib.SMC_INT16, lib.SMC_INT32, lib.SMC_INT64}
+
+_torch_map = None
+
+
+def torch_codes():
+    """torch dtype -> core code, built on first use so that importing shmcomm never imports torch."""
+    global _torch_map
+    if _torch_map is None:
+        import torch
+
+        _torch_map = {
+            torch.float16: lib.SMC_FLOAT16, torch.bfloat16: lib.SMC_BFLOAT16, torch.float32: lib.SMC_FLOAT32,
+            torch.float64: lib.SMC_FLOAT64, torch.int8: lib.SMC_INT8, torch.uint8: lib.SMC_UINT8,
+            torch.int16: lib.SMC_INT16, torch.int32: lib.SMC_INT32, torch.int64: lib.SMC_INT64,
+        }
+    return _torch_map
+
+
+def numpy_code(dtype):
+    return _NUMPY.get(dtype)
+
+
+def numpy_dtype(code):
+    for dt, c in _NUMPY.items():
+        if c == code:
+            return dt
+    raise ValueError("no numpy dtype for %s" % NAMES.get(code, code))

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The exceptions shmcomm raises. Each also derives from the builtin a caller would naturally catch."""
+import builtins
+
+
+class ShmCommError(RuntimeError):
+    """Base of every shmcomm error."""
+
+
+class NotInitializedError(ShmCommError, builtins.ValueError):
+    """A call that needs ``init()`` came before it (Horovod raises ValueError here)."""
+
+
+class InvalidArgumentError(ShmCommError, builtins.ValueError):
+    """Bad input: wrong dtype, device, layout, root, splits..."""
+
+
+class MismatchError(ShmCommError, builtins.ValueError):
+    """Ranks called different collectives or disagreed on their arguments. Raised on every rank; the job goes on."""
+
+
+class TimeoutError(ShmCommError, builtins.TimeoutError):
+    """A wait ran past its limit while every peer was alive."""
+
+
+class RankFailure(ShmCommError):
+    """A peer died or left. ``rank`` names it (None when unknown); the communicator is unusable afterwards."""
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.rank))
+
+
+class BrokenCommunicatorError(ShmCommError):
+    """An earlier failure left the communicator unusable; shut down and init again."""
+
+
+class SystemError(ShmCommError, OSError):
+    """An operating-system call failed (shared memory, mapping, locks)."""
+
+
+class OutOfMemoryError(ShmCommError, MemoryError):
+    """Out of memory, or the Soft Memory Box arena is full."""
+
+
+class BoxExistsError(ShmCommError, FileExistsError):
+    """A Soft Memory Box of that name exists already."""
+
+
+class BoxNotFoundError(ShmCommError, KeyError):
+    """No Soft Memory Box of that name."""
+
+    def __str__(self):  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

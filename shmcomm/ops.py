@@ -1,0 +1,44 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Reduction operations, numbered as Horovod numbers them so scripts that pass the ints keep working."""
+import enum
+
+from shmcomm._native import lib
+
+
+class ReduceOp(enum.IntEnum):
+    Average = 0
+    Sum = 1
+    Adasum = 2
+    Min = 3
+    Max = 4
+    Product = 5
+
+
+Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum, ReduceOp.Min,
+                                           ReduceOp.Max, ReduceOp.Product)
+
+# What the C core computes for each op; Average is a sum divided by the number of ranks.
+C_OP = {
+    ReduceOp.Average: lib.SMC_SUM,
+    ReduceOp.Sum: lib.SMC_SUM,
+    ReduceOp.Min: lib.SMC_MIN,
+    ReduceOp.Max: lib.SMC_MAX,
+    ReduceOp.Product: lib.SMC_PROD,
+}
+
+
+def resolve(op, average=None):
+    """Horovod's rules: `average=` (deprecated) still works, None means Average, and ints are accepted."""
+    if average is not None:
+        if op is not None:
+            raise ValueError("op and average cannot both be given; average is deprecated, use op=")
+        return ReduceOp.Average if average else ReduceOp.Sum
+    if op is None:
+        return ReduceOp.Average
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError("unknown reduction op %r" % (op,)) from None
+    if op == ReduceOp.Adasum:
+        raise NotImplementedError("Adasum is not supported by shmcomm")
+    return op

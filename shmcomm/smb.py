@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Soft Memory Box: named, typed shared buffers that every rank of the host reads, writes and accumulates into.
+
+    box = shmcomm.SoftMemoryBox("weights", shape=(1024,), dtype=np.float32)   # create, or attach if it exists
+    box.accumulate(delta, alpha=-0.1)          # atomic: w = w - 0.1 * delta, never a lost update
+    box.wait_version(v + 1, timeout=5)         # sleep until someone else has written
+    with box.locked(): ...                     # several operations as one
+
+Boxes live in the job's arena for as long as the job; destroy() gives the name and, once every handle is closed,
+the space back."""
+import contextlib
+
+import numpy as np
+
+from shmcomm import basics, dtypes
+from shmcomm._native import check, ffi, lib
+from shmcomm.buffers import wrap
+from shmcomm.exceptions import InvalidArgumentError
+
+
+def _count(shape):
+    return int(np.prod(shape, dtype=np.int64))
+
+
+class SoftMemoryBox:
+    def __init__(self, name, shape=None, dtype=np.float32, create=None, timeout=None):
+        """With `shape`: create the box, or attach to an existing one of the same shape and dtype (create=True
+        insists on creating). Without: attach to a box another rank creates, waiting up to `timeout` seconds."""
+        comm = basics.communicator()
+        self._comm = comm
+        self.name = name
+        out = ffi.new("smc_box_t **")
+        encoded = name.encode()
+        if shape is not None:
+            shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+            if any(s < 0 for s in shape):
+                raise InvalidArgumentError("box '%s': negative dimension in shape %s" % (name, shape))
+            code = dtypes.numpy_code(np.dtype(dtype))
+            if code is None:
+                raise InvalidArgumentError("box '%s': dtype %s is not supported" % (name, np.dtype(dtype)))
+            check(lib.smc_box_create(comm.handle, encoded, _count(shape), code, 0 if create else 1, out))
+        else:
+            wait = comm.tuning.start_timeout_s if timeout is None else float(timeout)
+            check(lib.smc_box_attach(comm.handle, encoded, wait, out))
+            shape = (int(lib.smc_box_count(out[0])),)
+        self._box = out[0]
+        self.shape = shape
+        self.dtype = dtypes.numpy_dtype(lib.smc_box_dtype(self._box))
+        self.count = int(lib.smc_box_count(self._box))
+        self._timeout = comm.tuning.timeout_s
+
+    def _handle(self):
+        if self._box is None:
+            raise InvalidArgumentError("box '%s' is closed" % self.name)
+        if self._comm.handle is None:
+            raise InvalidArgumentError("box '%s': shmcomm was shut down" % self.name)
+        return self._box
+
+    def _source(self, data, offset, what):
+        arr = np.ascontiguousarray(data, dtype=self.dtype) if not hasattr(data, "data_ptr") else data
+        buf = wrap(arr, "box '%s' %s" % (self.name, what))
+        if buf.itemsize != self.dtype.itemsize or (buf.code is not None and buf.code != lib.smc_box_dtype(self._box)):
+            raise InvalidArgumentError("box '%s' %s: got %s, the box holds %s" % (self.name, what, buf.type_name(),
+                                                                                self.dtype))
+        return buf
+
+    @property
+    def version(self):
+        """How many writes and accumulates the box has seen."""
+        return int(lib.smc_box_version(self._handle()))
+
+    def view(self):
+        """A numpy array over the shared memory itself: no copy, no lock. Use it for reading a quiet box, or under
+        `locked()`."""
+        box = self._handle()
+        nbytes = self.count * self.dtype.itemsize
+        raw = ffi.buffer(lib.smc_box_data(box), nbytes)
+        return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape)
+
+    def read(self, out=None, offset=0, count=None):
+        """A consistent copy of elements [offset, offset+count) (all by default), taken under the box lock."""
+        box = self._handle()
+        count = self.count - offset if count is None else count
+        if out is None:
+            out = np.empty(self.shape if (offset, count) == (0, self.count) else (count,), dtype=self.dtype)
+        buf = wrap(out, "box '%s' read" % self.name, writable=True)
+        if buf.count < count:
+            raise InvalidArgumentError("box '%s' read: out holds %d elements, %d requested" % (self.name, buf.count,
+                                                                                              count))
+        check(lib.smc_box_read(box, offset, count, buf.ptr, ffi.NULL))
+        return out
+
+    def write(self, data, offset=0):
+        """Overwrites elements from `offset` with `data`; returns the new version."""
+        box = self._handle()
+        buf = self._source(data, offset, "write")
+        version = ffi.new("uint64_t *")
+        check(lib.smc_box_write(box, offset, buf.count, buf.ptr, version))
+        return int(version[0])
+
+    def accumulate(self, data, alpha=1.0, beta=1.0, offset=0):
+        """box = beta * box + alpha * data, atomically against every other writer; returns the new version."""
+        box = self._handle()
+        buf = self._source(data, offset, "accumulate")
+        version = ffi.new("uint64_t *")
+        check(lib.smc_box_accumulate(box, offset, buf.count, buf.ptr, float(alpha), float(beta), version))
+        return int(version[0])
+
+    def lock(self, timeout=None):
+        check(lib.smc_box_lock(self._handle(), self._timeout if timeout is None else float(timeout)))
+
+    def unlock(self):
+        check(lib.smc_box_unlock(self._handle()))
+
+    @contextlib.contextmanager
+    def locked(self, timeout=None):
+        self.lock(timeout)
+        try:
+            yield self
+        finally:
+            self.unlock()
+
+    def wait_version(self, version, timeout=None):
+        """Sleeps until the version reaches `version`; returns the version seen."""
+        seen = ffi.new("uint64_t *")
+        check(lib.smc_box_wait_version(self._handle(), int(version), self._timeout if timeout is None else
+                                       float(timeout), seen))
+        return int(seen[0])
+
+    def close(self):
+        if self._box is not None:
+            if self._comm.handle is not None:
+                lib.smc_box_close(self._box)
+            self._box = None
+
+    def destroy(self):
+        """Removes the name; the space is reused once every rank has closed its handle."""
+        comm = self._comm
+        self.close()
+        check(lib.smc_box_destroy(comm.handle, self.name.encode()))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def __repr__(self):
+        return "SoftMemoryBox(%r, shape=%s, dtype=%s)" % (self.name, self.shape, self.dtype)
