@@ -19,8 +19,8 @@ _EXPORTS = {
     "shmcomm.smb": ["SoftMemoryBox"],
     "shmcomm.ops": ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product"],
     "shmcomm.exceptions": ["ShmCommError", "NotInitializedError", "InvalidArgumentError", "MismatchError",
-                           "TimeoutError", "RankFailure", "BrokenCommunicatorError", "BoxExistsError",
-                           "BoxNotFoundError"],
+                           "TimeoutError", "RankFailure", "BrokenCommunicatorError", "OutOfMemoryError",
+                           "BoxExistsError", "BoxNotFoundError"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

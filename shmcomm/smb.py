@@ -57,11 +57,19 @@ class SoftMemoryBox:
         return self._box
 
     def _source(self, data, offset, what):
-        arr = np.ascontiguousarray(data, dtype=self.dtype) if not hasattr(data, "data_ptr") else data
-        buf = wrap(arr, "box '%s' %s" % (self.name, what))
-        if buf.itemsize != self.dtype.itemsize or (buf.code is not None and buf.code != lib.smc_box_dtype(self._box)):
-            raise InvalidArgumentError("box '%s' %s: got %s, the box holds %s" % (self.name, what, buf.type_name(),
-                                                                                self.dtype))
+        """`data` as a buffer of the box's dtype. numpy input is converted when numpy calls it safe ("same_kind":
+        float64 into a float32 box, not float into an integer box); torch tensors must match exactly."""
+        where = "box '%s' %s" % (self.name, what)
+        if not hasattr(data, "data_ptr"):
+            arr = np.asarray(data)
+            if arr.dtype != self.dtype:
+                if not np.can_cast(arr.dtype, self.dtype, "same_kind"):
+                    raise InvalidArgumentError("%s: got %s, the box holds %s" % (where, arr.dtype, self.dtype))
+                arr = arr.astype(self.dtype)
+            data = np.ascontiguousarray(arr)
+        buf = wrap(data, where)
+        if buf.code != lib.smc_box_dtype(self._box):
+            raise InvalidArgumentError("%s: got %s, the box holds %s" % (where, buf.type_name(), self.dtype))
         return buf
 
     @property

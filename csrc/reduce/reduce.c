@@ -4,12 +4,15 @@
  * How this file is organised, and why:
  *  - smc_reduce walks the data in blocks of BLOCK elements. Per block it loads srcs[0] into an accumulator array of
  *    the compute type (applying prescale), folds in srcs[1], srcs[2], ... in that order, then scales the block and
- *    stores it to dst. The accumulator stays in L1, 16-bit floats are rounded once, results depend only on the
- *    inputs, and dst may be the very same buffer as any src (each block is read in full before it is written).
+ *    stores it to dst. The accumulator stays in L1, results depend only on the inputs, and dst may be the very same
+ *    buffer as any src (each block is read in full before it is written).
  *  - Each step is a small loop over restrict pointers that gcc -O3 vectorises. To vectorise, a loop must know its
- *    dtype and op at compile time, so DEFINE_KERNELS stamps out the steps for one dtype from a few parameters
- *    (storage type, compute type, wrap type, load/store conversion, FLOAT or INT scaling); the table at the bottom
- *    lists the dtypes. Dispatch on dtype and op happens once per call, not per element.
+ *    dtype and op at compile time, so DEFINE_KERNELS stamps out the steps for one dtype from its type, wrap type and
+ *    kind of scaling (FLOAT or INT); the table near the bottom lists the dtypes. Dispatch on dtype and op happens
+ *    once per block, not per element.
+ *  - float16 and bfloat16 are converted block by block to float and then go through the float32 kernels, so they
+ *    accumulate in float and round once. float16 uses the F16C instructions when the CPU has them (gcc 12 does not
+ *    vectorise _Float16 casts); they give the same bits as the portable conversions in half.h.
  *  - HOT adds target_clones on x86-64 gcc, so one portable binary runs AVX-512 or AVX2 code where the CPU has it.
  *  - Floating-point contraction is off: an FMA in one clone and not in another would make results depend on the
  *    CPU, while ranks must agree bit for bit with each other and with a plain scalar reference.
@@ -26,18 +29,21 @@
 #include "reduce/half.h"
 #include "shmcomm.h"
 
-/* Elements per block: 512 keeps the accumulator at 2-4 KiB, well inside L1 next to the source lines. */
+/* Elements per block: the accumulator (2-4 KiB) and the source lines it meets stay in L1. */
 #define BLOCK 512
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define SMC_X86_DISPATCH 1
+#include <immintrin.h>
+#endif
 
 #if defined(SMC_REDUCE_HOT) /* tests/c/Makefile pins one variant to test each clone's code */
 #define HOT SMC_REDUCE_HOT
-#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#elif defined(SMC_X86_DISPATCH)
 #define HOT __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define HOT
 #endif
-
-#define IDENT(x) (x)
 
 /* Combining operators. Integer SUM/PROD compute in the wrap type W (unsigned, at least as wide as int) so that
  * overflow wraps without UB; the conversion back to a signed type keeps the low bits (gcc and clang define it so).
@@ -48,10 +54,10 @@
 #define OP_MIN(W, a, b) ((b) < (a) ? (b) : (a))
 #define OP_MAX(W, a, b) ((b) > (a) ? (b) : (a))
 
-/* Scaling a loaded value by a double: floats multiply in the compute type; integers go through double and truncate
- * toward zero, clamped to the type's range (and NaN to 0) so that the conversion is never UB. */
-#define SCALE_FLOAT(name, C, x, s) ((x) * (C)(s))
-#define SCALE_INT(name, C, x, s) name##_from_double((double)(x) * (s))
+/* Scaling by a double: floats multiply in their own type; integers go through double and truncate toward zero,
+ * clamped to the type's range (and NaN to 0) so that the conversion is never UB. */
+#define SCALE_FLOAT(name, T, x, s) ((x) * (T)(s))
+#define SCALE_INT(name, T, x, s) name##_from_double((double)(x) * (s))
 
 #define DEFINE_FROM_DOUBLE(name, T, MIN, MAX)                                          \
   static inline T name##_from_double(double v) {                                       \
@@ -65,110 +71,214 @@ DEFINE_FROM_DOUBLE(i32, int32_t, INT32_MIN, INT32_MAX)
 DEFINE_FROM_DOUBLE(i64, int64_t, INT64_MIN, INT64_MAX)
 
 /* acc[i] = pre(src[i]) */
-#define DEFINE_FIRST(name, S, C, LOAD, KIND)                                                   \
-  HOT static void name##_first(C* restrict acc, const S* restrict src, size_t n, double pre) { \
+#define DEFINE_FIRST(name, T, KIND)                                                            \
+  HOT static void name##_first(T* restrict acc, const T* restrict src, size_t n, double pre) { \
     if (pre == 1.0) {                                                                          \
-      for (size_t i = 0; i < n; i++) acc[i] = LOAD(src[i]);                                    \
+      for (size_t i = 0; i < n; i++) acc[i] = src[i];                                          \
     } else {                                                                                   \
-      for (size_t i = 0; i < n; i++) acc[i] = SCALE_##KIND(name, C, LOAD(src[i]), pre);        \
+      for (size_t i = 0; i < n; i++) acc[i] = SCALE_##KIND(name, T, src[i], pre);              \
     }                                                                                          \
   }
 
 /* acc[i] = op(acc[i], pre(src[i])) */
-#define DEFINE_COMBINE(name, S, C, W, LOAD, KIND, opname, OP)                                          \
-  HOT static void name##_##opname(C* restrict acc, const S* restrict src, size_t n, double pre) {      \
-    if (pre == 1.0) {                                                                                  \
-      for (size_t i = 0; i < n; i++) {                                                                 \
-        C v = LOAD(src[i]);                                                                            \
-        acc[i] = OP(W, acc[i], v);                                                                     \
-      }                                                                                                \
-    } else {                                                                                           \
-      for (size_t i = 0; i < n; i++) {                                                                 \
-        C v = SCALE_##KIND(name, C, LOAD(src[i]), pre);                                                \
-        acc[i] = OP(W, acc[i], v);                                                                     \
-      }                                                                                                \
-    }                                                                                                  \
+#define DEFINE_COMBINE(name, T, W, KIND, opname, OP)                                                  \
+  HOT static void name##_##opname(T* restrict acc, const T* restrict src, size_t n, double pre) {     \
+    if (pre == 1.0) {                                                                                 \
+      for (size_t i = 0; i < n; i++) acc[i] = OP(W, acc[i], src[i]);                                  \
+    } else {                                                                                          \
+      for (size_t i = 0; i < n; i++) {                                                                \
+        T v = SCALE_##KIND(name, T, src[i], pre);                                                     \
+        acc[i] = OP(W, acc[i], v);                                                                    \
+      }                                                                                               \
+    }                                                                                                 \
   }
 
-/* dst[i] = fin(acc[i]). Floats: one multiply by postscale/divisor, that factor rounded once to the compute type. */
-#define DEFINE_FINISH_FLOAT(name, S, C, STORE)                                                                  \
-  HOT static void name##_finish(S* restrict dst, const C* restrict acc, size_t n, double post, int64_t div) { \
+/* dst[i] = fin(acc[i]). Floats: one multiply by postscale/divisor, that factor rounded once to the type. */
+#define DEFINE_FINISH_FLOAT(name, T)                                                                            \
+  HOT static void name##_finish(T* restrict dst, const T* restrict acc, size_t n, double post, int64_t div) { \
+    const T f = (T)(post / (double)div);                                                                      \
     if (post == 1.0 && div == 1) {                                                                            \
-      for (size_t i = 0; i < n; i++) dst[i] = STORE(acc[i]);                                                  \
+      for (size_t i = 0; i < n; i++) dst[i] = acc[i];                                                         \
     } else {                                                                                                  \
-      const C f = (C)(post / (double)div);                                                                    \
-      for (size_t i = 0; i < n; i++) dst[i] = STORE(acc[i] * f);                                              \
+      for (size_t i = 0; i < n; i++) dst[i] = acc[i] * f;                                                     \
     }                                                                                                         \
   }
 
 /* Integers: postscale through double (truncating, clamped), then C division by the divisor (toward zero). */
-#define DEFINE_FINISH_INT(name, S, C, STORE)                                                                    \
-  HOT static void name##_finish(S* restrict dst, const C* restrict acc, size_t n, double post, int64_t div) { \
+#define DEFINE_FINISH_INT(name, T)                                                                              \
+  HOT static void name##_finish(T* restrict dst, const T* restrict acc, size_t n, double post, int64_t div) { \
     if (post == 1.0 && div == 1) {                                                                            \
       for (size_t i = 0; i < n; i++) dst[i] = acc[i];                                                         \
     } else {                                                                                                  \
       for (size_t i = 0; i < n; i++) {                                                                        \
-        C v = post == 1.0 ? acc[i] : name##_from_double((double)acc[i] * post);                               \
-        dst[i] = div == 1 ? v : (C)((int64_t)v / div);                                                        \
+        T v = post == 1.0 ? acc[i] : name##_from_double((double)acc[i] * post);                               \
+        dst[i] = div == 1 ? v : (T)((int64_t)v / div);                                                        \
       }                                                                                                       \
     }                                                                                                         \
   }
 
 /* dst[i] = beta*dst[i] + alpha*src[i]. No restrict: dst may be src. */
-#define DEFINE_AXPBY_FLOAT(name, S, C, W, LOAD, STORE)                                                \
-  HOT static void name##_axpby(S* dst, const S* src, size_t n, double alpha, double beta) {         \
-    const C a = (C)alpha, b = (C)beta;                                                               \
-    for (size_t i = 0; i < n; i++) dst[i] = STORE(b * LOAD(dst[i]) + a * LOAD(src[i]));              \
+#define DEFINE_AXPBY_FLOAT(name, T, W)                                                        \
+  HOT static void name##_axpby(T* dst, const T* src, size_t n, double alpha, double beta) { \
+    const T a = (T)alpha, b = (T)beta;                                                       \
+    for (size_t i = 0; i < n; i++) dst[i] = b * dst[i] + a * src[i];                         \
   }
 
-#define DEFINE_AXPBY_INT(name, S, C, W, LOAD, STORE)                                                 \
-  HOT static void name##_axpby(S* dst, const S* src, size_t n, double alpha, double beta) {         \
-    if (alpha == 1.0 && beta == 1.0) {                                                               \
-      for (size_t i = 0; i < n; i++) dst[i] = (C)((W)dst[i] + (W)src[i]);                            \
-    } else {                                                                                         \
+#define DEFINE_AXPBY_INT(name, T, W)                                                                     \
+  HOT static void name##_axpby(T* dst, const T* src, size_t n, double alpha, double beta) {            \
+    if (alpha == 1.0 && beta == 1.0) {                                                                  \
+      for (size_t i = 0; i < n; i++) dst[i] = (T)((W)dst[i] + (W)src[i]);                               \
+    } else {                                                                                            \
       for (size_t i = 0; i < n; i++) dst[i] = name##_from_double(beta * (double)dst[i] + alpha * (double)src[i]); \
-    }                                                                                                \
+    }                                                                                                   \
   }
+
+/* All steps for one dtype, plus its block driver and an axpby entry with the uniform signatures of the table. */
+#define DEFINE_KERNELS(name, T, W, KIND)                                                                      \
+  DEFINE_FIRST(name, T, KIND)                                                                                \
+  DEFINE_COMBINE(name, T, W, KIND, sum, OP_SUM)                                                              \
+  DEFINE_COMBINE(name, T, W, KIND, min, OP_MIN)                                                              \
+  DEFINE_COMBINE(name, T, W, KIND, max, OP_MAX)                                                              \
+  DEFINE_COMBINE(name, T, W, KIND, prod, OP_PROD)                                                            \
+  DEFINE_FINISH_##KIND(name, T)                                                                              \
+  DEFINE_AXPBY_##KIND(name, T, W)                                                                            \
+  typedef void (*name##_combine_fn)(T* restrict acc, const T* restrict src, size_t n, double pre);          \
+  static name##_combine_fn name##_combine_for(smc_redop_t op) {                                             \
+    return op == SMC_SUM ? name##_sum : op == SMC_MIN ? name##_min : op == SMC_MAX ? name##_max : name##_prod; \
+  }                                                                                                          \
+  static void name##_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op,     \
+                            double pre, double post, int64_t div) {                                          \
+    name##_combine_fn combine = name##_combine_for(op);                                                      \
+    _Alignas(64) T acc[BLOCK];                                                                               \
+    for (size_t off = 0; off < count; off += BLOCK) {                                                        \
+      size_t n = count - off < BLOCK ? count - off : BLOCK;                                                  \
+      name##_first(acc, (const T*)srcs[0] + off, n, pre);                                                    \
+      for (int k = 1; k < nsrcs; k++) combine(acc, (const T*)srcs[k] + off, n, pre);                         \
+      name##_finish((T*)dst + off, acc, n, post, div);                                                       \
+    }                                                                                                        \
+  }                                                                                                          \
+  static void name##_axpby_any(void* dst, const void* src, size_t count, double alpha, double beta) {        \
+    name##_axpby((T*)dst, (const T*)src, count, alpha, beta);                                                \
+  }
+
+DEFINE_KERNELS(f32, float, float, FLOAT)
+DEFINE_KERNELS(f64, double, double, FLOAT)
+DEFINE_KERNELS(i8, int8_t, uint32_t, INT)
+DEFINE_KERNELS(u8, uint8_t, uint32_t, INT)
+DEFINE_KERNELS(i16, int16_t, uint32_t, INT)
+DEFINE_KERNELS(i32, int32_t, uint32_t, INT)
+DEFINE_KERNELS(i64, int64_t, uint64_t, INT)
+
+/* ---- 16-bit floats: whole blocks converted to float, then the float32 kernels ---- */
+
+typedef void (*to_float_fn)(float* restrict out, const uint16_t* restrict in, size_t n);
+typedef void (*from_float_fn)(uint16_t* restrict out, const float* restrict in, size_t n);
+
+#define DEFINE_CONVERSIONS(name, TO_FLOAT, FROM_FLOAT)                                                 \
+  HOT static void name##_to_float(float* restrict out, const uint16_t* restrict in, size_t n) {      \
+    for (size_t i = 0; i < n; i++) out[i] = TO_FLOAT(in[i]);                                          \
+  }                                                                                                   \
+  HOT static void name##_from_float(uint16_t* restrict out, const float* restrict in, size_t n) {    \
+    for (size_t i = 0; i < n; i++) out[i] = FROM_FLOAT(in[i]);                                        \
+  }
+
+DEFINE_CONVERSIONS(f16, smc_half_to_float, smc_float_to_half)
+DEFINE_CONVERSIONS(bf16, smc_bf16_to_float, smc_float_to_bf16)
+
+#ifdef SMC_X86_DISPATCH
+/* 8 halves per instruction, about 3x the bit manipulation. Rounding is set in the instruction (nearest even), not
+ * taken from MXCSR; NaNs come out quiet with the top payload bits, as in half.h. */
+__attribute__((target("avx,f16c"))) static void f16c_to_float(float* restrict out, const uint16_t* restrict in,
+                                                              size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + i))));
+  for (; i < n; i++) out[i] = smc_half_to_float(in[i]);
+}
+
+__attribute__((target("avx,f16c"))) static void f16c_from_float(uint16_t* restrict out, const float* restrict in,
+                                                                size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; i++) out[i] = smc_float_to_half(in[i]);
+}
+
+static int cpu_has_f16c(void) {
+  __builtin_cpu_init(); /* cheap once done; needed only if we run before libgcc's constructor */
+  return __builtin_cpu_supports("f16c");
+}
+#endif
+
+static void f16_conversions(to_float_fn* to_float, from_float_fn* from_float) {
+  *to_float = f16_to_float;
+  *from_float = f16_from_float;
+#ifdef SMC_X86_DISPATCH
+  if (cpu_has_f16c()) {
+    *to_float = f16c_to_float;
+    *from_float = f16c_from_float;
+  }
+#endif
+}
+
+static void half_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op, double pre,
+                        double post, int64_t div, to_float_fn to_float, from_float_fn from_float) {
+  f32_combine_fn combine = f32_combine_for(op);
+  _Alignas(64) float acc[BLOCK], tmp[BLOCK];
+  for (size_t off = 0; off < count; off += BLOCK) {
+    size_t n = count - off < BLOCK ? count - off : BLOCK;
+    to_float(tmp, (const uint16_t*)srcs[0] + off, n);
+    f32_first(acc, tmp, n, pre);
+    for (int k = 1; k < nsrcs; k++) {
+      to_float(tmp, (const uint16_t*)srcs[k] + off, n);
+      combine(acc, tmp, n, pre);
+    }
+    f32_finish(tmp, acc, n, post, div);
+    from_float((uint16_t*)dst + off, tmp, n);
+  }
+}
+
+static void half_axpby(void* dst, const void* src, size_t count, double alpha, double beta, to_float_fn to_float,
+                       from_float_fn from_float) {
+  _Alignas(64) float d[BLOCK], s[BLOCK];
+  for (size_t off = 0; off < count; off += BLOCK) {
+    size_t n = count - off < BLOCK ? count - off : BLOCK;
+    to_float(d, (const uint16_t*)dst + off, n);
+    to_float(s, (const uint16_t*)src + off, n);
+    f32_axpby(d, s, n, alpha, beta);
+    from_float((uint16_t*)dst + off, d, n);
+  }
+}
+
+static void f16_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op, double pre,
+                       double post, int64_t div) {
+  to_float_fn to_float;
+  from_float_fn from_float;
+  f16_conversions(&to_float, &from_float);
+  half_reduce(dst, srcs, nsrcs, count, op, pre, post, div, to_float, from_float);
+}
+
+static void bf16_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op, double pre,
+                        double post, int64_t div) {
+  half_reduce(dst, srcs, nsrcs, count, op, pre, post, div, bf16_to_float, bf16_from_float);
+}
+
+static void f16_axpby_any(void* dst, const void* src, size_t count, double alpha, double beta) {
+  to_float_fn to_float;
+  from_float_fn from_float;
+  f16_conversions(&to_float, &from_float);
+  half_axpby(dst, src, count, alpha, beta, to_float, from_float);
+}
+
+static void bf16_axpby_any(void* dst, const void* src, size_t count, double alpha, double beta) {
+  half_axpby(dst, src, count, alpha, beta, bf16_to_float, bf16_from_float);
+}
+
+/* ---- entry points ---- */
 
 typedef void (*reduce_fn)(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op, double pre,
                           double post, int64_t div);
 typedef void (*axpby_fn)(void* dst, const void* src, size_t count, double alpha, double beta);
-
-/* All steps for one dtype, plus its block driver `name_reduce` with the uniform signature of reduce_fn. */
-#define DEFINE_KERNELS(name, S, C, W, LOAD, STORE, KIND)                                                       \
-  DEFINE_FIRST(name, S, C, LOAD, KIND)                                                                        \
-  DEFINE_COMBINE(name, S, C, W, LOAD, KIND, sum, OP_SUM)                                                      \
-  DEFINE_COMBINE(name, S, C, W, LOAD, KIND, min, OP_MIN)                                                      \
-  DEFINE_COMBINE(name, S, C, W, LOAD, KIND, max, OP_MAX)                                                      \
-  DEFINE_COMBINE(name, S, C, W, LOAD, KIND, prod, OP_PROD)                                                    \
-  DEFINE_FINISH_##KIND(name, S, C, STORE)                                                                     \
-  DEFINE_AXPBY_##KIND(name, S, C, W, LOAD, STORE)                                                             \
-  static void name##_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op,      \
-                            double pre, double post, int64_t div) {                                           \
-    void (*combine)(C* restrict, const S* restrict, size_t, double) =                                         \
-        op == SMC_SUM ? name##_sum : op == SMC_MIN ? name##_min : op == SMC_MAX ? name##_max : name##_prod;   \
-    _Alignas(64) C acc[BLOCK];                                                                                \
-    for (size_t off = 0; off < count; off += BLOCK) {                                                         \
-      size_t n = count - off < BLOCK ? count - off : BLOCK;                                                   \
-      name##_first(acc, (const S*)srcs[0] + off, n, pre);                                                     \
-      for (int k = 1; k < nsrcs; k++) combine(acc, (const S*)srcs[k] + off, n, pre);                          \
-      name##_finish((S*)dst + off, acc, n, post, div);                                                        \
-    }                                                                                                         \
-  }                                                                                                           \
-  static void name##_axpby_any(void* dst, const void* src, size_t count, double alpha, double beta) {         \
-    name##_axpby((S*)dst, (const S*)src, count, alpha, beta);                                                 \
-  }
-
-/*             name  storage   compute   wrap      load               store              scaling */
-DEFINE_KERNELS(f16,  uint16_t, float,    float,    smc_half_to_float, smc_float_to_half, FLOAT)
-DEFINE_KERNELS(bf16, uint16_t, float,    float,    smc_bf16_to_float, smc_float_to_bf16, FLOAT)
-DEFINE_KERNELS(f32,  float,    float,    float,    IDENT,             IDENT,             FLOAT)
-DEFINE_KERNELS(f64,  double,   double,   double,   IDENT,             IDENT,             FLOAT)
-DEFINE_KERNELS(i8,   int8_t,   int8_t,   uint32_t, IDENT,             IDENT,             INT)
-DEFINE_KERNELS(u8,   uint8_t,  uint8_t,  uint32_t, IDENT,             IDENT,             INT)
-DEFINE_KERNELS(i16,  int16_t,  int16_t,  uint32_t, IDENT,             IDENT,             INT)
-DEFINE_KERNELS(i32,  int32_t,  int32_t,  uint32_t, IDENT,             IDENT,             INT)
-DEFINE_KERNELS(i64,  int64_t,  int64_t,  uint64_t, IDENT,             IDENT,             INT)
 
 /* Indexed by smc_datatype_t. */
 static const struct {
@@ -197,8 +307,9 @@ smc_result_t smc_reduce(void* dst, const void* const* srcs, int nsrcs, size_t co
     return smc_set_error(SMC_ERR_INVALID, "reduce: divisor is %lld, must be at least 1", (long long)divisor);
   }
   if (count == 0) return SMC_SUCCESS;
-  if (!dst || !srcs) return smc_set_error(SMC_ERR_INVALID, "reduce: NULL %s with count %zu", dst ? "srcs" : "dst",
-                                          count);
+  if (!dst || !srcs) {
+    return smc_set_error(SMC_ERR_INVALID, "reduce: %s is NULL with count %zu", dst ? "srcs" : "dst", count);
+  }
   for (int k = 0; k < nsrcs; k++) {
     if (!srcs[k]) return smc_set_error(SMC_ERR_INVALID, "reduce: srcs[%d] is NULL with count %zu", k, count);
   }
@@ -209,7 +320,7 @@ smc_result_t smc_reduce(void* dst, const void* const* srcs, int nsrcs, size_t co
 smc_result_t smc_axpby(void* dst, const void* src, size_t count, smc_datatype_t dtype, double alpha, double beta) {
   if (!dtype_ok(dtype)) return smc_set_error(SMC_ERR_INVALID, "axpby: unknown dtype %d", (int)dtype);
   if (count == 0) return SMC_SUCCESS;
-  if (!dst || !src) return smc_set_error(SMC_ERR_INVALID, "axpby: NULL %s with count %zu", dst ? "src" : "dst", count);
+  if (!dst || !src) return smc_set_error(SMC_ERR_INVALID, "axpby: %s is NULL with count %zu", dst ? "src" : "dst", count);
   dtypes[dtype].axpby(dst, src, count, alpha, beta);
   return SMC_SUCCESS;
 }

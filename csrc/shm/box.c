@@ -110,7 +110,6 @@ smc_result_t smc_box_create(smc_comm_t* c, const char* name, size_t count, smc_d
   }
   size_t bytes = count * smc_dtype_size(dtype);
   SMC_CHECK_GOTO(allocate(c, bytes, &e), rc, out);
-  SMC_CHECK_GOTO(open_handle(c, e, box), rc, out);
   memset(c->base + e->offset, 0, bytes);
   pthread_mutexattr_t attr;
   pthread_mutexattr_init(&attr);
@@ -125,8 +124,9 @@ smc_result_t smc_box_create(smc_comm_t* c, const char* name, size_t count, smc_d
   e->count = count;
   atomic_store(&e->version, 0);
   atomic_store(&e->version_word, 0);
-  e->handles = 1;
+  e->handles = 0;
   e->state = BOX_LIVE;
+  rc = open_handle(c, e, box);
 out:
   pthread_mutex_unlock(&c->hdr->registry_lock);
   return rc;

@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Allreduce over every dtype and op, world sizes 1-4, small and large counts, in place and out of place."""
+import numpy as np
+import pytest
+
+import multiproc
+
+DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64"]
+COUNTS = [0, 1, 7, 1000, 40_001, 1_200_003]  # 1.2 M float32 crosses many staging steps
+
+
+def _inputs(rank, count, dtype):
+    # Small integers keep every sum and product exact in every dtype.
+    rng = np.random.default_rng(1000 * rank + count)
+    values = rng.integers(1, 4, size=count)
+    return values.astype(dtype)
+
+
+def _expected(size, count, dtype, op):
+    stack = np.stack([_inputs(r, count, dtype).astype(np.float64) for r in range(size)])
+    if op == "Sum":
+        out = stack.sum(0)
+    elif op == "Min":
+        out = stack.min(0)
+    elif op == "Max":
+        out = stack.max(0)
+    else:
+        out = stack.prod(0)
+    return out
+
+
+def _all_ops_all_dtypes(size):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    for dtype in DTYPES:
+        for count in COUNTS:
+            for op in ("Sum", "Min", "Max", "Product"):
+                if count > 40_001 and (op != "Sum" or dtype not in ("float32", "int64", "float16")):
+                    continue  # large counts: enough to cover the pipelined path per element size
+                x = _inputs(me, count, dtype)
+                expected = _expected(size, count, dtype, op)
+                if dtype in ("int8", "uint8", "int16") and op == "Product":
+                    expected = expected.astype(np.int64).astype(dtype)  # wraps like the C types
+                got = shmcomm.allreduce(x, op=getattr(shmcomm, op))
+                assert got.dtype == x.dtype and got.shape == x.shape
+                np.testing.assert_array_equal(got.astype(np.float64), np.asarray(expected, dtype).astype(np.float64),
+                                              err_msg="%s %s count=%d" % (dtype, op, count))
+                inplace = x.copy()
+                assert shmcomm.allreduce_(inplace, op=getattr(shmcomm, op)) is inplace
+                np.testing.assert_array_equal(inplace, got)
+    return True
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_every_dtype_and_op(size):
+    assert multiproc.run(size, _all_ops_all_dtypes, size, timeout=240) == [True] * size
+
+
+def _average_and_scaling(size):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    # Average on integers is exact when it divides, as Horovod's tests expect.
+    ints = np.arange(10, dtype=np.int32) * size
+    np.testing.assert_array_equal(shmcomm.allreduce(ints), np.arange(10) * size)
+    # ... and truncates toward zero otherwise.
+    odd = np.array([me + 1, -(me + 1)], dtype=np.int64)
+    total = sum(range(1, size + 1))
+    np.testing.assert_array_equal(shmcomm.allreduce(odd, op=shmcomm.Average), [int(total / size), -int(total / size)])
+    # float Average, pre- and postscale.
+    x = np.full(1000, float(me + 1), dtype=np.float32)
+    np.testing.assert_allclose(shmcomm.allreduce(x), total / size, rtol=1e-6)
+    np.testing.assert_allclose(shmcomm.allreduce(x, op=shmcomm.Sum, prescale_factor=0.5, postscale_factor=3.0),
+                               total * 1.5, rtol=1e-6)
+    np.testing.assert_allclose(shmcomm.allreduce(x, average=False), total, rtol=1e-6)
+    # fp16: many ranks of 60000 sum past the format's range -> inf; a prescale keeps it finite.
+    big = np.full(16, 60000.0, dtype=np.float16)
+    assert np.isinf(shmcomm.allreduce(big, op=shmcomm.Sum)).all() == (size > 1)
+    np.testing.assert_allclose(shmcomm.allreduce(big, op=shmcomm.Sum, prescale_factor=1.0 / size), 60000.0, rtol=1e-3)
+    # fp16 accumulates in float and rounds once: 0.1 summed over ranks is the rounded exact sum.
+    tenth = np.full(8, 0.1, dtype=np.float16)
+    want = np.float16(np.float32(np.float16(0.1)) * size)
+    assert shmcomm.allreduce(tenth, op=shmcomm.Sum)[0] == want
+    # Results are bit-identical on every rank, even for float sums whose order matters.
+    noisy = np.random.default_rng(me).standard_normal(300_001).astype(np.float32)
+    digest = shmcomm.allreduce(noisy, op=shmcomm.Sum).tobytes()
+    gathered = shmcomm.allgather(np.frombuffer(digest[:4096], dtype=np.uint8).copy())
+    assert all(np.array_equal(gathered[r * 4096:(r + 1) * 4096], gathered[:4096]) for r in range(size))
+    return True
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_average_scaling_and_fp16(size):
+    assert multiproc.run(size, _average_and_scaling, size, timeout=120) == [True] * size
+
+
+def _bfloat16_torch(size):
+    import torch
+
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    x = torch.full((5000,), 1.5, dtype=torch.bfloat16) * (me + 1)
+    got = shmcomm.allreduce(x, op=shmcomm.Sum)
+    assert got.dtype == torch.bfloat16
+    want = torch.tensor(float(1.5 * sum(range(1, size + 1))), dtype=torch.bfloat16)
+    assert torch.equal(got, torch.full((5000,), want.item(), dtype=torch.bfloat16))
+    return True
+
+
+def test_bfloat16_with_torch():
+    pytest.importorskip("torch")
+    assert multiproc.run(3, _bfloat16_torch, 3, timeout=120) == [True] * 3
+
+
+def _many_ranks(size):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    for count in (1, 4096, 300_000):
+        got = shmcomm.allreduce(np.full(count, me, dtype=np.float64), op=shmcomm.Sum)
+        assert (got == sum(range(size))).all()
+    shmcomm.barrier()
+    return True
+
+
+def test_eight_ranks_on_two_cores():
+    assert multiproc.run(8, _many_ranks, 8, timeout=120) == [True] * 8

@@ -1,0 +1,127 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Broadcast, allgather, reduce-scatter, alltoall and barrier, with uneven shapes and every root."""
+import numpy as np
+import pytest
+
+import multiproc
+
+SIZES = [1, 2, 3, 4]
+
+
+def _broadcast(size):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    for root in range(size):
+        for count in (0, 1, 13, 700_001):  # 700k float64 = 5.6 MB: many staging steps
+            x = np.arange(count, dtype=np.float64) + 1000 * me
+            want = np.arange(count, dtype=np.float64) + 1000 * root
+            np.testing.assert_array_equal(shmcomm.broadcast(x, root_rank=root), want)
+            assert shmcomm.broadcast_(x, root) is x
+            np.testing.assert_array_equal(x, want)
+        flags = np.array([me == root] * 3)  # bool moves even though it does not reduce
+        assert shmcomm.broadcast(flags, root).all()
+    return True
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_broadcast_every_root(size):
+    assert multiproc.run(size, _broadcast, size, timeout=120) == [True] * size
+
+
+def _allgather(size):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    for rows in (lambda r: r + 1, lambda r: 0 if r % 2 else 3, lambda r: 200_000 * (r + 1)):
+        x = np.full((rows(me), 3), me, dtype=np.int16)
+        got = shmcomm.allgather(x)
+        want = np.concatenate([np.full((rows(r), 3), r, dtype=np.int16) for r in range(size)])
+        np.testing.assert_array_equal(got, want)
+    scalar = shmcomm.allgather(np.array(me + 0.5))
+    np.testing.assert_array_equal(scalar, np.arange(size) + 0.5)
+    return True
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_allgather_uneven(size):
+    assert multiproc.run(size, _allgather, size, timeout=120) == [True] * size
+
+
+def _reducescatter(size):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    for rows in (size, 2 * size + 1, 1, 0, 100_003):
+        x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) + me
+        got = shmcomm.reducescatter(x, op=shmcomm.Sum)
+        full = sum(np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) + r for r in range(size))
+        shares = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+        start = sum(shares[:me])
+        np.testing.assert_array_equal(got, full[start:start + shares[me]])
+    avg = shmcomm.reducescatter(np.full((size * 2, 2), float(me), dtype=np.float64))  # default op: Average
+    np.testing.assert_allclose(avg, np.full((2, 2), (size - 1) / 2))
+    return True
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_reducescatter_uneven(size):
+    assert multiproc.run(size, _reducescatter, size, timeout=120) == [True] * size
+
+
+def _alltoall(size):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    even = np.repeat(np.arange(size) + 10 * me, 2).astype(np.int64)
+    got = shmcomm.alltoall(even)
+    np.testing.assert_array_equal(got, np.repeat(np.arange(size) * 10 + me, 2))
+    # Explicit splits: rank me sends (j + me) % 3 rows to rank j.
+    splits = [(j + me) % 3 for j in range(size)]
+    rows = np.concatenate([np.full((s, 2), 100 * me + j, dtype=np.float32) for j, s in enumerate(splits)])
+    out, received = shmcomm.alltoall(rows, splits=splits)
+    want_counts = [(me + j) % 3 for j in range(size)]
+    np.testing.assert_array_equal(received, want_counts)
+    want = np.concatenate([np.full(((me + j) % 3, 2), 100 * j + me, dtype=np.float32) for j in range(size)])
+    np.testing.assert_array_equal(out, want)
+    big = np.full((size * 150_000,), me, dtype=np.float64)  # 1.2 MB per peer: several steps
+    np.testing.assert_array_equal(shmcomm.alltoall(big), np.repeat(np.arange(size, dtype=np.float64), 150_000))
+    shmcomm.barrier()
+    return True
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_alltoall_splits(size):
+    assert multiproc.run(size, _alltoall, size, timeout=120) == [True] * size
+
+
+def _torch_tensors(size):
+    import torch
+
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3) + me
+    total = shmcomm.allreduce(t, op=shmcomm.Sum)
+    assert isinstance(total, torch.Tensor) and torch.equal(total, (torch.arange(6.0).reshape(2, 3) * size
+                                                                   + sum(range(size))))
+    shmcomm.allreduce_(t, op=shmcomm.Max)
+    assert torch.equal(t, torch.arange(6.0).reshape(2, 3) + size - 1)
+    g = shmcomm.allgather(torch.full((me + 1,), me, dtype=torch.int64))
+    assert g.tolist() == [r for r in range(size) for _ in range(r + 1)]
+    b = shmcomm.broadcast(torch.tensor([me, me], dtype=torch.int32), root_rank=size - 1)
+    assert b.tolist() == [size - 1] * 2
+    out, splits = shmcomm.alltoall(torch.arange(size) + 10 * me, splits=torch.ones(size, dtype=torch.int32))
+    assert isinstance(splits, torch.Tensor) and splits.tolist() == [1] * size
+    assert out.tolist() == [10 * r + me for r in range(size)]
+    return True
+
+
+def test_torch_cpu_tensors():
+    pytest.importorskip("torch")
+    assert multiproc.run(3, _torch_tensors, 3, timeout=120) == [True] * 3

@@ -1,0 +1,229 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Bad input gives typed exceptions; disagreeing ranks all raise and go on; dead or stuck ranks never hang the job."""
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import multiproc
+
+
+def test_calls_before_init_raise_value_error():
+    import shmcomm
+
+    for call in (shmcomm.rank, shmcomm.size, shmcomm.local_rank, shmcomm.cross_size, shmcomm.barrier):
+        with pytest.raises(ValueError, match="has not been initialized"):
+            call()
+    with pytest.raises(shmcomm.NotInitializedError):
+        shmcomm.allreduce(np.ones(3))
+    assert not shmcomm.is_initialized()
+
+
+def _bad_input():
+    import torch
+
+    import shmcomm
+
+    shmcomm.init()
+    cases = [
+        (lambda: shmcomm.allreduce(np.ones((4, 4))[:, 1]), "contiguous"),
+        (lambda: shmcomm.allreduce(torch.ones(4, 4).t()), "contiguous"),
+        (lambda: shmcomm.allreduce(np.ones(3, dtype=bool)), "not supported"),
+        (lambda: shmcomm.allreduce(np.ones(3, dtype=np.complex64)), "not supported"),
+        (lambda: shmcomm.allreduce(torch.ones(3, device="meta")), "meta"),
+        (lambda: shmcomm.allreduce([1.0, 2.0]), "numpy array or a torch tensor"),
+        (lambda: shmcomm.allreduce_(np.frombuffer(b"\0" * 24, dtype=np.float64)), "read-only"),
+        (lambda: shmcomm.broadcast(np.ones(3), root_rank=shmcomm.size()), "root rank"),
+        (lambda: shmcomm.broadcast(np.ones(3), root_rank=-1), "root rank"),
+        (lambda: shmcomm.alltoall(np.ones(5), splits=[2, 2, 2][:shmcomm.size()]), "splits"),
+        (lambda: shmcomm.alltoall(np.ones(5), splits=[-1] + [6] * 0), "splits"),
+        (lambda: shmcomm.allreduce(np.ones(3), op=17), "unknown reduction op"),
+        (lambda: shmcomm.allreduce(np.ones(3), op=shmcomm.Sum, average=True), "cannot both"),
+        (lambda: shmcomm.reducescatter(np.array(1.0)), "at least one dimension"),
+    ]
+    for call, text in cases:
+        with pytest.raises(ValueError, match=text):
+            call()
+    with pytest.raises(NotImplementedError):
+        shmcomm.allreduce(np.ones(3), op=shmcomm.Adasum)
+    # The communicator is still fine afterwards.
+    assert shmcomm.allreduce(np.ones(3), op=shmcomm.Sum).tolist() == [shmcomm.size()] * 3
+    return True
+
+
+def test_bad_input_raises_typed_errors():
+    pytest.importorskip("torch")
+    assert multiproc.run(1, _bad_input) == [True]
+
+
+def _alltoall_indivisible(size):
+    import shmcomm
+
+    shmcomm.init()
+    with pytest.raises(shmcomm.InvalidArgumentError, match="does not divide"):
+        shmcomm.alltoall(np.ones(size + 1))
+    return True
+
+
+def test_alltoall_needs_splits_when_rows_do_not_divide():
+    assert multiproc.run(2, _alltoall_indivisible, 2) == [True, True]
+
+
+def _mismatches():
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    cases = [
+        (lambda: shmcomm.allreduce(np.ones(10 + me, np.float32)), "rank 0 has count 10, rank 1 has 11"),
+        (lambda: shmcomm.allreduce(np.ones(10, [np.float32, np.float64][me])), "dtype float32, rank 1 has float64"),
+        (lambda: shmcomm.allreduce(np.ones(500_000 * (1 + me), np.float32)), "count"),  # large vs larger path
+        (lambda: shmcomm.allreduce(np.ones([(2, 6), (3, 4)][me], np.float32)), r"float32\[2, 6\].*float32\[3, 4\]"),
+        (lambda: shmcomm.allreduce(np.ones(4), op=[shmcomm.Sum, shmcomm.Max][me]), "op sum, rank 1 has max"),
+        (lambda: shmcomm.allreduce(np.ones(4), op=shmcomm.Sum, prescale_factor=1 + me), "scales"),
+        (lambda: shmcomm.broadcast(np.ones(4), root_rank=me), "root 0, rank 1 has 1"),
+        (lambda: shmcomm.allreduce(np.ones(4)) if me == 0 else shmcomm.broadcast(np.ones(4), 0),
+         "rank 0 called allreduce, rank 1 called broadcast"),
+        (lambda: shmcomm.allgather(np.ones((2, 3 + me))), r"\[2, 3\].*\[2, 4\]"),
+        (lambda: shmcomm.broadcast(np.ones(4, [np.float32, np.int32][me]), 0), "float32.*int32"),
+        (lambda: shmcomm.alltoall(np.ones((2, 2 + me))), "disagree"),
+    ]
+    seen = []
+    for i, (call, text) in enumerate(cases):
+        with pytest.raises(shmcomm.MismatchError, match=text) as info:
+            call()
+        seen.append(str(info.value))
+        # The job goes on: the next collective works on every rank.
+        assert shmcomm.allreduce(np.full(3, i, np.int64), op=shmcomm.Sum).tolist() == [2 * i] * 3
+    return seen
+
+
+def test_mismatch_raises_on_every_rank_and_the_job_goes_on():
+    seen = multiproc.run(2, _mismatches, timeout=60)
+    # Both ranks report the same disagreement (each prefixed with the collective it called itself).
+    assert [m.split(": ", 1)[1] for m in seen[0]] == [m.split(": ", 1)[1] for m in seen[1]]
+
+
+def _die_mid_collective(victim):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    if me == victim:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    x = np.ones(1_000_000, np.float32)
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 30:
+            shmcomm.allreduce(x)
+    except shmcomm.RankFailure as e:
+        noticed = time.monotonic()
+        # Every later call says the same, quickly, instead of hanging.
+        with pytest.raises(shmcomm.RankFailure):
+            shmcomm.barrier()
+        return ("raised", e.rank, str(e), noticed - start)
+    return ("no error", None, None, None)
+
+
+def test_killed_rank_is_named_by_every_other_rank_within_seconds():
+    results = multiproc.run(3, _die_mid_collective, 1, timeout=60, check=False)
+    assert results[1][0] == "died"
+    for r in (0, 2):
+        status, payload = results[r]
+        assert status == "ok", payload
+        what, rank, text, after = payload
+        assert what == "raised" and rank == 1 and "rank 1" in text and "died" in text
+        assert after < 10
+
+
+def _peer_shut_down():
+    import shmcomm
+
+    shmcomm.init()
+    if shmcomm.rank() == 1:
+        shmcomm.shutdown()
+        return "left"
+    with pytest.raises(shmcomm.RankFailure, match="rank 1 .*has shut down"):
+        shmcomm.allreduce(np.ones(4))
+    return "raised"
+
+
+def test_collective_with_a_rank_that_left_raises():
+    assert multiproc.run(2, _peer_shut_down) == ["raised", "left"]
+
+
+def _stuck_peer():
+    import shmcomm
+
+    shmcomm.init()
+    if shmcomm.rank() == 1:
+        time.sleep(3)
+        return "slept"
+    start = time.monotonic()
+    with pytest.raises(shmcomm.TimeoutError, match="timed out after 1 s waiting for rank 1"):
+        shmcomm.allreduce(np.ones(4))
+    took = time.monotonic() - start
+    with pytest.raises(shmcomm.BrokenCommunicatorError, match="earlier failure"):
+        shmcomm.barrier()
+    return took
+
+
+def test_stuck_peer_times_out_and_breaks_the_communicator():
+    took, _ = multiproc.run(2, _stuck_peer, env={"SHMCOMM_TIMEOUT": "1"})
+    assert 0.9 < took < 3
+
+
+def _lonely_init():
+    import shmcomm
+
+    with pytest.raises(shmcomm.TimeoutError, match="missing ranks: 1, 2"):
+        shmcomm.init()
+    return True
+
+
+def test_init_names_ranks_that_never_came():
+    # Only rank 0 of 3 runs: the harness starts one process but tells it the world has three.
+    def body():
+        os.environ["SHMCOMM_SIZE"] = os.environ["SHMCOMM_LOCAL_SIZE"] = "3"
+        return _lonely_init()
+
+    assert multiproc.run(1, body, env={"SHMCOMM_START_TIMEOUT": "1"}) == [True]
+
+
+def _reinit():
+    import shmcomm
+
+    for i in range(3):
+        shmcomm.init()
+        assert shmcomm.is_initialized()
+        assert shmcomm.allreduce(np.full(2, i), op=shmcomm.Sum).tolist() == [2 * i] * 2
+        shmcomm.shutdown()
+        assert not shmcomm.is_initialized()
+    return True
+
+
+def test_init_shutdown_init():
+    assert multiproc.run(2, _reinit) == [True, True]
+
+
+def test_world_of_one_without_launcher():
+    import shmcomm
+
+    for name in [k for k in os.environ if k.startswith(("SHMCOMM_", "HOROVOD_"))]:
+        del os.environ[name]
+    shmcomm.init()
+    try:
+        assert (shmcomm.rank(), shmcomm.size(), shmcomm.local_rank(), shmcomm.cross_size()) == (0, 1, 0, 1)
+        x = np.arange(5, dtype=np.float32)
+        np.testing.assert_array_equal(shmcomm.allreduce(x), x)
+        np.testing.assert_array_equal(shmcomm.allgather(x), x)
+        np.testing.assert_array_equal(shmcomm.broadcast(x, 0), x)
+        np.testing.assert_array_equal(shmcomm.reducescatter(x, op=shmcomm.Sum), x)
+        np.testing.assert_array_equal(shmcomm.alltoall(x), x)
+        shmcomm.barrier()
+    finally:
+        shmcomm.shutdown()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("shmcomm-")]
