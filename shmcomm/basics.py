@@ -31,7 +31,7 @@ class Communicator:
         cfg.slot_bytes = tuning.slot_bytes
         cfg.small_bytes = tuning.small_bytes
         cfg.arena_bytes = tuning.arena_bytes
-        cfg.spin = tuning.spin
+        cfg.spin_us = tuning.spin_us
         out = ffi.new("smc_comm_t **")
         check(lib.smc_comm_create(cfg, out))
         self.handle = out[0]

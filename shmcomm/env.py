@@ -66,13 +66,13 @@ class Tuning:
     slot_bytes: int        # per-rank staging buffer
     small_bytes: int       # one-step allreduce up to this size
     arena_bytes: int       # Soft Memory Box arena
-    spin: int              # polls before sleeping
+    spin_us: int           # microseconds of polling before sleeping
 
 
 def tuning(local_size):
     # With more ranks than cores, a spinning waiter steals the core its peer needs: sleep almost at once.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    default_spin = 20000 if local_size <= cores else 50
+    default_spin_us = 100 if local_size <= cores else 2
     return Tuning(
         timeout_s=_number("TIMEOUT", 300.0),
         start_timeout_s=_number("START_TIMEOUT", 60.0),
@@ -80,5 +80,5 @@ def tuning(local_size):
         slot_bytes=_number("SLOT_BYTES", 4 << 20, int),
         small_bytes=_number("SMALL_BYTES", 64 << 10, int),
         arena_bytes=_number("SMB_BYTES", 256 << 20, int),
-        spin=_number("SPIN", default_spin, int),
+        spin_us=_number("SPIN_US", default_spin_us, int),
     )

@@ -96,7 +96,7 @@ static smc_result_t check_attached_peers(void* arg) {
 
 static smc_result_t wait_all_attached(smc_comm_t* c, double timeout_s) {
   attach_check_t arg = {c};
-  smc_wait_opts_t opts = {c->spin, timeout_s, c->liveness_s, check_attached_peers, &arg};
+  smc_wait_opts_t opts = {c->spin_us, timeout_s, c->liveness_s, check_attached_peers, &arg};
   smc_result_t rc = smc_wait_reach(&c->hdr->attached, &c->hdr->attach_sleepers, (uint32_t)c->size, &opts);
   if (rc != SMC_ERR_TIMEOUT) return rc;
   char missing[256] = "";
@@ -120,7 +120,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->small_bytes = cfg->small_bytes < c->half_bytes ? cfg->small_bytes : c->half_bytes;
   c->timeout_s = cfg->timeout_s;
   c->liveness_s = cfg->liveness_s;
-  c->spin = cfg->spin < 0 ? 0 : cfg->spin;
+  c->spin_us = cfg->spin_us < 0 ? 0 : cfg->spin_us;
   snprintf(c->name, sizeof(c->name), "/shmcomm-%s-%d", cfg->token, cfg->generation);
 
   size_t ctl_off = round_up(sizeof(smc_shm_header_t), SMC_PAGE);

@@ -36,7 +36,7 @@ struct smc_comm {
   int holds_alive;         /* this rank holds ctl[rank].alive */
   double timeout_s;
   double liveness_s;
-  int spin;
+  int spin_us;
   smc_result_t broken;     /* non-success once a failure left the protocol state unknown */
   char broken_msg[512];
 };

@@ -58,7 +58,7 @@ typedef struct {
   size_t slot_bytes;      /* per-rank staging buffer, split in two halves used alternately */
   size_t small_bytes;     /* allreduce up to this many bytes takes the one-step path */
   size_t arena_bytes;     /* room for Soft Memory Boxes */
-  int spin;               /* polls before a waiter sleeps on a futex */
+  int spin_us;            /* microseconds a waiter polls before it sleeps on a futex */
 } smc_config_t;
 
 typedef struct smc_comm smc_comm_t;

@@ -71,9 +71,9 @@ static inline float smc_bf16_to_float(uint16_t h) { return smc_bits_to_f32((uint
 
 static inline uint16_t smc_float_to_bf16(float f) {
   uint32_t x = smc_f32_to_bits(f);
-  uint32_t r = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16; /* round to nearest even; carries reach Inf correctly */
-  r = smc_select_u32((x & 0x7fffffffu) > 0x7f800000u, (x >> 16) | 0x40u, r); /* NaN: set the quiet bit */
-  return (uint16_t)r;
+  uint32_t r = x + 0x7fffu + ((x >> 16) & 1u); /* round to nearest even; a carry can reach Inf, which is right */
+  r = smc_select_u32((x & 0x7fffffffu) > 0x7f800000u, x | 0x00400000u, r); /* NaN: set the quiet bit */
+  return (uint16_t)(r >> 16); /* selecting before the shift keeps the vectorised loop narrow */
 }
 
 #endif

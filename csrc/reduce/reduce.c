@@ -9,7 +9,7 @@
  *  - Each step is a small loop over restrict pointers that gcc -O3 vectorises. To vectorise, a loop must know its
  *    dtype and op at compile time, so DEFINE_KERNELS stamps out the steps for one dtype from its type, wrap type and
  *    kind of scaling (FLOAT or INT); the table near the bottom lists the dtypes. Dispatch on dtype and op happens
- *    once per block, not per element.
+ *    once per call, not per element.
  *  - float16 and bfloat16 are converted block by block to float and then go through the float32 kernels, so they
  *    accumulate in float and round once. float16 uses the F16C instructions when the CPU has them (gcc 12 does not
  *    vectorise _Float16 casts); they give the same bits as the portable conversions in half.h.
@@ -32,14 +32,13 @@
 /* Elements per block: the accumulator (2-4 KiB) and the source lines it meets stay in L1. */
 #define BLOCK 512
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+/* Runtime CPU dispatch on x86-64 gcc. tests/c/Makefile defines SMC_REDUCE_HOT to pin one variant instead (and to
+ * test the portable float16 path on a machine with F16C). */
+#if defined(SMC_REDUCE_HOT)
+#define HOT SMC_REDUCE_HOT
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define SMC_X86_DISPATCH 1
 #include <immintrin.h>
-#endif
-
-#if defined(SMC_REDUCE_HOT) /* tests/c/Makefile pins one variant to test each clone's code */
-#define HOT SMC_REDUCE_HOT
-#elif defined(SMC_X86_DISPATCH)
 #define HOT __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define HOT
@@ -124,13 +123,15 @@ DEFINE_FROM_DOUBLE(i64, int64_t, INT64_MIN, INT64_MAX)
     for (size_t i = 0; i < n; i++) dst[i] = b * dst[i] + a * src[i];                         \
   }
 
-#define DEFINE_AXPBY_INT(name, T, W)                                                                     \
-  HOT static void name##_axpby(T* dst, const T* src, size_t n, double alpha, double beta) {            \
-    if (alpha == 1.0 && beta == 1.0) {                                                                  \
-      for (size_t i = 0; i < n; i++) dst[i] = (T)((W)dst[i] + (W)src[i]);                               \
-    } else {                                                                                            \
-      for (size_t i = 0; i < n; i++) dst[i] = name##_from_double(beta * (double)dst[i] + alpha * (double)src[i]); \
-    }                                                                                                   \
+#define DEFINE_AXPBY_INT(name, T, W)                                                          \
+  HOT static void name##_axpby(T* dst, const T* src, size_t n, double alpha, double beta) { \
+    if (alpha == 1.0 && beta == 1.0) {                                                       \
+      for (size_t i = 0; i < n; i++) dst[i] = (T)((W)dst[i] + (W)src[i]);                    \
+    } else {                                                                                 \
+      for (size_t i = 0; i < n; i++) {                                                       \
+        dst[i] = name##_from_double(beta * (double)dst[i] + alpha * (double)src[i]);         \
+      }                                                                                      \
+    }                                                                                        \
   }
 
 /* All steps for one dtype, plus its block driver and an axpby entry with the uniform signatures of the table. */
@@ -190,23 +191,25 @@ DEFINE_CONVERSIONS(bf16, smc_bf16_to_float, smc_float_to_bf16)
  * taken from MXCSR; NaNs come out quiet with the top payload bits, as in half.h. */
 __attribute__((target("avx,f16c"))) static void f16c_to_float(float* restrict out, const uint16_t* restrict in,
                                                               size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + i))));
-  for (; i < n; i++) out[i] = smc_half_to_float(in[i]);
+  size_t vec_end = n & ~(size_t)7;
+  for (size_t i = 0; i < vec_end; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + i))));
+  }
+  for (size_t i = vec_end; i < n; i++) out[i] = smc_half_to_float(in[i]);
 }
 
 __attribute__((target("avx,f16c"))) static void f16c_from_float(uint16_t* restrict out, const float* restrict in,
                                                                 size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+  size_t vec_end = n & ~(size_t)7;
+  for (size_t i = 0; i < vec_end; i += 8) {
     _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
   }
-  for (; i < n; i++) out[i] = smc_float_to_half(in[i]);
+  for (size_t i = vec_end; i < n; i++) out[i] = smc_float_to_half(in[i]);
 }
 
 static int cpu_has_f16c(void) {
   __builtin_cpu_init(); /* cheap once done; needed only if we run before libgcc's constructor */
-  return __builtin_cpu_supports("f16c");
+  return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
 }
 #endif
 
@@ -227,14 +230,15 @@ static void half_reduce(void* dst, const void* const* srcs, int nsrcs, size_t co
   _Alignas(64) float acc[BLOCK], tmp[BLOCK];
   for (size_t off = 0; off < count; off += BLOCK) {
     size_t n = count - off < BLOCK ? count - off : BLOCK;
-    to_float(tmp, (const uint16_t*)srcs[0] + off, n);
-    f32_first(acc, tmp, n, pre);
+    /* Scaling passes only run when a scale is set; otherwise convert straight into or out of acc. */
+    to_float(pre == 1.0 ? acc : tmp, (const uint16_t*)srcs[0] + off, n);
+    if (pre != 1.0) f32_first(acc, tmp, n, pre);
     for (int k = 1; k < nsrcs; k++) {
       to_float(tmp, (const uint16_t*)srcs[k] + off, n);
       combine(acc, tmp, n, pre);
     }
-    f32_finish(tmp, acc, n, post, div);
-    from_float((uint16_t*)dst + off, tmp, n);
+    if (post != 1.0 || div != 1) f32_finish(tmp, acc, n, post, div);
+    from_float((uint16_t*)dst + off, post != 1.0 || div != 1 ? tmp : acc, n);
   }
 }
 
@@ -320,7 +324,9 @@ smc_result_t smc_reduce(void* dst, const void* const* srcs, int nsrcs, size_t co
 smc_result_t smc_axpby(void* dst, const void* src, size_t count, smc_datatype_t dtype, double alpha, double beta) {
   if (!dtype_ok(dtype)) return smc_set_error(SMC_ERR_INVALID, "axpby: unknown dtype %d", (int)dtype);
   if (count == 0) return SMC_SUCCESS;
-  if (!dst || !src) return smc_set_error(SMC_ERR_INVALID, "axpby: %s is NULL with count %zu", dst ? "src" : "dst", count);
+  if (!dst || !src) {
+    return smc_set_error(SMC_ERR_INVALID, "axpby: %s is NULL with count %zu", dst ? "src" : "dst", count);
+  }
   dtypes[dtype].axpby(dst, src, count, alpha, beta);
   return SMC_SUCCESS;
 }

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Spin-then-sleep waits.
  *
- * A waiter first polls the word `spin` times with a pause instruction: on an idle core the peer usually posts within
+ * A waiter first polls the word for `spin_us` microseconds: on an idle core the peer usually posts within
  * microseconds and a sleep/wake pair would cost more than the wait. Then it registers in `sleepers` and sleeps on the
  * futex, so that with more ranks than cores (normal here) the waiter hands its core to the rank it waits for.
  *
@@ -43,11 +43,22 @@ void smc_post(_Atomic uint32_t* word, _Atomic uint32_t* sleepers, uint32_t value
 
 smc_result_t smc_wait_reach(_Atomic uint32_t* word, _Atomic uint32_t* sleepers, uint32_t target,
                             const smc_wait_opts_t* opts) {
-  for (int i = 0; i < opts->spin; i++) {
-    if (smc_reached(atomic_load_explicit(word, memory_order_acquire), target)) return SMC_SUCCESS;
-    cpu_relax();
+  double start = 0;
+  if (opts->spin_us > 0) {
+    /* Bounded by time, not by iterations: how long a pause instruction takes differs tenfold between CPUs. */
+    for (unsigned i = 1;; i++) {
+      if (smc_reached(atomic_load_explicit(word, memory_order_acquire), target)) return SMC_SUCCESS;
+      cpu_relax();
+      if ((i & 63) == 0) {
+        double now = smc_now();
+        if (start == 0)
+          start = now;
+        else if (now - start >= 1e-6 * opts->spin_us)
+          break;
+      }
+    }
   }
-  double start = smc_now();
+  start = smc_now();
   double next_check = start + opts->liveness_s;
   for (;;) {
     atomic_fetch_add(sleepers, 1);

@@ -12,7 +12,7 @@
 typedef smc_result_t (*smc_wait_check_fn)(void* arg);
 
 typedef struct {
-  int spin;             /* polls before sleeping */
+  int spin_us;          /* microseconds of polling before sleeping */
   double timeout_s;     /* from the start of the wait */
   double liveness_s;    /* how often `check` runs while asleep */
   smc_wait_check_fn check;

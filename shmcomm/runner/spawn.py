@@ -1,0 +1,253 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Starts the ranks of a job, forwards their output, and supervises them.
+
+Every rank runs in its own session (so its own process group): a signal to the group reaches the rank and any
+children it started, and a Ctrl-C in the terminal reaches only the launcher, which decides what the ranks get.
+When one rank fails, the others are stopped with SIGTERM, then SIGKILL after a grace period: peers of a dead
+rank would otherwise wait on it until their collective timeout.
+"""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+PROG = "shmcommrun"
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+_MAX_LINE_BYTES = 1 << 20  # a rank that never writes a newline must not grow the launcher without bound
+_OUTPUT_DRAIN_SECONDS = 3.0  # after the ranks exit; a grandchild may keep a pipe open forever
+_POLL_SECONDS = 0.1
+
+# Reentrant: the signal handler prints from the main thread, which may hold the lock at that moment.
+_console_lock = threading.RLock()
+
+
+def _write_console(stream, text):
+    with _console_lock:
+        try:
+            stream.flush()
+            buffer = getattr(stream, "buffer", None)
+            if buffer is None:
+                stream.write(text)
+                stream.flush()
+            else:
+                buffer.write(text.encode(stream.encoding or "utf-8", errors="replace"))
+                buffer.flush()
+        except (OSError, ValueError):
+            pass  # a closed console must not stop the job or its supervision
+
+
+def say(message):
+    """Prints one of the launcher's own messages to stderr."""
+    _write_console(sys.stderr, f"{PROG}: {message}\n")
+
+
+def signal_name(signum):
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def exit_code_of(returncode):
+    """The shell's convention: 128 + signum for a process killed by a signal."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode):
+    if returncode < 0:
+        return f"was killed by signal {-returncode} ({signal_name(-returncode)})"
+    return f"exited with code {returncode}"
+
+
+def _plural(count, noun):
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _forward_output(rank, pipe, stream, label, raw_file):
+    """Copies one pipe of a rank to the launcher's stream line by line, prefixed in Horovod's format."""
+    prefix = f"[{rank}]<{label}>: "
+    try:
+        while True:
+            line = pipe.readline(_MAX_LINE_BYTES)
+            if not line:
+                break
+            if raw_file is not None:
+                raw_file.write(line)
+                raw_file.flush()
+            text = line.decode("utf-8", errors="replace")
+            _write_console(stream, prefix + (text if text.endswith("\n") else text + "\n"))
+    finally:
+        pipe.close()
+        if raw_file is not None:
+            raw_file.close()
+
+
+def open_output_files(output_dir, num_proc):
+    """Creates DIR/rank.<r>/{stdout,stderr}, r zero-padded to the width of the largest rank."""
+    width = len(str(num_proc - 1))
+    files = []
+    for rank in range(num_proc):
+        rank_dir = os.path.join(output_dir, f"rank.{rank:0{width}d}")
+        os.makedirs(rank_dir, exist_ok=True)
+        files.append((open(os.path.join(rank_dir, "stdout"), "wb"), open(os.path.join(rank_dir, "stderr"), "wb")))
+    return files
+
+
+class _Job:
+    def __init__(self, kill_grace_seconds):
+        self.kill_grace_seconds = kill_grace_seconds
+        self.processes = []  # index = rank
+        self.readers = []
+        self.exits = queue.Queue()  # (rank, returncode), in the order the ranks ended
+        self.stopping = False
+        self.stop_deadline = None
+        self.killed = False
+        self.signal_received = None
+
+    def start(self, command, environments, output_files):
+        for rank, env in enumerate(environments):
+            if self.stopping:
+                break  # interrupted while starting: do not start more ranks
+            process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, start_new_session=True)
+            self.processes.append(process)
+            raw_out, raw_err = output_files[rank] if output_files else (None, None)
+            for pipe, stream, label, raw in ((process.stdout, sys.stdout, "stdout", raw_out),
+                                             (process.stderr, sys.stderr, "stderr", raw_err)):
+                reader = threading.Thread(target=_forward_output, args=(rank, pipe, stream, label, raw),
+                                          name=f"rank{rank}-{label}", daemon=True)
+                reader.start()
+                self.readers.append(reader)
+            threading.Thread(target=self._wait_for, args=(rank, process), name=f"rank{rank}-wait",
+                             daemon=True).start()
+
+    def _wait_for(self, rank, process):
+        process.wait()
+        self.exits.put((rank, process.returncode))
+
+    def running(self):
+        return [rank for rank, process in enumerate(self.processes) if process.returncode is None]
+
+    def signal_running(self, signum):
+        for rank in self.running():
+            try:
+                os.killpg(self.processes[rank].pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass  # it ended in the meantime
+
+    def stop(self, signum=signal.SIGTERM):
+        """Sends signum to every running rank; SIGKILL follows once the grace period is over."""
+        self.stopping = True
+        self.signal_running(signum)
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.kill_grace_seconds
+
+    def kill(self):
+        self.stopping = True
+        self.killed = True
+        self.signal_running(signal.SIGKILL)
+
+    def on_signal(self, signum, frame):
+        if self.signal_received is None:
+            self.signal_received = signum
+            say(f"received {signal_name(signum)}; forwarding it to {_plural(len(self.running()), 'rank')}")
+            self.stop(signum)
+        else:
+            say(f"received {signal_name(signum)} again; killing the ranks now")
+            self.kill()
+
+    def _kill_after_grace(self):
+        if self.killed or self.stop_deadline is None or time.monotonic() < self.stop_deadline:
+            return
+        left = self.running()
+        if left:
+            say(f"{_plural(len(left), 'rank')} still running {self.kill_grace_seconds:g} s after being told to "
+                f"stop ({', '.join(map(str, left))}); sending SIGKILL")
+            self.kill()
+
+    def _explained_by_stop(self, returncode):
+        sent = {signal.SIGTERM, signal.SIGKILL, self.signal_received}
+        return any(returncode in (-signum, 128 + signum) for signum in sent if signum is not None)
+
+    def supervise(self):
+        """Waits for every started rank; returns the job's exit code."""
+        left = len(self.processes)
+        first_failure = None
+        other_failures = []
+        while left:
+            try:
+                rank, returncode = self.exits.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                self._kill_after_grace()
+                continue
+            left -= 1
+            if returncode == 0:
+                continue
+            if not self.stopping:
+                first_failure = (rank, returncode)
+                pid = self.processes[rank].pid
+                message = f"rank {rank} (pid {pid}) {describe_exit(returncode)}"
+                running = len(self.running())
+                say(f"{message}; stopping the other {_plural(running, 'rank')}" if running else message)
+                self.stop()
+            elif not self._explained_by_stop(returncode):
+                other_failures.append(f"rank {rank} {describe_exit(returncode)}")
+        if other_failures:
+            say("also failed: " + "; ".join(other_failures))
+        if first_failure is not None:
+            return exit_code_of(first_failure[1])
+        if self.signal_received is not None:
+            return 128 + self.signal_received
+        return 0
+
+    def drain_output(self):
+        deadline = time.monotonic() + _OUTPUT_DRAIN_SECONDS
+        for reader in self.readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        if any(reader.is_alive() for reader in self.readers):
+            say("some rank output is still open after the ranks exited (a child process of a rank holds it); "
+                "not waiting for it")
+
+
+def _start_failure_message(command, error):
+    if isinstance(error, FileNotFoundError):
+        return f"cannot run {command[0]!r}: command not found", 127
+    if isinstance(error, PermissionError):
+        return f"cannot run {command[0]!r}: permission denied", 126
+    return f"cannot run {command[0]!r}: {error.strerror or error}", 126
+
+
+def run_job(command, environments, kill_grace_seconds, output_dir=None):
+    """Runs len(environments) ranks of command, rank r with environments[r]; returns the job's exit code."""
+    try:
+        output_files = open_output_files(output_dir, len(environments)) if output_dir else None
+    except OSError as error:
+        say(f"cannot create the output files under {output_dir!r}: {error}")
+        return 1
+    job = _Job(kill_grace_seconds)
+    previous_handlers = {signum: signal.signal(signum, job.on_signal) for signum in FORWARDED_SIGNALS}
+    try:
+        try:
+            job.start(command, environments, output_files)
+        except OSError as error:
+            message, code = _start_failure_message(command, error)
+            say(message)
+            job.stop()
+            job.supervise()
+            return code
+        code = job.supervise()
+        job.drain_output()
+        return code
+    finally:
+        job.kill()  # only reaches ranks still running, i.e. after an unexpected error in the launcher
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+        if output_files:
+            for files in output_files[len(job.processes):]:  # those of ranks never started
+                for unused in files:
+                    unused.close()

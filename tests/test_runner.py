@@ -1,0 +1,320 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tests of the shmcommrun launcher, run as a subprocess with small inline rank programs (no C core needed)."""
+
+import json
+import os
+import queue
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 60  # for any one launcher run; the tests that measure stopping speed check their own bound
+IDENTITY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
+
+
+def launcher_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for name in list(env):  # a test run under shmcommrun must not leak its own identity into these checks
+        if name.startswith(("SHMCOMM_", "HOROVOD_")):
+            del env[name]
+    return env
+
+
+def launcher_args(*args):
+    return [sys.executable, "-m", "shmcomm.runner", *map(str, args)]
+
+
+def rank_program(source):
+    """The command of a rank that runs this Python source."""
+    return [sys.executable, "-c", textwrap.dedent(source)]
+
+
+def launch(*args, timeout=TIMEOUT):
+    return subprocess.run(launcher_args(*args), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def rank_lines(output, label="stdout"):
+    """{rank: [lines]} from the launcher's prefixed output."""
+    lines = {}
+    for line in output.splitlines():
+        match = re.match(rf"\[(\d+)\]<{label}>: (.*)\Z", line)
+        if match:
+            lines.setdefault(int(match.group(1)), []).append(match.group(2))
+    return lines
+
+
+class LiveLauncher:
+    """A launcher run whose stdout the test reads while it runs, to act once the ranks are up."""
+
+    def __init__(self, *args):
+        self.process = subprocess.Popen(launcher_args(*args), cwd=REPO, env=launcher_env(), text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.lines = queue.Queue()
+        self.stdout = []
+        self.stderr = []
+        threading.Thread(target=self._read, args=(self.process.stdout, self.stdout, True), daemon=True).start()
+        self.stderr_reader = threading.Thread(target=self._read, args=(self.process.stderr, self.stderr, False),
+                                              daemon=True)
+        self.stderr_reader.start()
+
+    def _read(self, pipe, sink, notify):
+        for line in pipe:
+            sink.append(line)
+            if notify:
+                self.lines.put(line)
+
+    def wait_for_lines(self, containing, count, timeout=30):
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while seen < count:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                self.process.kill()
+                pytest.fail(f"only {seen} of {count} lines with {containing!r}; stdout: {''.join(self.stdout)}")
+            seen += containing in line
+
+    def finish(self, timeout=TIMEOUT):
+        try:
+            returncode = self.process.wait(timeout=timeout)
+        finally:
+            self.process.kill()
+        self.stderr_reader.join(5)
+        return returncode, "".join(self.stdout), "".join(self.stderr)
+
+
+def test_env_contract():
+    keys = [f"{prefix}_{name}" for prefix in ("SHMCOMM", "HOROVOD") for name in IDENTITY]
+    keys += ["SHMCOMM_JOB_TOKEN", "PYTHONUNBUFFERED"]
+    program = rank_program(f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))")
+    tokens = []
+    for _ in range(2):
+        result = launch("-np", 3, *program)
+        assert result.returncode == 0, result.stderr
+        envs = {rank: json.loads(lines[0]) for rank, lines in rank_lines(result.stdout).items()}
+        assert sorted(envs) == [0, 1, 2]
+        hostname = envs[0]["SHMCOMM_HOSTNAME"]
+        assert hostname
+        for rank, env in envs.items():
+            expected = {"RANK": rank, "SIZE": 3, "LOCAL_RANK": rank, "LOCAL_SIZE": 3, "CROSS_RANK": 0,
+                        "CROSS_SIZE": 1, "HOSTNAME": hostname}
+            for name, value in expected.items():
+                assert env[f"SHMCOMM_{name}"] == str(value)
+                assert env[f"HOROVOD_{name}"] == str(value)
+            assert env["PYTHONUNBUFFERED"] == "1"
+        token = envs[0]["SHMCOMM_JOB_TOKEN"]
+        assert re.fullmatch(r"[0-9a-f]{32}", token)
+        assert all(env["SHMCOMM_JOB_TOKEN"] == token for env in envs.values())
+        tokens.append(token)
+    assert tokens[0] != tokens[1]
+
+
+def test_output_is_prefixed_per_stream_and_keeps_a_partial_last_line():
+    program = rank_program("""
+        import sys
+        print("first line")
+        sys.stderr.write("an error line\\n")
+        sys.stdout.buffer.write(b"bad byte \\xff here\\n")
+        sys.stdout.write("no newline at the end")
+    """)
+    result = launch("-np", 2, *program)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert rank_lines(result.stdout)[rank] == ["first line", "bad byte \ufffd here", "no newline at the end"]
+        assert rank_lines(result.stderr, "stderr")[rank] == ["an error line"]
+    assert "<stderr>" not in result.stdout and "<stdout>" not in result.stderr
+
+
+def test_failing_rank_stops_the_others_and_sets_the_exit_code():
+    program = rank_program("""
+        import os, sys, time
+        if os.environ["SHMCOMM_RANK"] == "1":
+            time.sleep(0.5)
+            sys.exit(3)
+        time.sleep(60)
+    """)
+    started = time.monotonic()
+    result = launch("-np", 4, *program)
+    assert time.monotonic() - started < 15
+    assert result.returncode == 3
+    assert re.search(r"rank 1 \(pid \d+\) exited with code 3; stopping the other 3 ranks", result.stderr)
+
+
+def test_rank_killed_by_a_signal():
+    program = rank_program("""
+        import os, signal, time
+        if os.environ["SHMCOMM_RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """)
+    started = time.monotonic()
+    result = launch("-np", 2, *program)
+    assert time.monotonic() - started < 15
+    assert result.returncode == 137
+    assert "rank 1" in result.stderr and "was killed by signal 9 (SIGKILL)" in result.stderr
+
+
+def test_ranks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path):
+    ready = tmp_path / "rank1-ignores-sigterm"
+    program = rank_program(f"""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if os.environ["SHMCOMM_RANK"] == "0":
+            while not os.path.exists({str(ready)!r}):
+                time.sleep(0.05)
+            sys.exit(5)
+        open({str(ready)!r}, "w").close()
+        time.sleep(60)
+    """)
+    started = time.monotonic()
+    result = launch("-np", 2, "--kill-grace-seconds", 0.5, *program)
+    assert time.monotonic() - started < 15
+    assert result.returncode == 5
+    assert "SIGKILL" in result.stderr
+
+
+def test_sigterm_to_the_launcher_is_forwarded_to_the_ranks():
+    program = rank_program("""
+        import os, signal, sys, time
+        def on_term(signum, frame):
+            print("rank got SIGTERM", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    launcher = LiveLauncher("-np", 3, *program)
+    launcher.wait_for_lines("ready", 3)
+    launcher.process.send_signal(signal.SIGTERM)
+    returncode, stdout, stderr = launcher.finish(timeout=15)
+    assert returncode == 143, stderr
+    assert sorted(rank_lines(stdout)) == [0, 1, 2]
+    assert all("rank got SIGTERM" in lines for lines in rank_lines(stdout).values())
+    assert "received SIGTERM" in stderr
+
+
+def test_second_ctrl_c_kills_at_once():
+    program = rank_program("""
+        import signal, time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    launcher = LiveLauncher("-np", 2, "--kill-grace-seconds", 30, *program)
+    launcher.wait_for_lines("ready", 2)
+    started = time.monotonic()
+    launcher.process.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    launcher.process.send_signal(signal.SIGINT)
+    returncode, _, stderr = launcher.finish(timeout=15)
+    assert time.monotonic() - started < 10
+    assert returncode == 130, stderr
+    assert "received SIGINT again" in stderr
+
+
+def test_output_filename_writes_raw_output_per_rank(tmp_path):
+    program = rank_program("""
+        import os, sys
+        print("out of", os.environ["SHMCOMM_RANK"])
+        sys.stderr.write("err of " + os.environ["SHMCOMM_RANK"])
+    """)
+    result = launch("-np", 2, "--output-filename", tmp_path / "two", *program)
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert (tmp_path / "two" / f"rank.{rank}" / "stdout").read_text() == f"out of {rank}\n"
+        assert (tmp_path / "two" / f"rank.{rank}" / "stderr").read_text() == f"err of {rank}"
+
+    result = launch("-np", 11, "--output-filename", tmp_path / "eleven", "sh", "-c", "echo $SHMCOMM_RANK")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "eleven").iterdir()) == [f"rank.{r:02d}" for r in range(11)]
+    assert (tmp_path / "eleven" / "rank.07" / "stdout").read_text() == "7\n"
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+@pytest.mark.parametrize("failing", [True, False])
+def test_job_segments_are_removed_and_other_jobs_are_left_alone(failing):
+    decoy = Path(f"/dev/shm/shmcomm-{secrets.token_hex(16)}-x")
+    decoy.write_bytes(b"another job's segment")
+    program = rank_program(f"""
+        import os, sys, time
+        token, rank, size = os.environ["SHMCOMM_JOB_TOKEN"], os.environ["SHMCOMM_RANK"], 3
+        with open(f"/dev/shm/shmcomm-{{token}}-x{{rank}}", "wb") as segment:
+            segment.write(b"data")
+        print("token", token, flush=True)
+        if rank == "1":
+            while len([n for n in os.listdir("/dev/shm") if n.startswith(f"shmcomm-{{token}}-")]) < size:
+                time.sleep(0.05)
+            sys.exit(1 if {failing!r} else 0)
+        time.sleep(60 if {failing!r} else 0)
+    """)
+    try:
+        result = launch("-np", 3, *program)
+        assert result.returncode == (1 if failing else 0), result.stderr
+        token = rank_lines(result.stdout)[0][0].split()[1]
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"shmcomm-{token}-")] == []
+        assert decoy.read_bytes() == b"another job's segment"
+    finally:
+        decoy.unlink()
+
+
+def test_check_build_reports_the_c_core():
+    result = launch("--check-build", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "C core" in result.stdout
+    assert "Available Frameworks:" in result.stdout
+
+
+def test_foreign_hosts_are_refused_and_localhost_is_accepted(tmp_path):
+    result = launch("-np", 2, "-H", "localhost:1,some-other-host:1", "true")
+    assert result.returncode == 2
+    assert "some-other-host" in result.stderr and "not supported" in result.stderr
+
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# local only\nlocalhost slots=2\nfar-away slots=2\n")
+    assert launch("-np", 2, "--hostfile", hostfile, "true").returncode == 2
+
+    assert launch("-np", 2, "-H", "localhost:4", "true").returncode == 0
+
+
+def test_command_not_found_exits_127():
+    result = launch("-np", 2, "shmcomm-no-such-command-xyz")
+    assert result.returncode == 127
+    assert "shmcomm-no-such-command-xyz" in result.stderr and "not found" in result.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["true"], ["-np", "0", "true"], ["-np", "2"]])
+def test_usage_errors_exit_2(args):
+    result = launch(*args)
+    assert result.returncode == 2
+    assert "usage:" in result.stderr
+
+
+def test_tunable_flags_reach_the_ranks_env():
+    flags = ["--fusion-threshold-mb", "1.5", "--cycle-time-ms", "3.5", "--cache-capacity", "64",
+             "--timeline-filename", "/tmp/timeline.json", "--timeline-mark-cycles", "--no-stall-check",
+             "--stall-check-warning-time-seconds", "30", "--stall-check-shutdown-time-seconds", "90",
+             "--log-level", "debug", "--start-timeout", "20", "--timeout", "40"]
+    expected = {"FUSION_THRESHOLD": str(int(1.5 * 1024 * 1024)), "CYCLE_TIME": "3.5", "CACHE_CAPACITY": "64",
+                "TIMELINE": "/tmp/timeline.json", "TIMELINE_MARK_CYCLES": "1", "STALL_CHECK_DISABLE": "1",
+                "STALL_CHECK_TIME_SECONDS": "30", "STALL_SHUTDOWN_TIME_SECONDS": "90", "LOG_LEVEL": "DEBUG"}
+    program = rank_program("import json, os; print(json.dumps(dict(os.environ)))")
+    result = launch("-np", 2, *flags, *program)
+    assert result.returncode == 0, result.stderr
+    for lines in rank_lines(result.stdout).values():
+        env = json.loads(lines[0])
+        for name, value in expected.items():
+            assert env[f"SHMCOMM_{name}"] == value
+            assert env[f"HOROVOD_{name}"] == value
+        assert env["SHMCOMM_START_TIMEOUT"] == "20" and env["SHMCOMM_TIMEOUT"] == "40"
