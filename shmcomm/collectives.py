@@ -57,14 +57,25 @@ def _call(rc, comm, what, buf):
         _raise(rc, comm, what, buf)
 
 
-def _allreduce(x, inplace, op, average, prescale_factor, postscale_factor, name):
+def _output(src, output, shape, what):
+    """The caller's output array after checking it fits, or a new one."""
+    if output is None:
+        out = empty_like(src, shape)
+        return out, wrap(out, what, writable=True)
+    dst = wrap(output, what, writable=True)
+    if tuple(dst.shape) != tuple(shape) or dst.dtype_key() != src.dtype_key():
+        raise InvalidArgumentError("%s: output is %s%s, expected %s%s" % (what, dst.type_name(), list(dst.shape),
+                                                                         src.type_name(), list(shape)))
+    return output, dst
+
+
+def _allreduce(x, inplace, op, average, prescale_factor, postscale_factor, name, output=None):
     comm = basics.communicator()
     what = _what("allreduce", name)
     src = wrap(x, what, writable=inplace)
     require_reducible(src, what)
     op = ops.resolve(op, average)
-    out = x if inplace else empty_like(src, src.shape)
-    dst = src if inplace else wrap(out, what, writable=True)
+    out, dst = (x, src) if inplace else _output(src, output, src.shape, what)
     divisor = comm.topology.size if op == ops.Average else 1
     rc = lib.smc_allreduce(comm.handle, src.ptr, dst.ptr, src.count, src.code, ops.C_OP[op], float(prescale_factor),
                            float(postscale_factor), divisor, _tag(src, src.shape))
@@ -72,9 +83,9 @@ def _allreduce(x, inplace, op, average, prescale_factor, postscale_factor, name)
     return out
 
 
-def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None):
-    """A new tensor holding the reduction of `tensor` over all ranks (default op: Average)."""
-    return _allreduce(tensor, False, op, average, prescale_factor, postscale_factor, name)
+def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None):
+    """The reduction of `tensor` over all ranks (default op: Average), in a new tensor or in `output`."""
+    return _allreduce(tensor, False, op, average, prescale_factor, postscale_factor, name, output)
 
 
 def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None):
@@ -88,14 +99,13 @@ def _check_root(comm, root_rank, what):
     return int(root_rank)
 
 
-def broadcast(tensor, root_rank, name=None):
-    """A new tensor holding root_rank's `tensor` on every rank."""
+def broadcast(tensor, root_rank, name=None, output=None):
+    """root_rank's `tensor` on every rank, in a new tensor or in `output`."""
     comm = basics.communicator()
     what = _what("broadcast", name)
     root = _check_root(comm, root_rank, what)
     src = wrap(tensor, what)
-    out = empty_like(src, src.shape)
-    dst = wrap(out, what, writable=True)
+    out, dst = _output(src, output, src.shape, what)
     _call(lib.smc_broadcast(comm.handle, src.ptr, dst.ptr, src.nbytes, root, _tag(src, src.shape)), comm, what, src)
     return out
 

@@ -125,3 +125,24 @@ def _torch_tensors(size):
 def test_torch_cpu_tensors():
     pytest.importorskip("torch")
     assert multiproc.run(3, _torch_tensors, 3, timeout=120) == [True] * 3
+
+
+def _into_output():
+    import shmcomm
+
+    shmcomm.init()
+    x = np.arange(100_000, dtype=np.float32)
+    out = np.empty_like(x)
+    assert shmcomm.allreduce(x, op=shmcomm.Sum, output=out) is out
+    np.testing.assert_array_equal(out, x * 2)
+    assert shmcomm.broadcast(x + shmcomm.rank(), 1, output=out) is out
+    np.testing.assert_array_equal(out, x + 1)
+    with pytest.raises(shmcomm.InvalidArgumentError, match="output is float64"):
+        shmcomm.allreduce(x, output=np.empty(100_000))
+    with pytest.raises(shmcomm.InvalidArgumentError, match="output is float32"):
+        shmcomm.allreduce(x, output=np.empty(10, np.float32))
+    return True
+
+
+def test_results_into_a_given_output():
+    assert multiproc.run(2, _into_output) == [True, True]
