@@ -46,15 +46,28 @@ def _is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _numpy_failure(x, what, writable):
+    """Why numpy refused to export `x` as a plain buffer, in the user's terms."""
+    if not x.flags.c_contiguous:
+        return InvalidArgumentError("%s: tensor is required to be contiguous" % what)
+    if writable and not x.flags.writeable:
+        return InvalidArgumentError("%s: the output array is read-only" % what)
+    return None
+
+
 def wrap(x, what, writable=False):
     if isinstance(x, np.ndarray):
-        if not x.flags.c_contiguous:
-            raise InvalidArgumentError("%s: tensor is required to be contiguous" % what)
-        if writable and not x.flags.writeable:
-            raise InvalidArgumentError("%s: the output array is read-only" % what)
-        ptr = ffi.cast("void *", x.ctypes.data) if x.dtype.fields is None else None
-        if ptr is None:
-            raise InvalidArgumentError("%s: structured dtype %s is not supported" % (what, x.dtype))
+        try:
+            # from_buffer is the cheapest way to a pointer (a fifth of x.ctypes.data), and it refuses exactly what
+            # the core must not get: non-contiguous arrays, and read-only ones when we write.
+            ptr = ffi.from_buffer(x, require_writable=writable)
+        except (BufferError, TypeError, ValueError):
+            error = _numpy_failure(x, what, writable)
+            if error is not None:
+                raise error from None
+            if x.dtype.fields is not None:
+                raise InvalidArgumentError("%s: structured dtype %s is not supported" % (what, x.dtype)) from None
+            ptr = ffi.cast("void *", x.ctypes.data)  # a dtype numpy cannot describe as a buffer (ml_dtypes)
         return Buffer(x, ptr, x.size, dtypes.numpy_code(x.dtype), x.dtype.itemsize, x.shape, False)
     if _is_torch(x):
         if x.device.type != "cpu":

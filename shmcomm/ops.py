@@ -27,8 +27,13 @@ C_OP = {
 }
 
 
+_SUPPORTED = {op: op for op in ReduceOp if op != ReduceOp.Adasum}
+
+
 def resolve(op, average=None):
     """Horovod's rules: `average=` (deprecated) still works, None means Average, and ints are accepted."""
+    if average is None and op in _SUPPORTED:
+        return _SUPPORTED[op]  # the common case, without the enum's slower constructor
     if average is not None:
         if op is not None:
             raise ValueError("op and average cannot both be given; average is deprecated, use op=")
