@@ -14,23 +14,28 @@ _NOT_INITIALIZED = "shmcomm has not been initialized; use shmcomm.init()."
 
 
 class Communicator:
-    """A live communicator over the ranks of this host."""
+    """A live communicator over some ranks of this host: all of them, or a process set.
 
-    def __init__(self, topo, tuning, generation):
+    `ranks` are the global ranks it holds, in order; `rank` is this process's index among them."""
+
+    def __init__(self, topo, tuning, generation, ranks=None, suffix=""):
         self.topology = topo
         self.tuning = tuning
-        self._token = ffi.new("char[]", topo.token.encode())
+        self.ranks = list(range(topo.size)) if ranks is None else list(ranks)
+        self.rank = self.ranks.index(topo.rank)
+        self.size = len(self.ranks)
+        self._token = ffi.new("char[]", (topo.token + suffix).encode())
         cfg = ffi.new("smc_config_t *")
         cfg.token = self._token
         cfg.generation = generation
-        cfg.rank = topo.local_rank
-        cfg.size = topo.local_size
+        cfg.rank = self.rank
+        cfg.size = self.size
         cfg.start_timeout_s = tuning.start_timeout_s
         cfg.timeout_s = tuning.timeout_s
         cfg.liveness_s = tuning.liveness_s
         cfg.slot_bytes = tuning.slot_bytes
         cfg.small_bytes = tuning.small_bytes
-        cfg.arena_bytes = tuning.arena_bytes
+        cfg.arena_bytes = tuning.arena_bytes if ranks is None else 0
         cfg.spin_us = tuning.spin_us
         out = ffi.new("smc_comm_t **")
         check(lib.smc_comm_create(cfg, out))
@@ -66,8 +71,22 @@ def init():
         _state.comm = comm
 
 
+def generation():
+    """How many times this process has initialised; part of every segment name."""
+    return _state.generation
+
+
+_shutdown_hooks = []  # run before the communicator closes: the engine stops, process sets close
+
+
+def on_shutdown(hook):
+    _shutdown_hooks.append(hook)
+
+
 def shutdown():
     """Leaves the job. Never blocks on other ranks; init() may be called again afterwards."""
+    for hook in list(_shutdown_hooks):
+        hook()
     with _state.lock:
         comm, _state.comm = _state.comm, None
     if comm is not None:

@@ -58,9 +58,11 @@ def _numpy_failure(x, what, writable):
 def wrap(x, what, writable=False):
     if isinstance(x, np.ndarray):
         try:
-            # from_buffer is the cheapest way to a pointer (a fifth of x.ctypes.data), and it refuses exactly what
-            # the core must not get: non-contiguous arrays, and read-only ones when we write.
-            ptr = ffi.from_buffer(x, require_writable=writable)
+            # from_buffer is the cheapest way to a pointer (a fifth of x.ctypes.data), and it refuses what the core
+            # must not get: non-contiguous arrays. (Its require_writable flag costs more than reading the flag.)
+            ptr = ffi.from_buffer(x)
+            if writable and not x.flags.writeable:
+                raise BufferError
         except (BufferError, TypeError, ValueError):
             error = _numpy_failure(x, what, writable)
             if error is not None:
@@ -68,7 +70,8 @@ def wrap(x, what, writable=False):
             if x.dtype.fields is not None:
                 raise InvalidArgumentError("%s: structured dtype %s is not supported" % (what, x.dtype)) from None
             ptr = ffi.cast("void *", x.ctypes.data)  # a dtype numpy cannot describe as a buffer (ml_dtypes)
-        return Buffer(x, ptr, x.size, dtypes.numpy_code(x.dtype), x.dtype.itemsize, x.shape, False)
+        dtype = x.dtype
+        return Buffer(x, ptr, x.size, dtypes.numpy_code(dtype), dtype.itemsize, x.shape, False)
     if _is_torch(x):
         if x.device.type != "cpu":
             raise InvalidArgumentError(

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a caller asks for (Request), how it finds out when it is done (Handle), and how one request runs."""
+import threading
+import time
+
+from shmcomm import host_ops
+
+
+class Request:
+    """One collective on one tensor. `root` is an index in `comm`; `splits` is a list of rows per rank."""
+
+    __slots__ = ("kind", "name", "tensor", "output", "op", "prescale", "postscale", "root", "splits", "comm",
+                 "set_id", "handle", "submitted", "signature")
+
+    def __init__(self, kind, name, tensor, comm, set_id=0, output=None, op=None, prescale=1.0, postscale=1.0, root=0,
+                 splits=None):
+        self.kind = kind
+        self.name = name
+        self.tensor = tensor
+        self.output = output
+        self.op = op
+        self.prescale = float(prescale)
+        self.postscale = float(postscale)
+        self.root = root
+        self.splits = splits
+        self.comm = comm
+        self.set_id = set_id
+        self.handle = None
+        self.submitted = 0.0
+        self.signature = None  # set by the engine: what every rank must agree on
+
+    @property
+    def what(self):
+        """How error messages name it: the request name, which starts with the collective's."""
+        return self.kind if self.name is None else self.name
+
+
+def execute(req):
+    """Runs `req` on its communicator, now, in this thread."""
+    kind, comm, what = req.kind, req.comm, req.what
+    if kind == "allreduce":
+        return host_ops.allreduce(comm, req.tensor, req.output, req.op, req.prescale, req.postscale, what)
+    if kind == "broadcast":
+        return host_ops.broadcast(comm, req.tensor, req.output, req.root, what)
+    if kind == "allgather":
+        return host_ops.allgather(comm, req.tensor, what)
+    if kind == "reducescatter":
+        return host_ops.reducescatter(comm, req.tensor, req.op, req.prescale, req.postscale, what)
+    if kind == "alltoall":
+        return host_ops.alltoall(comm, req.tensor, req.splits, what)
+    if kind == "barrier":
+        return host_ops.barrier(comm, what)
+    raise ValueError("unknown collective %r" % kind)
+
+
+class Handle:
+    """The caller's side of a submitted request: poll() without blocking, wait() for the result or the error."""
+
+    __slots__ = ("request", "_done", "_result", "_error", "finished")
+
+    def __init__(self, request):
+        self.request = request
+        self._done = threading.Event()
+        self._result = None
+        self._error = None
+        self.finished = 0.0
+
+    def poll(self):
+        return self._done.is_set()
+
+    def wait(self, timeout=None):
+        if not self._done.wait(timeout):
+            from shmcomm.exceptions import TimeoutError
+
+            raise TimeoutError("%s: not done after %.1f s" % (self.request.what, timeout))
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def set_result(self, result):
+        self._result = result
+        self.finished = time.monotonic()
+        self.request.tensor = None  # the caller holds what it needs; drop our references early
+        self._done.set()
+
+    def set_error(self, error):
+        self._error = error
+        self.finished = time.monotonic()
+        self._done.set()
