@@ -57,10 +57,19 @@ class _State:
 _state = _State()
 
 
-def init():
-    """Joins the job described by the launcher's environment (a world of one without it). Idempotent."""
+def init(engine=None):
+    """Joins the job described by the launcher's environment (a world of one without it). Idempotent.
+
+    engine=True starts the background engine now, on every rank, as Horovod does; shmcomm.torch.init() passes it.
+    Without it, blocking calls go straight to the shared memory (the lowest latency) and the engine starts with the
+    first asynchronous call, which every rank makes at the same point of the program. join() needs the engine from
+    the start, since the ranks that call it and the ones that go on differ. SHMCOMM_ENGINE=1 sets the default."""
+    if engine is None:
+        engine = env.engine_requested()
     with _state.lock:
         if _state.comm is not None:
+            if engine:
+                _start_engine()
             return
         topo = env.topology()
         if topo.cross_size > 1 or topo.local_size != topo.size:
@@ -69,6 +78,14 @@ def init():
         comm = Communicator(topo, env.tuning(topo.local_size), _state.generation)
         _state.generation += 1
         _state.comm = comm
+    if engine:
+        _start_engine()
+
+
+def _start_engine():
+    from shmcomm import engine
+
+    engine.start()
 
 
 def generation():
@@ -76,7 +93,7 @@ def generation():
     return _state.generation
 
 
-_shutdown_hooks = []  # run before the communicator closes: the engine stops, process sets close
+_shutdown_hooks = []  # run before the communicator closes (process sets close theirs)
 
 
 def on_shutdown(hook):
@@ -85,6 +102,9 @@ def on_shutdown(hook):
 
 def shutdown():
     """Leaves the job. Never blocks on other ranks; init() may be called again afterwards."""
+    from shmcomm import engine
+
+    engine.stop()  # first: it may be running collectives on the communicators closed below
     for hook in list(_shutdown_hooks):
         hook()
     with _state.lock:

@@ -58,6 +58,10 @@ def topology():
                     _number("CROSS_SIZE", 1, int), token, True)
 
 
+def engine_requested():
+    return _get("ENGINE", "0") not in ("0", "false", "False", "")
+
+
 @dataclass(frozen=True)
 class Tuning:
     timeout_s: float       # any collective wait while peers are alive

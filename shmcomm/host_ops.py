@@ -79,6 +79,14 @@ def allreduce(comm, x, output, op, prescale, postscale, what):
     return out
 
 
+def allreduce_raw(comm, ptr, count, code, op, prescale, postscale, what):
+    """In-place allreduce of `count` elements of type `code` at `ptr` (the engine's fusion buffer)."""
+    rc = lib.smc_allreduce(comm.handle, ptr, ptr, count, code, _C_OP[op], prescale, postscale,
+                           comm.size if op == ops.Average else 1, hash((code, count)) & _MASK)
+    if rc != 0:
+        raise error_for(rc, what)
+
+
 def broadcast(comm, x, output, root, what):
     """`root` (an index in the communicator) sends `x`; everyone's result lands in `output` (may be `x`)."""
     src = wrap(x, what, writable=output is x)

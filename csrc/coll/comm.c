@@ -188,6 +188,7 @@ void smc_comm_destroy(smc_comm_t* c) {
   free(c);
 }
 
+void smc_comm_set_spin(smc_comm_t* c, int spin_us) { c->spin_us = spin_us < 0 ? 0 : spin_us; }
 int smc_comm_rank(const smc_comm_t* c) { return c->rank; }
 int smc_comm_size(const smc_comm_t* c) { return c->size; }
 

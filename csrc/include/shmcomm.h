@@ -74,6 +74,8 @@ const char* smc_result_string(smc_result_t rc);  /* a short name for a code */
 smc_result_t smc_comm_create(const smc_config_t* config, smc_comm_t** comm);
 /* Leaves the job; never blocks on peers. Safe on NULL. */
 void smc_comm_destroy(smc_comm_t* comm);
+/* Changes how long waits poll before sleeping (the engine polls briefly while negotiating). */
+void smc_comm_set_spin(smc_comm_t* comm, int spin_us);
 int smc_comm_rank(const smc_comm_t* comm);
 int smc_comm_size(const smc_comm_t* comm);
 /* Ranks whose process is gone, as a bit mask (bit r = rank r); for error reports and tests. */

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The background engine: asynchronous collectives, negotiated across ranks, fused, in one order everywhere.
 
-It starts on the first asynchronous request and stops at shutdown."""
+It starts on the first asynchronous request and stops at shutdown (basics.shutdown stops it first)."""
 import threading
 
 _lock = threading.Lock()
@@ -23,7 +23,6 @@ def start():
 
             comm = basics.communicator()
             _engine = Engine(comm)
-            basics.on_shutdown(stop)
         return _engine
 
 

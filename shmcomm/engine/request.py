@@ -10,7 +10,7 @@ class Request:
     """One collective on one tensor. `root` is an index in `comm`; `splits` is a list of rows per rank."""
 
     __slots__ = ("kind", "name", "tensor", "output", "op", "prescale", "postscale", "root", "splits", "comm",
-                 "set_id", "handle", "submitted", "signature")
+                 "set_id", "handle", "submitted", "want_splits")
 
     def __init__(self, kind, name, tensor, comm, set_id=0, output=None, op=None, prescale=1.0, postscale=1.0, root=0,
                  splits=None):
@@ -27,7 +27,7 @@ class Request:
         self.set_id = set_id
         self.handle = None
         self.submitted = 0.0
-        self.signature = None  # set by the engine: what every rank must agree on
+        self.want_splits = False  # alltoall: return the received splits too (Horovod does when splits were given)
 
     @property
     def what(self):
@@ -72,7 +72,8 @@ class Handle:
         if not self._done.wait(timeout):
             from shmcomm.exceptions import TimeoutError
 
-            raise TimeoutError("%s: not done after %.1f s" % (self.request.what, timeout))
+            what = self.request.what if self.request is not None else "join"
+            raise TimeoutError("%s: not done after %.1f s" % (what, timeout))
         if self._error is not None:
             raise self._error
         return self._result
@@ -80,7 +81,8 @@ class Handle:
     def set_result(self, result):
         self._result = result
         self.finished = time.monotonic()
-        self.request.tensor = None  # the caller holds what it needs; drop our references early
+        if self.request is not None:
+            self.request.tensor = None  # the caller holds what it needs; drop our references early
         self._done.set()
 
     def set_error(self, error):

@@ -1,0 +1,83 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Asynchronous collectives: each returns a handle at once; poll() tells if it is done, synchronize() waits for the
+result or raises its error. They run on the background engine, which starts with the first of them."""
+from shmcomm import basics, engine
+from shmcomm.collectives import (allgather_request, allreduce_request, alltoall_request, broadcast_request,
+                                 reducescatter_request, received_splits)
+from shmcomm.ops import Average
+
+
+def _submit(req):
+    return engine.start().submit(req)
+
+
+def allreduce_async(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
+                    process_set=None):
+    return _submit(allreduce_request(tensor, None, op, average, prescale_factor, postscale_factor, name, process_set))
+
+
+def allreduce_async_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
+                     process_set=None):
+    return _submit(allreduce_request(tensor, tensor, op, average, prescale_factor, postscale_factor, name,
+                                     process_set))
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=None):
+    return _submit(broadcast_request(tensor, None, root_rank, name, process_set))
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=None):
+    return _submit(broadcast_request(tensor, tensor, root_rank, name, process_set))
+
+
+def allgather_async(tensor, name=None, process_set=None):
+    return _submit(allgather_request(tensor, name, process_set))
+
+
+def reducescatter_async(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+    return _submit(reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set))
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=None):
+    req = alltoall_request(tensor, splits, name, process_set)
+    req.want_splits = splits is not None
+    return _submit(req)
+
+
+def poll(handle):
+    """True once the operation has finished (successfully or not)."""
+    return handle.poll()
+
+
+def synchronize(handle):
+    """Waits for the operation; returns its result or raises its error."""
+    result = handle.wait()
+    req = handle.request
+    if req is not None and req.kind == "alltoall":
+        out, got = result
+        return (out, received_splits(out, got)) if req.want_splits else out
+    return result
+
+
+def join():
+    """Says this rank has no more data: until every rank has joined, this rank's engine contributes zeros to the
+    others' allreduces (allgather and broadcast fail meanwhile). Returns the rank that joined last, on every rank."""
+    basics.communicator()
+    eng = engine.current()
+    if eng is None:
+        from shmcomm.exceptions import ShmCommError
+
+        raise ShmCommError("join() needs the background engine on every rank from the start: call "
+                           "shmcomm.init(engine=True) (shmcomm.torch.init() does), or set SHMCOMM_ENGINE=1")
+    return eng.join().wait()
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Starts writing the Chrome-trace timeline of this rank's engine to `file_path`."""
+    engine.start().timeline.start(file_path, mark_cycles)
+
+
+def stop_timeline():
+    eng = engine.current()
+    if eng is not None:
+        eng.timeline.stop()

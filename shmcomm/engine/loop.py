@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's background thread.
+
+Why a thread: a request must not run until every rank has submitted it, ranks submit in their own order (gradient
+hooks fire as backward reaches each parameter), and the caller must get control back at once. So callers only queue
+requests; this thread, once per cycle (SHMCOMM_CYCLE_TIME ms, default 1), publishes what is pending, agrees with the
+other ranks on what is ready everywhere (negotiate.py), runs it in the agreed order, fusing small allreduces
+(fusion.py), and completes the handles. Shutdown travels in the same messages, as does join()."""
+import itertools
+import os
+import threading
+import time
+
+from shmcomm import env, process_sets
+from shmcomm._native import lib
+from shmcomm.buffers import wrap
+from shmcomm.engine import fusion
+from shmcomm.engine.negotiate import Negotiator, signature
+from shmcomm.engine.request import Handle, execute
+from shmcomm.engine.stall import StallInspector
+from shmcomm.engine.timeline import from_environment
+from shmcomm.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
+
+_FATAL = (RankFailure, BrokenCommunicatorError, TimeoutError)
+_NEGOTIATION_SPIN_US = 5  # the engine mostly waits for peers that are busy computing: do not burn their core
+
+
+def _setting(name, default, kind=float):
+    for prefix in ("SHMCOMM_", "HOROVOD_"):
+        value = os.environ.get(prefix + name)
+        if value not in (None, ""):
+            return kind(value)
+    return default
+
+
+class Engine:
+    def __init__(self, comm):
+        self.comm = comm
+        self.cycle_s = _setting("CYCLE_TIME", 1.0) / 1000.0
+        self.fusion_threshold = _setting("FUSION_THRESHOLD", 64 << 20, int)
+        self.negotiator = Negotiator(comm, _setting("CACHE_CAPACITY", 1024, int))
+        self.stall = StallInspector(comm.rank, _setting("STALL_CHECK_TIME_SECONDS", 60.0),
+                                    _setting("STALL_SHUTDOWN_TIME_SECONDS", 0.0),
+                                    not _setting("STALL_CHECK_DISABLE", 0, int))
+        self.timeline = from_environment(comm.rank)
+        self.fusion = fusion.FusionBuffer()
+        self._cond = threading.Condition()
+        self._queue = []
+        self._in_flight = set()   # names submitted and not completed: a second one is a caller error
+        self._pending = {}        # name -> (request, signature), submitted to the negotiation
+        self._join = None         # this rank's join handle while it has joined
+        self._join_cycle = 0
+        self._stopping = False
+        self._fatal = None
+        self._cycle = 0
+        self._last_start = 0.0
+        self._busy = False        # some rank had work last cycle: more usually follows, so do not sleep
+        self._noname = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="shmcomm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the callers' side ----
+    def in_engine_thread(self):
+        return threading.current_thread() is self._thread
+
+    def submit(self, req):
+        """Queues a request and returns its Handle. Checks the tensor now, so bad input raises in the caller."""
+        if req.name is None:
+            req.name = "%s.noname.%d" % (req.kind, next(self._noname))
+        if req.kind == "barrier":
+            sig = signature(req, None, ())
+        else:
+            buf = wrap(req.tensor, req.what, writable=req.output is req.tensor)
+            sig = signature(req, buf.dtype_key(), tuple(buf.shape) or (1,))
+        handle = Handle(req)
+        req.handle = handle
+        with self._cond:
+            if self._fatal is not None:
+                raise self._fatal
+            if req.name in self._in_flight:
+                raise ValueError("%s: a tensor of this name is already being processed; names must be unique among "
+                                 "the operations in flight" % req.what)
+            self._in_flight.add(req.name)
+            req.submitted = time.monotonic()
+            self._queue.append((req, sig))
+            self._cond.notify()
+        self.timeline.begin([req.name], "NEGOTIATE_" + req.kind.upper())
+        return handle
+
+    def join(self):
+        """Marks this rank as out of data; returns a handle whose result is the last rank to join."""
+        handle = Handle(None)
+        with self._cond:
+            if self._fatal is not None:
+                raise self._fatal
+            self._join = handle
+            self._cond.notify()
+        return handle
+
+    def stop(self):
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if not self.in_engine_thread():
+            self._thread.join(timeout=self.comm.tuning.timeout_s)
+        self.timeline.stop()
+
+    # ---- the thread ----
+    def _run(self):
+        try:
+            while self._cycle_once():
+                pass
+        except BaseException as error:  # anything unexpected must still release the callers
+            self._fail_everything(error if isinstance(error, ShmCommError) else
+                                  ShmCommError("shmcomm engine failed: %r" % (error,)))
+
+    def _wait_for_work(self, started):
+        with self._cond:
+            left = self.cycle_s - (time.monotonic() - started)
+            if left > 0 and not self._queue and not self._stopping and not self._busy:
+                self._cond.wait(left)
+            queued, self._queue = self._queue, []
+            return queued, self._stopping, self._join
+
+    def _cycle_once(self):
+        queued, stopping, join = self._wait_for_work(self._last_start)
+        self._last_start = time.monotonic()
+        for req, sig in queued:
+            self._pending[req.name] = (req, sig)
+        self._cycle += 1
+        self.timeline.cycle()
+        if join is not None and self._join_cycle == 0:
+            self._join_cycle = self._cycle
+        flags = {"shutdown": stopping, "join": self._join_cycle}
+        lib.smc_comm_set_spin(self.comm.handle, _NEGOTIATION_SPIN_US)
+        try:
+            everyone = self.negotiator.exchange([(name, sig) for name, (_, sig) in self._pending.items()], flags)
+        finally:
+            lib.smc_comm_set_spin(self.comm.handle, self.comm.tuning.spin_us)
+        leaving = [r for r, (_, f) in enumerate(everyone) if f["shutdown"]]
+        if leaving:
+            self._leave(leaving)
+            return False
+        self._busy = any(entries for entries, _ in everyone)  # the same verdict on every rank
+        joined = {r: f["join"] for r, (_, f) in enumerate(everyone) if f["join"]}
+        responses, waiting = self.negotiator.agree(everyone, process_sets.members, joined)
+        self._execute(responses)
+        for name, message in self.stall.check(waiting).items():
+            self._complete(name, error=ShmCommError(message))
+        if len(joined) == self.comm.size:
+            last = max(joined, key=lambda r: (joined[r], r))
+            handle, self._join, self._join_cycle = self._join, None, 0
+            handle.set_result(last)
+        return True
+
+    def _leave(self, leaving):
+        me = self.comm.rank
+        if me in leaving:
+            error = ShmCommError("shmcomm has been shut down on this rank")
+        else:
+            error = RankFailure("rank %d has shut down; the ranks did not run the same collectives" % leaving[0],
+                                leaving[0])
+        self._fail_everything(error)
+
+    def _execute(self, responses):
+        me = self.comm.topology.rank
+        run = []
+        for resp in responses + [None]:
+            if resp is not None and resp.error is None and resp.sig[0] == "allreduce":
+                run.append(resp)
+                continue
+            if run:
+                self._execute_allreduces(run)
+                run = []
+            if resp is None:
+                break
+            if me not in process_sets.members(resp.sig[1]):
+                continue
+            if resp.error is not None:
+                from shmcomm.exceptions import MismatchError
+
+                self._complete(resp.name, error=MismatchError(resp.error))
+                continue
+            self._run_one(resp.name)
+
+    def _run_one(self, name):
+        req, _ = self._pending[name]
+        self.timeline.end([name], "NEGOTIATE_" + req.kind.upper())
+        self.timeline.begin([name], req.kind.upper())
+        try:
+            result = execute(req)
+        except ShmCommError as error:
+            self.timeline.end([name], req.kind.upper())
+            self._complete(name, error=error)
+            if isinstance(error, _FATAL):
+                raise
+            return
+        self.timeline.end([name], req.kind.upper())
+        self._complete(name, result=result)
+
+    def _execute_allreduces(self, responses):
+        me = self.comm.topology.rank
+        # Groups come from the full, identical-everywhere list; a group belongs to one process set, so each rank then
+        # runs exactly the groups of its sets, in the same order as the other members.
+        for group in fusion.groups(responses, max(self.fusion_threshold, 1), lambda code: lib.smc_dtype_size(code)):
+            if me not in process_sets.members(group[0].sig[1]):
+                continue
+            if len(group) == 1 and not group[0].joined and group[0].name in self._pending:
+                self._run_one(group[0].name)
+                continue
+            requests = {r.name: self._pending[r.name][0] for r in group if r.name in self._pending}
+            self.timeline.end(list(requests), "NEGOTIATE_ALLREDUCE")
+            sig = group[0].sig
+            comm = self.comm if sig[1] == 0 else process_sets._registry[sig[1]].communicator()
+            try:
+                results = fusion.run_group(comm, group, requests, self.fusion, lib.smc_dtype_size(sig[2]), sig[2],
+                                           self.timeline)
+            except ShmCommError as error:
+                for name in requests:
+                    self._complete(name, error=error)
+                if isinstance(error, _FATAL):
+                    raise
+                continue
+            for name, result in results.items():
+                self._complete(name, result=result)
+
+    def _complete(self, name, result=None, error=None):
+        entry = self._pending.pop(name, None)
+        if entry is None:
+            return
+        with self._cond:
+            self._in_flight.discard(name)
+        if error is not None:
+            entry[0].handle.set_error(error)
+        else:
+            entry[0].handle.set_result(result)
+
+    def _fail_everything(self, error):
+        with self._cond:
+            self._fatal = error
+            queued, self._queue = self._queue, []
+            self._in_flight.clear()
+        for req, _ in list(self._pending.values()) + queued:
+            req.handle.set_error(error)
+        self._pending.clear()
+        if self._join is not None:
+            self._join.set_error(error)
+            self._join = None

@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Agreement across ranks on what to run next.
+
+Each cycle every rank publishes what it has pending (allgather), and every rank then computes the same verdict from
+the same data: which requests every member of their process set has submitted, in one order (first appearance,
+scanning rank 0 up), and which of those disagree. A request that disagrees fails on every rank with a message naming
+the ranks and what differed; the others run.
+
+A request travels as (name, signature) the first time; once agreed it gets a cache id, identical on every rank
+because every rank assigns ids in the same order, and later cycles send only the id. Steady-state training, the same
+tensors every step, then costs a few integers per tensor per cycle."""
+import pickle
+
+import numpy as np
+
+from shmcomm import dtypes
+from shmcomm._native import error_for, ffi, lib
+
+
+def signature(req, buf_key, shape):
+    """What all ranks must agree on for this request. The first dimension of allgather and alltoall may differ."""
+    kind = req.kind
+    if kind in ("allgather", "alltoall"):
+        return (kind, req.set_id, buf_key, tuple(shape[1:]))
+    if kind == "broadcast":
+        return (kind, req.set_id, buf_key, tuple(shape), req.root)
+    if kind in ("allreduce", "reducescatter"):
+        return (kind, req.set_id, buf_key, tuple(shape), int(req.op), req.prescale, req.postscale)
+    return (kind, req.set_id)
+
+
+def describe(sig):
+    kind = sig[0]
+    if len(sig) < 4:
+        return kind
+    dtype = dtypes.NAMES.get(sig[2], "dtype#%d" % sig[2])
+    dims = [str(d) for d in sig[3]]
+    if kind in ("allgather", "alltoall"):
+        dims = ["*"] + dims  # the first dimension may differ
+    text = "%s %s[%s]" % (kind, dtype, ", ".join(dims))
+    if kind == "broadcast":
+        text += " root %d" % sig[4]
+    elif len(sig) > 4:
+        from shmcomm.ops import ReduceOp
+
+        text += " op %s" % ReduceOp(sig[4]).name
+        if sig[5] != 1.0 or sig[6] != 1.0:
+            text += " prescale %g postscale %g" % (sig[5], sig[6])
+    return text
+
+
+class Response:
+    __slots__ = ("name", "sig", "error", "joined")
+
+    def __init__(self, name, sig, error=None, joined=()):
+        self.name = name
+        self.sig = sig
+        self.error = error        # text: this request fails on every rank
+        self.joined = joined      # ranks that contribute zeros (they called join())
+
+
+class Negotiator:
+    def __init__(self, comm, cache_capacity):
+        self.comm = comm
+        self.capacity = cache_capacity
+        self.ids = {}     # (name, sig) -> cache id
+        self.entries = []  # cache id -> (name, sig)
+
+    def _allgather_bytes(self, payload):
+        comm = self.comm
+        mine = np.array([len(payload)], dtype=np.int64)
+        sizes = np.empty(comm.size, dtype=np.int64)
+        eight = ffi.new("uint64_t[]", [8] * comm.size)
+        rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine), 8, ffi.from_buffer(sizes), eight, 0)
+        if rc != 0:
+            raise error_for(rc, "negotiation")
+        out = bytearray(int(sizes.sum()))
+        rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(payload), len(payload), ffi.from_buffer(out),
+                                ffi.new("uint64_t[]", [int(s) for s in sizes]), 0)
+        if rc != 0:
+            raise error_for(rc, "negotiation")
+        views, at = [], 0
+        for s in sizes:
+            views.append(bytes(out[at:at + int(s)]))
+            at += int(s)
+        return views
+
+    def exchange(self, pending, flags):
+        """Publishes [(name, sig)] and a flags dict; returns every rank's (entries, flags)."""
+        wire = [self.ids.get(item, item) for item in pending]
+        gathered = self._allgather_bytes(pickle.dumps((wire, flags), protocol=pickle.HIGHEST_PROTOCOL))
+        result = []
+        for blob in gathered:
+            wire, peer_flags = pickle.loads(blob)
+            result.append(([self.entries[w] if isinstance(w, int) else w for w in wire], peer_flags))
+        return result
+
+    def agree(self, everyone, members_of, joined):
+        """Responses, in the same order on every rank, and {name: (first_submitters, missing ranks)} still waiting."""
+        order, seen = [], {}
+        for rank, (entries, _) in enumerate(everyone):
+            for name, sig in entries:
+                if name not in seen:
+                    seen[name] = {}
+                    order.append(name)
+                seen[name][rank] = sig
+        responses, waiting = [], {}
+        for name in order:
+            by_rank = seen[name]
+            sig = next(iter(by_rank.values()))
+            members = members_of(sig[1])
+            missing = [r for r in members if r not in by_rank and r not in joined]
+            if missing:
+                waiting[name] = (sorted(by_rank), missing)
+                continue
+            zeros = tuple(r for r in members if r not in by_rank)
+            responses.append(Response(name, sig, self._disagreement(name, by_rank, zeros), zeros))
+        for resp in responses:
+            if resp.error is None:
+                self._remember(resp.name, resp.sig)
+        return responses, waiting
+
+    @staticmethod
+    def _disagreement(name, by_rank, zeros):
+        kinds = set(by_rank.values())
+        if len(kinds) > 1:
+            parts = ["rank %d: %s" % (r, describe(s)) for r, s in sorted(by_rank.items())]
+            return "%s: ranks disagree: %s" % (name, "; ".join(parts))
+        sig = next(iter(kinds))
+        if zeros and sig[0] != "allreduce":
+            return ("%s: ranks %s have called join(); only allreduce can go on without them"
+                    % (name, ", ".join(str(r) for r in zeros)))
+        return None
+
+    def _remember(self, name, sig):
+        key = (name, sig)
+        if key not in self.ids and len(self.entries) < self.capacity:
+            self.ids[key] = len(self.entries)
+            self.entries.append(key)

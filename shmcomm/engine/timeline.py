@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Chrome-trace timeline of what the engine did with each tensor (open it in Perfetto or chrome://tracing).
+
+Each tensor is a trace "process" named after it; its phases are begin/end events: NEGOTIATE_<OP> from submission to
+agreement, then the op itself with MEMCPY_IN_FUSION_BUFFER, ALLREDUCE and MEMCPY_OUT_FUSION_BUFFER when fused.
+With mark_cycles, every engine cycle is an instant CYCLE_START event."""
+import json
+import os
+import threading
+import time
+
+
+class Timeline:
+    def __init__(self, rank):
+        self.rank = rank
+        self._file = None
+        self._lock = threading.Lock()
+        self._ids = {}
+        self._t0 = 0.0
+        self.mark_cycles = False
+
+    @property
+    def active(self):
+        return self._file is not None
+
+    def start(self, path, mark_cycles=False):
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+            self._file = open(path, "w")
+            self._ids = {}
+            self._t0 = time.monotonic()
+            self.mark_cycles = mark_cycles
+            self._file.write("[\n")
+            self._emit({"name": "process_name", "ph": "M", "pid": 0, "args": {
+                "name": "shmcomm rank %d" % self.rank,
+                "start_time_since_epoch_in_micros": int(time.time() * 1e6)}})
+
+    def stop(self):
+        with self._lock:
+            if self._file is not None:
+                # The last event carries no comma so that the file is one valid JSON array.
+                self._file.write(json.dumps({"name": "timeline_end", "ph": "i", "s": "g", "pid": 0,
+                                             "ts": self._now()}) + "\n]\n")
+                self._file.close()
+                self._file = None
+
+    def _now(self):
+        return int((time.monotonic() - self._t0) * 1e6)
+
+    def _emit(self, event):
+        self._file.write(json.dumps(event) + ",\n")
+
+    def _pid(self, name):
+        pid = self._ids.get(name)
+        if pid is None:
+            pid = self._ids[name] = len(self._ids) + 1
+            self._emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+        return pid
+
+    def _phase(self, names, phase, ph, args=None):
+        if self._file is None:
+            return
+        with self._lock:
+            if self._file is None:
+                return
+            ts = self._now()
+            for name in names:
+                event = {"name": phase, "ph": ph, "ts": ts, "pid": self._pid(name), "tid": 0}
+                if args:
+                    event["args"] = args
+                self._emit(event)
+
+    def begin(self, names, phase, args=None):
+        self._phase(names, phase, "B", args)
+
+    def end(self, names, phase):
+        self._phase(names, phase, "E")
+
+    def cycle(self):
+        if self._file is not None and self.mark_cycles:
+            with self._lock:
+                if self._file is not None:
+                    self._emit({"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0, "ts": self._now()})
+
+
+def from_environment(rank, getenv=os.environ.get):
+    """A timeline started from SHMCOMM_TIMELINE (or HOROVOD_TIMELINE); a path with {rank} gets the rank, and other
+    ranks than 0 write `<path>.<rank>` so that ranks never share a file."""
+    timeline = Timeline(rank)
+    path = getenv("SHMCOMM_TIMELINE") or getenv("HOROVOD_TIMELINE")
+    if path and path != "DYNAMIC":
+        path = path.format(rank=rank) if "{rank}" in path else (path if rank == 0 else "%s.%d" % (path, rank))
+        mark = (getenv("SHMCOMM_TIMELINE_MARK_CYCLES") or getenv("HOROVOD_TIMELINE_MARK_CYCLES") or "0") != "0"
+        timeline.start(path, mark)
+    return timeline

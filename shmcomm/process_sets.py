@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Process sets: collectives over a subset of the ranks (Horovod's ProcessSet).
+
+add_process_set is called by every rank, in the same order on all of them, so every rank numbers the sets alike;
+the members then meet in a segment of their own. Non-members keep the id but hold no communicator."""
+import threading
+
+from shmcomm import basics
+from shmcomm.exceptions import InvalidArgumentError
+
+_lock = threading.Lock()
+_registry = {}  # id -> ProcessSet
+_next_id = [1]
+
+
+class ProcessSet:
+    """A set of global ranks. `rank()` is this process's index in it; `size()` how many it holds."""
+
+    def __init__(self, ranks):
+        self.ranks = sorted({int(r) for r in ranks})
+        self.process_set_id = None
+        self._comm = None
+
+    def size(self):
+        return len(self.ranks) if self.process_set_id != 0 else basics.size()
+
+    def rank(self):
+        if self.process_set_id == 0:
+            return basics.rank()
+        me = basics.rank()
+        return self.ranks.index(me) if me in self.ranks else -1
+
+    def included(self):
+        return self.process_set_id == 0 or basics.rank() in self.ranks
+
+    def communicator(self):
+        if self.process_set_id is None:
+            raise InvalidArgumentError("process set %s was never added (add_process_set)" % self.ranks)
+        if self._comm is None:
+            raise InvalidArgumentError("rank %d is not in process set %d %s" % (basics.rank(), self.process_set_id,
+                                                                               self.ranks))
+        return self._comm
+
+    def __repr__(self):
+        return "ProcessSet(process_set_id=%s, ranks=%s)" % (self.process_set_id,
+                                                             "all" if self.process_set_id == 0 else self.ranks)
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+def add_process_set(process_set):
+    """Registers a set (a ProcessSet or a list of ranks). Every rank must call it, in the same order."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    comm = basics.communicator()
+    if not ps.ranks or any(r < 0 or r >= comm.size for r in ps.ranks):
+        raise InvalidArgumentError("process set ranks %s must be a non-empty subset of 0..%d" % (ps.ranks,
+                                                                                             comm.size - 1))
+    with _lock:
+        for other in _registry.values():
+            if other.ranks == ps.ranks:
+                raise InvalidArgumentError("a process set with ranks %s exists already (id %d)"
+                                           % (ps.ranks, other.process_set_id))
+        ps.process_set_id = _next_id[0]
+        _next_id[0] += 1
+        _registry[ps.process_set_id] = ps
+    if comm.topology.rank in ps.ranks:
+        ps._comm = basics.Communicator(comm.topology, comm.tuning, basics.generation(), ranks=ps.ranks,
+                                       suffix="_s%d" % ps.process_set_id)
+    return ps
+
+
+def remove_process_set(process_set):
+    """Unregisters a set and closes its communicator. Every rank must call it."""
+    if process_set.process_set_id in (None, 0):
+        raise InvalidArgumentError("the global process set cannot be removed")
+    with _lock:
+        _registry.pop(process_set.process_set_id, None)
+    if process_set._comm is not None:
+        process_set._comm.close()
+        process_set._comm = None
+    process_set.process_set_id = None
+
+
+def members(set_id):
+    """Global ranks of a set, for the engine's agreement."""
+    if set_id == 0:
+        return range(basics.size())
+    return _registry[set_id].ranks
+
+
+def _close_all():
+    with _lock:
+        sets = list(_registry.values())
+        _registry.clear()
+        _next_id[0] = 1
+    for ps in sets:
+        if ps._comm is not None:
+            ps._comm.close()
+            ps._comm = None
+        ps.process_set_id = None
+
+
+basics.on_shutdown(_close_all)

@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The microbenchmarks run end to end on small sizes, every backend computes the exact results, and the size
+parsing and bus-bandwidth formulas hold. Timings are never asserted on."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # benchmarks/ is not an installed package
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import backends, collectives, report  # noqa: E402
+HEADER = ("#       size         count      type   redop    root"
+          "     time   algbw   busbw #wrong     time   algbw   busbw #wrong")
+
+
+def run_module(module, args, timeout):
+    env = backends.job_environment()
+    return subprocess.run([sys.executable, "-m", module] + list(args), cwd=str(REPO), env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def halves(result):
+    for row in result["rows"]:
+        for half in report.HALVES:
+            yield row, row[half]
+
+
+def test_collectives_every_backend_and_op(tmp_path):
+    out = tmp_path / "collectives.json"
+    proc = run_module("benchmarks.collectives", ["-np", "2", "-b", "8", "-e", "64K", "-f", "32", "-n", "3", "-w", "1",
+                                                 "--ops", ",".join(collectives.OPS),
+                                                 "--backends", ",".join(backends.NAMES), "--json", str(out)], 240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert HEADER in proc.stdout
+    assert "# Summary" in proc.stdout
+    document = json.loads(out.read_text())
+    results = document["results"]
+    expected = ["shmcomm"]
+    for name in ("mpi", "gloo"):
+        why = backends.unavailable(name)
+        if why:  # said on the console, and the rest must still run
+            assert "%s skipped" % name in proc.stdout
+            print("%s not compared: %s" % (name, why))
+        else:
+            expected.append(name)
+    for name in expected:
+        assert [row for row in results[name]["rows"] if row["op"] == "allreduce"], name
+        assert {row["op"] for row in results[name]["rows"]} == set(collectives.OPS), name
+    assert results["memcpy"]["rows"]
+    measured = 0
+    for name, result in results.items():
+        for row, cell in halves(result):
+            if "na" not in cell:
+                measured += 1
+                assert cell["wrong"] == 0, (name, row)
+                assert cell["iters"] >= 1
+    assert measured > 0
+    assert document["machine"]["cores"] >= 1 and "line" in document["machine"]
+
+
+def test_smb_bandwidth_and_pingpong(tmp_path):
+    out = tmp_path / "smb.json"
+    proc = run_module("benchmarks.smb", ["-np", "2", "-b", "8", "-e", "4K", "-f", "16", "-n", "3", "-w", "1",
+                                         "--json", str(out)], 120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    document = json.loads(out.read_text())
+    rows = document["smb"]["rows"]
+    assert [row["size"] for row in rows] == [8, 128, 2048]
+    for row in rows:
+        assert row["wrong"] == 0, row
+        assert row["write"] > 0 and row["read"] > 0 and row["accumulate"] > 0 and row["pingpong_us"] > 0
+    if backends.unavailable("mpi"):
+        assert document["mpi"] is None
+    else:
+        assert [row["size"] for row in document["mpi"]["rows"]] == [8, 128, 2048]
+
+
+@pytest.mark.parametrize("text, value", [("8", 8), ("64K", 64 << 10), ("256M", 256 << 20), ("1G", 1 << 30),
+                                         ("4k", 4096), ("2MB", 2 << 20)])
+def test_parse_size(text, value):
+    assert collectives.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "K", "1.5M", "-8", "8T"])
+def test_parse_size_rejects(text):
+    with pytest.raises(Exception):
+        collectives.parse_size(text)
+
+
+def test_sweep():
+    assert collectives.sweep(8, 256 << 20, 4)[:3] == [8, 32, 128]
+    assert collectives.sweep(8, 256 << 20, 4)[-1] == 128 << 20
+    assert collectives.sweep(8, 8, 2) == [8]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_busbw_factors(n):
+    c = collectives.COLLECTIVES
+    assert c["allreduce"].busbw_factor(n) == pytest.approx(2 * (n - 1) / n)
+    for name in ("allgather", "reducescatter", "alltoall"):
+        assert c[name].busbw_factor(n) == pytest.approx((n - 1) / n)
+    assert c["broadcast"].busbw_factor(n) == 1.0
+
+
+def test_layouts_follow_nccl_tests():
+    c = collectives.COLLECTIVES
+    # allgather: size and count describe the whole output; reducescatter: the whole input.
+    gather = c["allgather"].layout(1000, 4)
+    assert (gather.count, gather.send, gather.recv) == (1000, 250, 1000)
+    scatter = c["reducescatter"].layout(1000, 4)
+    assert (scatter.count, scatter.send, scatter.recv) == (1000, 1000, 250)
+    alltoall = c["alltoall"].layout(1001, 4)
+    assert (alltoall.count, alltoall.block) == (1000, 250)
+    assert c["allgather"].layout(2, 4).count == 4  # never fewer elements than ranks
+
+
+@pytest.mark.parametrize("name", collectives.OPS)
+@pytest.mark.parametrize("dtype", ["float16", "int8", "uint8", "float32"])
+def test_expected_results_are_exact(name, dtype):
+    """The expected outputs equal a plain numpy simulation of the collective, in every dtype."""
+    coll, n = collectives.COLLECTIVES[name], 3
+    lay = coll.layout(30, n)
+    inputs = [coll.data(r, n, lay, np.dtype(dtype)).astype(np.int64) for r in range(n)]
+    for r in range(n):
+        if name == "allreduce":
+            want = sum(inputs)
+        elif name == "broadcast":
+            want = inputs[0]
+        elif name == "allgather":
+            want = np.concatenate(inputs)
+        elif name == "reducescatter":
+            want = sum(inputs)[r * lay.block:(r + 1) * lay.block]
+        else:
+            want = np.concatenate([x[r * lay.block:(r + 1) * lay.block] for x in inputs])
+        assert np.array_equal(coll.expected(r, n, lay, np.dtype(dtype)).astype(np.int64), want)
+
+
+def test_table_format():
+    cell = {"time_us": 12.5, "p50_us": 12.5, "p99_us": 20.0, "algbw": 1.0, "busbw": 1.0, "wrong": 0, "iters": 3}
+    result = {"backend": "shmcomm", "nranks": 2, "dtype": "float32", "library": "shmcomm",
+              "rows": [{"op": "allgather", "nominal": 8, "size": 8, "count": 2, "type": "float", "redop": "none",
+                        "root": -1, "out_of_place": cell, "in_place": {"na": "no in-place form"}}]}
+    lines = report.table_lines(result, "allgather")
+    assert HEADER in lines
+    row = [line for line in lines if line.strip().startswith("8")][0]
+    assert row.split()[:9] == ["8", "2", "float", "none", "-1", "12.50", "1.00", "1.00", "0"]
+    assert row.split()[9:] == ["N/A"] * 4
+    assert "# Wrong elements: 0 OK" in lines
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
+    proc = run_module("benchmarks.collectives", ["--plot", str(tmp_path / "p.png")], 60)
+    assert proc.returncode != 0
+    assert "pip install matplotlib" in proc.stderr
+    assert not os.path.exists(tmp_path / "p.png")
