@@ -56,7 +56,7 @@ def execute(req):
 class Handle:
     """The caller's side of a submitted request: poll() without blocking, wait() for the result or the error."""
 
-    __slots__ = ("request", "_done", "_result", "_error", "finished")
+    __slots__ = ("request", "_done", "_result", "_error", "finished", "_callbacks", "_lock")
 
     def __init__(self, request):
         self.request = request
@@ -64,6 +64,24 @@ class Handle:
         self._result = None
         self._error = None
         self.finished = 0.0
+        self._callbacks = []
+        self._lock = threading.Lock()
+
+    def add_done_callback(self, fn):
+        """Calls fn(handle) once done, at once if it is already; from the engine's thread otherwise. fn must be quick
+        and must not wait for other collectives."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self):
+        with self._lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
 
     def poll(self):
         return self._done.is_set()
@@ -83,9 +101,9 @@ class Handle:
         self.finished = time.monotonic()
         if self.request is not None:
             self.request.tensor = None  # the caller holds what it needs; drop our references early
-        self._done.set()
+        self._finish()
 
     def set_error(self, error):
         self._error = error
         self.finished = time.monotonic()
-        self._done.set()
+        self._finish()
