@@ -6,6 +6,7 @@ hooks fire as backward reaches each parameter), and the caller must get control 
 requests; this thread, once per cycle (SHMCOMM_CYCLE_TIME ms, default 1), publishes what is pending, agrees with the
 other ranks on what is ready everywhere (negotiate.py), runs it in the agreed order, fusing small allreduces
 (fusion.py), and completes the handles. Shutdown travels in the same messages, as does join()."""
+import collections
 import itertools
 import os
 import threading
@@ -55,7 +56,7 @@ class Engine:
         self._cycle = 0
         self._last_start = 0.0
         self._busy = False        # some rank had work last cycle: more usually follows, so do not sleep
-        self._noname = itertools.count()
+        self._noname = collections.defaultdict(itertools.count)
         self._thread = threading.Thread(target=self._run, name="shmcomm-engine", daemon=True)
         self._thread.start()
 
@@ -66,7 +67,10 @@ class Engine:
     def submit(self, req):
         """Queues a request and returns its Handle. Checks the tensor now, so bad input raises in the caller."""
         if req.name is None:
-            req.name = "%s.noname.%d" % (req.kind, next(self._noname))
+            # Counted per process set: only the members submit to a set, and they must all count alike.
+            req.name = "%s.noname.%d" % (req.kind, next(self._noname[req.set_id]))
+        if req.set_id:
+            req.name = "%s[set %d]" % (req.name, req.set_id)  # each process set has a namespace of its own
         if req.kind == "barrier":
             sig = signature(req, None, ())
         else:

@@ -1,0 +1,204 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The background engine: agreement whatever the submission order, fusion, join, errors on every rank, failures."""
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import multiproc
+
+
+def _any_order(count):
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    me, n = shmcomm.rank(), shmcomm.size()
+    names = ["g%d" % i for i in range(count)]
+    rng = np.random.default_rng(me)
+    rng.shuffle(names)  # every rank submits in its own order, as gradient hooks do
+    handles = {name: shmcomm.allreduce_async(np.full(100 + int(name[1:]), float(name[1:]), np.float32),
+                                             op=shmcomm.Sum, name=name) for name in names}
+    for name, h in handles.items():
+        got = shmcomm.synchronize(h)
+        assert got.shape == (100 + int(name[1:]),) and (got == n * float(name[1:])).all()
+    inplace = np.ones(10)
+    h = shmcomm.allreduce_async_(inplace, name="inplace")
+    assert shmcomm.synchronize(h) is inplace and (inplace == 1).all()
+    # Blocking calls go through the engine too, in the same agreed order.
+    assert shmcomm.allgather(np.array([me])).tolist() == list(range(n))
+    out, splits = shmcomm.alltoall(np.arange(n) + 10 * me, splits=[1] * n)
+    assert out.tolist() == [10 * r + me for r in range(n)] and splits.tolist() == [1] * n
+    b = shmcomm.synchronize(shmcomm.broadcast_async(np.array([me, me]), root_rank=n - 1))
+    assert b.tolist() == [n - 1] * 2
+    rs = shmcomm.synchronize(shmcomm.reducescatter_async(np.ones((n, 2)), op=shmcomm.Sum))
+    assert rs.tolist() == [[n, n]]
+    shmcomm.barrier()
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_agree_whatever_the_submission_order(size):
+    assert multiproc.run(size, _any_order, 60, timeout=120) == [True] * size
+
+
+def _fusion(path):
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    shmcomm.start_timeline(path + str(shmcomm.rank()), mark_cycles=True)
+    handles = [shmcomm.allreduce_async(np.full(50, i, np.float64), op=shmcomm.Sum, name="f%d" % i) for i in range(40)]
+    results = [shmcomm.synchronize(h) for h in handles]
+    shmcomm.stop_timeline()
+    assert all((r == 2 * i).all() for i, r in enumerate(results))
+    with open(path + str(shmcomm.rank())) as f:
+        events = json.load(f)  # valid JSON
+    return [e["name"] for e in events]
+
+
+def test_small_tensors_are_fused_and_traced(tmp_path):
+    names = multiproc.run(2, _fusion, str(tmp_path / "tl"), env={"SHMCOMM_CYCLE_TIME": "20"})
+    for events in names:
+        assert "MEMCPY_IN_FUSION_BUFFER" in events and "MEMCPY_OUT_FUSION_BUFFER" in events
+        assert "NEGOTIATE_ALLREDUCE" in events and "ALLREDUCE" in events and "CYCLE_START" in events
+
+
+def test_fusion_threshold_zero_disables_fusion(tmp_path):
+    names = multiproc.run(2, _fusion, str(tmp_path / "tl"), env={"SHMCOMM_FUSION_THRESHOLD": "0",
+                                                                 "SHMCOMM_CYCLE_TIME": "20"})
+    for events in names:
+        assert "MEMCPY_IN_FUSION_BUFFER" not in events and "ALLREDUCE" in events
+
+
+def _errors():
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    me = shmcomm.rank()
+    h = shmcomm.allreduce_async(np.ones(4), name="dup")
+    with pytest.raises(ValueError, match="already being processed"):
+        shmcomm.allreduce_async(np.ones(4), name="dup")
+    shmcomm.synchronize(h)
+    bad = shmcomm.allreduce_async(np.ones((2, 3 + me), np.float32), name="shape")
+    good = shmcomm.allreduce_async(np.ones(3), name="fine", op=shmcomm.Sum)
+    with pytest.raises(shmcomm.MismatchError, match=r"rank 0: allreduce float32\[2, 3\].*rank 1: allreduce "
+                                                    r"float32\[2, 4\]"):
+        shmcomm.synchronize(bad)
+    assert shmcomm.synchronize(good).tolist() == [2.0] * 3  # the other request in flight is unaffected
+    with pytest.raises(shmcomm.MismatchError, match="op Sum.*op Max"):
+        shmcomm.allreduce(np.ones(2), op=[shmcomm.Sum, shmcomm.Max][me], name="ops")
+    with pytest.raises(shmcomm.InvalidArgumentError, match="contiguous"):
+        shmcomm.allreduce_async(np.ones((3, 3))[:, 0])  # bad input raises at submission, in the caller
+    assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum).tolist() == [2.0, 2.0]
+    return True
+
+
+def test_errors_reach_every_rank_and_the_engine_goes_on():
+    assert multiproc.run(2, _errors) == [True, True]
+
+
+def _join(size):
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    me = shmcomm.rank()
+    if me == 0:
+        last = shmcomm.join()  # out of data at once
+        return ("joined", last)
+    steps = 3 if me == 1 else 5
+    for _ in range(steps):
+        got = shmcomm.allreduce(np.full(4, 3.0), name="grad")  # Average: joined ranks count as zeros
+    if me == 2:  # ranks 0 and 1 have joined by now: only allreduce can go on without them
+        with pytest.raises(shmcomm.MismatchError, match="ranks 0, 1 have called join"):
+            shmcomm.allgather(np.ones(2), name="gather")
+    return (got.tolist(), shmcomm.join())
+
+
+def test_join_contributes_zeros_and_returns_the_last_rank():
+    results = multiproc.run(3, _join, 3, timeout=60)
+    assert results[0] == ("joined", 2)
+    assert results[1][1] == 2 and results[2][1] == 2
+    assert results[1][0] == [2.0] * 4  # ranks 1 and 2 contribute, the divisor stays 3
+    assert results[2][0] == [1.0] * 4  # only rank 2 left
+
+
+def test_join_needs_the_engine():
+    def body():
+        import shmcomm
+
+        shmcomm.init()
+        with pytest.raises(shmcomm.ShmCommError, match="engine"):
+            shmcomm.join()
+        return True
+
+    assert multiproc.run(1, body) == [True]
+
+
+def _rank_dies_under_engine():
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    if shmcomm.rank() == 1:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 30:
+            shmcomm.synchronize(shmcomm.allreduce_async(np.ones(1000), name="loop"))
+    except shmcomm.RankFailure as e:
+        with pytest.raises(shmcomm.RankFailure):
+            shmcomm.allreduce_async(np.ones(3), name="after")  # the engine refuses new work with the same error
+        return (e.rank, time.monotonic() - start)
+    return None
+
+
+def test_dead_rank_fails_pending_handles_on_the_others():
+    results = multiproc.run(2, _rank_dies_under_engine, timeout=60, check=False)
+    assert results[1][0] == "died"
+    status, (rank, took) = results[0]
+    assert status == "ok" and rank == 1 and took < 10
+
+
+def _peer_leaves():
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    shmcomm.barrier()
+    if shmcomm.rank() == 1:
+        shmcomm.shutdown()
+        return "left"
+    time.sleep(0.5)
+    with pytest.raises(shmcomm.RankFailure, match="rank 1 has shut down"):
+        shmcomm.allreduce(np.ones(2), name="late")
+    return "raised"
+
+
+def test_a_rank_that_shuts_down_is_named():
+    assert multiproc.run(2, _peer_leaves) == ["raised", "left"]
+
+
+def _process_sets():
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    me = shmcomm.rank()
+    evens = shmcomm.add_process_set([0, 2])
+    odds = shmcomm.add_process_set([1, 3])
+    mine = evens if me % 2 == 0 else odds
+    assert mine.included() and mine.size() == 2 and mine.rank() == me // 2
+    got = shmcomm.allreduce(np.array([float(me)]), op=shmcomm.Sum, process_set=mine, name="ps")
+    b = shmcomm.broadcast(np.array([me]), root_rank=mine.ranks[1], process_set=mine, name="psb")
+    everyone = shmcomm.allreduce(np.array([1.0]), op=shmcomm.Sum, name="all")
+    with pytest.raises(shmcomm.InvalidArgumentError, match="not in process set"):
+        shmcomm.allreduce(np.ones(1), process_set=odds if mine is evens else evens)
+    shmcomm.remove_process_set(evens)
+    shmcomm.remove_process_set(odds)
+    return got.tolist(), b.tolist(), everyone.tolist()
+
+
+def test_process_sets():
+    results = multiproc.run(4, _process_sets, timeout=60)
+    assert results[0] == ([2.0], [2], [4.0]) and results[2] == ([2.0], [2], [4.0])
+    assert results[1] == ([4.0], [3], [4.0]) and results[3] == ([4.0], [3], [4.0])
