@@ -235,21 +235,13 @@ smc_result_t smc_box_accumulate(smc_box_t* b, size_t offset, size_t count, const
 smc_result_t smc_box_wait_version(smc_box_t* b, uint64_t min_version, double timeout_s, uint64_t* version) {
   if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box wait: box is NULL");
   smc_box_entry_t* e = b->entry;
-  double deadline = smc_now() + timeout_s;
-  for (;;) {
-    atomic_fetch_add(&e->sleepers, 1);
-    uint32_t word = atomic_load(&e->version_word);
-    uint64_t v = atomic_load(&e->version);
-    if (v >= min_version) {
-      atomic_fetch_sub(&e->sleepers, 1);
-      if (version != NULL) *version = v;
-      return SMC_SUCCESS;
-    }
-    double left = deadline - smc_now();
-    if (left > 0) smc_futex_sleep(&e->version_word, word, left < 0.1 ? left : 0.1);
-    atomic_fetch_sub(&e->sleepers, 1);
-    if (left <= 0)
-      return smc_set_error(SMC_ERR_TIMEOUT, "box '%s': version %llu not reached within %.1f s (at %llu)", e->name,
-                           (unsigned long long)min_version, timeout_s, (unsigned long long)v);
-  }
+  /* The same spin-then-sleep wait as the collectives, on the low 32 bits of the version (the futex word); a wait
+   * more than 2^31 versions ahead is not a meaningful request. */
+  smc_wait_opts_t opts = {b->comm->spin_us, timeout_s, timeout_s, NULL, NULL};
+  uint64_t v = atomic_load(&e->version);
+  if (v < min_version && smc_wait_reach(&e->version_word, &e->sleepers, (uint32_t)min_version, &opts) != SMC_SUCCESS)
+    return smc_set_error(SMC_ERR_TIMEOUT, "box '%s': version %llu not reached within %.1f s (at %llu)", e->name,
+                         (unsigned long long)min_version, timeout_s, (unsigned long long)atomic_load(&e->version));
+  if (version != NULL) *version = atomic_load(&e->version);
+  return SMC_SUCCESS;
 }

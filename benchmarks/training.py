@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""End-to-end training speed: the synthetic benchmark single-process, under shmcomm, and under DDP with gloo, in one
+run, one math thread per rank; then the engine's steady-state overhead with 100 small gradients per step.
+
+    python -m benchmarks.training -np 2
+    python -m benchmarks.training -np 2 --model resnet18 --image-size 64 --num-iters 10
+
+Scaling efficiency = total img/s at np=N / (N x img/s at np=1). Figures are medians over iterations."""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "torch_synthetic_benchmark.py")
+
+
+def _launch(np_, args, timeout):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "shmcomm.runner", "-np", str(np_)] + args
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0:
+        sys.stderr.write(run.stdout + run.stderr)
+        raise SystemExit("benchmark job failed: %s" % " ".join(cmd))
+    return run.stdout
+
+
+def _img_per_sec(output):
+    """Median of the per-iteration img/sec lines of rank 0, per rank."""
+    values = sorted(float(v) for v in re.findall(r"Iter #\d+: ([\d.]+) img/sec per CPU", output))
+    if not values:
+        raise SystemExit("no img/sec in the benchmark output:\n" + output)
+    return values[len(values) // 2]
+
+
+def synthetic(args):
+    common = [sys.executable, EXAMPLE, "--model", args.model, "--batch-size", str(args.batch_size), "--image-size",
+              str(args.image_size), "--num-warmup-batches", str(args.num_warmup_batches), "--num-batches-per-iter",
+              str(args.num_batches_per_iter), "--num-iters", str(args.num_iters)]
+    runs = [("single process", 1, "shmcomm"), ("shmcomm", args.np, "shmcomm"), ("DDP + gloo", args.np, "ddp-gloo"),
+            ("DDP + shmcomm hook", args.np, "ddp-shmcomm")]
+    rows = {}
+    for label, np_, backend in runs:
+        per_rank = _img_per_sec(_launch(np_, common + ["--backend", backend], args.timeout))
+        rows[label] = (np_, per_rank)
+        print("  %-20s np=%d  %8.1f img/s per rank  %8.1f img/s total" % (label, np_, per_rank, per_rank * np_),
+              flush=True)
+    single = rows["single process"][1]
+    print("scaling efficiency at np=%d (total / (np x single)):" % args.np)
+    for label in ("shmcomm", "DDP + gloo", "DDP + shmcomm hook"):
+        np_, per_rank = rows[label]
+        print("  %-20s %.3f" % (label, per_rank / single))
+    print("shmcomm / DDP+gloo throughput: %.3f" % (rows["shmcomm"][1] / rows["DDP + gloo"][1]))
+    return rows
+
+
+def overhead_worker(steps):
+    """Runs under the launcher: 100 small parameters; the time from the last gradient to step() returning, minus
+    the optimizer's own update time, is what the engine adds."""
+    import torch
+
+    import shmcomm.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(50)])  # 100 tensors
+    params = list(model.parameters())
+    base = torch.optim.SGD(model.parameters(), lr=1e-3)
+    last_grad = [0.0]
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: last_grad.__setitem__(0, time.perf_counter()))
+    x = torch.randn(8, 16)
+
+    def local_update_time():
+        t = time.perf_counter()
+        base.step()
+        return time.perf_counter() - t
+
+    local = sorted(local_update_time() for _ in range(50))[25]
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    samples = []
+    for step in range(steps):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        samples.append(time.perf_counter() - last_grad[0] - local)
+    tail = sorted(samples[steps // 5:])  # the first steps fill the response cache
+    median = torch.tensor([tail[len(tail) // 2]], dtype=torch.float64)
+    worst = hvd.allreduce(median, op=hvd.Max, name="overhead").item()
+    if hvd.rank() == 0:
+        print("engine overhead, last gradient to step() returning, 100 tensors: median %.3f ms (slowest rank)"
+              % (worst * 1e3), flush=True)
+    hvd.shutdown()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-np", type=int, default=2)
+    parser.add_argument("--model", default="resnet18_half")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--num-warmup-batches", type=int, default=5)
+    parser.add_argument("--num-batches-per-iter", type=int, default=5)
+    parser.add_argument("--num-iters", type=int, default=7)
+    parser.add_argument("--overhead-steps", type=int, default=200)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--overhead-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.overhead_worker:
+        overhead_worker(args.overhead_steps)
+        return
+    print("# %s | %s | %d cores" % (" ".join(["python -m benchmarks.training"] + sys.argv[1:]),
+                                    time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), len(os.sched_getaffinity(0))))
+    print("synthetic benchmark (%s, batch %d per rank, %dx%d images), median img/s:"
+          % (args.model, args.batch_size, args.image_size, args.image_size), flush=True)
+    synthetic(args)
+    out = _launch(args.np, [sys.executable, "-m", "benchmarks.training", "--overhead-worker", "--overhead-steps",
+                            str(args.overhead_steps)], args.timeout)
+    print(out.strip().split(": ", 1)[-1])
+
+
+if __name__ == "__main__":
+    main()

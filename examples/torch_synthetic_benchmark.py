@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Synthetic training benchmark with Horovod's flags and output: img/sec per rank and in total.
+
+    shmcommrun -np 2 python examples/torch_synthetic_benchmark.py --model resnet18 --image-size 64
+
+The model is a ResNet built here from torch.nn (no torchvision needed); the data is random. --backend picks how
+gradients travel: shmcomm's DistributedOptimizer (default), or DistributedDataParallel over gloo, or DDP with
+shmcomm's communication hook. Under shmcommrun every rank is one CPU process."""
+import argparse
+import os
+import tempfile
+import timeit
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shmcomm.torch as hvd
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """He et al.'s ResNet with basic blocks; `blocks` per stage, widths 64-128-256-512 scaled by `width`."""
+
+    def __init__(self, blocks, width=1.0, classes=1000):
+        super().__init__()
+        widths = [max(8, int(w * width)) for w in (64, 128, 256, 512)]
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        layers, cin = [], widths[0]
+        for stage, (n, cout) in enumerate(zip(blocks, widths)):
+            for i in range(n):
+                layers.append(BasicBlock(cin, cout, 2 if (i == 0 and stage > 0) else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = self.layers(self.stem(x))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+MODELS = {
+    "resnet18": lambda: ResNet([2, 2, 2, 2]),
+    "resnet34": lambda: ResNet([3, 4, 6, 3]),
+    "resnet18_half": lambda: ResNet([2, 2, 2, 2], width=0.5),
+    "resnet_tiny": lambda: ResNet([1, 1, 1, 1], width=0.25, classes=10),
+}
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--fp16-allreduce", action="store_true", help="use fp16 compression during allreduce")
+    parser.add_argument("--model", default="resnet18", choices=sorted(MODELS), help="model to benchmark")
+    parser.add_argument("--batch-size", type=int, default=32, help="input batch size")
+    parser.add_argument("--image-size", type=int, default=64, help="side of the square random images")
+    parser.add_argument("--num-warmup-batches", type=int, default=10, help="number of warm-up batches")
+    parser.add_argument("--num-batches-per-iter", type=int, default=10, help="number of batches per benchmark iteration")
+    parser.add_argument("--num-iters", type=int, default=10, help="number of benchmark iterations")
+    parser.add_argument("--no-cuda", action="store_true", default=True, help="accepted; this build trains on the CPU")
+    parser.add_argument("--use-adasum", action="store_true", help="not supported (shmcomm has no Adasum)")
+    parser.add_argument("--backend", default="shmcomm", choices=["shmcomm", "ddp-gloo", "ddp-shmcomm"],
+                        help="how gradients are averaged")
+    return parser.parse_args()
+
+
+def wrap_for_backend(args, model, optimizer):
+    """Returns (model, optimizer) set up for the chosen gradient transport."""
+    if args.backend == "shmcomm":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+        return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                               compression=compression)
+    import torch.distributed as dist
+
+    # A file rendezvous named after the job token: no port to agree on, nothing on the network.
+    path = os.path.join(tempfile.gettempdir(), "shmcomm_ddp_%s" % os.environ.get("SHMCOMM_JOB_TOKEN", "solo"))
+    dist.init_process_group("gloo", init_method="file://" + path, rank=hvd.rank(), world_size=hvd.size())
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if args.backend == "ddp-shmcomm":
+        ddp.register_comm_hook(None, hvd.allreduce_hook)
+    return ddp, optimizer
+
+
+def main():
+    args = parse_args()
+    if args.use_adasum:
+        raise SystemExit("--use-adasum: shmcomm does not implement Adasum")
+    hvd.init()
+    torch.manual_seed(hvd.rank())
+    model = MODELS[args.model]()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    model, optimizer = wrap_for_backend(args, model, optimizer)
+    classes = model.module.fc.out_features if hasattr(model, "module") else model.fc.out_features
+    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
+    target = torch.randint(0, classes, (args.batch_size,))
+
+    def benchmark_step():
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), target).backward()
+        optimizer.step()
+
+    def log(text):
+        if hvd.rank() == 0:
+            print(text, flush=True)
+
+    log("Model: %s" % args.model)
+    log("Batch size: %d" % args.batch_size)
+    log("Number of CPUs: %d" % hvd.size())
+    log("Backend: %s, %d math thread(s) per rank" % (args.backend, torch.get_num_threads()))
+    log("Running warmup...")
+    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    log("Running benchmark...")
+    img_secs = []
+    for x in range(args.num_iters):
+        seconds = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
+        img_sec = args.batch_size * args.num_batches_per_iter / seconds
+        log("Iter #%d: %.1f img/sec per CPU" % (x, img_sec))
+        img_secs.append(img_sec)
+    mean, conf = np.mean(img_secs), 1.96 * np.std(img_secs)
+    log("Img/sec per CPU: %.1f +-%.1f" % (mean, conf))
+    log("Total img/sec on %d CPU(s): %.1f +-%.1f" % (hvd.size(), hvd.size() * mean, hvd.size() * conf))
+    if args.backend != "shmcomm":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
