@@ -6,7 +6,7 @@ process (all ranks doing the same) meets a fresh segment."""
 import atexit
 import threading
 
-from shmcomm import env
+from shmcomm import env, host_ops
 from shmcomm._native import check, ffi, lib
 from shmcomm.exceptions import NotInitializedError, ShmCommError
 
@@ -40,6 +40,34 @@ class Communicator:
         out = ffi.new("smc_comm_t **")
         check(lib.smc_comm_create(cfg, out))
         self.handle = out[0]
+
+    # The operations every communicator offers (the multi-host one too): see host_ops for what each does.
+    def allreduce(self, x, output, op, prescale, postscale, what):
+        return host_ops.allreduce(self, x, output, op, prescale, postscale, what)
+
+    def allreduce_raw(self, ptr, count, code, op, prescale, postscale, what):
+        return host_ops.allreduce_raw(self, ptr, count, code, op, prescale, postscale, what)
+
+    def broadcast(self, x, output, root, what):
+        return host_ops.broadcast(self, x, output, root, what)
+
+    def allgather(self, x, what):
+        return host_ops.allgather(self, x, what)
+
+    def reducescatter(self, x, op, prescale, postscale, what):
+        return host_ops.reducescatter(self, x, op, prescale, postscale, what)
+
+    def alltoall(self, x, splits, what):
+        return host_ops.alltoall(self, x, splits, what)
+
+    def barrier(self, what="barrier"):
+        return host_ops.barrier(self, what)
+
+    def allgather_bytes(self, payload):
+        return host_ops.allgather_bytes(self, payload)
+
+    def set_spin(self, spin_us):
+        lib.smc_comm_set_spin(self.handle, spin_us)
 
     def close(self):
         if self.handle is not None:

@@ -159,5 +159,25 @@ def alltoall(comm, x, splits, what):
     return out, got
 
 
+def allgather_bytes(comm, payload):
+    """Every rank's bytes object, in rank order (the engine's negotiation messages)."""
+    mine = np.array([len(payload)], dtype=np.int64)
+    sizes = np.empty(comm.size, dtype=np.int64)
+    rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine), 8, ffi.from_buffer(sizes),
+                            ffi.new("uint64_t[]", [8] * comm.size), 0)
+    if rc != 0:
+        raise error_for(rc, "negotiation")
+    out = bytearray(int(sizes.sum()))
+    rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(payload), len(payload), ffi.from_buffer(out),
+                            ffi.new("uint64_t[]", [int(s) for s in sizes]), 0)
+    if rc != 0:
+        raise error_for(rc, "negotiation")
+    views, at = [], 0
+    for s in sizes:
+        views.append(bytes(out[at:at + int(s)]))
+        at += int(s)
+    return views
+
+
 def barrier(comm, what="barrier"):
     _call(lib.smc_barrier(comm.handle), comm, what, None)

@@ -67,7 +67,7 @@ def run_group(comm, group, requests, fusion, itemsize, code, timeline):
     timeline.end(names, "MEMCPY_IN_FUSION_BUFFER")
     first = group[0].sig
     timeline.begin(names, "ALLREDUCE")
-    host_ops.allreduce_raw(comm, base, total // itemsize, code, first[4], first[5], first[6],
+    comm.allreduce_raw(base, total // itemsize, code, first[4], first[5], first[6],
                            "fused allreduce of %s" % ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""))
     timeline.end(names, "ALLREDUCE")
     timeline.begin(names, "MEMCPY_OUT_FUSION_BUFFER")

@@ -136,11 +136,11 @@ class Engine:
         if join is not None and self._join_cycle == 0:
             self._join_cycle = self._cycle
         flags = {"shutdown": stopping, "join": self._join_cycle}
-        lib.smc_comm_set_spin(self.comm.handle, _NEGOTIATION_SPIN_US)
+        self.comm.set_spin(_NEGOTIATION_SPIN_US)
         try:
             everyone = self.negotiator.exchange([(name, sig) for name, (_, sig) in self._pending.items()], flags)
         finally:
-            lib.smc_comm_set_spin(self.comm.handle, self.comm.tuning.spin_us)
+            self.comm.set_spin(self.comm.tuning.spin_us)
         leaving = [r for r, (_, f) in enumerate(everyone) if f["shutdown"]]
         if leaving:
             self._leave(leaving)

@@ -11,10 +11,7 @@ because every rank assigns ids in the same order, and later cycles send only the
 tensors every step, then costs a few integers per tensor per cycle."""
 import pickle
 
-import numpy as np
-
 from shmcomm import dtypes
-from shmcomm._native import error_for, ffi, lib
 
 
 def signature(req, buf_key, shape):
@@ -66,29 +63,10 @@ class Negotiator:
         self.ids = {}     # (name, sig) -> cache id
         self.entries = []  # cache id -> (name, sig)
 
-    def _allgather_bytes(self, payload):
-        comm = self.comm
-        mine = np.array([len(payload)], dtype=np.int64)
-        sizes = np.empty(comm.size, dtype=np.int64)
-        eight = ffi.new("uint64_t[]", [8] * comm.size)
-        rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine), 8, ffi.from_buffer(sizes), eight, 0)
-        if rc != 0:
-            raise error_for(rc, "negotiation")
-        out = bytearray(int(sizes.sum()))
-        rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(payload), len(payload), ffi.from_buffer(out),
-                                ffi.new("uint64_t[]", [int(s) for s in sizes]), 0)
-        if rc != 0:
-            raise error_for(rc, "negotiation")
-        views, at = [], 0
-        for s in sizes:
-            views.append(bytes(out[at:at + int(s)]))
-            at += int(s)
-        return views
-
     def exchange(self, pending, flags):
         """Publishes [(name, sig)] and a flags dict; returns every rank's (entries, flags)."""
         wire = [self.ids.get(item, item) for item in pending]
-        gathered = self._allgather_bytes(pickle.dumps((wire, flags), protocol=pickle.HIGHEST_PROTOCOL))
+        gathered = self.comm.allgather_bytes(pickle.dumps((wire, flags), protocol=pickle.HIGHEST_PROTOCOL))
         result = []
         for blob in gathered:
             wire, peer_flags = pickle.loads(blob)

@@ -3,7 +3,6 @@
 import threading
 import time
 
-from shmcomm import host_ops
 
 
 class Request:
@@ -39,17 +38,17 @@ def execute(req):
     """Runs `req` on its communicator, now, in this thread."""
     kind, comm, what = req.kind, req.comm, req.what
     if kind == "allreduce":
-        return host_ops.allreduce(comm, req.tensor, req.output, req.op, req.prescale, req.postscale, what)
+        return comm.allreduce(req.tensor, req.output, req.op, req.prescale, req.postscale, what)
     if kind == "broadcast":
-        return host_ops.broadcast(comm, req.tensor, req.output, req.root, what)
+        return comm.broadcast(req.tensor, req.output, req.root, what)
     if kind == "allgather":
-        return host_ops.allgather(comm, req.tensor, what)
+        return comm.allgather(req.tensor, what)
     if kind == "reducescatter":
-        return host_ops.reducescatter(comm, req.tensor, req.op, req.prescale, req.postscale, what)
+        return comm.reducescatter(req.tensor, req.op, req.prescale, req.postscale, what)
     if kind == "alltoall":
-        return host_ops.alltoall(comm, req.tensor, req.splits, what)
+        return comm.alltoall(req.tensor, req.splits, what)
     if kind == "barrier":
-        return host_ops.barrier(comm, what)
+        return comm.barrier(what)
     raise ValueError("unknown collective %r" % kind)
 
 
