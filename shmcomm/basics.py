@@ -8,7 +8,7 @@ import threading
 
 from shmcomm import env, host_ops
 from shmcomm._native import check, ffi, lib
-from shmcomm.exceptions import NotInitializedError, ShmCommError
+from shmcomm.exceptions import NotInitializedError
 
 _NOT_INITIALIZED = "shmcomm has not been initialized; use shmcomm.init()."
 
@@ -18,7 +18,7 @@ class Communicator:
 
     `ranks` are the global ranks it holds, in order; `rank` is this process's index among them."""
 
-    def __init__(self, topo, tuning, generation, ranks=None, suffix=""):
+    def __init__(self, topo, tuning, generation, ranks=None, suffix="", arena=None):
         self.topology = topo
         self.tuning = tuning
         self.ranks = list(range(topo.size)) if ranks is None else list(ranks)
@@ -35,7 +35,7 @@ class Communicator:
         cfg.liveness_s = tuning.liveness_s
         cfg.slot_bytes = tuning.slot_bytes
         cfg.small_bytes = tuning.small_bytes
-        cfg.arena_bytes = tuning.arena_bytes if ranks is None else 0
+        cfg.arena_bytes = tuning.arena_bytes if (ranks is None if arena is None else arena) else 0
         cfg.spin_us = tuning.spin_us
         out = ffi.new("smc_comm_t **")
         check(lib.smc_comm_create(cfg, out))
@@ -99,11 +99,9 @@ def init(engine=None):
             if engine:
                 _start_engine()
             return
-        topo = env.topology()
-        if topo.cross_size > 1 or topo.local_size != topo.size:
-            raise ShmCommError(
-                "this job spans %d hosts; this version of shmcomm runs the ranks of one host only" % topo.cross_size)
-        comm = Communicator(topo, env.tuning(topo.local_size), _state.generation)
+        from shmcomm.jobs import build_world
+
+        comm = build_world(_state.generation)
         _state.generation += 1
         _state.comm = comm
     if engine:

@@ -79,12 +79,43 @@ def allreduce(comm, x, output, op, prescale, postscale, what):
     return out
 
 
-def allreduce_raw(comm, ptr, count, code, op, prescale, postscale, what):
-    """In-place allreduce of `count` elements of type `code` at `ptr` (the engine's fusion buffer)."""
-    rc = lib.smc_allreduce(comm.handle, ptr, ptr, count, code, _C_OP[op], prescale, postscale,
-                           comm.size if op == ops.Average else 1, hash((code, count)) & _MASK)
+def allreduce_raw(comm, ptr, count, code, op, prescale, postscale, what, divisor=None):
+    """In-place allreduce of `count` elements of type `code` at `ptr` (the engine's fusion buffer, a torus slice).
+    The divisor defaults to the communicator's size for Average."""
+    if divisor is None:
+        divisor = comm.size if op == ops.Average else 1
+    rc = lib.smc_allreduce(comm.handle, ptr, ptr, count, code, _C_OP[op], prescale, postscale, divisor,
+                           hash((code, count)) & _MASK)
     if rc != 0:
         raise error_for(rc, what)
+
+
+def reducescatter_raw(comm, src_ptr, dst_ptr, counts, code, op, prescale, postscale, divisor, what):
+    """Elements [sum(counts[:r]), +counts[r]) of the reduction land at dst_ptr on rank r (the torus's row phase)."""
+    rc = lib.smc_reducescatter(comm.handle, src_ptr, dst_ptr, ffi.new("uint64_t[]", counts), code, _C_OP[op],
+                               prescale, postscale, divisor, hash((code,) + tuple(counts)) & _MASK)
+    if rc != 0:
+        raise error_for(rc, what)
+
+
+def allgatherv_raw(comm, src_ptr, send_bytes, dst_ptr, recv_bytes, what):
+    """Rank r's send_bytes land at offset sum(recv_bytes[:r]) of dst_ptr on every rank."""
+    rc = lib.smc_allgatherv(comm.handle, src_ptr, send_bytes, dst_ptr, ffi.new("uint64_t[]", recv_bytes), 0)
+    if rc != 0:
+        raise error_for(rc, what)
+
+
+def itemsize(code):
+    return int(lib.smc_dtype_size(code))
+
+
+def scale_raw(ptr, count, code, postscale, divisor):
+    """x = postscale * x / divisor in place, with the same rules as the reductions (integers truncate)."""
+    if postscale != 1.0 or divisor != 1:
+        srcs = ffi.new("void *[1]", [ptr])
+        rc = lib.smc_reduce(ptr, srcs, 1, count, code, lib.SMC_SUM, 1.0, postscale, divisor)
+        if rc != 0:
+            raise error_for(rc, "scale")
 
 
 def broadcast(comm, x, output, root, what):

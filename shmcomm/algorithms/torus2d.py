@@ -1,0 +1,56 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hierarchical 2D-torus allreduce (Mikami et al., Sony, arXiv:1811.05233).
+
+The ranks form an X-by-Y grid: a row is X ranks of one host, a column the ranks with the same place in their row.
+  1. reduce-scatter along the row: rank (x, y) ends with the row's sum of slice x (1/X of the buffer), over
+     shared memory;
+  2. allreduce along the column, on that slice only: all X ranks of a host drive the network at once, each with
+     M/X bytes, instead of one rank with all M;
+  3. all-gather along the row: every rank copies the finished slices out, over shared memory again.
+It moves the bytes a ring moves, in 2(X-1) + 2(Y-1) steps instead of 2(XY-1). Scale factors are applied once: the
+prescale in step 1, the postscale and the average's divisor on the slice in step 2. Counts that do not divide by X
+give the first (count % X) ranks of a row one element more."""
+import numpy as np
+
+from shmcomm import host_ops
+from shmcomm._native import ffi
+from shmcomm.algorithms import shares
+
+
+class Torus:
+    """Steps 1-3 over a row communicator (shared memory) and a column allreduce (shared memory or MPI)."""
+
+    def __init__(self, row, column_allreduce):
+        self.row = row
+        self.column_allreduce = column_allreduce  # fn(slice_array, code, op, postscale, divisor), in place
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    def allreduce(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what):
+        row = self.row
+        counts = shares(count, row.size)
+        mine = counts[row.rank]
+        if self._scratch.nbytes < mine * esize:
+            self._scratch = np.empty(mine * esize, dtype=np.uint8)
+        piece = self._scratch[:mine * esize]
+        piece_ptr = ffi.from_buffer(self._scratch)
+        host_ops.reducescatter_raw(row, src_ptr, piece_ptr, counts, code, op, prescale, 1.0, 1, what)
+        self.column_allreduce(piece, code, op, postscale, divisor)
+        host_ops.allgatherv_raw(row, piece_ptr, mine * esize, dst_ptr, [c * esize for c in counts], what)
+
+
+def smb_column(column):
+    """A column on shared memory (a logical grid on one host)."""
+    def run(piece, code, op, postscale, divisor):
+        esize = host_ops.itemsize(code)
+        host_ops.allreduce_raw(column, ffi.from_buffer(piece), piece.nbytes // esize, code, op, 1.0, postscale,
+                               "torus column", divisor=divisor)
+    return run
+
+
+def mpi_column(mpi_comm):
+    """A column across hosts: a ring over MPI, which carries every dtype."""
+    from shmcomm.algorithms.ring import ring_allreduce
+
+    def run(piece, code, op, postscale, divisor):
+        ring_allreduce(mpi_comm, piece, code, op, 1.0, postscale, divisor)
+    return run

@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The communicator of a job that spans hosts, or of a logical grid on one host (SHMCOMM_TORUS_GRID).
+
+It offers what the host communicator offers (basics.Communicator), so the API and the engine use either unchanged.
+Allreduce goes through the algorithm SHMCOMM_ALLREDUCE_ALGO picks (auto, torus, ring, mpi); the other collectives go
+through MPI across hosts, or through the host's shared memory when the whole grid is on one host."""
+import os
+
+import numpy as np
+
+from shmcomm import host_ops, ops
+from shmcomm.algorithms.torus2d import Torus
+from shmcomm.buffers import require_reducible, wrap
+from shmcomm.exceptions import InvalidArgumentError
+
+ALGORITHMS = ("auto", "torus", "ring", "mpi")
+
+
+def requested_algorithm():
+    algo = (os.environ.get("SHMCOMM_ALLREDUCE_ALGO") or os.environ.get("HOROVOD_ALLREDUCE_ALGO") or "auto").lower()
+    if algo not in ALGORITHMS:
+        raise ValueError("SHMCOMM_ALLREDUCE_ALGO=%r: choose one of %s" % (algo, ", ".join(ALGORITHMS)))
+    return algo
+
+
+class GridComm:
+    def __init__(self, topology, tuning, host, torus, mpi=None, host_groups=()):
+        self.topology = topology
+        self.tuning = tuning
+        self.host = host                # shared memory among this host's ranks
+        self.torus = torus              # a Torus, or None (heterogeneous hosts)
+        self.mpi = mpi                  # MPI.COMM_WORLD across hosts, None for a grid on one host
+        self.host_groups = [list(g) for g in host_groups]  # the global ranks of each host
+        self.rank = topology.rank
+        self.size = topology.size
+        self.ranks = list(range(topology.size))
+        self.algorithm = requested_algorithm()
+        if self.algorithm == "torus" and torus is None:
+            raise ValueError("SHMCOMM_ALLREDUCE_ALGO=torus needs the same number of ranks on every host")
+        if self.algorithm in ("ring", "mpi") and mpi is None:
+            raise ValueError("SHMCOMM_ALLREDUCE_ALGO=%s needs a job launched across hosts" % self.algorithm)
+        self.handle = host.handle       # for code that asks the host communicator directly (spin, boxes)
+        self.closables = []
+
+    def _choose(self):
+        if self.algorithm != "auto":
+            return self.algorithm
+        return "torus" if self.torus is not None else "mpi"
+
+    # ---- allreduce ----
+    def allreduce(self, x, output, op, prescale, postscale, what):
+        inplace = output is x
+        src = wrap(x, what, inplace)
+        require_reducible(src, what)
+        out, dst = (x, src) if inplace else host_ops.output_for(src, output, src.shape, what)
+        self.allreduce_raw(src.ptr, src.count, src.code, op, prescale, postscale, what, dst_ptr=dst.ptr)
+        return out
+
+    def allreduce_raw(self, ptr, count, code, op, prescale, postscale, what, divisor=None, dst_ptr=None):
+        dst_ptr = ptr if dst_ptr is None else dst_ptr
+        divisor = (self.size if op == ops.Average else 1) if divisor is None else divisor
+        esize = host_ops.itemsize(code)
+        algo = self._choose()
+        if algo == "torus":
+            self.torus.allreduce(ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what)
+            return
+        from shmcomm._native import ffi
+
+        if dst_ptr != ptr:
+            ffi.memmove(dst_ptr, ptr, count * esize)
+        raw = np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8)
+        if algo == "ring":
+            from shmcomm.algorithms.ring import ring_allreduce
+
+            ring_allreduce(self.mpi, raw, code, op, prescale, postscale, divisor)
+        else:
+            from shmcomm.algorithms.mpi_native import mpi_allreduce
+
+            mpi_allreduce(self.mpi, raw, code, op, prescale, postscale, divisor)
+
+    # ---- the rest: MPI across hosts, shared memory on one host ----
+    def broadcast(self, x, output, root, what):
+        if self.mpi is None:
+            return self.host.broadcast(x, output, root, what)
+        from shmcomm.algorithms import mpi_native
+
+        return mpi_native.broadcast(self.mpi, x, output, root, what)
+
+    def allgather(self, x, what):
+        if self.mpi is None:
+            return self.host.allgather(x, what)
+        from shmcomm.algorithms import mpi_native
+
+        return mpi_native.allgather(self.mpi, x, what)
+
+    def reducescatter(self, x, op, prescale, postscale, what):
+        """The allreduce, then this rank's rows: twice the traffic of a true reduce-scatter, but the torus's."""
+        src = wrap(x, what)
+        require_reducible(src, what)
+        if len(src.shape) == 0:
+            raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % what)
+        total = self.allreduce(x, None, op, prescale, postscale, what)
+        rows = src.shape[0]
+        share = [rows // self.size + (1 if r < rows % self.size else 0) for r in range(self.size)]
+        start = sum(share[:self.rank])
+        return total[start:start + share[self.rank]].clone() if src.is_torch else total[start:start + share[self.rank]].copy()
+
+    def alltoall(self, x, splits, what):
+        if self.mpi is None:
+            return self.host.alltoall(x, splits, what)
+        from shmcomm.algorithms import mpi_native
+
+        return mpi_native.alltoall(self.mpi, x, splits, what)
+
+    def barrier(self, what="barrier"):
+        if self.mpi is None:
+            return self.host.barrier(what)
+        self.mpi.Barrier()
+
+    def allgather_bytes(self, payload):
+        if self.mpi is None:
+            return self.host.allgather_bytes(payload)
+        return self.mpi.allgather(bytes(payload))
+
+    def set_spin(self, spin_us):
+        self.host.set_spin(spin_us)
+
+    def close(self):
+        for comm in self.closables:
+            comm.close()
+        self.host.close()

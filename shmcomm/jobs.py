@@ -1,0 +1,62 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builds the world communicator for the kind of job this process is in.
+
+- one host, the usual case: the host's shared-memory communicator, nothing else (no MPI);
+- one host with SHMCOMM_TORUS_GRID=XxY: rows and columns of the torus both on shared memory, which is how the torus
+  is exercised without several hosts;
+- several hosts (launched by mpiexec, shmcommrun -H, srun): each host's shared memory for the rows, MPI for the
+  columns and for the collectives that are not allreduce."""
+import os
+
+from shmcomm import env, topology
+from shmcomm.basics import Communicator
+
+
+def _grid_text():
+    return os.environ.get("SHMCOMM_TORUS_GRID") or os.environ.get("HOROVOD_TORUS_GRID")
+
+
+def build_world(generation):
+    if topology.launched_by_mpi():
+        return _across_hosts(generation)
+    topo = env.topology()
+    tuning = env.tuning(topo.local_size)
+    host = Communicator(topo, tuning, generation)
+    grid = _grid_text()
+    if not grid:
+        return host
+    return _logical_grid(topo, tuning, generation, host, *topology.parse_grid(grid, topo.size))
+
+
+def _logical_grid(topo, tuning, generation, host, x, y):
+    from shmcomm.algorithms.torus2d import Torus, smb_column
+    from shmcomm.grid import GridComm
+
+    row_index, column_index = topo.rank // x, topo.rank % x
+    row = Communicator(topo, tuning, generation, ranks=[row_index * x + i for i in range(x)],
+                       suffix="_r%d" % row_index)
+    column = Communicator(topo, tuning, generation, ranks=[j * x + column_index for j in range(y)],
+                          suffix="_c%d" % column_index)
+    world = GridComm(topo, tuning, host, Torus(row, smb_column(column)), host_groups=[list(range(topo.size))])
+    world.closables = [row, column]
+    return world
+
+
+def _across_hosts(generation):
+    from shmcomm.algorithms.torus2d import Torus, mpi_column
+    from shmcomm.grid import GridComm
+
+    topo, ctx = topology.from_mpi()
+    tuning = env.tuning(topo.local_size)
+    host = Communicator(topo, tuning, generation, ranks=ctx.host_ranks, suffix="_h%d" % ctx.host_index, arena=True)
+    if ctx.hosts == 1 and not _grid_text():
+        host.ranks = list(range(topo.size))  # one host: the host communicator is the world
+        return host
+    grid = _grid_text()
+    if grid:
+        x, y = topology.parse_grid(grid, topo.size)
+        if x != topo.local_size or not ctx.homogeneous:
+            raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
+                             % (grid, topo.local_size))
+    torus = Torus(host, mpi_column(ctx.cross)) if ctx.homogeneous else None
+    return GridComm(topo, tuning, host, torus, mpi=ctx.world, host_groups=ctx.world.allgather(ctx.host_ranks))

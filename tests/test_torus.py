@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The 2D-torus allreduce and the cross-host algorithms, on one machine: a logical grid on shared memory
+(SHMCOMM_TORUS_GRID), and MPI-launched jobs whose ranks pretend to sit on several hosts (SHMCOMM_RANKS_PER_HOST), so
+the cross-host steps really go through MPI."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import multiproc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHECKS = textwrap.dedent("""
+    import numpy as np, shmcomm
+    def check_all():
+        shmcomm.init()
+        me, n = shmcomm.rank(), shmcomm.size()
+        for count in (0, 1, 7, 1001, 300_007):  # counts that do not divide by the row size take the remainder path
+            for dtype in (np.float32, np.float64, np.int32, np.int8, np.float16):
+                x = (np.arange(count) % 3 + me).astype(dtype)
+                for op, fold in ((shmcomm.Sum, np.sum), (shmcomm.Max, np.max), (shmcomm.Min, np.min)):
+                    if count > 1001 and op != shmcomm.Sum:
+                        continue
+                    want = fold(np.stack([(np.arange(count) % 3 + q).astype(dtype).astype(np.float64)
+                                          for q in range(n)]), axis=0) if count else np.zeros(0)
+                    got = shmcomm.allreduce(x, op=op)
+                    assert np.array_equal(got.astype(np.float64), want), (count, dtype, op)
+        avg = shmcomm.allreduce(np.full(5, float(me)), op=shmcomm.Average, prescale_factor=2.0, postscale_factor=0.5)
+        assert np.allclose(avg, (n - 1) / 2)
+        ints = shmcomm.allreduce(np.full(3, 4 * n, np.int64))  # Average of integers: exact division
+        assert ints.tolist() == [4 * n] * 3
+        assert shmcomm.allgather(np.full((me % 2 + 1, 2), me)).shape == (sum(r % 2 + 1 for r in range(n)), 2)
+        assert shmcomm.broadcast(np.array([me, me]), root_rank=n - 1).tolist() == [n - 1] * 2
+        rows = shmcomm.reducescatter(np.ones((2 * n + 1, 3)), op=shmcomm.Sum)
+        assert rows.shape[0] == 2 + (1 if me < 1 else 0) and (rows == n).all()
+        out, got = shmcomm.alltoall(np.arange(n) + 10 * me, splits=[1] * n)
+        assert out.tolist() == [10 * r + me for r in range(n)]
+        shmcomm.barrier()
+        return True
+""")
+
+
+def _grid_body():
+    namespace = {}
+    exec(CHECKS, namespace)
+    return namespace["check_all"]()
+
+
+@pytest.mark.parametrize("grid", ["2x2", "2x3", "3x2", "4x2", "1x3", "3x1"])
+def test_logical_grid_on_shared_memory(grid):
+    x, y = (int(v) for v in grid.split("x"))
+    assert multiproc.run(x * y, _grid_body, env={"SHMCOMM_TORUS_GRID": grid}, timeout=180) == [True] * (x * y)
+
+
+def test_grid_that_does_not_fit_is_refused():
+    def body():
+        import shmcomm
+
+        with pytest.raises(ValueError, match="does not fit 4 ranks"):
+            shmcomm.init()
+        return True
+
+    assert multiproc.run(4, body, env={"SHMCOMM_TORUS_GRID": "3x2"}) == [True] * 4
+
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC) and shutil.which("mpiexec") is None, reason="no mpiexec")
+@pytest.mark.parametrize("ranks,per_host,algo", [(4, 2, "torus"), (4, 2, "ring"), (4, 2, "mpi"), (6, 2, "auto"),
+                                                 (6, 3, "auto"), (5, 2, "auto")])
+def test_across_pretend_hosts_over_mpi(tmp_path, ranks, per_host, algo):
+    script = tmp_path / "job.py"
+    script.write_text(CHECKS + "\nassert check_all()\nprint('rank ok', flush=True)\n")
+    mpiexec = MPIEXEC if os.path.exists(MPIEXEC) else shutil.which("mpiexec")
+    env = dict(os.environ, SHMCOMM_RANKS_PER_HOST=str(per_host), SHMCOMM_ALLREDUCE_ALGO=algo,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("rank ok") == ranks
