@@ -29,15 +29,16 @@ def main():
     dist.init_process_group("gloo", init_method="file://" + path, rank=hvd.rank(), world_size=hvd.size())
 
     digits = load_digits()
-    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(digits.target)
+    order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(0))  # writers mixed
+    x = torch.tensor(digits.data / 16.0, dtype=torch.float32)[order]
+    y = torch.tensor(digits.target)[order]
     x_train, y_train = x[:1400][dist.get_rank()::dist.get_world_size()], y[:1400][dist.get_rank()::dist.get_world_size()]
     x_test, y_test = x[1400:], y[1400:]
 
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)))
     model.register_comm_hook(state=None, hook=hvd.allreduce_hook)  # the only shmcomm-specific line
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 
     for epoch in range(args.epochs):
         perm = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))

@@ -25,6 +25,7 @@ _EXPORTS = {
     "shmcomm.exceptions": ["ShmCommError", "NotInitializedError", "InvalidArgumentError", "MismatchError",
                            "TimeoutError", "RankFailure", "BrokenCommunicatorError", "OutOfMemoryError",
                            "BoxExistsError", "BoxNotFoundError"],
+    "shmcomm.torch.optimizer": ["DistributedOptimizer"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

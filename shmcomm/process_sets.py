@@ -83,11 +83,12 @@ def remove_process_set(process_set):
     process_set.process_set_id = None
 
 
-def members(set_id):
-    """Global ranks of a set, for the engine's agreement."""
-    if set_id == 0:
-        return range(basics.size())
-    return _registry[set_id].ranks
+def communicator_of(set_id):
+    """This rank's communicator of a registered set (the engine runs a fused group of the set on it)."""
+    ps = _registry.get(set_id)
+    if ps is None:
+        raise InvalidArgumentError("process set %d is not registered on rank %d" % (set_id, basics.rank()))
+    return ps.communicator()
 
 
 def _close_all():

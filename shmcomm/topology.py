@@ -6,6 +6,7 @@ knows the ranks, and MPI_Comm_split_type(SHARED) groups them by host. Only such 
 job never pays for MPI's start-up."""
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 
 from shmcomm.env import Topology
@@ -50,10 +51,24 @@ def from_mpi():
     cross = world.Split(color=local.rank, key=world.rank)
     token = world.bcast(os.environ.get("SHMCOMM_JOB_TOKEN") or secrets.token_hex(16), root=0)
     local_sizes = world.allgather(local.size)
+    _abort_job_on_uncaught_exception(world)
     topo = Topology(world.rank, world.size, local.rank, local.size, cross.rank, cross.size, token, True)
     ctx = MPIContext(world, local, cross, leaders.index(leader), local.allgather(world.rank), len(leaders),
                      len(set(local_sizes)) == 1)
     return topo, ctx
+
+
+def _abort_job_on_uncaught_exception(world):
+    """A rank that dies of an exception would otherwise wait in MPI_Finalize for ranks that wait for it: print the
+    traceback, then abort the whole job (what `python -m mpi4py` does)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        world.Abort(1)
+
+    sys.excepthook = hook
 
 
 def parse_grid(text, size):

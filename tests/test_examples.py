@@ -23,6 +23,43 @@ def test_train_synthetic_two_ranks():
     assert accuracy > 90
 
 
+def _accuracy(run):
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "weights identical on all ranks: True" in run.stdout
+    return float(run.stdout.split("test accuracy ")[1].split("%")[0])
+
+
+def test_torch_digits_two_ranks_match_one():
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    args = [sys.executable, "examples/torch_digits.py", "--epochs", "8"]
+    one = _accuracy(_launch("-np", "1", *args))
+    two_run = _launch("-np", "2", *args)
+    two = _accuracy(two_run)
+    assert one >= 95 and two >= 95 and abs(one - two) <= 1.0, (one, two)
+    assert "training" in two_run.stderr  # rank 0's progress bar
+
+
+def test_torch_synthetic_benchmark_reports_throughput():
+    pytest.importorskip("torch")
+    run = _launch("-np", "2", sys.executable, "examples/torch_synthetic_benchmark.py", "--model", "resnet_tiny",
+                  "--batch-size", "8", "--image-size", "16", "--num-warmup-batches", "1", "--num-batches-per-iter",
+                  "2", "--num-iters", "2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    for line in ("Model: resnet_tiny", "Batch size: 8", "Number of CPUs: 2", "Img/sec per CPU:",
+                 "Total img/sec on 2 CPU(s):"):
+        assert line in run.stdout
+
+
+def test_ddp_with_the_shmcomm_hook():
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    run = _launch("-np", "2", sys.executable, "examples/torch_ddp_hook.py", "--epochs", "10")
+    assert run.returncode == 0, run.stdout + run.stderr
+    accuracy = float(run.stdout.split("test accuracy ")[1].split("%")[0])
+    assert accuracy > 90
+
+
 def test_readme_commands_are_what_ci_runs():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()

@@ -16,7 +16,7 @@ from shmcomm import env, process_sets
 from shmcomm._native import lib
 from shmcomm.buffers import wrap
 from shmcomm.engine import fusion
-from shmcomm.engine.negotiate import Negotiator, signature
+from shmcomm.engine.negotiate import Negotiator, members_of, signature
 from shmcomm.engine.request import Handle, execute
 from shmcomm.engine.stall import StallInspector
 from shmcomm.engine.timeline import from_environment
@@ -147,7 +147,7 @@ class Engine:
             return False
         self._busy = any(entries for entries, _ in everyone)  # the same verdict on every rank
         joined = {r: f["join"] for r, (_, f) in enumerate(everyone) if f["join"]}
-        responses, waiting = self.negotiator.agree(everyone, process_sets.members, joined)
+        responses, waiting = self.negotiator.agree(everyone, joined)
         self._execute(responses)
         for name, message in self.stall.check(waiting).items():
             self._complete(name, error=ShmCommError(message))
@@ -178,7 +178,7 @@ class Engine:
                 run = []
             if resp is None:
                 break
-            if me not in process_sets.members(resp.sig[1]):
+            if me not in members_of(resp.sig[1], self.comm.size):
                 continue
             if resp.error is not None:
                 from shmcomm.exceptions import MismatchError
@@ -207,7 +207,7 @@ class Engine:
         # Groups come from the full, identical-everywhere list; a group belongs to one process set, so each rank then
         # runs exactly the groups of its sets, in the same order as the other members.
         for group in fusion.groups(responses, max(self.fusion_threshold, 1), lambda code: lib.smc_dtype_size(code)):
-            if me not in process_sets.members(group[0].sig[1]):
+            if me not in members_of(group[0].sig[1], self.comm.size):
                 continue
             if len(group) == 1 and not group[0].joined and group[0].name in self._pending:
                 self._run_one(group[0].name)
@@ -215,7 +215,7 @@ class Engine:
             requests = {r.name: self._pending[r.name][0] for r in group if r.name in self._pending}
             self.timeline.end(list(requests), "NEGOTIATE_ALLREDUCE")
             sig = group[0].sig
-            comm = self.comm if sig[1] == 0 else process_sets._registry[sig[1]].communicator()
+            comm = self.comm if sig[1] == 0 else process_sets.communicator_of(sig[1][0])
             try:
                 results = fusion.run_group(comm, group, requests, self.fusion, lib.smc_dtype_size(sig[2]), sig[2],
                                            self.timeline)

@@ -14,16 +14,26 @@ import pickle
 from shmcomm import dtypes
 
 
+def set_key(req):
+    """0 for everyone; (id, member ranks) for a process set. Carrying the members lets every rank judge readiness
+    without having registered the set itself (a rank outside the set may register it later than the members)."""
+    return 0 if req.set_id == 0 else (req.set_id, tuple(req.comm.ranks))
+
+
+def members_of(key, size):
+    return range(size) if key == 0 else key[1]
+
+
 def signature(req, buf_key, shape):
     """What all ranks must agree on for this request. The first dimension of allgather and alltoall may differ."""
     kind = req.kind
     if kind in ("allgather", "alltoall"):
-        return (kind, req.set_id, buf_key, tuple(shape[1:]))
+        return (kind, set_key(req), buf_key, tuple(shape[1:]))
     if kind == "broadcast":
-        return (kind, req.set_id, buf_key, tuple(shape), req.root)
+        return (kind, set_key(req), buf_key, tuple(shape), req.root)
     if kind in ("allreduce", "reducescatter"):
-        return (kind, req.set_id, buf_key, tuple(shape), int(req.op), req.prescale, req.postscale)
-    return (kind, req.set_id)
+        return (kind, set_key(req), buf_key, tuple(shape), int(req.op), req.prescale, req.postscale)
+    return (kind, set_key(req))
 
 
 def describe(sig):
@@ -73,7 +83,7 @@ class Negotiator:
             result.append(([self.entries[w] if isinstance(w, int) else w for w in wire], peer_flags))
         return result
 
-    def agree(self, everyone, members_of, joined):
+    def agree(self, everyone, joined):
         """Responses, in the same order on every rank, and {name: (first_submitters, missing ranks)} still waiting."""
         order, seen = [], {}
         for rank, (entries, _) in enumerate(everyone):
@@ -86,7 +96,7 @@ class Negotiator:
         for name in order:
             by_rank = seen[name]
             sig = next(iter(by_rank.values()))
-            members = members_of(sig[1])
+            members = members_of(sig[1], len(everyone))
             missing = [r for r in members if r not in by_rank and r not in joined]
             if missing:
                 waiting[name] = (sorted(by_rank), missing)

@@ -14,7 +14,7 @@ class StallInspector:
         self.warning_s = warning_s
         self.shutdown_s = shutdown_s
         self.enabled = enabled
-        self.stream = stream or sys.stderr
+        self.stream = stream  # None: whatever sys.stderr is when there is something to say
         self._since = {}      # name -> when it was first seen waiting
         self._warned = {}     # name -> when we last warned about it
 
@@ -54,5 +54,6 @@ class StallInspector:
             lines.append("    rank %d has not submitted: %s" % (r, ", ".join(sorted(by_rank[r]))))
         lines.append("    Ranks must submit the same tensors (by name). A rank that ran out of data should call "
                      "join(); a rank stuck in other work shows up here too.")
-        self.stream.write("\n".join(lines) + "\n")
-        self.stream.flush()
+        stream = self.stream or sys.stderr
+        stream.write("\n".join(lines) + "\n")
+        stream.flush()

@@ -2,14 +2,17 @@
 """Command line of shmcommrun: parses the flags and turns them into the environment of every rank.
 
 Flags never change the launcher's behaviour towards the ranks beyond their environment: the ranks read
-everything at init, so a job started by hand with the same variables behaves the same.
+everything at init, so a job started by hand with the same variables behaves the same. A job on this host only
+is started here (spawn.py); one naming other hosts is handed to MPICH's mpiexec (mpi_launch.py).
 """
 
 import argparse
 import os
 import secrets
 import shlex
+import shutil
 import socket
+import sys
 
 PROG = "shmcommrun"
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
@@ -81,13 +84,24 @@ def _dest(flag):
 def build_parser():
     parser = argparse.ArgumentParser(
         prog=PROG, allow_abbrev=False,
-        description="Start N ranks of a command on this host, prefix their output, and stop them all if one "
-                    "fails.",
+        description="Start N ranks of a command on this host (or, with -H/--hostfile, across hosts through "
+                    "MPICH's mpiexec), prefix their output, and stop them all if one fails.",
         usage="%(prog)s -np N [options] command [args ...]")
     parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, metavar="N", help="number of ranks")
     parser.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
-                        help="hosts to run on; only this host is supported for now")
-    parser.add_argument("--hostfile", metavar="FILE", help="file of 'host slots=N' lines; only this host")
+                        help="hosts to run on, with the ranks each takes (1 if left out); naming any host but "
+                             "this one starts the job with MPICH's mpiexec")
+    parser.add_argument("--hostfile", metavar="FILE",
+                        help="file of 'host slots=N' lines ('#' comments), instead of -H")
+    multi_host = parser.add_argument_group("multi-host jobs (started with MPICH's mpiexec, hydra)")
+    multi_host.add_argument("-p", "--ssh-port", type=int, metavar="PORT", help="ssh port of the hosts")
+    multi_host.add_argument("--network-interfaces", metavar="IF,...",
+                            help="interfaces the job may use; the first carries mpiexec's own connections and "
+                                 "libfabric's traffic, UCX uses them all")
+    multi_host.add_argument("--mpi-args", metavar="ARGS", default="",
+                            help="more arguments for mpiexec, split as a shell would (e.g. \"-genv UCX_TLS tcp\")")
+    multi_host.add_argument("--launcher-agent", metavar="PATH",
+                            help="program that hydra runs instead of ssh, as `PATH [ssh options] HOST COMMAND`")
     parser.add_argument("--output-filename", metavar="DIR",
                         help="also write each rank's raw output to DIR/rank.<r>/stdout and stderr")
     parser.add_argument("--kill-grace-seconds", type=float, default=5.0, metavar="S",
@@ -117,25 +131,52 @@ def env_from_flags(args):
     return env
 
 
-def _hosts_named(args):
-    """Host names from -H and --hostfile, with their slot counts dropped."""
+def _slots(text, where):
+    try:
+        slots = int(text)
+    except ValueError:
+        slots = 0
+    if slots < 1:
+        raise ValueError(f"{where}: expected a number of slots >= 1, got {text!r}")
+    return slots
+
+
+def _host_entry(entry, where):
+    """(host, slots) from 'host', 'host:N' or 'host slots=N'."""
+    fields = entry.split()
+    host, _, slots = fields[0].partition(":")
+    for field in fields[1:]:
+        key, _, value = field.partition("=")
+        if key != "slots" or slots:
+            raise ValueError(f"{where}: expected 'host slots=N', got {entry!r}")
+        slots = value
+    return host, _slots(slots, where) if slots else 1
+
+
+def requested_hosts(args):
+    """[(host, slots)] from -H or --hostfile; raises ValueError for a malformed entry, OSError for the file."""
     hosts = []
     if args.hosts:
-        hosts += [entry.split(":")[0].strip() for entry in args.hosts.split(",") if entry.strip()]
+        for entry in args.hosts.split(","):
+            if entry.strip():
+                hosts.append(_host_entry(entry.strip(), "-H"))
     if args.hostfile:
         with open(args.hostfile) as hostfile:
-            for line in hostfile:
-                fields = line.split("#")[0].split()
-                if fields:
-                    hosts.append(fields[0].split(":")[0])
+            for number, line in enumerate(hostfile, 1):
+                text = line.split("#")[0].strip()
+                if text:
+                    hosts.append(_host_entry(text, f"{args.hostfile} line {number}"))
     return hosts
+
+
+def is_this_host(host):
+    hostname = socket.gethostname()
+    return host in set(_LOCAL_HOST_NAMES) | {hostname, hostname.split(".")[0]}
 
 
 def foreign_hosts(args):
     """The hosts named on the command line that are not this host."""
-    hostname = socket.gethostname()
-    local = set(_LOCAL_HOST_NAMES) | {hostname, hostname.split(".")[0]}
-    return [host for host in _hosts_named(args) if host not in local]
+    return [host for host, _ in requested_hosts(args) if not is_this_host(host)]
 
 
 def _cores():
@@ -193,14 +234,16 @@ def main(argv=None):
         parser.error("no command given: shmcommrun -np N command [args ...]")
     if args.kill_grace_seconds < 0:
         parser.error("--kill-grace-seconds must be >= 0")
+    if args.hosts and args.hostfile:
+        parser.error("give either -H or --hostfile, not both")
     try:
-        foreign = foreign_hosts(args)
+        hosts = requested_hosts(args)
     except OSError as error:
         parser.exit(2, f"{PROG}: error: cannot read the hostfile: {error}\n")
-    if foreign:
-        parser.exit(2, f"{PROG}: error: multi-host launches are not supported yet by this launcher; "
-                       f"{', '.join(foreign)} is not this host ({socket.gethostname()}). "
-                       f"Use -H localhost:N or leave -H out.\n")
+    except ValueError as error:
+        parser.error(str(error))
+    if any(not is_this_host(host) for host, _ in hosts):
+        return launch_across_hosts(parser, args, command, hosts)
 
     from .cleanup import remove_job_segments
     from .spawn import run_job, say
@@ -219,3 +262,42 @@ def main(argv=None):
         if args.verbose and removed:
             say(f"removed {len(removed)} shared-memory segment(s) the job left: {', '.join(removed)}")
 
+
+def launch_across_hosts(parser, args, command, hosts):
+    """Starts the job on the named hosts with MPICH's mpiexec; returns the exit code."""
+    from . import mpi_launch
+    from .spawn import say
+
+    slots = sum(count for _, count in hosts)
+    if args.num_proc > slots:
+        parser.error(f"-np {args.num_proc} needs more slots than the hosts offer ({slots})")
+    if args.output_filename:
+        parser.error("--output-filename is not supported for multi-host jobs yet (mpiexec forwards the output)")
+    try:
+        mpi_args = shlex.split(args.mpi_args)
+    except ValueError as error:
+        parser.error(f"--mpi-args: {error}")
+    agent = None
+    if args.launcher_agent:
+        agent = shutil.which(args.launcher_agent)
+        if agent is None:
+            parser.exit(2, f"{PROG}: error: --launcher-agent {args.launcher_agent!r} is not an executable\n")
+    mpiexec = mpi_launch.find_mpiexec()
+    if mpiexec is None:
+        parser.exit(127, f"{PROG}: error: multi-host jobs need MPICH's mpiexec, and there is none beside "
+                         f"{sys.executable} or on PATH; install it with: pip install mpich\n")
+    problem = mpi_launch.hydra_problem(mpiexec)
+    if problem:
+        parser.exit(127, f"{PROG}: error: {problem}\n")
+    interfaces = [name.strip() for name in (args.network_interfaces or "").split(",") if name.strip()]
+
+    token = secrets.token_hex(16)
+    base_env = dict(os.environ)
+    ranks_per_host = min(args.num_proc, max(count for _, count in hosts))
+    job_env = mpi_launch.job_environment(token, env_from_flags(args), base_env, ranks_per_host, _cores())
+    mpiexec_args = mpi_launch.mpiexec_command(mpiexec, args.num_proc, hosts, job_env, command, agent,
+                                              interfaces, mpi_args)
+    if args.verbose:
+        say(f"launching {args.num_proc} rank(s) on {', '.join(f'{h}:{n}' for h, n in hosts)} with mpiexec")
+    env = mpi_launch.launcher_environment(base_env, args.ssh_port)
+    return mpi_launch.run_mpi_job(mpiexec_args, env, token, args.kill_grace_seconds, args.verbose)

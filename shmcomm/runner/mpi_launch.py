@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Multi-host launches: placement is handed to MPICH's process manager, hydra (`mpiexec` of the mpich wheel).
+
+Hydra reaches every host with ssh (or the --launcher-agent given instead), starts the ranks there, forwards their
+output, and kills the whole job when a rank dies (RANK_GUARD below makes every failure count as one). The ranks learn their rank, size, local and cross ranks
+from MPI; this launcher only gives every rank what MPI cannot know: the job token, the tuning variables of the
+flags and SHMCOMM_LAUNCHER=mpi. The launcher's own environment reaches the ranks too (hydra's default), less
+any rank identity it carries from an enclosing job.
+
+Nothing here imports mpi4py: the launcher stays a plain process.
+"""
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from .cleanup import remove_job_segments
+from .spawn import FORWARDED_SIGNALS, exit_code_of, say, signal_name
+
+_IDENTITY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
+_VERSION_TIMEOUT_S = 10
+_POLL_SECONDS = 0.1
+
+# Runs each rank's command under hydra (as `python -c RANK_GUARD command...`, with this launcher's Python, so
+# the hosts need it at the same path, as they need the same environment anyway). It does two things hydra does
+# not: it prefixes every output line with the rank, as on one host (hydra's -prepend-pattern marks every chunk
+# it reads, even mid-line), and it turns a rank's failure into one hydra acts on. Hydra stops the job when a
+# process dies by a signal, but waits for all the others when one merely exits non-zero; so the guard reports
+# the failure and then kills itself.
+RANK_GUARD = r"""
+import os, signal, socket, subprocess, sys, threading
+rank = os.environ.get("PMI_RANK", "?")
+def put(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
+def pump(pipe, fd, label):
+    prefix = ("[%s]<%s>: " % (rank, label)).encode()
+    for line in iter(lambda: pipe.readline(1 << 20), b""):
+        put(fd, prefix + line + (b"" if line.endswith(b"\n") else b"\n"))
+try:
+    # close_fds=False: the rank needs hydra's PMI_FD; the guard's own descriptors are not inheritable anyway.
+    child = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=False)
+except OSError as error:
+    put(2, ("[%s]<stderr>: cannot run %r: %s\n" % (rank, sys.argv[1], error.strerror or error)).encode())
+    code = 127
+else:
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda signum, frame: child.send_signal(signum))
+    pumps = [threading.Thread(target=pump, args=(pipe, fd, label), daemon=True)
+             for pipe, fd, label in ((child.stdout, 1, "stdout"), (child.stderr, 2, "stderr"))]
+    for thread in pumps:
+        thread.start()
+    code = child.wait()
+    for thread in pumps:
+        thread.join(3)
+if code != 0:
+    how = "was killed by signal %d" % -code if code < 0 else "exited with code %d" % code
+    put(2, ("[%s]<stderr>: shmcommrun: rank %s on %s %s; stopping the job\n"
+            % (rank, rank, socket.gethostname(), how)).encode())
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def find_mpiexec():
+    """The mpiexec beside this Python (the mpich wheel's), else the first on PATH; None if there is none."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.isfile(beside) and os.access(beside, os.X_OK):
+        return beside
+    return shutil.which("mpiexec")
+
+
+def hydra_problem(mpiexec):
+    """None when `mpiexec` is MPICH's hydra, else why it cannot be used."""
+    try:
+        version = subprocess.run([mpiexec, "--version"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                 timeout=_VERSION_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"cannot run {mpiexec} --version: {error}"
+    if "HYDRA" not in version.stdout + version.stderr:
+        return f"{mpiexec} is not MPICH's hydra (another MPI's mpiexec?); install the mpich wheel: pip install mpich"
+    return None
+
+
+def interface_settings(interfaces):
+    """Hydra arguments that keep the job on the named network interfaces.
+
+    Hydra's -iface takes one interface: it picks the address the hosts' proxies use to reach mpiexec. MPICH's
+    ch4 network modules read their own variables: UCX may use every interface listed in UCX_NET_DEVICES;
+    libfabric's tcp provider takes one in FI_TCP_IFACE. With several interfaces, the
+    first carries hydra's and libfabric's traffic and UCX gets them all."""
+    if not interfaces:
+        return []
+    return ["-iface", interfaces[0], "-genv", "UCX_NET_DEVICES", ",".join(interfaces),
+            "-genv", "FI_TCP_IFACE", interfaces[0]]
+
+
+def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=None, interfaces=(), mpi_args=()):
+    """The hydra command line; hosts is [(host, slots)], job_env what every rank gets on top of the launcher's
+    environment. mpi_args come last among the options, so they can override the rest."""
+    args = [mpiexec, "-launcher", "ssh"]
+    if launcher_agent:
+        args += ["-launcher-exec", launcher_agent]
+    args += ["-hosts", ",".join(f"{host}:{slots}" for host, slots in hosts), "-n", str(num_proc)]
+    args += interface_settings(list(interfaces))
+    for name, value in job_env.items():
+        args += ["-genv", name, value]
+    return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD] + list(command)
+
+
+def job_environment(token, flag_env, base_env, ranks_per_host, cores):
+    """What every rank gets on top of the launcher's environment."""
+    env = dict(flag_env)
+    env["SHMCOMM_JOB_TOKEN"] = token  # one token for the whole job: it names the segments on every host
+    env["SHMCOMM_LAUNCHER"] = "mpi"
+    env["PYTHONUNBUFFERED"] = "1"
+    if "OMP_NUM_THREADS" not in base_env:
+        # As on one host: share the cores out among the ranks of a host. Only the remote hosts know their
+        # cores, so this assumes they have as many as this one; set OMP_NUM_THREADS to say otherwise.
+        env["OMP_NUM_THREADS"] = str(max(1, cores // max(1, ranks_per_host)))
+    return env
+
+
+def launcher_environment(base_env, ssh_port=None):
+    """mpiexec's own environment: the launcher's without any rank identity of an enclosing job (the ranks take
+    theirs from MPI), and the ssh port for hydra's launcher."""
+    env = {name: value for name, value in base_env.items()
+           if not any(name in (f"SHMCOMM_{key}", f"HOROVOD_{key}") for key in _IDENTITY)}
+    if ssh_port is not None:
+        # Hydra adds HYDRA_LAUNCHER_EXTRA_ARGS to every launcher call: `ssh -x -p PORT HOST COMMAND`.
+        env["HYDRA_LAUNCHER_EXTRA_ARGS"] = " ".join(filter(None, [env.get("HYDRA_LAUNCHER_EXTRA_ARGS"),
+                                                                  f"-p {int(ssh_port)}"]))
+    return env
+
+
+def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
+    """Runs hydra and returns the job's exit code: hydra's, which is non-zero when any rank failed (hydra stops
+    the others once the failed rank's guard is gone). A signal to the launcher goes to hydra, which passes it
+    on to the ranks; a second signal, or hydra still running kill_grace_seconds after the first, kills it."""
+    if verbose:
+        say("mpiexec command: " + shlex.join(mpiexec_args))
+    try:
+        # Its own session: a Ctrl-C in the terminal reaches only the launcher, which passes it on once.
+        process = subprocess.Popen(mpiexec_args, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as error:
+        say(f"cannot run {mpiexec_args[0]!r}: {error.strerror or error}")
+        return 127 if isinstance(error, FileNotFoundError) else 126
+    received = []  # (signum, when)
+
+    def on_signal(signum, frame):
+        received.append((signum, time.monotonic()))
+        if len(received) == 1:
+            say(f"received {signal_name(signum)}; passing it to mpiexec, which stops the ranks")
+            try:
+                process.send_signal(signum)
+            except ProcessLookupError:
+                pass
+        else:
+            say(f"received {signal_name(signum)} again; killing mpiexec")
+            _signal_group(process, signal.SIGKILL)
+
+    previous = {signum: signal.signal(signum, on_signal) for signum in FORWARDED_SIGNALS}
+    try:
+        while process.poll() is None:
+            if received and time.monotonic() - received[0][1] > kill_grace_seconds:
+                say(f"mpiexec still running {kill_grace_seconds:g} s after {signal_name(received[0][0])}; "
+                    "killing it")
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+                break
+            time.sleep(_POLL_SECONDS)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if process.poll() is None:  # an unexpected error in the launcher
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
+        # Ranks unlink their segments once all of them have attached; this removes what a failed job left on
+        # this host. Simulated hosts share this host's /dev/shm, so it covers them all. On real hosts each
+        # host's ranks unlink their own segments right after attaching; a crash before that leaves files there.
+        removed = remove_job_segments(token)
+        if verbose and removed:
+            say(f"removed {len(removed)} shared-memory segment(s) the job left: {', '.join(removed)}")
+    if received:
+        return 128 + received[0][0]  # as on one host: the job was stopped, whatever hydra made of it
+    code = exit_code_of(process.returncode)
+    if code != 0:
+        say(f"mpiexec exited with code {code}: a rank failed or could not be started")
+    return code
+
+
+def _signal_group(process, signum):
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # it ended in the meantime

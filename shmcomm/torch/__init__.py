@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Horovod's PyTorch API over shmcomm: `import shmcomm.torch as hvd` and a Horovod training script runs unchanged
+on the CPU ranks of one host.
+
+Not provided: `elastic` (ranks cannot join or leave a running shmcomm job: the launcher starts a fixed set of
+processes on one host) and Adasum (the constant exists; using it raises NotImplementedError)."""
+from shmcomm import basics as _basics
+from shmcomm import env as _env
+from shmcomm import process_sets as _process_sets
+from shmcomm.asynchronous import start_timeline, stop_timeline  # noqa: F401
+from shmcomm.basics import (cross_rank, cross_size, is_initialized, local_rank, local_size, rank,  # noqa: F401
+                            size)
+from shmcomm.process_sets import ProcessSet, global_process_set  # noqa: F401
+from shmcomm.torch import mpi_ops as _mpi_ops
+from shmcomm.torch.compression import Compression  # noqa: F401
+from shmcomm.torch.ddp_hook import allreduce_hook  # noqa: F401
+from shmcomm.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,  # noqa: F401
+                                     broadcast_parameters, sparse_allreduce_async)
+from shmcomm.torch.mpi_ops import (Adasum, Average, HorovodInternalError, Max, Min, Product, Sum,  # noqa: F401
+                                   allgather, allgather_async, allreduce, allreduce_, allreduce_async,
+                                   allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
+                                   broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
+                                   grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                                   grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async,
+                                   is_homogeneous, join, poll, reducescatter, reducescatter_async, synchronize)
+from shmcomm.torch.optimizer import DistributedOptimizer  # noqa: F401
+from shmcomm.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
+
+
+def init(comm=None, process_sets=None):
+    """Joins the job the launcher started and starts the background engine on every rank (all collectives, blocking
+    ones included, then go through it, and join() works).
+
+    comm: None, or a list of ranks that names every rank of the job (shmcomm's world is always every rank the
+    launcher started). process_sets: None, "dynamic" (sets can always be added later), or a list of ProcessSet that
+    every rank registers now, in order."""
+    if comm is not None:
+        _check_comm(comm)
+    if not (process_sets is None or process_sets == "dynamic" or
+            (isinstance(process_sets, (list, tuple)) and all(isinstance(p, ProcessSet) for p in process_sets))):
+        raise ValueError("process_sets must be None, 'dynamic' or a list of ProcessSet, got %r" % (process_sets,))
+    _basics.init(engine=True)
+    _mpi_ops._handle_map.clear()
+    if isinstance(process_sets, (list, tuple)):
+        for ps in process_sets:
+            if ps.process_set_id is None:
+                _process_sets.add_process_set(ps)
+        barrier()  # see add_process_set
+
+
+def add_process_set(process_set):
+    """Registers a process set (a ProcessSet or a list of global ranks). Every rank calls it, in the same order, as
+    in Horovod; it returns once every rank has registered the set, so that no rank's collectives on it reach a rank
+    that does not know it yet."""
+    ps = _process_sets.add_process_set(process_set)
+    barrier()
+    return ps
+
+
+def remove_process_set(process_set):
+    """Unregisters a process set. Every rank calls it; it waits until every rank is done with the set's
+    collectives. Returns True, as Horovod does on success."""
+    barrier()
+    _process_sets.remove_process_set(process_set)
+    return True
+
+
+def _check_comm(comm):
+    if not isinstance(comm, (list, tuple, range)):
+        raise ValueError(
+            "init(comm=%s): shmcomm does not run over MPI: the ranks of a job meet in shared memory, so an MPI "
+            "communicator cannot define the job. Call init() with no comm (every rank the launcher started); for "
+            "collectives over a subset of the ranks, use add_process_set(ranks)." % type(comm).__name__)
+    world = _env.topology().size
+    ranks = sorted({int(r) for r in comm})
+    if ranks != list(range(world)):
+        raise ValueError(
+            "init(comm=%s): a job over a subset of the launched ranks is not supported; the job is every rank the "
+            "launcher started (0..%d). Launch %d ranks instead, or call init() and use add_process_set(%s)."
+            % (list(comm), world - 1, len(ranks), ranks))
+
+
+def __getattr__(name):
+    if name == "elastic":
+        raise AttributeError("shmcomm.torch has no elastic mode: a shmcomm job is the fixed set of ranks the launcher "
+                             "started on one host, so ranks cannot join or leave while it runs")
+    raise AttributeError("module 'shmcomm.torch' has no attribute %r" % name)
+
+
+def shutdown():
+    """Stops the background engine and leaves the job; init() may be called again afterwards."""
+    _basics.shutdown()
+    _mpi_ops._handle_map.clear()
+
+
+# What this build can do, truthfully: collectives run over shared memory on CPU tensors, without MPI, Gloo, NCCL,
+# CUDA, ROCm, DDL or oneCCL.
+
+def mpi_built():
+    """False: no collective here goes through MPI (ranks on one host meet in shared memory), whether or not mpi4py
+    is installed."""
+    return False
+
+
+def mpi_enabled():
+    return False
+
+
+def mpi_threads_supported():
+    return False
+
+
+def gloo_built():
+    return False
+
+
+def gloo_enabled():
+    return False
+
+
+def nccl_built():
+    """0: no NCCL operations (Horovod returns the NCCL version code when built with it)."""
+    return 0
+
+
+def cuda_built():
+    """False: the torch front-end moves CPU tensors only."""
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
+    return False

@@ -1,0 +1,357 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Horovod's torch collectives on CPU tensors: blocking, asynchronous (an int handle for poll/synchronize),
+grouped, and differentiable.
+
+Gradients follow Horovod's rules, so that scripts and tests written for it get the same numbers:
+allreduce -> allreduce of the gradient with the same op and scale factors; allgather -> the Average allreduce of the
+gradient, this rank's rows; broadcast -> the Average allreduce of the gradient on the root, zeros elsewhere;
+reducescatter -> the allgather of the gradient, times the set size for Sum (and times the scale factors);
+alltoall -> the alltoall of the gradient back along the received splits."""
+import itertools
+
+import torch
+
+from shmcomm import asynchronous as _async, basics
+from shmcomm.collectives import splits_list
+from shmcomm.exceptions import ShmCommError
+from shmcomm.ops import Adasum, Average, Max, Min, Product, Sum, resolve  # noqa: F401
+from shmcomm.process_sets import global_process_set
+from shmcomm.torch.compression import Compression
+
+# Errors of the collectives themselves (mismatches, failed or shut-down peers) are ShmCommErrors, and RuntimeErrors
+# as Horovod's are; bad arguments are also ValueErrors.
+HorovodInternalError = ShmCommError
+
+# handle -> (engine handles, tensors kept alive until synchronize, how to turn the results into the output)
+_handle_map = {}
+_next_handle = itertools.count(1)
+
+
+def _register(handles, keep, finish):
+    handle = next(_next_handle)
+    _handle_map[handle] = (handles, keep, finish)
+    return handle
+
+
+def _first(results):
+    return results[0]
+
+
+def _set(process_set):
+    return global_process_set if process_set is None else process_set
+
+
+def _names(name, count):
+    # A group's tensors are negotiated one by one, so each needs its own name, identical on every rank.
+    return [None] * count if name is None else ["%s.%d" % (name, i) for i in range(count)]
+
+
+def is_homogeneous():
+    """True: every rank runs on this one host."""
+    basics.communicator()
+    return True
+
+
+def _start(start, tensors, names, finish, **kwargs):
+    """Submits one request per tensor (the inputs stay referenced until synchronize) under one handle."""
+    tensors = list(tensors)
+    return _register([start(t, name=n, **kwargs) for t, n in zip(tensors, names)], tensors, finish)
+
+
+def _group(start, tensors, name, **kwargs):
+    return _start(start, tensors, _names(name, len(tensors)), tuple, **kwargs)
+
+
+def _single(start, tensor, name, **kwargs):
+    return _start(start, [tensor], [name], _first, **kwargs)
+
+
+def _apply(function, compression, tensors, *args):
+    """Runs a differentiable collective over a list of tensors, compressed on the way."""
+    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
+    return [compression.decompress(t, c) for t, c in zip(function.apply(*args, *compressed), ctxs)]
+
+
+# ---- allreduce ----
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set):
+    """Starts reducing `tensor` over the ranks into a new tensor; returns a handle for poll()/synchronize()."""
+    return _single(_async.allreduce_async, tensor, name, op=resolve(op, average), prescale_factor=prescale_factor,
+                   postscale_factor=postscale_factor, process_set=process_set)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set):
+    """Starts reducing `tensor` in place; synchronize() returns `tensor`."""
+    return _single(_async.allreduce_async_, tensor, name, op=resolve(op, average), prescale_factor=prescale_factor,
+                   postscale_factor=postscale_factor, process_set=process_set)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set):
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=global_process_set):
+    """One handle for the allreduce of every tensor of the list; synchronize() returns a tuple of new tensors."""
+    return _group(_async.allreduce_async, tensors, name, op=resolve(op, average), prescale_factor=prescale_factor,
+                  postscale_factor=postscale_factor, process_set=process_set)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                             process_set=global_process_set):
+    return _group(_async.allreduce_async_, tensors, name, op=resolve(op, average), prescale_factor=prescale_factor,
+                  postscale_factor=postscale_factor, process_set=process_set)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set):
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+class HorovodAllreduce(torch.autograd.Function):
+    """Allreduce of one tensor or a group, differentiable."""
+
+    @staticmethod
+    def forward(ctx, names, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return synchronize(_start(_async.allreduce_async, tensors, names, tuple, op=op,
+                                  prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                  process_set=process_set))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, pre, post, ps = ctx.args
+        return (None,) * 5 + tuple(grouped_allreduce([g.contiguous() for g in grads], op=op, prescale_factor=pre,
+                                                     postscale_factor=post, process_set=ps))
+
+
+HorovodGroupedAllreduce = HorovodAllreduce
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set):
+    """The reduction of `tensor` over the ranks (default: Average), in a new tensor; differentiable."""
+    return _apply(HorovodAllreduce, compression, [tensor], [name], resolve(op, average), prescale_factor,
+                  postscale_factor, process_set)[0]
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set):
+    """allreduce of every tensor of the list, started together; returns a list; differentiable."""
+    if not tensors:
+        return []
+    return _apply(HorovodAllreduce, compression, tensors, _names(name, len(tensors)), resolve(op, average),
+                  prescale_factor, postscale_factor, process_set)
+
+
+# ---- allgather ----
+
+def allgather_async(tensor, name=None, process_set=global_process_set):
+    """Starts concatenating every rank's `tensor` along the first dimension (which may differ between ranks)."""
+    return _single(_async.allgather_async, tensor, name, process_set=process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    return _group(_async.allgather_async, tensors, name, process_set=process_set)
+
+
+class HorovodAllgather(torch.autograd.Function):
+    """Allgather of one tensor or a group, differentiable."""
+
+    @staticmethod
+    def forward(ctx, names, process_set, *tensors):
+        ctx.shapes, ctx.process_set = [t.shape for t in tensors], process_set
+        return synchronize(_start(_async.allgather_async, tensors, names, tuple, process_set=process_set))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ps = ctx.process_set
+        reduced = grouped_allreduce([g.contiguous() for g in grads], op=Average, process_set=ps)
+        rows = [s[0] if len(s) else 1 for s in ctx.shapes]
+        every = allgather(torch.tensor([rows], dtype=torch.int64), process_set=ps)  # every rank's row counts
+        offsets = every[:_set(ps).rank()].sum(0).tolist()
+        return (None, None) + tuple(r.narrow(0, at, n).reshape(s)
+                                    for r, at, n, s in zip(reduced, offsets, rows, ctx.shapes))
+
+
+HorovodGroupedAllgather = HorovodAllgather
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Concatenation of every rank's `tensor` along the first dimension; differentiable."""
+    return HorovodAllgather.apply([name], process_set, tensor)[0]
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    return list(HorovodAllgather.apply(_names(name, len(tensors)), process_set, *tensors)) if tensors else []
+
+
+# ---- broadcast ----
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    """Starts copying root_rank's `tensor` (root_rank is a global rank) into a new tensor on every rank."""
+    return _single(_async.broadcast_async, tensor, name, root_rank=root_rank, process_set=process_set)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    return _single(_async.broadcast_async_, tensor, name, root_rank=root_rank, process_set=process_set)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+class HorovodBroadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        reduced = allreduce(grad_output.contiguous(), op=Average, process_set=ctx.process_set)
+        if basics.rank() != ctx.root_rank:
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """root_rank's `tensor` on every rank, in a new tensor; differentiable."""
+    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+
+
+# ---- alltoall ----
+
+def _alltoall_async(tensor, splits, name, process_set):
+    # Always exchange explicit splits, so that the received ones are known (the gradient travels back along them).
+    rows = tensor.shape[0] if tensor.dim() else 1
+    sent = splits_list(splits, rows, _set(process_set).size(), "alltoall" if name is None else "alltoall." + name)
+    return _async.alltoall_async(tensor, splits=sent, name=name, process_set=process_set)
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+    """Starts sending splits[j] rows of `tensor` to rank j (equal shares without splits). synchronize() returns the
+    received rows, and with `splits` also the rows received from each rank."""
+    finish = _first if splits is not None else (lambda results: results[0][0])
+    return _register([_alltoall_async(tensor, splits, name, process_set)], (tensor, splits), finish)
+
+
+class HorovodAlltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        out, received = _async.synchronize(_alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
+        if splits is None:
+            return out
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad_output, *ignored):
+        grad, _ = alltoall(grad_output.contiguous(), splits=ctx.received, process_set=ctx.process_set)
+        return grad, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """The rows every rank sent here, in rank order (and, with `splits`, how many came from each); differentiable."""
+    return HorovodAlltoall.apply(tensor, splits, name, process_set)
+
+
+# ---- reducescatter ----
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Starts reducing `tensor`; this rank gets its share of the first dimension (the first rows % size ranks get a
+    row more)."""
+    return _single(_async.reducescatter_async, tensor, name, op=resolve(op), prescale_factor=prescale_factor,
+                   postscale_factor=postscale_factor, process_set=process_set)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                                postscale_factor=1.0):
+    return _group(_async.reducescatter_async, tensors, name, op=resolve(op), prescale_factor=prescale_factor,
+                  postscale_factor=postscale_factor, process_set=process_set)
+
+
+class HorovodReducescatter(torch.autograd.Function):
+    """Reducescatter of one tensor or a group, differentiable."""
+
+    @staticmethod
+    def forward(ctx, names, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.factor = prescale_factor * postscale_factor * (_set(process_set).size() if op == Sum else 1)
+        ctx.process_set = process_set
+        return synchronize(_start(_async.reducescatter_async, tensors, names, tuple, op=op,
+                                  prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                  process_set=process_set))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        gathered = grouped_allgather([g.contiguous() for g in grads], process_set=ctx.process_set)
+        return (None,) * 5 + tuple(g * ctx.factor if ctx.factor != 1 else g for g in gathered)
+
+
+HorovodGroupedReducescatter = HorovodReducescatter
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """This rank's share of the reduction of `tensor` (default: Average); differentiable."""
+    return _apply(HorovodReducescatter, compression, [tensor], [name], resolve(op), process_set, prescale_factor,
+                  postscale_factor)[0]
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    if not tensors:
+        return []
+    return _apply(HorovodReducescatter, compression, tensors, _names(name, len(tensors)), resolve(op), process_set,
+                  prescale_factor, postscale_factor)
+
+
+# ---- completion, join, barrier ----
+
+def poll(handle):
+    """True once the operation behind `handle` has finished (synchronize() will then not block)."""
+    entry = _handle_map.get(handle)
+    if entry is None:
+        raise ValueError("handle %r was not created by this process or has been synchronized already" % (handle,))
+    return all(h.poll() for h in entry[0])
+
+
+def synchronize(handle):
+    """Waits for the operation and returns its output (a tuple for grouped operations, and for alltoall with
+    splits); raises its error. Every part of a grouped operation is waited for before an error is raised."""
+    entry = _handle_map.get(handle)
+    if entry is None:
+        return None  # as Horovod: unknown, or synchronized already
+    handles, _, finish = entry
+    results, error = [], None
+    try:
+        for h in handles:
+            try:
+                results.append(_async.synchronize(h))
+            except Exception as e:  # keep waiting: the other parts still use their tensors
+                error = error or e
+    finally:
+        _handle_map.pop(handle, None)
+    if error is not None:
+        raise error
+    return finish(results)
+
+
+def join(device=-1):
+    """Says this rank has no more data and waits until every rank has; meanwhile this rank contributes zeros to the
+    others' allreduces. Returns the rank that joined last (the same on every rank). `device` is accepted for
+    Horovod compatibility; only the CPU is used."""
+    return int(_async.join())
+
+
+def barrier(process_set=global_process_set):
+    """Returns once every rank of the set has called it."""
+    from shmcomm.collectives import barrier as _barrier
+
+    _barrier(process_set)

@@ -1,0 +1,276 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DistributedOptimizer: averages gradients over the ranks while backward() still runs.
+
+A hook on each parameter's gradient accumulator starts an asynchronous in-place allreduce as soon as that gradient
+is final, so communication overlaps the rest of the backward pass; step() waits for them, then runs the wrapped
+optimizer's step. Every tensor travels under its parameter's name, which is what the ranks agree on."""
+import collections
+import os
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from shmcomm import asynchronous, basics
+from shmcomm.process_sets import global_process_set
+from shmcomm.torch import mpi_ops
+from shmcomm.torch.compression import Compression
+from shmcomm.torch.functions import broadcast_object, sparse_allreduce_async
+from shmcomm.torch.mpi_ops import Adasum, Average
+
+
+class _DistributedOptimizer:
+    """Placed before the wrapped optimizer's class in a dynamic subclass; super() is the wrapped optimizer."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+        super().__init__(params)
+        self._compression = compression
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            # Numbered over all groups, so names stay unique with several param groups.
+            named_parameters = [("param.%d" % i, p) for i, p in enumerate(all_params)]
+        if any(not isinstance(p, tuple) for p in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
+                             "by model.named_parameters().")
+        counts = collections.Counter(str(k) for k, _ in named_parameters)
+        dups = sorted(n for n, c in counts.items() if c > 1)
+        if dups:
+            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: %s"
+                             % ", ".join(dups))
+        unnamed = {id(p) for p in all_params} - {id(p) for _, p in named_parameters}
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                             "Python object ids: %s" % ", ".join(str(i) for i in sorted(unnamed)))
+        self._parameter_names = {p: str(k) for k, p in named_parameters}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {p: backward_passes_per_step for _, p in named_parameters}
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._handles = {}          # parameter, or tuple of a group's parameters -> (handle or None, ctx)
+        self._hook_handles = []
+        self._requires_update = []  # parameters whose gradients this optimizer reduces, in a stable order
+        self._synchronized = False
+        self._should_synchronize = True
+        self._groups = groups
+        self._p_to_group = {}
+        self._group_counts = {}
+        if process_set.included() and (basics.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
+            self._register_hooks()
+
+    # ---- hooks ----
+    def _register_hooks(self):
+        p_list = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if self._groups is not None:
+            self._form_groups(p_list)
+        for p in p_list:
+            self._requires_update.append(p)
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _form_groups(self, p_list):
+        # Every rank must form the same groups: take rank 0's parameter order.
+        root = self.process_set.ranks[0] if self.process_set.process_set_id else 0
+        order = broadcast_object([self._parameter_names[p] for p in p_list], root_rank=root,
+                                 name="DistributedOptimizer.order", process_set=self.process_set)
+        position = {name: i for i, name in enumerate(order)}
+        p_list = sorted(p_list, key=lambda p: position.get(self._parameter_names[p], len(position)))
+        if isinstance(self._groups, list):
+            ids = {id(p) for p in p_list}
+            p_groups = [[p for p in group if id(p) in ids] for group in self._groups]
+            grouped = {id(p) for group in p_groups for p in group}
+            p_groups = [g for g in p_groups if g] + [[p] for p in p_list if id(p) not in grouped]
+        else:
+            n = min(self._groups, len(p_list)) or 1
+            d, r = divmod(len(p_list), n)
+            p_groups = [p_list[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+        for group in map(tuple, p_groups):
+            for p in group:
+                self._p_to_group[p] = group
+            self._group_counts[group] = 0
+
+    def _make_hook(self, p):
+        def hook(*_):
+            if self._allreduce_delay[p] <= 0:  # its allreduce has started (or its group is counting it)
+                raise AssertionError("Gradients were computed more than backward_passes_per_step times before call "
+                                     "to step(). Increase backward_passes_per_step to accumulate gradients "
+                                     "locally.")
+            assert not p.grad.requires_grad
+            handle, ctx = None, None
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] == 0:
+                if self._groups is not None:
+                    group = self._p_to_group[p]
+                    self._group_counts[group] += 1
+                    if self._group_counts[group] == len(group):
+                        self._handles[group] = self._grouped_allreduce_grad_async(group)
+                        for gp in group:
+                            self._handles.pop(gp, None)
+                        self._group_counts[group] = 0
+                        return
+                else:
+                    handle, ctx = self._allreduce_grad_async(p)
+            self._handles[p] = (handle, ctx)
+        return hook
+
+    def _reduce(self, tensors, names):
+        # Average divides by the number of ranks at the end; gradient_predivide_factor moves part of it before.
+        pre, post = (1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor) if self.op == Average \
+            else (1.0, 1.0)
+        return mpi_ops._start(asynchronous.allreduce_async_, tensors, names, tuple, op=self.op, prescale_factor=pre,
+                              postscale_factor=post, process_set=self.process_set)
+
+    def _allreduce_grad_async(self, p):
+        if p.grad is None:
+            # This rank computed no gradient (a dynamic graph), but the others may have: contribute zeros.
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
+        name = self._parameter_names.get(p)
+        tensor = p.grad
+        if tensor.is_sparse:
+            if not self.sparse_as_dense:
+                return sparse_allreduce_async(tensor, name, self.op, self.process_set), "sparse"
+            tensor = tensor.to_dense()
+        compressed, ctx = self._compression.compress(tensor)
+        return self._reduce([compressed], [name]), (ctx,)
+
+    def _grouped_allreduce_grad_async(self, group):
+        for p in group:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
+        compressed, ctxs = zip(*[self._compression.compress(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+                                 for p in group])
+        return self._reduce(compressed, [self._parameter_names.get(p) for p in group]), ctxs
+
+    # ---- the public side ----
+    def synchronize(self):
+        """Waits for every gradient's allreduce (starting those whose hooks never fired) and writes the results
+        into the gradients."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        done = set()
+        for key in self._handles:
+            done.update(key if isinstance(key, tuple) else (key,))
+        for p in self._requires_update:
+            if p not in done:
+                self._handles[p] = self._allreduce_grad_async(p)
+        for key, (handle, ctx) in list(self._handles.items()):
+            if handle is None:
+                self._handles[key] = self._allreduce_grad_async(key)
+        error = None
+        for key, (handle, ctxs) in self._handles.items():
+            try:
+                if ctxs == "sparse":
+                    key.grad = handle()
+                    self._allreduce_delay[key] = self.backward_passes_per_step
+                    continue
+                outputs = mpi_ops.synchronize(handle)
+            except Exception as e:  # wait for the rest anyway: their tensors are in use
+                error = error or e
+                continue
+            for p, out, ctx in zip(key if isinstance(key, tuple) else (key,), outputs, ctxs):
+                self._allreduce_delay[p] = self.backward_passes_per_step
+                out = self._compression.decompress(out, ctx)
+                if p.grad.is_sparse:
+                    p.grad = out.to_sparse()
+                elif out is not p.grad:
+                    p.grad.set_(out)
+        self._handles.clear()
+        for group in self._group_counts:  # a group left incomplete this step was reduced parameter by parameter
+            self._group_counts[group] = 0
+        self._synchronized = True
+        if error is not None:
+            raise error
+
+    @contextmanager
+    def skip_synchronize(self):
+        """For step() after an explicit synchronize() (gradient clipping, AMP unscaling):
+
+            optimizer.synchronize(); clip(...)
+            with optimizer.skip_synchronize():
+                optimizer.step()"""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+                              "code.")
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    step.hooked = True  # torch's step hooks run once, in the wrapped optimizer's step
+
+    def _local_step(self, closure=None):
+        """The wrapped optimizer's step alone, without any allreduce."""
+        return super().step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
+                                 "a race condition.")
+        return super().zero_grad(*args, **kwargs)
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def load_state_dict(self, *args, **kwargs):
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        return super().load_state_dict(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=global_process_set):
+    """Wraps `optimizer` so that step() applies gradients averaged (op) over the ranks of `process_set`.
+
+    The result is an instance of a subclass of the optimizer's own class. named_parameters
+    (model.named_parameters()) names the tensors in errors, stall reports and timelines. backward_passes_per_step
+    accumulates that many backward passes locally before reducing. groups (an int, or a list of lists of
+    parameters) reduces those parameters together. The wrapped optimizer's state carries over."""
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be a positive integer, got %r" % (backward_passes_per_step,))
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not supported by shmcomm; use op=Average (the default) or op=Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in a later version.",
+                      DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    if groups is not None:
+        if not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+            raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+        if isinstance(groups, list):
+            seen = set()
+            for group in groups:
+                for p in group:
+                    if not isinstance(p, torch.Tensor):
+                        raise ValueError("groups must consist of torch.Tensor.")
+                    if id(p) in seen:
+                        raise ValueError("A parameter can only appear once in groups.")
+                    seen.add(id(p))
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+                  gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    for p, state in optimizer.state.items():  # e.g. loaded from a checkpoint before wrapping
+        wrapped.state[p] = state
+    return wrapped

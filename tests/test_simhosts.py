@@ -1,0 +1,261 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Multi-host launches on simulated hosts (network namespaces on a private bridge, one host name each): MPI
+groups ranks by host and talks across the bridge, shmcommrun starts ranks across hosts with the job's
+environment and fails when a rank fails, and no namespace, bridge or veth outlives a test.
+
+Needs root, iproute2 and util-linux; skipped with the reason elsewhere. Every subprocess is bounded."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from shmcomm.runner.mpi_launch import find_mpiexec  # noqa: E402
+from shmcomm.testing import simhosts  # noqa: E402
+
+JOB_TIMEOUT = 60
+MPIEXEC = find_mpiexec()
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside Python or on PATH (pip install mpich)")
+
+
+def job_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHMCOMM_", "HOROVOD_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def run(args, timeout=JOB_TIMEOUT, **extra_env):
+    return subprocess.run([str(a) for a in args], cwd=REPO, env=job_env(**extra_env), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def python_program(source):
+    return [sys.executable, "-c", textwrap.dedent(source)]
+
+
+def leftovers(suffix):
+    """What of the instance with this suffix still exists."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout.split()
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout
+    found = [n for n in names if n.startswith(f"{simhosts.NAME_PREFIX}-{suffix}-")]
+    found += re.findall(rf"{simhosts.NAME_PREFIX}[bv]{suffix}\d*", links)
+    found += [p for p in (os.path.join(simhosts.STATE_DIR, suffix),) if os.path.exists(p)]
+    if os.path.isdir(simhosts.NETNS_CONFIG_DIR):
+        found += [n for n in os.listdir(simhosts.NETNS_CONFIG_DIR) if suffix in n]
+    return found
+
+
+def processes_in(namespace):
+    return subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=10).stdout.split()
+
+
+def open_hosts(n_hosts, **options):
+    try:
+        return simhosts.SimulatedHosts(n_hosts, **options).__enter__()
+    except simhosts.SimulatedHostsUnavailable as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="module")
+def sim():
+    hosts = open_hosts(2)
+    simhosts.cleanup_stale()  # what killed runs left; the instance just made has a live owner and stays
+    try:
+        yield hosts
+    finally:
+        hosts.close()
+        assert leftovers(hosts.suffix) == []
+
+
+def rank_lines(output):
+    """{rank: [lines]} from shmcommrun's prefixed stdout."""
+    ranks = {}
+    for line in output.splitlines():
+        match = re.match(r"\[(\d+)\]<stdout>: (.*)\Z", line)
+        if match:
+            ranks.setdefault(int(match.group(1)), []).append(match.group(2))
+    return ranks
+
+
+def rank_json(output):
+    return {rank: json.loads(lines[0]) for rank, lines in rank_lines(output).items()}
+
+
+PLACEMENT_AND_ALLREDUCE = """
+    import json, os, socket
+    import numpy as np
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    data = np.full(1 << 20, comm.rank + 1, dtype=np.float32)
+    comm.Allreduce(MPI.IN_PLACE, data, MPI.SUM)
+    report = {"rank": comm.rank, "processor": MPI.Get_processor_name(), "hostname": socket.gethostname(),
+              "local_size": comm.Split_type(MPI.COMM_TYPE_SHARED).size,
+              "allreduce_ok": bool((data == comm.size * (comm.size + 1) / 2).all())}
+    os.write(1, (json.dumps(report) + "\\n").encode())  # one write: hydra forwards whatever each read returns
+"""
+
+
+@needs_mpiexec
+def test_mpi_ranks_group_by_simulated_host_and_talk_over_the_bridge(sim):
+    before = sim.link_bytes()
+    result = run([MPIEXEC, *sim.mpiexec_args(2), *python_program(PLACEMENT_AND_ALLREDUCE)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ranks = {r["rank"]: r for r in map(json.loads, result.stdout.splitlines())}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, info in ranks.items():
+        expected = sim.hosts[rank // 2]
+        assert info["hostname"] == expected and info["processor"] == expected, info
+        assert info["local_size"] == 2 and info["allreduce_ok"], info
+    # 4 MiB per rank were reduced across hosts: that much must have crossed each host's link, not shared memory.
+    sent = [after[0] - start[0] for start, after in zip(before, sim.link_bytes())]
+    assert all(count >= 4 << 20 for count in sent), sent
+
+
+ENVIRONMENT_REPORT = """
+    import json, os, socket
+    print(json.dumps({"host": socket.gethostname(), **{k: v for k, v in os.environ.items()
+                      if k.startswith(("SHMCOMM_", "HOROVOD_", "OMP_NUM_THREADS"))}}), flush=True)
+"""
+
+
+@needs_mpiexec
+def test_shmcommrun_starts_ranks_across_hosts_with_the_job_environment(sim):
+    result = run([sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(2), "--verbose", "--timeout", "7",
+                  "--fusion-threshold-mb", "2", "--cycle-time-ms", "3", *python_program(ENVIRONMENT_REPORT)],
+                 SHMCOMM_RANK="99", HOROVOD_SIZE="99")  # an enclosing job's identity must not leak in
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "mpiexec command:" in result.stderr and "-launcher-exec" in result.stderr
+    ranks = rank_json(result.stdout)
+    assert sorted(ranks) == [0, 1, 2, 3], result.stdout
+    tokens = {env["SHMCOMM_JOB_TOKEN"] for env in ranks.values()}
+    assert len(tokens) == 1 and re.fullmatch(r"[0-9a-f]{32}", tokens.pop())
+    for rank, env in ranks.items():
+        assert env["host"] == sim.hosts[rank // 2]
+        assert env["SHMCOMM_LAUNCHER"] == "mpi" and env["SHMCOMM_TIMEOUT"] == "7"
+        assert env["SHMCOMM_FUSION_THRESHOLD"] == env["HOROVOD_FUSION_THRESHOLD"] == str(2 << 20)
+        assert env["SHMCOMM_CYCLE_TIME"] == env["HOROVOD_CYCLE_TIME"] == "3"
+        assert "SHMCOMM_RANK" not in env and "HOROVOD_SIZE" not in env
+        assert int(env["OMP_NUM_THREADS"]) >= 1
+
+
+@needs_mpiexec
+def test_a_failing_rank_fails_the_job_promptly(sim):
+    failing = """
+        import os, sys, time
+        if os.environ["PMI_RANK"] == "3":
+            segment = "/dev/shm/shmcomm-%s-left-behind" % os.environ["SHMCOMM_JOB_TOKEN"]
+            open(segment, "w").close()  # as a rank that dies before unlinking its segment
+            print(segment, flush=True)
+            sys.exit(5)
+        time.sleep(60)
+    """
+    start = time.monotonic()
+    result = run([sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(2), *python_program(failing)])
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert time.monotonic() - start < 30, "the other ranks were not stopped"
+    assert "rank 3 on simhost1 exited with code 5" in result.stderr
+    segment = rank_lines(result.stdout)[3][0]
+    assert segment.startswith("/dev/shm/shmcomm-") and not os.path.exists(segment)
+    deadline = time.monotonic() + 10
+    while any(processes_in(ns) for ns in sim.namespaces):  # hydra stops the sleeping ranks too
+        assert time.monotonic() < deadline, "ranks still run after the job failed"
+        time.sleep(0.1)
+
+
+def test_teardown_kills_what_runs_inside_and_leaves_nothing():
+    hosts = open_hosts(2, rate="1gbit")
+    try:
+        assert len(set(hosts.addresses)) == 2 and hosts.bridge_address not in hosts.addresses
+        stray = subprocess.Popen([hosts.agent, "-x", hosts.hosts[1], "sleep 60"], stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not processes_in(hosts.namespaces[1]):
+            assert time.monotonic() < deadline, "the agent did not start the command in the namespace"
+            time.sleep(0.05)
+        qdiscs = subprocess.run(["tc", "qdisc", "show", "dev", hosts.veths[0]], capture_output=True, text=True,
+                                timeout=10).stdout
+        assert "tbf" in qdiscs
+    finally:
+        hosts.close()
+    assert stray.wait(timeout=10) != 0
+    assert leftovers(hosts.suffix) == [] and not os.path.exists(hosts.agent)
+
+
+OWNER = """
+    import os, sys, time
+    from shmcomm.testing.simhosts import SimulatedHosts
+    hosts = SimulatedHosts(1).__enter__()
+    print(hosts.suffix, flush=True)
+    if sys.argv[1] == "crash":
+        os._exit(3)  # no teardown at all, as after SIGKILL
+    time.sleep(60)
+"""
+
+
+def start_owner(mode):
+    open_hosts(1).close()  # skips here, with the reason, where namespaces cannot be made
+    owner = subprocess.Popen(python_program(OWNER) + [mode], cwd=REPO, env=job_env(), stdout=subprocess.PIPE,
+                             text=True)
+    return owner, owner.stdout.readline().strip()
+
+
+def test_sigterm_tears_the_hosts_down():
+    owner, suffix = start_owner("wait")
+    try:
+        assert leftovers(suffix)
+        owner.send_signal(signal.SIGTERM)
+        assert owner.wait(timeout=20) == 128 + signal.SIGTERM
+        assert leftovers(suffix) == []
+    finally:
+        owner.kill()
+        owner.wait(timeout=10)
+
+
+def test_cleanup_stale_removes_what_a_killed_run_left():
+    owner, suffix = start_owner("crash")
+    owner.wait(timeout=20)
+    assert leftovers(suffix), "the crashed owner left nothing to clean up"
+    assert suffix in simhosts.cleanup_stale()
+    assert leftovers(suffix) == []
+
+
+@needs_mpiexec
+def test_hostfile_ssh_port_and_interface_reach_hydra(tmp_path):
+    """Without namespaces: an agent that runs the proxy here, as ssh to another host would."""
+    log = tmp_path / "agent.log"
+    agent = tmp_path / "agent"
+    agent.write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
+                     'while [ $# -gt 0 ]; do case "$1" in -p) shift 2;; -*) shift;; *) break;; esac; done\n'
+                     'shift; exec /bin/sh -c "$*"\n')
+    agent.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two hosts\nfar-a slots=1\n\nfar-b slots=1  # the second\n")
+    result = run([sys.executable, "-m", "shmcomm.runner", "-np", 2, "--hostfile", hostfile, "-p", 2222,
+                  "--network-interfaces", "lo", "--verbose", "--launcher-agent", agent,
+                  *python_program('import os; print("ok", os.environ["SHMCOMM_LAUNCHER"])')])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "-iface lo -genv UCX_NET_DEVICES lo -genv FI_TCP_IFACE lo" in result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0]<stdout>: ok mpi", "[1]<stdout>: ok mpi"]
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2 and all(" -p 2222 " in call for call in calls)
+    assert {call.split(" -p 2222 ")[1].split()[0] for call in calls} == {"far-a", "far-b"}
+
+
+def test_bad_host_lists_are_usage_errors(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("far-a slots=two\n")
+    for args in (["-np", 4, "-H", "far-a:1,far-b:1"], ["-np", 1, "--hostfile", hostfile],
+                 ["-np", 1, "-H", "far-a:1", "--hostfile", hostfile]):
+        result = run([sys.executable, "-m", "shmcomm.runner", *args, "true"], timeout=30)
+        assert result.returncode == 2, (args, result.stderr)
