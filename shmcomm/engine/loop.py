@@ -23,7 +23,10 @@ from shmcomm.engine.timeline import from_environment
 from shmcomm.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
 
 _FATAL = (RankFailure, BrokenCommunicatorError, TimeoutError)
-_NEGOTIATION_SPIN_US = 5  # the engine mostly waits for peers that are busy computing: do not burn their core
+# The engine mostly waits for peers that are busy computing, and shares its rank's core with the training thread:
+# poll briefly, then sleep.
+_NEGOTIATION_SPIN_US = 5
+_DATA_SPIN_US = 50
 
 
 def _setting(name, default, kind=float):
@@ -140,7 +143,7 @@ class Engine:
         try:
             everyone = self.negotiator.exchange([(name, sig) for name, (_, sig) in self._pending.items()], flags)
         finally:
-            self.comm.set_spin(self.comm.tuning.spin_us)
+            self.comm.set_spin(min(self.comm.tuning.spin_us, _DATA_SPIN_US))
         leaving = [r for r, (_, f) in enumerate(everyone) if f["shutdown"]]
         if leaving:
             self._leave(leaving)

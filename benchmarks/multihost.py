@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Allreduce across simulated hosts: the 2D torus, the flat ring and the MPI library's own allreduce, in one job,
+then the cost model (shmcomm.sim) calibrated on these measurements, predicted against measured.
+
+    python -m benchmarks.multihost --hosts 2 --ranks-per-host 2 [--rate 1gbit] [--bytes 4K,256K,4M,64M]
+
+Each time is the median over iterations of the slowest rank's time. Needs root (network namespaces); see
+shmcomm/testing/simhosts.py for how the hosts are made. MPI's own allreduce runs under the best progress settings
+found for MPICH on this machine (MPIR_CVAR_CH4_PROGRESS_THROTTLE); --mpi-env adds or overrides settings."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TAG = "MULTIHOST "
+BEST_MPI_SETTINGS = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "16"}
+
+
+def worker(sizes, iters, warmup):
+    """Every rank: time each algorithm on each size; rank 0 prints one JSON line per (algorithm, size)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    import shmcomm
+    from shmcomm import basics
+
+    shmcomm.init()
+    world, mpi = basics.communicator(), MPI.COMM_WORLD
+    runs = {"torus": None, "ring": None, "mpi library": None}
+    for size in sizes:
+        x = np.ones(max(1, size // 4), dtype=np.float32)
+        for name in runs:
+            if name == "mpi library":
+                def call():
+                    mpi.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+            else:
+                world.algorithm = name
+
+                def call():
+                    shmcomm.allreduce_(x, op=shmcomm.Sum)
+            for _ in range(warmup):
+                call()
+            times = []
+            for _ in range(iters):
+                mpi.Barrier()
+                t = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t)
+            slowest = np.empty(len(times))
+            mpi.Allreduce(np.array(times), slowest, MPI.MAX)
+            if mpi.rank == 0:
+                print(TAG + json.dumps({"algorithm": name, "bytes": size, "median_s": float(np.median(slowest))}),
+                      flush=True)
+    shmcomm.shutdown()
+
+
+def calibrated(results, hosts, local):
+    from shmcomm.sim import LinkModel, Machine, calibrate, predict
+
+    machine = Machine(ranks=hosts * local, local=local, intra=LinkModel.from_bandwidth(1e-6, 5e9),
+                      inter=LinkModel.from_bandwidth(50e-6, 0.5e9), gamma_s_per_byte=0.1e-9)
+    label = {"torus": "torus %dx%d" % (local, hosts), "ring": "ring"}
+    samples = [(label[r["algorithm"]], r["bytes"], r["median_s"]) for r in results if r["algorithm"] in label]
+    fit = calibrate(samples, machine)
+    rows = []
+    for (algorithm, nbytes, measured), error in zip(samples, fit.relative_errors):
+        rows.append((algorithm, nbytes, measured, measured * (1 + error) if error is not None else float("nan")))
+    return fit, rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--ranks-per-host", type=int, default=2)
+    parser.add_argument("--rate", help="cap each host's link, tc syntax (1gbit)")
+    parser.add_argument("--bytes", default="4K,256K,4M,64M")
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--mpi-env", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    from benchmarks.collectives import parse_size
+
+    sizes = [parse_size(s) for s in args.bytes.split(",")]
+    if args.worker:
+        worker(sizes, args.iters, args.warmup)
+        return
+    from shmcomm.testing.simhosts import SimulatedHosts
+
+    env = dict(BEST_MPI_SETTINGS, **dict(item.split("=", 1) for item in args.mpi_env))
+    with SimulatedHosts(args.hosts, rate=args.rate) as sim:
+        cmd = [sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(args.ranks_per_host, extra_env=env),
+               sys.executable, "-m", "benchmarks.multihost", "--worker", "--bytes", args.bytes, "--iters",
+               str(args.iters), "--warmup", str(args.warmup)]
+        run_env = {k: v for k, v in os.environ.items() if not k.startswith(("SHMCOMM_", "HOROVOD_"))}
+        run_env["PYTHONPATH"] = ROOT
+        run = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=args.timeout)
+    if run.returncode != 0:
+        sys.stderr.write(run.stdout + run.stderr)
+        raise SystemExit("the job failed")
+    results = [json.loads(line.split(TAG, 1)[1]) for line in run.stdout.splitlines() if TAG in line]
+    print("# %s | %s | %d hosts x %d ranks, links %s, MPI settings %s" % (
+        " ".join(["python -m benchmarks.multihost"] + sys.argv[1:]), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        args.hosts, args.ranks_per_host, args.rate or "unshaped", " ".join("%s=%s" % kv for kv in env.items())))
+    by = {(r["algorithm"], r["bytes"]): r["median_s"] for r in results}
+    print("%12s %12s %12s %12s %10s %10s" % ("bytes", "torus (ms)", "ring (ms)", "MPI (ms)", "MPI/torus", "ring/torus"))
+    for size in sizes:
+        t, r, m = by[("torus", size)], by[("ring", size)], by[("mpi library", size)]
+        print("%12d %12.3f %12.3f %12.3f %10.2f %10.2f" % (size, t * 1e3, r * 1e3, m * 1e3, m / t, r / t))
+    fit, rows = calibrated(results, args.hosts, args.ranks_per_host)
+    print("cost model calibrated on these runs: intra %.2f us + %.2f GB/s, inter %.2f us + %.2f GB/s, gamma %.3f ns/B"
+          % (fit.intra.latency * 1e6, fit.intra.bandwidth / 1e9, fit.inter.latency * 1e6, fit.inter.bandwidth / 1e9,
+             fit.gamma_s_per_byte * 1e9))
+    for algorithm, nbytes, measured, predicted in rows:
+        print("  %-12s %12d B  measured %10.3f ms  predicted %10.3f ms  (%+.0f%%)"
+              % (algorithm, nbytes, measured * 1e3, predicted * 1e3, 100 * (predicted / measured - 1)))
+
+
+if __name__ == "__main__":
+    main()

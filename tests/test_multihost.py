@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+"""shmcomm across simulated hosts (network namespaces with their own host names, MPI over a private bridge):
+every allreduce algorithm and dtype, the other collectives, a DistributedOptimizer run, and a rank killed on one
+host. Skipped with the reason where namespaces cannot be made."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from test_simhosts import MPIEXEC, job_env, open_hosts, rank_lines
+from test_torus import CHECKS
+
+from shmcomm.testing import simhosts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside Python or on PATH")
+
+
+def _shmcommrun(sim, ranks_per_host, args, timeout=240, **env):
+    return subprocess.run([sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(ranks_per_host)] + args,
+                          cwd=ROOT, env=job_env(**env), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    sim = open_hosts(2)
+    try:
+        yield sim
+    finally:
+        sim.close()
+
+
+@pytest.mark.parametrize("algo", ["torus", "ring", "mpi"])
+def test_collectives_across_two_hosts(two_hosts, tmp_path, algo):
+    script = tmp_path / "job.py"
+    script.write_text(CHECKS + textwrap.dedent("""
+        import socket
+        from shmcomm import basics
+        assert check_all()
+        world = basics.communicator()
+        print("ok", socket.gethostname(), type(world).__name__, shmcomm.local_size(), shmcomm.cross_size(), flush=True)
+    """))
+    run = _shmcommrun(two_hosts, 2, [sys.executable, str(script)], SHMCOMM_ALLREDUCE_ALGO=algo)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = rank_lines(run.stdout)
+    assert sorted(lines) == [0, 1, 2, 3]
+    seen = {tuple(lines[r][-1].split()[1:]) for r in lines}
+    assert seen == {("simhost0", "GridComm", "2", "2"), ("simhost1", "GridComm", "2", "2")}
+
+
+def test_three_hosts_and_uneven_hosts():
+    sim = open_hosts(3)
+    try:
+        script = os.path.join(ROOT, "tests", "_multihost_job.py")
+        with open(script, "w") as f:
+            f.write(CHECKS + "\nassert check_all()\nprint('ok', flush=True)\n")
+        try:
+            run = _shmcommrun(sim, 2, [sys.executable, script])
+            assert run.returncode == 0, run.stdout + run.stderr
+            assert len(rank_lines(run.stdout)) == 6
+        finally:
+            os.unlink(script)
+    finally:
+        sim.close()
+
+
+def test_distributed_optimizer_across_hosts(two_hosts):
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    run = _shmcommrun(two_hosts, 2, [sys.executable, os.path.join(ROOT, "examples", "torch_digits.py"), "--epochs", "2",
+                                     "--no-progress"])
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "ranks 4, weights identical on all ranks: True" in run.stdout
+
+
+KILLED = """
+    import os, signal, threading, numpy as np, shmcomm
+    shmcomm.init()
+    print("token", os.environ["SHMCOMM_JOB_TOKEN"], flush=True)
+    if shmcomm.rank() == 3:
+        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    x = np.ones(1 << 18, np.float32)
+    while True:
+        shmcomm.allreduce_(x)
+"""
+
+
+def test_rank_killed_on_one_host_stops_the_job(two_hosts):
+    run = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(KILLED)], timeout=120)
+    assert run.returncode != 0
+    token = run.stdout.split("token ")[1].split()[0]
+    assert not [n for n in os.listdir("/dev/shm") if token in n]
+
+
