@@ -69,6 +69,15 @@ class Communicator:
     def set_spin(self, spin_us):
         lib.smc_comm_set_spin(self.handle, spin_us)
 
+    def ring_doorbell(self):
+        lib.smc_comm_doorbell_ring(self.handle)
+
+    def doorbell(self):
+        return lib.smc_comm_doorbell_value(self.handle)
+
+    def wait_doorbell(self, seen, timeout_s):
+        return lib.smc_comm_doorbell_wait(self.handle, seen, timeout_s)
+
     def close(self):
         if self.handle is not None:
             lib.smc_comm_destroy(self.handle)

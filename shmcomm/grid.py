@@ -125,6 +125,16 @@ class GridComm:
     def set_spin(self, spin_us):
         self.host.set_spin(spin_us)
 
+    # The doorbell reaches this host's ranks; across hosts the engine's cycle time bounds the wait.
+    def ring_doorbell(self):
+        self.host.ring_doorbell()
+
+    def doorbell(self):
+        return self.host.doorbell()
+
+    def wait_doorbell(self, seen, timeout_s):
+        return self.host.wait_doorbell(seen, timeout_s)
+
     def close(self):
         for comm in self.closables:
             comm.close()

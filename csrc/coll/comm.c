@@ -188,6 +188,20 @@ void smc_comm_destroy(smc_comm_t* c) {
   free(c);
 }
 
+void smc_comm_doorbell_ring(smc_comm_t* c) {
+  atomic_fetch_add(&c->hdr->doorbell, 1);
+  if (atomic_load(&c->hdr->doorbell_sleepers) != 0) smc_futex_wake_all(&c->hdr->doorbell);
+}
+
+uint32_t smc_comm_doorbell_value(smc_comm_t* c) { return atomic_load(&c->hdr->doorbell); }
+
+uint32_t smc_comm_doorbell_wait(smc_comm_t* c, uint32_t seen, double timeout_s) {
+  atomic_fetch_add(&c->hdr->doorbell_sleepers, 1);
+  if (atomic_load(&c->hdr->doorbell) == seen) smc_futex_sleep(&c->hdr->doorbell, seen, timeout_s);
+  atomic_fetch_sub(&c->hdr->doorbell_sleepers, 1);
+  return atomic_load(&c->hdr->doorbell);
+}
+
 void smc_comm_set_spin(smc_comm_t* c, int spin_us) { c->spin_us = spin_us < 0 ? 0 : spin_us; }
 int smc_comm_rank(const smc_comm_t* c) { return c->rank; }
 int smc_comm_size(const smc_comm_t* c) { return c->size; }

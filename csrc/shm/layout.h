@@ -16,7 +16,7 @@
 #define SMC_CACHE_LINE 64
 #define SMC_PAGE 4096
 #define SMC_MAGIC 0x31474553434d53ULL /* "SMCSEG1" */
-#define SMC_LAYOUT_VERSION 1
+#define SMC_LAYOUT_VERSION 2
 #define SMC_MAX_RANKS 1024
 #define SMC_MAX_BOXES 256
 #define SMC_BOX_NAME_MAX 64
@@ -80,6 +80,8 @@ typedef struct {
   _Atomic uint32_t attach_sleepers;
   _Atomic uint32_t refcount; /* mappings alive; the last to leave unlinks the name if nobody did */
   _Atomic uint32_t unlinked;
+  _Atomic uint32_t doorbell __attribute__((aligned(SMC_CACHE_LINE))); /* bumped when any rank queues work */
+  _Atomic uint32_t doorbell_sleepers;
   pthread_mutex_t registry_lock __attribute__((aligned(SMC_CACHE_LINE))); /* pshared, robust: box registry */
   uint64_t arena_used;
   smc_box_entry_t boxes[SMC_MAX_BOXES];

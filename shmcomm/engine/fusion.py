@@ -9,7 +9,6 @@ import numpy as np
 
 from shmcomm import host_ops
 from shmcomm._native import ffi
-from shmcomm.buffers import wrap
 
 
 def _nbytes(sig, itemsize):
@@ -60,7 +59,7 @@ def run_group(comm, group, requests, fusion, itemsize, code, timeline):
             buf[at:at + size] = 0  # joined: contribute zeros
             views.append(None)
         else:
-            src = wrap(req.tensor, req.what)
+            src = req.buffer
             ffi.memmove(base + at, src.ptr, size)
             views.append(src)
         at += size

@@ -17,7 +17,7 @@ from shmcomm._native import lib
 from shmcomm.buffers import wrap
 from shmcomm.engine import fusion
 from shmcomm.engine.negotiate import Negotiator, members_of, signature
-from shmcomm.engine.request import Handle, execute
+from shmcomm.engine.request import Handle, execute, finish
 from shmcomm.engine.stall import StallInspector
 from shmcomm.engine.timeline import from_environment
 from shmcomm.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
@@ -58,7 +58,7 @@ class Engine:
         self._fatal = None
         self._cycle = 0
         self._last_start = 0.0
-        self._busy = False        # some rank had work last cycle: more usually follows, so do not sleep
+        self._busy = False        # the last cycle ran something: more usually follows, so do not sleep
         self._noname = collections.defaultdict(itertools.count)
         self._thread = threading.Thread(target=self._run, name="shmcomm-engine", daemon=True)
         self._thread.start()
@@ -77,7 +77,7 @@ class Engine:
         if req.kind == "barrier":
             sig = signature(req, None, ())
         else:
-            buf = wrap(req.tensor, req.what, writable=req.output is req.tensor)
+            buf = req.buffer = wrap(req.tensor, req.what, writable=req.output is req.tensor)
             sig = signature(req, buf.dtype_key(), tuple(buf.shape) or (1,))
         handle = Handle(req)
         req.handle = handle
@@ -90,8 +90,9 @@ class Engine:
             self._in_flight.add(req.name)
             req.submitted = time.monotonic()
             self._queue.append((req, sig))
-            self._cond.notify()
-        self.timeline.begin([req.name], "NEGOTIATE_" + req.kind.upper())
+        self.comm.ring_doorbell()  # wakes this rank's engine and every peer's: the request may complete a set
+        if self.timeline.active:
+            self.timeline.begin([req.name], "NEGOTIATE_" + req.kind.upper())
         return handle
 
     def join(self):
@@ -101,13 +102,13 @@ class Engine:
             if self._fatal is not None:
                 raise self._fatal
             self._join = handle
-            self._cond.notify()
+        self.comm.ring_doorbell()
         return handle
 
     def stop(self):
         with self._cond:
             self._stopping = True
-            self._cond.notify()
+        self.comm.ring_doorbell()
         if not self.in_engine_thread():
             self._thread.join(timeout=self.comm.tuning.timeout_s)
         self.timeline.stop()
@@ -122,10 +123,14 @@ class Engine:
                                   ShmCommError("shmcomm engine failed: %r" % (error,)))
 
     def _wait_for_work(self, started):
+        """Sleeps on the doorbell until the cycle time is up or a request is queued on any rank of the host."""
+        seen = self.comm.doorbell()  # read first: a ring after this point ends the sleep at once
         with self._cond:
-            left = self.cycle_s - (time.monotonic() - started)
-            if left > 0 and not self._queue and not self._stopping and not self._busy:
-                self._cond.wait(left)
+            idle = not self._queue and not self._stopping and not self._busy
+        left = self.cycle_s - (time.monotonic() - started)
+        if idle and left > 0:
+            self.comm.wait_doorbell(seen, left)
+        with self._cond:
             queued, self._queue = self._queue, []
             return queued, self._stopping, self._join
 
@@ -148,9 +153,11 @@ class Engine:
         if leaving:
             self._leave(leaving)
             return False
-        self._busy = any(entries for entries, _ in everyone)  # the same verdict on every rank
         joined = {r: f["join"] for r, (_, f) in enumerate(everyone) if f["join"]}
         responses, waiting = self.negotiator.agree(everyone, joined)
+        # The same verdict on every rank. Requests that wait for a slower rank do not count: cycling flat out while a
+        # peer computes would take the core that peer needs.
+        self._busy = bool(responses)
         self._execute(responses)
         for name, message in self.stall.check(waiting).items():
             self._complete(name, error=ShmCommError(message))
@@ -223,24 +230,25 @@ class Engine:
                 results = fusion.run_group(comm, group, requests, self.fusion, lib.smc_dtype_size(sig[2]), sig[2],
                                            self.timeline)
             except ShmCommError as error:
-                for name in requests:
-                    self._complete(name, error=error)
+                self._complete_many([(name, None, error) for name in requests])
                 if isinstance(error, _FATAL):
                     raise
                 continue
-            for name, result in results.items():
-                self._complete(name, result=result)
+            self._complete_many([(name, result, None) for name, result in results.items()])
 
     def _complete(self, name, result=None, error=None):
-        entry = self._pending.pop(name, None)
-        if entry is None:
-            return
+        self._complete_many([(name, result, error)])
+
+    def _complete_many(self, outcomes):
+        """[(name, result, error)]: one lock and one wake-up for a whole fused group."""
+        done = []
         with self._cond:
-            self._in_flight.discard(name)
-        if error is not None:
-            entry[0].handle.set_error(error)
-        else:
-            entry[0].handle.set_result(result)
+            for name, result, error in outcomes:
+                entry = self._pending.pop(name, None)
+                if entry is not None:
+                    self._in_flight.discard(name)
+                    done.append((entry[0].handle, result, error))
+        finish(done)
 
     def _fail_everything(self, error):
         with self._cond:

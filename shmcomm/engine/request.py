@@ -9,7 +9,7 @@ class Request:
     """One collective on one tensor. `root` is an index in `comm`; `splits` is a list of rows per rank."""
 
     __slots__ = ("kind", "name", "tensor", "output", "op", "prescale", "postscale", "root", "splits", "comm",
-                 "set_id", "handle", "submitted", "want_splits")
+                 "set_id", "handle", "submitted", "want_splits", "buffer")
 
     def __init__(self, kind, name, tensor, comm, set_id=0, output=None, op=None, prescale=1.0, postscale=1.0, root=0,
                  splits=None):
@@ -26,6 +26,7 @@ class Request:
         self.set_id = set_id
         self.handle = None
         self.submitted = 0.0
+        self.buffer = None  # the engine's view of `tensor`, made once at submission
         self.want_splits = False  # alltoall: return the received splits too (Horovod does when splits were given)
 
     @property
@@ -52,57 +53,68 @@ def execute(req):
     raise ValueError("unknown collective %r" % kind)
 
 
+# One condition for every handle: completing a fused group of a hundred tensors then costs one wake-up, not a
+# hundred Event objects' worth.
+_completed = threading.Condition(threading.Lock())
+
+
 class Handle:
     """The caller's side of a submitted request: poll() without blocking, wait() for the result or the error."""
 
-    __slots__ = ("request", "_done", "_result", "_error", "finished", "_callbacks", "_lock")
+    __slots__ = ("request", "done", "_result", "_error", "finished", "_callbacks")
 
     def __init__(self, request):
         self.request = request
-        self._done = threading.Event()
+        self.done = False
         self._result = None
         self._error = None
         self.finished = 0.0
-        self._callbacks = []
-        self._lock = threading.Lock()
+        self._callbacks = None
 
     def add_done_callback(self, fn):
         """Calls fn(handle) once done, at once if it is already; from the engine's thread otherwise. fn must be quick
         and must not wait for other collectives."""
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
+        with _completed:
+            if not self.done:
+                self._callbacks = (self._callbacks or []) + [fn]
                 return
         fn(self)
 
-    def _finish(self):
-        with self._lock:
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
-
     def poll(self):
-        return self._done.is_set()
+        return self.done
 
     def wait(self, timeout=None):
-        if not self._done.wait(timeout):
-            from shmcomm.exceptions import TimeoutError
+        if not self.done:
+            with _completed:
+                if not _completed.wait_for(lambda: self.done, timeout):
+                    from shmcomm.exceptions import TimeoutError
 
-            what = self.request.what if self.request is not None else "join"
-            raise TimeoutError("%s: not done after %.1f s" % (what, timeout))
+                    what = self.request.what if self.request is not None else "join"
+                    raise TimeoutError("%s: not done after %.1f s" % (what, timeout))
         if self._error is not None:
             raise self._error
         return self._result
 
     def set_result(self, result):
-        self._result = result
-        self.finished = time.monotonic()
-        if self.request is not None:
-            self.request.tensor = None  # the caller holds what it needs; drop our references early
-        self._finish()
+        finish([(self, result, None)])
 
     def set_error(self, error):
-        self._error = error
-        self.finished = time.monotonic()
-        self._finish()
+        finish([(self, None, error)])
+
+
+def finish(outcomes):
+    """Completes [(handle, result, error)] at once and wakes the waiters once."""
+    now = time.monotonic()
+    callbacks = []
+    with _completed:
+        for handle, result, error in outcomes:
+            handle._result, handle._error, handle.finished = result, error, now
+            if handle.request is not None and error is None:
+                handle.request.tensor = handle.request.buffer = None  # the caller holds what it needs
+            handle.done = True
+            if handle._callbacks:
+                callbacks.append(handle)
+        _completed.notify_all()
+    for handle in callbacks:
+        for fn in handle._callbacks:
+            fn(handle)
