@@ -17,6 +17,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG = "MULTIHOST "
 BEST_MPI_SETTINGS = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "16"}
+# The simulated hosts share this machine's cores, which a rank cannot see (its local size is its host's): shmcomm's
+# waits must yield the core at once, as they do on any oversubscribed host.
+SHARED_CORES = {"SHMCOMM_SPIN_US": "2"}
 
 
 def worker(sizes, iters, warmup):
@@ -57,17 +60,36 @@ def worker(sizes, iters, warmup):
     shmcomm.shutdown()
 
 
-def calibrated(results, hosts, local):
-    from shmcomm.sim import LinkModel, Machine, calibrate, predict
-
-    machine = Machine(ranks=hosts * local, local=local, intra=LinkModel.from_bandwidth(1e-6, 5e9),
-                      inter=LinkModel.from_bandwidth(50e-6, 0.5e9), gamma_s_per_byte=0.1e-9)
+def _samples(results, hosts, local):
     label = {"torus": "torus %dx%d" % (local, hosts), "ring": "ring"}
-    samples = [(label[r["algorithm"]], r["bytes"], r["median_s"]) for r in results if r["algorithm"] in label]
-    fit = calibrate(samples, machine)
+    return [(label[r["algorithm"]], r["bytes"], r["median_s"]) for r in results if r["algorithm"] in label]
+
+
+def _machine(hosts, local, fit=None):
+    from shmcomm.sim import LinkModel, Machine
+
+    if fit is not None:
+        return Machine(ranks=hosts * local, local=local, intra=fit.intra, inter=fit.inter,
+                       gamma_s_per_byte=fit.gamma_s_per_byte)
+    return Machine(ranks=hosts * local, local=local, intra=LinkModel.from_bandwidth(1e-6, 5e9),
+                   inter=LinkModel.from_bandwidth(50e-6, 1e9), gamma_s_per_byte=0.1e-9)
+
+
+def calibrated(results, hosts, local, fit_from=None):
+    """Fits the model on `fit_from` (an earlier run's saved results and shape) or on these results, then predicts
+    these results with it. Gamma stays at its given value: allreduce times alone do not separate it from beta."""
+    from shmcomm.sim import calibrate, ring_time, torus_time
+
+    if fit_from is None:
+        fit = calibrate(_samples(results, hosts, local), _machine(hosts, local), fit_gamma=False)
+    else:
+        fit = calibrate(_samples(fit_from["results"], fit_from["hosts"], fit_from["local"]),
+                        _machine(fit_from["hosts"], fit_from["local"]), fit_gamma=False)
+    machine = _machine(hosts, local, fit)
     rows = []
-    for (algorithm, nbytes, measured), error in zip(samples, fit.relative_errors):
-        rows.append((algorithm, nbytes, measured, measured * (1 + error) if error is not None else float("nan")))
+    for algorithm, nbytes, measured in _samples(results, hosts, local):
+        predicted = ring_time(machine, nbytes) if algorithm == "ring" else torus_time(machine, nbytes, (local, hosts))
+        rows.append((algorithm, nbytes, measured, predicted))
     return fit, rows
 
 
@@ -81,6 +103,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--mpi-env", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--json", help="save the measurements here")
+    parser.add_argument("--fit-from", help="calibrate the model on this earlier --json file, predict this run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from benchmarks.collectives import parse_size
@@ -91,7 +115,8 @@ def main():
         return
     from shmcomm.testing.simhosts import SimulatedHosts
 
-    env = dict(BEST_MPI_SETTINGS, **dict(item.split("=", 1) for item in args.mpi_env))
+    env = dict(BEST_MPI_SETTINGS, **SHARED_CORES)
+    env.update(item.split("=", 1) for item in args.mpi_env)
     with SimulatedHosts(args.hosts, rate=args.rate) as sim:
         cmd = [sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(args.ranks_per_host, extra_env=env),
                sys.executable, "-m", "benchmarks.multihost", "--worker", "--bytes", args.bytes, "--iters",
@@ -111,9 +136,16 @@ def main():
     for size in sizes:
         t, r, m = by[("torus", size)], by[("ring", size)], by[("mpi library", size)]
         print("%12d %12.3f %12.3f %12.3f %10.2f %10.2f" % (size, t * 1e3, r * 1e3, m * 1e3, m / t, r / t))
-    fit, rows = calibrated(results, args.hosts, args.ranks_per_host)
-    print("cost model calibrated on these runs: intra %.2f us + %.2f GB/s, inter %.2f us + %.2f GB/s, gamma %.3f ns/B"
-          % (fit.intra.latency * 1e6, fit.intra.bandwidth / 1e9, fit.inter.latency * 1e6, fit.inter.bandwidth / 1e9,
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hosts": args.hosts, "local": args.ranks_per_host, "rate": args.rate, "results": results}, f)
+    fit_from = None
+    if args.fit_from:
+        with open(args.fit_from) as f:
+            fit_from = json.load(f)
+    fit, rows = calibrated(results, args.hosts, args.ranks_per_host, fit_from)
+    print("cost model calibrated on %s: intra %.2f us + %.2f GB/s, inter %.2f us + %.2f GB/s, gamma %.3f ns/B"
+          % (args.fit_from or "these runs", fit.intra.latency * 1e6, fit.intra.bandwidth / 1e9, fit.inter.latency * 1e6, fit.inter.bandwidth / 1e9,
              fit.gamma_s_per_byte * 1e9))
     for algorithm, nbytes, measured, predicted in rows:
         print("  %-12s %12d B  measured %10.3f ms  predicted %10.3f ms  (%+.0f%%)"

@@ -40,12 +40,17 @@ class GridComm:
         if self.algorithm in ("ring", "mpi") and mpi is None:
             raise ValueError("SHMCOMM_ALLREDUCE_ALGO=%s needs a job launched across hosts" % self.algorithm)
         self.handle = host.handle       # for code that asks the host communicator directly (spin, boxes)
+        self.torus_min_bytes = int(os.environ.get("SHMCOMM_TORUS_MIN_BYTES", 64 << 10))
         self.closables = []
 
-    def _choose(self):
+    def _choose(self, nbytes):
+        """auto: the torus from SHMCOMM_TORUS_MIN_BYTES up when every host has the same ranks; below that (a few
+        hops of latency each) and for uneven hosts, the MPI library's own allreduce, when there is MPI."""
         if self.algorithm != "auto":
             return self.algorithm
-        return "torus" if self.torus is not None else "mpi"
+        if self.torus is None or (self.mpi is not None and nbytes < self.torus_min_bytes):
+            return "mpi"
+        return "torus"
 
     # ---- allreduce ----
     def allreduce(self, x, output, op, prescale, postscale, what):
@@ -60,7 +65,7 @@ class GridComm:
         dst_ptr = ptr if dst_ptr is None else dst_ptr
         divisor = (self.size if op == ops.Average else 1) if divisor is None else divisor
         esize = host_ops.itemsize(code)
-        algo = self._choose()
+        algo = self._choose(count * esize)
         if algo == "torus":
             self.torus.allreduce(ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what)
             return
