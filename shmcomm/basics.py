@@ -69,6 +69,8 @@ class Communicator:
     def set_spin(self, spin_us):
         lib.smc_comm_set_spin(self.handle, spin_us)
 
+    doorbell_reaches_all = True  # every rank of this communicator shares the segment
+
     def ring_doorbell(self):
         lib.smc_comm_doorbell_ring(self.handle)
 

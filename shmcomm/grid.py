@@ -131,6 +131,10 @@ class GridComm:
         self.host.set_spin(spin_us)
 
     # The doorbell reaches this host's ranks; across hosts the engine's cycle time bounds the wait.
+    @property
+    def doorbell_reaches_all(self):
+        return self.mpi is None
+
     def ring_doorbell(self):
         self.host.ring_doorbell()
 

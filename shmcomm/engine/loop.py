@@ -27,6 +27,7 @@ _FATAL = (RankFailure, BrokenCommunicatorError, TimeoutError)
 # poll briefly, then sleep.
 _NEGOTIATION_SPIN_US = 5
 _DATA_SPIN_US = 50
+_IDLE_SLEEP_S = 0.1
 
 
 def _setting(name, default, kind=float):
@@ -59,6 +60,7 @@ class Engine:
         self._cycle = 0
         self._last_start = 0.0
         self._busy = False        # the last cycle ran something: more usually follows, so do not sleep
+        self._anything_pending = True  # some rank had requests pending in the last cycle
         self._noname = collections.defaultdict(itertools.count)
         self._thread = threading.Thread(target=self._run, name="shmcomm-engine", daemon=True)
         self._thread.start()
@@ -127,7 +129,11 @@ class Engine:
         seen = self.comm.doorbell()  # read first: a ring after this point ends the sleep at once
         with self._cond:
             idle = not self._queue and not self._stopping and not self._busy
-        left = self.cycle_s - (time.monotonic() - started)
+        # When no rank had anything pending, nothing can happen until someone queues work, which rings the doorbell:
+        # sleep long instead of negotiating nothing a thousand times a second. Across hosts the doorbell does not
+        # reach the other hosts, so the cycle time stays the bound there.
+        period = self.cycle_s if (self._anything_pending or not self.comm.doorbell_reaches_all) else _IDLE_SLEEP_S
+        left = period - (time.monotonic() - started)
         if idle and left > 0:
             self.comm.wait_doorbell(seen, left)
         with self._cond:
@@ -158,6 +164,7 @@ class Engine:
         # The same verdict on every rank. Requests that wait for a slower rank do not count: cycling flat out while a
         # peer computes would take the core that peer needs.
         self._busy = bool(responses)
+        self._anything_pending = any(entries for entries, _ in everyone)
         self._execute(responses)
         for name, message in self.stall.check(waiting).items():
             self._complete(name, error=ShmCommError(message))
