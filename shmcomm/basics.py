@@ -71,8 +71,8 @@ class Communicator:
 
     doorbell_reaches_all = True  # every rank of this communicator shares the segment
 
-    def ring_doorbell(self):
-        lib.smc_comm_doorbell_ring(self.handle)
+    def ring_doorbell(self, everyone=False):
+        lib.smc_comm_doorbell_ring(self.handle, -1 if everyone else self.rank)
 
     def doorbell(self):
         return lib.smc_comm_doorbell_value(self.handle)

@@ -135,8 +135,8 @@ class GridComm:
     def doorbell_reaches_all(self):
         return self.mpi is None
 
-    def ring_doorbell(self):
-        self.host.ring_doorbell()
+    def ring_doorbell(self, everyone=False):
+        self.host.ring_doorbell(everyone)
 
     def doorbell(self):
         return self.host.doorbell()

@@ -188,18 +188,27 @@ void smc_comm_destroy(smc_comm_t* c) {
   free(c);
 }
 
-void smc_comm_doorbell_ring(smc_comm_t* c) {
-  atomic_fetch_add(&c->hdr->doorbell, 1);
-  if (atomic_load(&c->hdr->doorbell_sleepers) != 0) smc_futex_wake_all(&c->hdr->doorbell);
+static void ring_one(smc_rank_ctl_t* r) {
+  atomic_fetch_add(&r->bell, 1);
+  if (atomic_load(&r->bell_sleepers) != 0) smc_futex_wake_all(&r->bell);
 }
 
-uint32_t smc_comm_doorbell_value(smc_comm_t* c) { return atomic_load(&c->hdr->doorbell); }
+void smc_comm_doorbell_ring(smc_comm_t* c, int rank) {
+  if (rank >= 0 && rank < c->size) {
+    ring_one(&c->ctl[rank]);
+    return;
+  }
+  for (int r = 0; r < c->size; r++) ring_one(&c->ctl[r]);
+}
+
+uint32_t smc_comm_doorbell_value(smc_comm_t* c) { return atomic_load(&c->ctl[c->rank].bell); }
 
 uint32_t smc_comm_doorbell_wait(smc_comm_t* c, uint32_t seen, double timeout_s) {
-  atomic_fetch_add(&c->hdr->doorbell_sleepers, 1);
-  if (atomic_load(&c->hdr->doorbell) == seen) smc_futex_sleep(&c->hdr->doorbell, seen, timeout_s);
-  atomic_fetch_sub(&c->hdr->doorbell_sleepers, 1);
-  return atomic_load(&c->hdr->doorbell);
+  smc_rank_ctl_t* me = &c->ctl[c->rank];
+  atomic_fetch_add(&me->bell_sleepers, 1);
+  if (atomic_load(&me->bell) == seen) smc_futex_sleep(&me->bell, seen, timeout_s);
+  atomic_fetch_sub(&me->bell_sleepers, 1);
+  return atomic_load(&me->bell);
 }
 
 void smc_comm_set_spin(smc_comm_t* c, int spin_us) { c->spin_us = spin_us < 0 ? 0 : spin_us; }

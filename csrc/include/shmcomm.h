@@ -74,11 +74,11 @@ const char* smc_result_string(smc_result_t rc);  /* a short name for a code */
 smc_result_t smc_comm_create(const smc_config_t* config, smc_comm_t** comm);
 /* Leaves the job; never blocks on peers. Safe on NULL. */
 void smc_comm_destroy(smc_comm_t* comm);
-/* The doorbell: a counter every rank of the host can bump and sleep on. A rank's engine sleeps on it between
- * cycles, and any rank that queues a request rings it, so idle engines wake the moment work appears anywhere. */
-void smc_comm_doorbell_ring(smc_comm_t* comm);
+/* Doorbells: one counter per rank that its engine sleeps on between cycles. A rank rings its own when it queues
+ * work, and every rank's (rank -1) when the others must wake too (join, shutdown). */
+void smc_comm_doorbell_ring(smc_comm_t* comm, int rank);
 uint32_t smc_comm_doorbell_value(smc_comm_t* comm);
-/* Sleeps while the doorbell still reads `seen`, at most timeout_s; returns the value it reads then. */
+/* Sleeps while this rank's doorbell still reads `seen`, at most timeout_s; returns the value it reads then. */
 uint32_t smc_comm_doorbell_wait(smc_comm_t* comm, uint32_t seen, double timeout_s);
 /* Changes how long waits poll before sleeping (the engine polls briefly while negotiating). */
 void smc_comm_set_spin(smc_comm_t* comm, int spin_us);

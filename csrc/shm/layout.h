@@ -61,7 +61,10 @@ typedef struct {
   _Atomic uint32_t dead;     /* set by the first peer that saw the owner die */
   _Atomic uint32_t departed; /* set by the owner on a clean shutdown */
   pthread_mutex_t alive;
-  /* Line 3+: the descriptor of the collective in flight, one per staging half. */
+  /* Line 3: the owner's doorbell: its engine sleeps on it between cycles; rung by itself or by any rank. */
+  _Atomic uint32_t bell __attribute__((aligned(SMC_CACHE_LINE)));
+  _Atomic uint32_t bell_sleepers;
+  /* Line 4+: the descriptor of the collective in flight, one per staging half. */
   smc_desc_t desc[2] __attribute__((aligned(SMC_CACHE_LINE)));
 } smc_rank_ctl_t;
 
@@ -80,8 +83,6 @@ typedef struct {
   _Atomic uint32_t attach_sleepers;
   _Atomic uint32_t refcount; /* mappings alive; the last to leave unlinks the name if nobody did */
   _Atomic uint32_t unlinked;
-  _Atomic uint32_t doorbell __attribute__((aligned(SMC_CACHE_LINE))); /* bumped when any rank queues work */
-  _Atomic uint32_t doorbell_sleepers;
   pthread_mutex_t registry_lock __attribute__((aligned(SMC_CACHE_LINE))); /* pshared, robust: box registry */
   uint64_t arena_used;
   smc_box_entry_t boxes[SMC_MAX_BOXES];

@@ -61,6 +61,13 @@ class Engine:
         self._last_start = 0.0
         self._busy = False        # the last cycle ran something: more usually follows, so do not sleep
         self._anything_pending = True  # some rank had requests pending in the last cycle
+        self._someone_joined = False   # some rank has called join() and submits nothing: wake it for every request
+        # Bucketing: queued requests wait until a caller waits for one (or polls), until SHMCOMM_BUCKET_BYTES have
+        # gathered, or until the cycle timer fires. Gradients then travel in a few fused allreduces per step instead
+        # of one negotiation per gradient, each of which would take every rank's core away from its computation.
+        self.bucket_bytes = _setting("BUCKET_BYTES", 25 << 20, int)
+        self._unflushed_bytes = 0
+        self._flush = False
         self._noname = collections.defaultdict(itertools.count)
         self._thread = threading.Thread(target=self._run, name="shmcomm-engine", daemon=True)
         self._thread.start()
@@ -92,10 +99,21 @@ class Engine:
             self._in_flight.add(req.name)
             req.submitted = time.monotonic()
             self._queue.append((req, sig))
-        self.comm.ring_doorbell()  # wakes this rank's engine and every peer's: the request may complete a set
+            self._unflushed_bytes += req.buffer.nbytes if req.buffer is not None else 0
+            ring = self._unflushed_bytes >= self.bucket_bytes or self._someone_joined
+        handle.wake = self.flush
+        if ring:
+            self.flush()
         if self.timeline.active:
             self.timeline.begin([req.name], "NEGOTIATE_" + req.kind.upper())
         return handle
+
+    def flush(self):
+        """Someone waits for a result: negotiate now. Wakes this rank's engine only (the others wake when their
+        callers wait for the same request), every rank's when a rank has joined and will never wait."""
+        with self._cond:
+            self._flush = True
+        self.comm.ring_doorbell(everyone=self._someone_joined)
 
     def join(self):
         """Marks this rank as out of data; returns a handle whose result is the last rank to join."""
@@ -104,13 +122,13 @@ class Engine:
             if self._fatal is not None:
                 raise self._fatal
             self._join = handle
-        self.comm.ring_doorbell()
+        self.comm.ring_doorbell(everyone=True)
         return handle
 
     def stop(self):
         with self._cond:
             self._stopping = True
-        self.comm.ring_doorbell()
+        self.comm.ring_doorbell(everyone=True)
         if not self.in_engine_thread():
             self._thread.join(timeout=self.comm.tuning.timeout_s)
         self.timeline.stop()
@@ -128,16 +146,17 @@ class Engine:
         """Sleeps on the doorbell until the cycle time is up or a request is queued on any rank of the host."""
         seen = self.comm.doorbell()  # read first: a ring after this point ends the sleep at once
         with self._cond:
-            idle = not self._queue and not self._stopping and not self._busy
-        # When no rank had anything pending, nothing can happen until someone queues work, which rings the doorbell:
-        # sleep long instead of negotiating nothing a thousand times a second. Across hosts the doorbell does not
-        # reach the other hosts, so the cycle time stays the bound there.
+            idle = not self._flush and not self._stopping and not self._busy
+        # When no rank had anything pending, nothing can happen until a caller waits, which rings the doorbell: sleep
+        # long instead of negotiating nothing a thousand times a second. Across hosts the doorbell does not reach the
+        # other hosts' engines, so the cycle time stays the bound there.
         period = self.cycle_s if (self._anything_pending or not self.comm.doorbell_reaches_all) else _IDLE_SLEEP_S
         left = period - (time.monotonic() - started)
         if idle and left > 0:
             self.comm.wait_doorbell(seen, left)
         with self._cond:
             queued, self._queue = self._queue, []
+            self._flush, self._unflushed_bytes = False, 0
             return queued, self._stopping, self._join
 
     def _cycle_once(self):
@@ -160,6 +179,7 @@ class Engine:
             self._leave(leaving)
             return False
         joined = {r: f["join"] for r, (_, f) in enumerate(everyone) if f["join"]}
+        self._someone_joined = bool(joined)
         responses, waiting = self.negotiator.agree(everyone, joined)
         # The same verdict on every rank. Requests that wait for a slower rank do not count: cycling flat out while a
         # peer computes would take the core that peer needs.

@@ -61,7 +61,7 @@ _completed = threading.Condition(threading.Lock())
 class Handle:
     """The caller's side of a submitted request: poll() without blocking, wait() for the result or the error."""
 
-    __slots__ = ("request", "done", "_result", "_error", "finished", "_callbacks")
+    __slots__ = ("request", "done", "_result", "_error", "finished", "_callbacks", "wake")
 
     def __init__(self, request):
         self.request = request
@@ -70,21 +70,29 @@ class Handle:
         self._error = None
         self.finished = 0.0
         self._callbacks = None
+        self.wake = None  # the engine's flush: asking about a result makes the engine negotiate now
 
     def add_done_callback(self, fn):
         """Calls fn(handle) once done, at once if it is already; from the engine's thread otherwise. fn must be quick
         and must not wait for other collectives."""
         with _completed:
-            if not self.done:
+            pending = not self.done
+            if pending:
                 self._callbacks = (self._callbacks or []) + [fn]
-                return
-        fn(self)
+        if not pending:
+            fn(self)
+        elif self.wake is not None:
+            self.wake()  # someone waits for the result, if not in this thread
 
     def poll(self):
+        if not self.done and self.wake is not None:
+            self.wake()
         return self.done
 
     def wait(self, timeout=None):
         if not self.done:
+            if self.wake is not None:
+                self.wake()
             with _completed:
                 if not _completed.wait_for(lambda: self.done, timeout):
                     from shmcomm.exceptions import TimeoutError
