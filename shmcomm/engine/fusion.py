@@ -5,6 +5,8 @@ Agreed allreduce responses with the same process set, dtype, op and scale factor
 one buffer of at most the fusion threshold, reduced once, and unpacked. Grouping looks only at the responses, which
 are identical on every rank, so every rank forms the same groups. A rank that has joined packs zeros in place of the
 tensor it does not have."""
+import math
+
 import numpy as np
 
 from shmcomm import host_ops
@@ -12,7 +14,7 @@ from shmcomm._native import ffi
 
 
 def _nbytes(sig, itemsize):
-    return int(np.prod(sig[3], dtype=np.int64)) * itemsize
+    return math.prod(sig[3]) * itemsize  # math.prod: a tenth of np.prod's cost on a short tuple
 
 
 def groups(responses, threshold, itemsize_of):
