@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from benchmarks import backends, report
-from benchmarks.operations import COLLECTIVES, ramp  # noqa: F401 (ramp: for benchmarks.smb)
+from benchmarks.operations import COLLECTIVES, Copy
 
 OPS = ("allreduce", "broadcast", "allgather", "reducescatter", "alltoall")
 DTYPES = {"float32": "float", "float64": "double", "float16": "half", "int32": "int32", "int64": "int64",

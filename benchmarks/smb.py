@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 from benchmarks import backends
-from benchmarks.collectives import parse_size, ramp, sweep
+from benchmarks.collectives import parse_size, sweep
+from benchmarks.operations import ramp
 
 BUDGET_S = 1.0  # timed iterations of one measurement are cut to fit about this long
 MIN_ITERS = 3

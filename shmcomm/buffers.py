@@ -41,7 +41,7 @@ class Buffer:
         return dtypes.NAMES.get(self.code) or str(self.array.dtype).replace("torch.", "")
 
 
-def _is_torch(x):
+def is_torch(x):
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
@@ -72,7 +72,7 @@ def wrap(x, what, writable=False):
             ptr = ffi.cast("void *", x.ctypes.data)  # a dtype numpy cannot describe as a buffer (ml_dtypes)
         dtype = x.dtype
         return Buffer(x, ptr, x.size, dtypes.numpy_code(dtype), dtype.itemsize, x.shape, False)
-    if _is_torch(x):
+    if is_torch(x):
         if x.device.type != "cpu":
             raise InvalidArgumentError(
                 "%s: tensor is on %s; this build moves CPU tensors only (move it with .cpu())" % (what, x.device))

@@ -9,7 +9,7 @@ import numpy as np
 from shmcomm import basics, ops
 from shmcomm.engine import current as current_engine
 from shmcomm.engine.request import Request, execute
-from shmcomm.buffers import wrap
+from shmcomm.buffers import is_torch, wrap
 from shmcomm.exceptions import InvalidArgumentError
 
 def resolve_set(process_set):
@@ -133,7 +133,7 @@ def alltoall_request(tensor, splits, name, process_set):
 def received_splits(tensor, got):
     """Rows received per rank, as Horovod returns them: int32, a torch tensor for torch input."""
     got = np.asarray(got, dtype=np.int32)
-    if type(tensor).__module__.startswith("torch"):
+    if is_torch(tensor):
         import torch
 
         return torch.from_numpy(got)

@@ -9,7 +9,6 @@ import os
 import numpy as np
 
 from shmcomm import host_ops, ops
-from shmcomm.algorithms.torus2d import Torus
 from shmcomm.buffers import require_reducible, wrap
 from shmcomm.exceptions import InvalidArgumentError
 

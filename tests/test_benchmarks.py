@@ -65,6 +65,17 @@ def test_collectives_every_backend_and_op(tmp_path):
     assert document["machine"]["cores"] >= 1 and "line" in document["machine"]
 
 
+def test_inplace_only_still_measures_the_copy(tmp_path):
+    out = tmp_path / "inplace.json"
+    proc = run_module("benchmarks.collectives", ["-np", "2", "-b", "8", "-e", "64", "-f", "8", "-n", "2", "-w", "1",
+                                                 "--ops", "allreduce", "--backends", "shmcomm,memcpy", "--inplace-only",
+                                                 "--json", str(out)], 120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert all(row["out_of_place"] == {"na": "--inplace-only"} for row in results["shmcomm"]["rows"])
+    assert all("na" not in row["out_of_place"] for row in results["memcpy"]["rows"])
+
+
 def test_smb_bandwidth_and_pingpong(tmp_path):
     out = tmp_path / "smb.json"
     proc = run_module("benchmarks.smb", ["-np", "2", "-b", "8", "-e", "4K", "-f", "16", "-n", "3", "-w", "1",

@@ -129,7 +129,7 @@ def _versions_and_locks():
     with pytest.raises(shmcomm.TimeoutError):
         box.wait_version(100, timeout=0.1)
     box.wait_version(3, timeout=10)
-    got = box.lock(timeout=10)
+    box.lock(timeout=10)
     acquired = time.monotonic()
     box.unlock()
     # While rank 0 held the lock nobody could see the first accumulate without the second.

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 
-from shmcomm import env, process_sets
+from shmcomm import process_sets
 from shmcomm._native import lib
 from shmcomm.buffers import wrap
 from shmcomm.engine import fusion
