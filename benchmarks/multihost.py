@@ -4,9 +4,10 @@ then the cost model (shmcomm.sim) calibrated on these measurements, predicted ag
 
     python -m benchmarks.multihost --hosts 2 --ranks-per-host 2 [--rate 1gbit] [--bytes 4K,256K,4M,64M]
 
-Each time is the median over iterations of the slowest rank's time. Needs root (network namespaces); see
-shmcomm/testing/simhosts.py for how the hosts are made. MPI's own allreduce runs under the best progress settings
-found for MPICH on this machine (MPIR_CVAR_CH4_PROGRESS_THROTTLE); --mpi-env adds or overrides settings."""
+Each time is the median over iterations of the slowest rank's time; the algorithms take turns within each
+iteration. Needs root (network namespaces); see shmcomm/testing/simhosts.py for how the hosts are made. MPI's own
+allreduce runs under the best progress settings found for MPICH on this machine (MPIR_CVAR_CH4_PROGRESS_THROTTLE);
+--mpi-env adds or overrides settings."""
 import argparse
 import json
 import os
@@ -20,6 +21,7 @@ BEST_MPI_SETTINGS = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "MPIR_CVAR_CH4_PROG
 # The simulated hosts share this machine's cores, which a rank cannot see (its local size is its host's): shmcomm's
 # waits must yield the core at once, as they do on any oversubscribed host.
 SHARED_CORES = {"SHMCOMM_SPIN_US": "2"}
+SMALL_SIZE, SMALL_ITERS = 1 << 20, 200  # below SMALL_SIZE bytes, at least SMALL_ITERS iterations
 
 
 def worker(sizes, iters, warmup):
@@ -32,37 +34,46 @@ def worker(sizes, iters, warmup):
 
     shmcomm.init()
     world, mpi = basics.communicator(), MPI.COMM_WORLD
-    runs = {"torus": None, "ring": None, "mpi library": None}
+    names = ("torus", "ring", "mpi library")
     for size in sizes:
         x = np.ones(max(1, size // 4), dtype=np.float32)
-        for name in runs:
+
+        def call(name):
             if name == "mpi library":
-                def call():
-                    mpi.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+                mpi.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
             else:
                 world.algorithm = name
-
-                def call():
-                    shmcomm.allreduce_(x, op=shmcomm.Sum)
+                shmcomm.allreduce_(x, op=shmcomm.Sum)
+        for name in names:
             for _ in range(warmup):
-                call()
-            times = []
-            for _ in range(iters):
+                call(name)
+        # Small sizes are latency, which this shared machine makes noisy: more iterations, and the algorithms take
+        # turns, in a rotating order, so that a slow patch of the machine falls on all of them alike.
+        count = iters if size >= SMALL_SIZE else max(iters, SMALL_ITERS)
+        times = {name: [] for name in names}
+        for i in range(count):
+            for name in names[i % 3:] + names[:i % 3]:
                 mpi.Barrier()
                 t = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t)
-            slowest = np.empty(len(times))
-            mpi.Allreduce(np.array(times), slowest, MPI.MAX)
+                call(name)
+                times[name].append(time.perf_counter() - t)
+        for name in names:
+            slowest = np.empty(count)
+            mpi.Allreduce(np.array(times[name]), slowest, MPI.MAX)
             if mpi.rank == 0:
                 print(TAG + json.dumps({"algorithm": name, "bytes": size, "median_s": float(np.median(slowest))}),
                       flush=True)
     shmcomm.shutdown()
 
 
-def _samples(results, hosts, local):
-    label = {"torus": "torus %dx%d" % (local, hosts), "ring": "ring"}
-    return [(label[r["algorithm"]], r["bytes"], r["median_s"]) for r in results if r["algorithm"] in label]
+def _samples(results, hosts, local, small_bytes):
+    """(model label, bytes, seconds): the torus took its small-message path up to small_bytes."""
+    def label(algorithm, nbytes):
+        if algorithm == "torus":
+            return "torus-small" if nbytes <= small_bytes else "torus %dx%d" % (local, hosts)
+        return algorithm
+    return [(label(r["algorithm"], r["bytes"]), r["bytes"], r["median_s"]) for r in results
+            if r["algorithm"] in ("torus", "ring")]
 
 
 def _machine(hosts, local, fit=None):
@@ -75,20 +86,19 @@ def _machine(hosts, local, fit=None):
                    inter=LinkModel.from_bandwidth(50e-6, 1e9), gamma_s_per_byte=0.1e-9)
 
 
-def calibrated(results, hosts, local, fit_from=None):
+def calibrated(results, hosts, local, small_bytes, fit_from=None):
     """Fits the model on `fit_from` (an earlier run's saved results and shape) or on these results, then predicts
     these results with it. Gamma stays at its given value: allreduce times alone do not separate it from beta."""
-    from shmcomm.sim import calibrate, ring_time, torus_time
+    from shmcomm.sim import calibrate, cost_terms
 
-    if fit_from is None:
-        fit = calibrate(_samples(results, hosts, local), _machine(hosts, local), fit_gamma=False)
-    else:
-        fit = calibrate(_samples(fit_from["results"], fit_from["hosts"], fit_from["local"]),
-                        _machine(fit_from["hosts"], fit_from["local"]), fit_gamma=False)
+    source = fit_from or {"results": results, "hosts": hosts, "local": local, "torus_small_bytes": small_bytes}
+    fit = calibrate(_samples(source["results"], source["hosts"], source["local"],
+                             source.get("torus_small_bytes", small_bytes)),
+                    _machine(source["hosts"], source["local"]), fit_gamma=False)
     machine = _machine(hosts, local, fit)
     rows = []
-    for algorithm, nbytes, measured in _samples(results, hosts, local):
-        predicted = ring_time(machine, nbytes) if algorithm == "ring" else torus_time(machine, nbytes, (local, hosts))
+    for algorithm, nbytes, measured in _samples(results, hosts, local, small_bytes):
+        predicted = float(cost_terms(algorithm, machine, nbytes)[0] @ machine.parameters)
         rows.append((algorithm, nbytes, measured, predicted))
     return fit, rows
 
@@ -128,6 +138,7 @@ def main():
         sys.stderr.write(run.stdout + run.stderr)
         raise SystemExit("the job failed")
     results = [json.loads(line.split(TAG, 1)[1]) for line in run.stdout.splitlines() if TAG in line]
+    small_bytes = int(env.get("SHMCOMM_TORUS_SMALL_BYTES", 64 << 10))  # the torus's default: the row's one-step size
     print("# %s | %s | %d hosts x %d ranks, links %s, MPI settings %s" % (
         " ".join(["python -m benchmarks.multihost"] + sys.argv[1:]), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         args.hosts, args.ranks_per_host, args.rate or "unshaped", " ".join("%s=%s" % kv for kv in env.items())))
@@ -138,14 +149,16 @@ def main():
         print("%12d %12.3f %12.3f %12.3f %10.2f %10.2f" % (size, t * 1e3, r * 1e3, m * 1e3, m / t, r / t))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"hosts": args.hosts, "local": args.ranks_per_host, "rate": args.rate, "results": results}, f)
+            json.dump({"hosts": args.hosts, "local": args.ranks_per_host, "rate": args.rate, "results": results,
+                       "torus_small_bytes": small_bytes}, f)
     fit_from = None
     if args.fit_from:
         with open(args.fit_from) as f:
             fit_from = json.load(f)
-    fit, rows = calibrated(results, args.hosts, args.ranks_per_host, fit_from)
+    fit, rows = calibrated(results, args.hosts, args.ranks_per_host, small_bytes, fit_from)
     print("cost model calibrated on %s: intra %.2f us + %.2f GB/s, inter %.2f us + %.2f GB/s, gamma %.3f ns/B"
-          % (args.fit_from or "these runs", fit.intra.latency * 1e6, fit.intra.bandwidth / 1e9, fit.inter.latency * 1e6, fit.inter.bandwidth / 1e9,
+          % (args.fit_from or "these runs", fit.intra.latency * 1e6, fit.intra.bandwidth / 1e9,
+             fit.inter.latency * 1e6, fit.inter.bandwidth / 1e9,
              fit.gamma_s_per_byte * 1e9))
     for algorithm, nbytes, measured, predicted in rows:
         print("  %-12s %12d B  measured %10.3f ms  predicted %10.3f ms  (%+.0f%%)"

@@ -5,7 +5,8 @@ run, one math thread per rank; then the engine's steady-state overhead with 100 
     python -m benchmarks.training -np 2
     python -m benchmarks.training -np 2 --model resnet18 --image-size 64 --num-iters 10
 
-Scaling efficiency = total img/s at np=N / (N x img/s at np=1). Figures are medians over iterations."""
+Scaling efficiency = total img/s at np=N / (N x img/s at np=1). Each figure is the median over --rounds interleaved
+runs of the median over iterations."""
 import argparse
 import os
 import re
@@ -35,24 +36,36 @@ def _img_per_sec(output):
     return values[len(values) // 2]
 
 
+def _median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
 def synthetic(args):
+    """Runs every configuration once per round, rotating their order, so that the machine's drift over a few
+    minutes falls on all of them alike; reports medians over rounds, and the ratio as the median of the rounds'."""
     common = [sys.executable, EXAMPLE, "--model", args.model, "--batch-size", str(args.batch_size), "--image-size",
               str(args.image_size), "--num-warmup-batches", str(args.num_warmup_batches), "--num-batches-per-iter",
               str(args.num_batches_per_iter), "--num-iters", str(args.num_iters)]
     runs = [("single process", 1, "shmcomm"), ("shmcomm", args.np, "shmcomm"), ("DDP + gloo", args.np, "ddp-gloo"),
             ("DDP + shmcomm hook", args.np, "ddp-shmcomm")]
+    measured = {label: [] for label, _, _ in runs}
+    for round_ in range(args.rounds):
+        shift = round_ % len(runs)
+        for label, np_, backend in runs[shift:] + runs[:shift]:
+            measured[label].append(_img_per_sec(_launch(np_, common + ["--backend", backend], args.timeout)))
     rows = {}
-    for label, np_, backend in runs:
-        per_rank = _img_per_sec(_launch(np_, common + ["--backend", backend], args.timeout))
-        rows[label] = (np_, per_rank)
-        print("  %-20s np=%d  %8.1f img/s per rank  %8.1f img/s total" % (label, np_, per_rank, per_rank * np_),
-              flush=True)
-    single = rows["single process"][1]
+    for label, np_, _ in runs:
+        per_rank = rows[label] = _median(measured[label])
+        print("  %-20s np=%d  %8.1f img/s per rank  %8.1f img/s total   (rounds: %s)"
+              % (label, np_, per_rank, per_rank * np_, " ".join("%.1f" % v for v in measured[label])), flush=True)
+    single = rows["single process"]
     print("scaling efficiency at np=%d (total / (np x single)):" % args.np)
     for label in ("shmcomm", "DDP + gloo", "DDP + shmcomm hook"):
-        np_, per_rank = rows[label]
-        print("  %-20s %.3f" % (label, per_rank / single))
-    print("shmcomm / DDP+gloo throughput: %.3f" % (rows["shmcomm"][1] / rows["DDP + gloo"][1]))
+        print("  %-20s %.3f" % (label, rows[label] / single))
+    ratios = [a / b for a, b in zip(measured["shmcomm"], measured["DDP + gloo"])]
+    print("shmcomm / DDP+gloo throughput, median of the rounds: %.3f   (rounds: %s)"
+          % (_median(ratios), " ".join("%.3f" % r for r in ratios)))
     return rows
 
 
@@ -104,6 +117,7 @@ def main():
     parser.add_argument("--num-warmup-batches", type=int, default=5)
     parser.add_argument("--num-batches-per-iter", type=int, default=5)
     parser.add_argument("--num-iters", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every configuration, interleaved")
     parser.add_argument("--overhead-steps", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--overhead-worker", action="store_true", help=argparse.SUPPRESS)
@@ -116,9 +130,13 @@ def main():
     print("synthetic benchmark (%s, batch %d per rank, %dx%d images), median img/s:"
           % (args.model, args.batch_size, args.image_size, args.image_size), flush=True)
     synthetic(args)
-    out = _launch(args.np, [sys.executable, "-m", "benchmarks.training", "--overhead-worker", "--overhead-steps",
-                            str(args.overhead_steps)], args.timeout)
-    print(out.strip().split(": ", 1)[-1])
+    overheads = []
+    for _ in range(args.rounds):
+        out = _launch(args.np, [sys.executable, "-m", "benchmarks.training", "--overhead-worker", "--overhead-steps",
+                                str(args.overhead_steps)], args.timeout)
+        overheads.append(float(re.search(r"median ([\d.]+) ms", out).group(1)))
+    print("engine overhead, last gradient to step() returning, 100 tensors: median %.3f ms (slowest rank; rounds: %s)"
+          % (_median(overheads), " ".join("%.3f" % v for v in overheads)))
 
 
 if __name__ == "__main__":

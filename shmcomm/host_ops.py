@@ -79,12 +79,13 @@ def allreduce(comm, x, output, op, prescale, postscale, what):
     return out
 
 
-def allreduce_raw(comm, ptr, count, code, op, prescale, postscale, what, divisor=None):
-    """In-place allreduce of `count` elements of type `code` at `ptr` (the engine's fusion buffer, a torus slice).
-    The divisor defaults to the communicator's size for Average."""
+def allreduce_raw(comm, ptr, count, code, op, prescale, postscale, what, divisor=None, dst_ptr=None):
+    """Allreduce of `count` elements of type `code` at `ptr` (the engine's fusion buffer, a torus slice), in place
+    unless dst_ptr is given. The divisor defaults to the communicator's size for Average."""
     if divisor is None:
         divisor = comm.size if op == ops.Average else 1
-    rc = lib.smc_allreduce(comm.handle, ptr, ptr, count, code, _C_OP[op], prescale, postscale, divisor,
+    rc = lib.smc_allreduce(comm.handle, ptr, ptr if dst_ptr is None else dst_ptr, count, code, _C_OP[op], prescale,
+                           postscale, divisor,
                            hash((code, count)) & _MASK)
     if rc != 0:
         raise error_for(rc, what)
@@ -101,6 +102,13 @@ def reducescatter_raw(comm, src_ptr, dst_ptr, counts, code, op, prescale, postsc
 def allgatherv_raw(comm, src_ptr, send_bytes, dst_ptr, recv_bytes, what):
     """Rank r's send_bytes land at offset sum(recv_bytes[:r]) of dst_ptr on every rank."""
     rc = lib.smc_allgatherv(comm.handle, src_ptr, send_bytes, dst_ptr, ffi.new("uint64_t[]", recv_bytes), 0)
+    if rc != 0:
+        raise error_for(rc, what)
+
+
+def broadcast_raw(comm, ptr, nbytes, root, what):
+    """`nbytes` at `ptr` on `root` (an index in the communicator) land at `ptr` everywhere."""
+    rc = lib.smc_broadcast(comm.handle, ptr, ptr, nbytes, root, nbytes)  # the tag: an int, hashed alike everywhere
     if rc != 0:
         raise error_for(rc, what)
 
@@ -190,23 +198,37 @@ def alltoall(comm, x, splits, what):
     return out, got
 
 
+# The engine's negotiation messages are usually a few hundred bytes: each rank sends a fixed block (its length, then
+# the start of its message) so one exchange settles the common case; longer messages send their rest in a second.
+_BYTES_BLOCK = 2048
+
+
 def allgather_bytes(comm, payload):
     """Every rank's bytes object, in rank order (the engine's negotiation messages)."""
-    mine = np.array([len(payload)], dtype=np.int64)
-    sizes = np.empty(comm.size, dtype=np.int64)
-    rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine), 8, ffi.from_buffer(sizes),
-                            ffi.new("uint64_t[]", [8] * comm.size), 0)
+    n, head = comm.size, _BYTES_BLOCK - 8
+    block = bytearray(_BYTES_BLOCK)
+    block[:8] = len(payload).to_bytes(8, "little")
+    first = payload[:head]
+    block[8:8 + len(first)] = first
+    out = bytearray(_BYTES_BLOCK * n)
+    rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(block), _BYTES_BLOCK, ffi.from_buffer(out),
+                            ffi.new("uint64_t[]", [_BYTES_BLOCK] * n), 0)
     if rc != 0:
         raise error_for(rc, "negotiation")
-    out = bytearray(int(sizes.sum()))
-    rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(payload), len(payload), ffi.from_buffer(out),
-                            ffi.new("uint64_t[]", [int(s) for s in sizes]), 0)
-    if rc != 0:
-        raise error_for(rc, "negotiation")
-    views, at = [], 0
-    for s in sizes:
-        views.append(bytes(out[at:at + int(s)]))
-        at += int(s)
+    sizes = [int.from_bytes(out[r * _BYTES_BLOCK:r * _BYTES_BLOCK + 8], "little") for r in range(n)]
+    views = [bytes(out[r * _BYTES_BLOCK + 8:r * _BYTES_BLOCK + 8 + min(s, head)]) for r, s in enumerate(sizes)]
+    rest = [max(s - head, 0) for s in sizes]
+    if any(rest):  # the same decision on every rank: all saw the same lengths
+        tail = bytearray(sum(rest))
+        mine = payload[head:]
+        rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine) if mine else ffi.NULL, len(mine),
+                                ffi.from_buffer(tail) if tail else ffi.NULL, ffi.new("uint64_t[]", rest), 0)
+        if rc != 0:
+            raise error_for(rc, "negotiation")
+        at = 0
+        for r in range(n):
+            views[r] += bytes(tail[at:at + rest[r]])
+            at += rest[r]
     return views
 
 

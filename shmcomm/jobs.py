@@ -16,6 +16,11 @@ def _grid_text():
     return os.environ.get("SHMCOMM_TORUS_GRID") or os.environ.get("HOROVOD_TORUS_GRID")
 
 
+def _torus_small_bytes(tuning):
+    """Up to this size the torus takes its two-step path (see torus2d.Torus): the row's one-step size by default."""
+    return int(os.environ.get("SHMCOMM_TORUS_SMALL_BYTES") or tuning.small_bytes)
+
+
 def build_world(generation):
     if topology.launched_by_mpi():
         return _across_hosts(generation)
@@ -37,13 +42,14 @@ def _logical_grid(topo, tuning, generation, host, x, y):
                        suffix="_r%d" % row_index)
     column = Communicator(topo, tuning, generation, ranks=[j * x + column_index for j in range(y)],
                           suffix="_c%d" % column_index)
-    world = GridComm(topo, tuning, host, Torus(row, smb_column(column)), host_groups=[list(range(topo.size))])
+    world = GridComm(topo, tuning, host, Torus(row, smb_column(column), small_bytes=_torus_small_bytes(tuning)),
+                     host_groups=[list(range(topo.size))])
     world.closables = [row, column]
     return world
 
 
 def _across_hosts(generation):
-    from shmcomm.algorithms.torus2d import Torus, mpi_column
+    from shmcomm.algorithms.torus2d import Torus, mpi_column, mpi_column_small
     from shmcomm.grid import GridComm
 
     topo, ctx = topology.from_mpi()
@@ -58,5 +64,6 @@ def _across_hosts(generation):
         if x != topo.local_size or not ctx.homogeneous:
             raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
                              % (grid, topo.local_size))
-    torus = Torus(host, mpi_column(ctx.cross)) if ctx.homogeneous else None
+    torus = Torus(host, mpi_column(ctx.cross), mpi_column_small(ctx.cross), _torus_small_bytes(tuning)) \
+        if ctx.homogeneous else None
     return GridComm(topo, tuning, host, torus, mpi=ctx.world, host_groups=ctx.world.allgather(ctx.host_ranks))

@@ -100,6 +100,75 @@ def test_errors_reach_every_rank_and_the_engine_goes_on():
     assert multiproc.run(2, _errors) == [True, True]
 
 
+def _steady_state():
+    import shmcomm
+    from shmcomm import engine
+
+    shmcomm.init(engine=True)
+    me = shmcomm.rank()
+    negotiator = engine.current().negotiator
+    plans = []
+    for step in range(6):  # the same three tensors every step, as a training loop submits them
+        handles = [shmcomm.allreduce_async(np.full(5, float(i + step)), op=shmcomm.Sum, name="w%d" % i)
+                   for i in range(3)]
+        assert [shmcomm.synchronize(h).tolist() for h in handles] == [[2.0 * (i + step)] * 5 for i in range(3)]
+        plans.append(set(map(id, negotiator.plans.values())))
+    assert plans[-1] and plans[-1] == plans[-2] == plans[-3]  # the verdict is remembered and reused, not rebuilt
+    # A remembered verdict must not hide a new disagreement: same name, another shape on one rank.
+    with pytest.raises(shmcomm.MismatchError, match=r"w0: ranks disagree"):
+        shmcomm.allreduce(np.ones(5 + me), name="w0")
+    assert shmcomm.allreduce(np.full(5, 1.0), op=shmcomm.Sum, name="w0").tolist() == [2.0] * 5
+    return True
+
+
+def test_steady_state_reuses_the_agreed_plan_and_still_sees_mismatches():
+    assert multiproc.run(2, _steady_state) == [True, True]
+
+
+def _long_messages():
+    import shmcomm
+    from shmcomm import basics
+
+    shmcomm.init()
+    me, n = shmcomm.rank(), shmcomm.size()
+    comm = basics.communicator()
+    for lengths in ([0] * n, [5] * n, [2040 + r for r in range(n)], [3000 * r for r in range(n)], [70000] * n):
+        got = comm.allgather_bytes(bytes([me + 1]) * lengths[me])
+        assert got == [bytes([r + 1]) * lengths[r] for r in range(n)], lengths
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_negotiation_messages_of_any_length(size):
+    # One fixed block settles messages that fit it; longer ones send their rest in a second exchange.
+    assert multiproc.run(size, _long_messages) == [True] * size
+
+
+def _idle_engine():
+    import shmcomm
+    from shmcomm import engine
+
+    shmcomm.init(engine=True)
+    shmcomm.allreduce(np.ones(2), name="warm")
+    eng = engine.current()
+    start = eng._cycle
+    if shmcomm.rank() == 0:  # pending on one rank only, and nobody waits for it yet: nothing can happen
+        handle = shmcomm.allreduce_async(np.ones(3), op=shmcomm.Sum, name="queued")
+    time.sleep(0.5)
+    cycles = eng._cycle - start
+    if shmcomm.rank() != 0:
+        handle = shmcomm.allreduce_async(np.ones(3), op=shmcomm.Sum, name="queued")
+    assert shmcomm.synchronize(handle).tolist() == [2.0] * 3  # waiting wakes the engines at once
+    return cycles
+
+
+def test_engine_does_not_cycle_while_nobody_waits():
+    # With a 1 ms cycle time a busy-cycling engine would negotiate hundreds of times in 0.5 s, on the cores the
+    # training needs; it sleeps on the doorbell instead (bounded by a 0.1 s timer).
+    cycles = multiproc.run(2, _idle_engine)
+    assert all(c <= 12 for c in cycles), cycles
+
+
 def _join(size):
     import shmcomm
 

@@ -89,6 +89,19 @@ def test_hierarchical_on_two_hosts_by_hand():
     assert hierarchical_time(_machine(**HAND), 1e6) == pytest.approx(1237e-6, rel=1e-12)
 
 
+def test_torus_small_path_on_two_hosts_by_hand():
+    # Row allreduce and broadcast on shared memory: 2 * (1 us + M * 0.1 ns) = 202 us; one exchange of M across
+    # hosts: 10 us + 1000 us; reduce (L - 1 + 1) M * 0.01 ns = 20 us.
+    assert float(cost_terms("torus-small", _machine(**HAND), 1e6)[0] @ _machine(**HAND).parameters) == \
+        pytest.approx(1232e-6, rel=1e-12)
+
+
+@pytest.mark.parametrize("hosts, exchanges", [(1, 0), (2, 1), (3, 3), (4, 2), (6, 4), (8, 3)])
+def test_torus_small_path_steps_follow_recursive_doubling(hosts, exchanges):
+    assert steps("torus-small", _machine(2 * hosts, local=2)) == 2 + exchanges
+    assert steps("torus-small", _machine(hosts, local=1)) == exchanges
+
+
 def test_star_on_two_hosts_by_hand():
     # Push then pull through one server: 2 * 10 us + 2 * 4 M * 1 ns = 8020 us; the server sums 4 M: 40 us.
     # With 4 servers the worker host's NIC binds: 2 * 2 M * 1 ns = 4000 us, 20 us latency, server sums M: 10 us.

@@ -50,10 +50,15 @@ def _grid_body():
     return namespace["check_all"]()
 
 
-@pytest.mark.parametrize("grid", ["2x2", "2x3", "3x2", "4x2", "1x3", "3x1"])
-def test_logical_grid_on_shared_memory(grid):
+@pytest.mark.parametrize("grid,small", [("2x2", None), ("2x3", None), ("3x2", None), ("4x2", None), ("1x3", None),
+                                        ("3x1", None), ("3x2", "0")])
+def test_logical_grid_on_shared_memory(grid, small):
+    """small="0": every size takes the three-phase path, also the tiny counts that leave some ranks no slice."""
     x, y = (int(v) for v in grid.split("x"))
-    assert multiproc.run(x * y, _grid_body, env={"SHMCOMM_TORUS_GRID": grid}, timeout=180) == [True] * (x * y)
+    env = {"SHMCOMM_TORUS_GRID": grid}
+    if small is not None:
+        env["SHMCOMM_TORUS_SMALL_BYTES"] = small
+    assert multiproc.run(x * y, _grid_body, env=env, timeout=180) == [True] * (x * y)
 
 
 def test_grid_that_does_not_fit_is_refused():

@@ -18,15 +18,30 @@ from shmcomm.algorithms import shares
 
 
 class Torus:
-    """Steps 1-3 over a row communicator (shared memory) and a column allreduce (shared memory or MPI)."""
+    """Steps 1-3 over a row communicator (shared memory) and a column allreduce (shared memory or MPI).
 
-    def __init__(self, row, column_allreduce):
+    Up to `small_bytes` the cost is latency, not bandwidth: the row then allreduces the whole buffer in one
+    shared-memory step, the first column (one rank per host) allreduces all of it (`column_small`), and the row
+    takes the result from its first rank. A single exchange per host pair crosses the network, not X of them
+    competing for the host's cores and NIC for no gain in a message this small."""
+
+    def __init__(self, row, column_allreduce, column_small=None, small_bytes=0):
         self.row = row
         self.column_allreduce = column_allreduce  # fn(slice_array, code, op, postscale, divisor), in place
+        self.column_small = column_small or column_allreduce
+        self.small_bytes = small_bytes
         self._scratch = np.empty(0, dtype=np.uint8)
 
     def allreduce(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what):
         row = self.row
+        if count * esize <= self.small_bytes:
+            host_ops.allreduce_raw(row, src_ptr, count, code, op, prescale, 1.0, what, divisor=1, dst_ptr=dst_ptr)
+            if row.rank == 0:
+                self.column_small(np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8), code, op,
+                                  postscale, divisor)
+            if row.size > 1:
+                host_ops.broadcast_raw(row, dst_ptr, count * esize, 0, what)
+            return
         counts = shares(count, row.size)
         mine = counts[row.rank]
         if self._scratch.nbytes < mine * esize:
@@ -53,4 +68,15 @@ def mpi_column(mpi_comm):
 
     def run(piece, code, op, postscale, divisor):
         ring_allreduce(mpi_comm, piece, code, op, 1.0, postscale, divisor)
+    return run
+
+
+def mpi_column_small(mpi_comm):
+    """A column across hosts for small buffers: the MPI library's own allreduce (recursive doubling: log2(Y)
+    exchanges where a ring takes 2(Y-1))."""
+    from shmcomm.algorithms.mpi_native import mpi_allreduce
+
+    def run(piece, code, op, postscale, divisor):
+        if piece.nbytes:
+            mpi_allreduce(mpi_comm, piece, code, op, 1.0, postscale, divisor)
     return run

@@ -59,8 +59,8 @@ class Engine:
         self._fatal = None
         self._cycle = 0
         self._last_start = 0.0
-        self._busy = False        # the last cycle ran something: more usually follows, so do not sleep
-        self._anything_pending = True  # some rank had requests pending in the last cycle
+        self._waited = False      # a caller of this rank waits for a request still pending
+        self._someone_waits = True  # some rank's caller waited in the last cycle: cycle on until it is served
         self._someone_joined = False   # some rank has called join() and submits nothing: wake it for every request
         # Bucketing: queued requests wait until a caller waits for one (or polls), until SHMCOMM_BUCKET_BYTES have
         # gathered, or until the cycle timer fires. Gradients then travel in a few fused allreduces per step instead
@@ -146,16 +146,17 @@ class Engine:
         """Sleeps on the doorbell until the cycle time is up or a request is queued on any rank of the host."""
         seen = self.comm.doorbell()  # read first: a ring after this point ends the sleep at once
         with self._cond:
-            idle = not self._flush and not self._stopping and not self._busy
-        # When no rank had anything pending, nothing can happen until a caller waits, which rings the doorbell: sleep
-        # long instead of negotiating nothing a thousand times a second. Across hosts the doorbell does not reach the
-        # other hosts' engines, so the cycle time stays the bound there.
-        period = self.cycle_s if (self._anything_pending or not self.comm.doorbell_reaches_all) else _IDLE_SLEEP_S
+            idle = not self._flush and not self._stopping
+        # While no caller waits, nothing needs to happen until one does, which rings the doorbell: sleep long instead
+        # of negotiating half-submitted steps a thousand times a second, on the cores the training needs. Across
+        # hosts the doorbell does not reach the other hosts' engines, so the cycle time stays the bound there.
+        period = self.cycle_s if (self._someone_waits or not self.comm.doorbell_reaches_all) else _IDLE_SLEEP_S
         left = period - (time.monotonic() - started)
         if idle and left > 0:
             self.comm.wait_doorbell(seen, left)
         with self._cond:
             queued, self._queue = self._queue, []
+            self._waited = self._waited or self._flush
             self._flush, self._unflushed_bytes = False, 0
             return queued, self._stopping, self._join
 
@@ -168,7 +169,7 @@ class Engine:
         self.timeline.cycle()
         if join is not None and self._join_cycle == 0:
             self._join_cycle = self._cycle
-        flags = {"shutdown": stopping, "join": self._join_cycle}
+        flags = {"shutdown": stopping, "join": self._join_cycle, "waits": self._waited}
         self.comm.set_spin(_NEGOTIATION_SPIN_US)
         try:
             everyone = self.negotiator.exchange([(name, sig) for name, (_, sig) in self._pending.items()], flags)
@@ -180,12 +181,11 @@ class Engine:
             return False
         joined = {r: f["join"] for r, (_, f) in enumerate(everyone) if f["join"]}
         self._someone_joined = bool(joined)
-        responses, waiting = self.negotiator.agree(everyone, joined)
-        # The same verdict on every rank. Requests that wait for a slower rank do not count: cycling flat out while a
-        # peer computes would take the core that peer needs.
-        self._busy = bool(responses)
-        self._anything_pending = any(entries for entries, _ in everyone)
-        self._execute(responses)
+        plan, waiting = self.negotiator.agree(everyone, joined)
+        self._execute(plan)
+        # The same on every rank: cycling while nobody waits would take the core a peer computes on.
+        self._someone_waits = any(f["waits"] for _, f in everyone)
+        self._waited = self._waited and bool(self._pending)
         for name, message in self.stall.check(waiting).items():
             self._complete(name, error=ShmCommError(message))
         if len(joined) == self.comm.size:
@@ -203,26 +203,37 @@ class Engine:
                                 leaving[0])
         self._fail_everything(error)
 
-    def _execute(self, responses):
+    def _execute(self, plan):
+        if plan.steps is None:
+            plan.steps = self._steps(plan.responses)
         me = self.comm.topology.rank
-        run = []
+        for kind, item in plan.steps:
+            if kind == "fused":
+                self._execute_allreduces(item)
+            elif me not in members_of(item.sig[1], self.comm.size):
+                continue
+            elif kind == "error":
+                from shmcomm.exceptions import MismatchError
+
+                self._complete(item.name, error=MismatchError(item.error))
+            else:
+                self._run_one(item.name)
+
+    def _steps(self, responses):
+        """[("fused", fusion groups) | ("error", response) | ("one", response)] in response order. Groups come from
+        the full, identical-everywhere list; a group belongs to one process set, so each rank then runs exactly the
+        groups of its sets, in the same order as the other members."""
+        steps, run = [], []
         for resp in responses + [None]:
             if resp is not None and resp.error is None and resp.sig[0] == "allreduce":
                 run.append(resp)
                 continue
             if run:
-                self._execute_allreduces(run)
+                steps.append(("fused", fusion.groups(run, max(self.fusion_threshold, 1), lib.smc_dtype_size)))
                 run = []
-            if resp is None:
-                break
-            if me not in members_of(resp.sig[1], self.comm.size):
-                continue
-            if resp.error is not None:
-                from shmcomm.exceptions import MismatchError
-
-                self._complete(resp.name, error=MismatchError(resp.error))
-                continue
-            self._run_one(resp.name)
+            if resp is not None:
+                steps.append(("error" if resp.error is not None else "one", resp))
+        return steps
 
     def _run_one(self, name):
         req, _ = self._pending[name]
@@ -239,11 +250,9 @@ class Engine:
         self.timeline.end([name], req.kind.upper())
         self._complete(name, result=result)
 
-    def _execute_allreduces(self, responses):
+    def _execute_allreduces(self, groups):
         me = self.comm.topology.rank
-        # Groups come from the full, identical-everywhere list; a group belongs to one process set, so each rank then
-        # runs exactly the groups of its sets, in the same order as the other members.
-        for group in fusion.groups(responses, max(self.fusion_threshold, 1), lambda code: lib.smc_dtype_size(code)):
+        for group in groups:
             if me not in members_of(group[0].sig[1], self.comm.size):
                 continue
             if len(group) == 1 and not group[0].joined and group[0].name in self._pending:

@@ -17,7 +17,7 @@ from typing import List, NamedTuple, Tuple
 
 import numpy as np
 
-ALGORITHMS = ("ring", "torus", "hierarchical", "star")
+ALGORITHMS = ("ring", "torus", "torus-small", "hierarchical", "star")
 TERMS = ("alpha_intra", "beta_intra", "alpha_inter", "beta_inter", "gamma")
 
 
@@ -155,6 +155,27 @@ def _torus(machine: Machine, nbytes: float, grid=None):
     return coefficients, (row_inter + column_inter).max()
 
 
+# The torus's path for small messages (shmcomm takes it up to SHMCOMM_TORUS_SMALL_BYTES): the row allreduces all
+# M bytes in one shared-memory step, one rank per host allreduces them across hosts by recursive doubling (MPI's
+# algorithm for short messages: log2(H) exchanges, two more when H is not a power of two), and the row takes the
+# result from it in one more step:
+#   T = 2 alpha_h + 2M beta_h + s (alpha_v + M beta_v) + (L - 1 + s) M gamma,  s = the exchanges across hosts.
+def _torus_small(machine: Machine, nbytes: float):
+    local, hosts = machine.local, machine.hosts
+    exchanges = _doubling_steps(hosts)
+    coefficients = np.array([0.0, 0.0, float(exchanges), exchanges * nbytes, (local - 1 + exchanges) * nbytes])
+    if local > 1:
+        coefficients[:2] += [2.0, 2 * nbytes]
+    return coefficients, exchanges * nbytes
+
+
+def _doubling_steps(n: int) -> int:
+    if n <= 1:
+        return 0
+    power = n.bit_length() - 1
+    return power if n == 1 << power else power + 2
+
+
 # Hierarchical: reduce to one root per host, ring all-reduce across the H roots, broadcast inside the host.
 # Reduce and broadcast are pipelined chains: L-1 hops of latency and M bytes streamed once (fill time left out):
 #   T = 2(L-1) alpha_h + 2M beta_h + M gamma + 2(H-1)(alpha_v + M/H beta_v) + (H-1)/H M gamma.
@@ -196,7 +217,8 @@ def parse_algorithm(label: str):
     else:
         if name in ALGORITHMS and not argument:
             return name, None, None
-    raise ValueError("unknown algorithm %r: use one of ring, torus, torus XxY, hierarchical, star, star K" % label)
+    raise ValueError("unknown algorithm %r: use one of ring, torus, torus XxY, torus-small, hierarchical, star, star K"
+                     % label)
 
 
 def cost_terms(algorithm: str, machine: Machine, nbytes: float, grid=None, servers: int = 1):
@@ -206,19 +228,24 @@ def cost_terms(algorithm: str, machine: Machine, nbytes: float, grid=None, serve
         return _ring(machine, nbytes)
     if name == "torus":
         return _torus(machine, nbytes, grid or label_grid)
+    if name == "torus-small":
+        return _torus_small(machine, nbytes)
     if name == "hierarchical":
         return _hierarchical(machine, nbytes)
     return _star(machine, nbytes, servers if label_servers is None else label_servers)
 
 
 def steps(algorithm: str, machine: Machine, grid=None) -> int:
-    """Latency steps: ring 2(N-1), torus 2(X-1)+2(Y-1), hierarchical 2(L-1)+2(H-1), star 2 (push, pull)."""
+    """Latency steps: ring 2(N-1), torus 2(X-1)+2(Y-1), torus-small 2 + log2(H) (+2 when H is not a power of two),
+    hierarchical 2(L-1)+2(H-1), star 2 (push, pull)."""
     name, label_grid, _ = parse_algorithm(algorithm)
     if name == "ring":
         return 2 * (machine.ranks - 1)
     if name == "torus":
         columns, rows = _check_grid(machine, grid or label_grid)
         return 2 * (columns - 1) + 2 * (rows - 1)
+    if name == "torus-small":
+        return (2 if machine.local > 1 else 0) + _doubling_steps(machine.hosts)
     if name == "hierarchical":
         return 2 * (machine.local - 1) + 2 * (machine.hosts - 1)
     return 2
@@ -254,11 +281,12 @@ def best_grid(machine: Machine, nbytes: float) -> Tuple[int, int]:
 
 
 def predict(machine: Machine, nbytes: float, grid=None, servers: int = 1) -> List[Prediction]:
-    """Ring, torus on the default grid, torus on the best grid (and on `grid`), hierarchical, star."""
+    """Ring, torus on the default grid, torus on the best grid (and on `grid`), the torus's small-message path,
+    hierarchical, star."""
     grids = [default_grid(machine), best_grid(machine, nbytes)]
     if grid is not None:
         grids.append(_check_grid(machine, grid))
-    labels = ["ring"] + ["torus %dx%d" % g for g in dict.fromkeys(grids)] + ["hierarchical"]
+    labels = ["ring"] + ["torus %dx%d" % g for g in dict.fromkeys(grids)] + ["torus-small", "hierarchical"]
     labels.append("star" if servers == 1 else "star %d" % servers)
     predictions = []
     for label in labels:
