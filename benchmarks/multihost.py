@@ -138,7 +138,9 @@ def main():
         sys.stderr.write(run.stdout + run.stderr)
         raise SystemExit("the job failed")
     results = [json.loads(line.split(TAG, 1)[1]) for line in run.stdout.splitlines() if TAG in line]
-    small_bytes = int(env.get("SHMCOMM_TORUS_SMALL_BYTES", 64 << 10))  # the torus's default: the row's one-step size
+    from shmcomm.jobs import torus_small_bytes
+
+    small_bytes = torus_small_bytes(env)
     print("# %s | %s | %d hosts x %d ranks, links %s, MPI settings %s" % (
         " ".join(["python -m benchmarks.multihost"] + sys.argv[1:]), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         args.hosts, args.ranks_per_host, args.rate or "unshaped", " ".join("%s=%s" % kv for kv in env.items())))

@@ -39,7 +39,7 @@ class GridComm:
         if self.algorithm in ("ring", "mpi") and mpi is None:
             raise ValueError("SHMCOMM_ALLREDUCE_ALGO=%s needs a job launched across hosts" % self.algorithm)
         self.handle = host.handle       # for code that asks the host communicator directly (spin, boxes)
-        self.torus_min_bytes = int(os.environ.get("SHMCOMM_TORUS_MIN_BYTES", 64 << 10))
+        self.torus_min_bytes = int(os.environ.get("SHMCOMM_TORUS_MIN_BYTES", 16 << 10))
         self.closables = []
 
     def _choose(self, nbytes):

@@ -200,7 +200,7 @@ def alltoall(comm, x, splits, what):
 
 # The engine's negotiation messages are usually a few hundred bytes: each rank sends a fixed block (its length, then
 # the start of its message) so one exchange settles the common case; longer messages send their rest in a second.
-_BYTES_BLOCK = 2048
+_BYTES_BLOCK = 4096
 
 
 def allgather_bytes(comm, payload):

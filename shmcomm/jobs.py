@@ -16,9 +16,13 @@ def _grid_text():
     return os.environ.get("SHMCOMM_TORUS_GRID") or os.environ.get("HOROVOD_TORUS_GRID")
 
 
-def _torus_small_bytes(tuning):
-    """Up to this size the torus takes its two-step path (see torus2d.Torus): the row's one-step size by default."""
-    return int(os.environ.get("SHMCOMM_TORUS_SMALL_BYTES") or tuning.small_bytes)
+TORUS_SMALL_BYTES = 256 << 10
+
+
+def torus_small_bytes(environ=os.environ):
+    """Up to this size the torus takes its small-message path (see torus2d.Torus)."""
+    return int(environ.get("SHMCOMM_TORUS_SMALL_BYTES") or environ.get("HOROVOD_TORUS_SMALL_BYTES")
+               or TORUS_SMALL_BYTES)
 
 
 def build_world(generation):
@@ -42,7 +46,7 @@ def _logical_grid(topo, tuning, generation, host, x, y):
                        suffix="_r%d" % row_index)
     column = Communicator(topo, tuning, generation, ranks=[j * x + column_index for j in range(y)],
                           suffix="_c%d" % column_index)
-    world = GridComm(topo, tuning, host, Torus(row, smb_column(column), small_bytes=_torus_small_bytes(tuning)),
+    world = GridComm(topo, tuning, host, Torus(row, smb_column(column), small_bytes=torus_small_bytes()),
                      host_groups=[list(range(topo.size))])
     world.closables = [row, column]
     return world
@@ -64,6 +68,6 @@ def _across_hosts(generation):
         if x != topo.local_size or not ctx.homogeneous:
             raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
                              % (grid, topo.local_size))
-    torus = Torus(host, mpi_column(ctx.cross), mpi_column_small(ctx.cross), _torus_small_bytes(tuning)) \
+    torus = Torus(host, mpi_column(ctx.cross), mpi_column_small(ctx.cross), torus_small_bytes()) \
         if ctx.homogeneous else None
     return GridComm(topo, tuning, host, torus, mpi=ctx.world, host_groups=ctx.world.allgather(ctx.host_ranks))

@@ -3,6 +3,8 @@
 
 MPI has no 16-bit float reductions, so float16 and bfloat16 are widened to float32 for the reduction and rounded
 back once. Scale factors use the core's kernels, so they follow the same rules as everywhere else."""
+import functools
+
 import numpy as np
 
 from shmcomm import dtypes, host_ops, ops
@@ -13,6 +15,7 @@ _NUMPY_OF = {lib.SMC_FLOAT32: np.float32, lib.SMC_FLOAT64: np.float64, lib.SMC_I
              lib.SMC_UINT8: np.uint8, lib.SMC_INT16: np.int16, lib.SMC_INT32: np.int32, lib.SMC_INT64: np.int64}
 
 
+@functools.lru_cache(maxsize=None)
 def _mpi_op(op):
     from mpi4py import MPI
 
@@ -43,16 +46,19 @@ def mpi_allreduce(mpi, raw, code, op, prescale, postscale, divisor):
     """In place on the uint8 array `raw` holding elements of type `code`."""
     from mpi4py import MPI
 
-    base = ffi.from_buffer(raw)
-    count = raw.nbytes // host_ops.itemsize(code)
-    host_ops.scale_raw(base, count, code, prescale, 1)
+    scaled = prescale != 1.0 or postscale != 1.0 or divisor != 1  # the usual case is a plain sum: no extra calls
+    if scaled:
+        base = ffi.from_buffer(raw)
+        count = raw.nbytes // host_ops.itemsize(code)
+        host_ops.scale_raw(base, count, code, prescale, 1)
     if code in (lib.SMC_FLOAT16, lib.SMC_BFLOAT16):
         wide = _widened(raw, code)
         mpi.Allreduce(MPI.IN_PLACE, wide, op=_mpi_op(op))
         _narrow_into(raw, wide, code)
     else:
         mpi.Allreduce(MPI.IN_PLACE, raw.view(_NUMPY_OF[code]), op=_mpi_op(op))
-    host_ops.scale_raw(base, count, code, postscale, divisor)
+    if scaled:
+        host_ops.scale_raw(base, count, code, postscale, divisor)
 
 
 def _bytes_of(buf):

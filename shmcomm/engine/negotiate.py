@@ -67,6 +67,12 @@ class Response:
         self.joined = joined      # ranks that contribute zeros (they called join())
 
 
+def _split(blob):
+    """A rank's message -> (its pending list as sent, its flags as sent)."""
+    end = 4 + int.from_bytes(blob[:4], "little")
+    return blob[4:end], blob[end:]
+
+
 class Plan:
     """A cycle's verdict: the agreed responses, in order, and what the engine derives from them (`steps`, filled in
     by the engine). Reused while the ranks keep sending the same message."""
@@ -85,24 +91,23 @@ class Negotiator:
         self.capacity = cache_capacity
         self.ids = {}     # (name, sig) -> cache id
         self.entries = []  # cache id -> (name, sig)
-        self.plans = {}   # message -> Plan, for messages made only of cache ids
-        self._uniform = None  # this cycle's message, when every rank sent exactly it and it holds only cache ids
+        self.plans = {}   # pending list as sent -> Plan, for lists made only of cache ids
+        self._uniform = None  # this cycle's pending list as sent, when every rank sent it and it holds only cache ids
 
     def exchange(self, pending, flags):
         """Publishes [(name, sig)] and a flags dict; returns every rank's (entries, flags)."""
-        wire = [self.ids.get(item, item) for item in pending]
-        blob = pickle.dumps((wire, flags), protocol=pickle.HIGHEST_PROTOCOL)
-        gathered = self.comm.allgather_bytes(blob)
+        ids = [self.ids.get(item, item) for item in pending]
+        wire = pickle.dumps(ids, protocol=pickle.HIGHEST_PROTOCOL)
+        gathered = self.comm.allgather_bytes(len(wire).to_bytes(4, "little") + wire +
+                                             pickle.dumps(flags, protocol=pickle.HIGHEST_PROTOCOL))
+        split = [_split(blob) for blob in gathered]
         self._uniform = None
-        if all(b == blob for b in gathered):
-            if all(isinstance(w, int) for w in wire):
-                self._uniform = blob
-            return [(pending, flags)] * len(gathered)
-        result = []
-        for blob in gathered:
-            wire, peer_flags = pickle.loads(blob)
-            result.append(([self.entries[w] if isinstance(w, int) else w for w in wire], peer_flags))
-        return result
+        if all(peer_wire == wire for peer_wire, _ in split):  # the steady state: only the flags need decoding
+            if all(isinstance(i, int) for i in ids):
+                self._uniform = wire
+            return [(pending, pickle.loads(peer_flags)) for _, peer_flags in split]
+        return [([self.entries[w] if isinstance(w, int) else w for w in pickle.loads(peer_wire)],
+                 pickle.loads(peer_flags)) for peer_wire, peer_flags in split]
 
     def agree(self, everyone, joined):
         """A Plan whose responses are in the same order on every rank, and {name: (first_submitters, missing ranks)}
