@@ -34,7 +34,7 @@ def worker(sizes, iters, warmup):
 
     shmcomm.init()
     world, mpi = basics.communicator(), MPI.COMM_WORLD
-    names = ("torus", "ring", "mpi library")
+    names = ("torus", "ring", "auto", "mpi library")  # auto: what shmcomm picks by default for the size
     for size in sizes:
         x = np.ones(max(1, size // 4), dtype=np.float32)
 
@@ -52,7 +52,7 @@ def worker(sizes, iters, warmup):
         count = iters if size >= SMALL_SIZE else max(iters, SMALL_ITERS)
         times = {name: [] for name in names}
         for i in range(count):
-            for name in names[i % 3:] + names[:i % 3]:
+            for name in names[i % len(names):] + names[:i % len(names)]:
                 mpi.Barrier()
                 t = time.perf_counter()
                 call(name)
@@ -145,10 +145,12 @@ def main():
         " ".join(["python -m benchmarks.multihost"] + sys.argv[1:]), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         args.hosts, args.ranks_per_host, args.rate or "unshaped", " ".join("%s=%s" % kv for kv in env.items())))
     by = {(r["algorithm"], r["bytes"]): r["median_s"] for r in results}
-    print("%12s %12s %12s %12s %10s %10s" % ("bytes", "torus (ms)", "ring (ms)", "MPI (ms)", "MPI/torus", "ring/torus"))
+    print("%12s %12s %12s %12s %12s %10s %10s %10s" % ("bytes", "torus (ms)", "ring (ms)", "auto (ms)", "MPI (ms)",
+                                                       "MPI/torus", "ring/torus", "MPI/auto"))
     for size in sizes:
-        t, r, m = by[("torus", size)], by[("ring", size)], by[("mpi library", size)]
-        print("%12d %12.3f %12.3f %12.3f %10.2f %10.2f" % (size, t * 1e3, r * 1e3, m * 1e3, m / t, r / t))
+        t, r, a, m = (by[(name, size)] for name in ("torus", "ring", "auto", "mpi library"))
+        print("%12d %12.3f %12.3f %12.3f %12.3f %10.2f %10.2f %10.2f" % (size, t * 1e3, r * 1e3, a * 1e3, m * 1e3, m / t,
+                                                                     r / t, m / a))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hosts": args.hosts, "local": args.ranks_per_host, "rate": args.rate, "results": results,

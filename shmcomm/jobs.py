@@ -46,7 +46,7 @@ def _logical_grid(topo, tuning, generation, host, x, y):
                        suffix="_r%d" % row_index)
     column = Communicator(topo, tuning, generation, ranks=[j * x + column_index for j in range(y)],
                           suffix="_c%d" % column_index)
-    world = GridComm(topo, tuning, host, Torus(row, smb_column(column), small_bytes=torus_small_bytes()),
+    world = GridComm(topo, tuning, host, Torus(row, *smb_column(column), small_bytes=torus_small_bytes()),
                      host_groups=[list(range(topo.size))])
     world.closables = [row, column]
     return world

@@ -16,10 +16,15 @@ _NUMPY_OF = {lib.SMC_FLOAT32: np.float32, lib.SMC_FLOAT64: np.float64, lib.SMC_I
 
 
 @functools.lru_cache(maxsize=None)
-def _mpi_op(op):
+def mpi_op(op):
     from mpi4py import MPI
 
     return {ops.Average: MPI.SUM, ops.Sum: MPI.SUM, ops.Min: MPI.MIN, ops.Max: MPI.MAX, ops.Product: MPI.PROD}[op]
+
+
+def numpy_type(code):
+    """The numpy type MPI reduces elements of type `code` as, or None (the 16-bit floats, which MPI lacks)."""
+    return _NUMPY_OF.get(code)
 
 
 def _widened(raw, code):
@@ -53,10 +58,10 @@ def mpi_allreduce(mpi, raw, code, op, prescale, postscale, divisor):
         host_ops.scale_raw(base, count, code, prescale, 1)
     if code in (lib.SMC_FLOAT16, lib.SMC_BFLOAT16):
         wide = _widened(raw, code)
-        mpi.Allreduce(MPI.IN_PLACE, wide, op=_mpi_op(op))
+        mpi.Allreduce(MPI.IN_PLACE, wide, op=mpi_op(op))
         _narrow_into(raw, wide, code)
     else:
-        mpi.Allreduce(MPI.IN_PLACE, raw.view(_NUMPY_OF[code]), op=_mpi_op(op))
+        mpi.Allreduce(MPI.IN_PLACE, raw.view(_NUMPY_OF[code]), op=mpi_op(op))
     if scaled:
         host_ops.scale_raw(base, count, code, postscale, divisor)
 

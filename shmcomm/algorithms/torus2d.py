@@ -12,9 +12,11 @@ prescale in step 1, the postscale and the average's divisor on the slice in step
 give the first (count % X) ranks of a row one element more."""
 import numpy as np
 
-from shmcomm import host_ops
-from shmcomm._native import ffi
+from shmcomm import host_ops, ops
+from shmcomm._native import error_for, ffi, lib
 from shmcomm.algorithms import shares
+
+_C_OP = {int(k): v for k, v in ops.C_OP.items()}
 
 
 class Torus:
@@ -25,22 +27,26 @@ class Torus:
     takes the result from its first rank. A single exchange per host pair crosses the network, not X of them
     competing for the host's cores and NIC for no gain in a message this small."""
 
-    def __init__(self, row, column_allreduce, column_small=None, small_bytes=0):
+    def __init__(self, row, column_allreduce, column_small, small_bytes=0):
         self.row = row
         self.column_allreduce = column_allreduce  # fn(slice_array, code, op, postscale, divisor), in place
-        self.column_small = column_small or column_allreduce
+        self.column_small = column_small          # fn(ptr, nbytes, code, op, postscale, divisor), in place
         self.small_bytes = small_bytes
         self._scratch = np.empty(0, dtype=np.uint8)
 
     def allreduce(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what):
         row = self.row
-        if count * esize <= self.small_bytes:
-            host_ops.allreduce_raw(row, src_ptr, count, code, op, prescale, 1.0, what, divisor=1, dst_ptr=dst_ptr)
-            if row.rank == 0:
-                self.column_small(np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8), code, op,
-                                  postscale, divisor)
-            if row.size > 1:
-                host_ops.broadcast_raw(row, dst_ptr, count * esize, 0, what)
+        nbytes = count * esize
+        if nbytes <= self.small_bytes:
+            # Latency-bound: straight to the core and to MPI, every Python layer here costs microseconds. The tags
+            # only need to be equal on every rank of the row.
+            rc = lib.smc_allreduce(row.handle, src_ptr, dst_ptr, count, code, _C_OP[op], prescale, 1.0, 1, count)
+            if rc == 0 and row.rank == 0:
+                self.column_small(dst_ptr, nbytes, code, op, postscale, divisor)
+            if rc == 0 and row.size > 1:
+                rc = lib.smc_broadcast(row.handle, dst_ptr, dst_ptr, nbytes, 0, nbytes)
+            if rc != 0:
+                raise error_for(rc, what)
             return
         counts = shares(count, row.size)
         mine = counts[row.rank]
@@ -54,12 +60,14 @@ class Torus:
 
 
 def smb_column(column):
-    """A column on shared memory (a logical grid on one host)."""
+    """A column on shared memory (a logical grid on one host): fn(slice_array, ...), the big path's column."""
     def run(piece, code, op, postscale, divisor):
-        esize = host_ops.itemsize(code)
-        host_ops.allreduce_raw(column, ffi.from_buffer(piece), piece.nbytes // esize, code, op, 1.0, postscale,
+        run_small(ffi.from_buffer(piece), piece.nbytes, code, op, postscale, divisor)
+
+    def run_small(ptr, nbytes, code, op, postscale, divisor):
+        host_ops.allreduce_raw(column, ptr, nbytes // host_ops.itemsize(code), code, op, 1.0, postscale,
                                "torus column", divisor=divisor)
-    return run
+    return run, run_small
 
 
 def mpi_column(mpi_comm):
@@ -73,10 +81,16 @@ def mpi_column(mpi_comm):
 
 def mpi_column_small(mpi_comm):
     """A column across hosts for small buffers: the MPI library's own allreduce (recursive doubling: log2(Y)
-    exchanges where a ring takes 2(Y-1))."""
-    from shmcomm.algorithms.mpi_native import mpi_allreduce
+    exchanges where a ring takes 2(Y-1)), called directly when MPI reduces the type itself and nothing is scaled."""
+    from mpi4py import MPI
 
-    def run(piece, code, op, postscale, divisor):
-        if piece.nbytes:
-            mpi_allreduce(mpi_comm, piece, code, op, 1.0, postscale, divisor)
+    from shmcomm.algorithms.mpi_native import mpi_allreduce, mpi_op, numpy_type
+
+    def run(ptr, nbytes, code, op, postscale, divisor):
+        kind = numpy_type(code)
+        if kind is not None and postscale == 1.0 and divisor == 1:
+            mpi_comm.Allreduce(MPI.IN_PLACE, np.frombuffer(ffi.buffer(ptr, nbytes), dtype=kind), op=mpi_op(op))
+        elif nbytes:
+            mpi_allreduce(mpi_comm, np.frombuffer(ffi.buffer(ptr, nbytes), dtype=np.uint8), code, op, 1.0, postscale,
+                          divisor)
     return run
