@@ -63,8 +63,8 @@ class Engine:
         self._someone_waits = True  # some rank's caller waited in the last cycle: cycle on until it is served
         self._someone_joined = False   # some rank has called join() and submits nothing: wake it for every request
         # Bucketing: queued requests wait until a caller waits for one (or polls), until SHMCOMM_BUCKET_BYTES have
-        # gathered, or until the cycle timer fires. Gradients then travel in a few fused allreduces per step instead
-        # of one negotiation per gradient, each of which would take every rank's core away from its computation.
+        # gathered, or until the idle timer (0.1 s) fires. Gradients then travel in a few fused allreduces per step
+        # instead of one negotiation per gradient, each of which would take every rank's core from its computation.
         self.bucket_bytes = _setting("BUCKET_BYTES", 25 << 20, int)
         self._unflushed_bytes = 0
         self._flush = False
