@@ -79,13 +79,12 @@ def allreduce(comm, x, output, op, prescale, postscale, what):
     return out
 
 
-def allreduce_raw(comm, ptr, count, code, op, prescale, postscale, what, divisor=None, dst_ptr=None):
-    """Allreduce of `count` elements of type `code` at `ptr` (the engine's fusion buffer, a torus slice), in place
-    unless dst_ptr is given. The divisor defaults to the communicator's size for Average."""
+def allreduce_raw(comm, ptr, count, code, op, prescale, postscale, what, divisor=None):
+    """In-place allreduce of `count` elements of type `code` at `ptr` (the engine's fusion buffer, a torus slice).
+    The divisor defaults to the communicator's size for Average."""
     if divisor is None:
         divisor = comm.size if op == ops.Average else 1
-    rc = lib.smc_allreduce(comm.handle, ptr, ptr if dst_ptr is None else dst_ptr, count, code, _C_OP[op], prescale,
-                           postscale, divisor,
+    rc = lib.smc_allreduce(comm.handle, ptr, ptr, count, code, _C_OP[op], prescale, postscale, divisor,
                            hash((code, count)) & _MASK)
     if rc != 0:
         raise error_for(rc, what)
@@ -95,20 +94,6 @@ def reducescatter_raw(comm, src_ptr, dst_ptr, counts, code, op, prescale, postsc
     """Elements [sum(counts[:r]), +counts[r]) of the reduction land at dst_ptr on rank r (the torus's row phase)."""
     rc = lib.smc_reducescatter(comm.handle, src_ptr, dst_ptr, ffi.new("uint64_t[]", counts), code, _C_OP[op],
                                prescale, postscale, divisor, hash((code,) + tuple(counts)) & _MASK)
-    if rc != 0:
-        raise error_for(rc, what)
-
-
-def allgatherv_raw(comm, src_ptr, send_bytes, dst_ptr, recv_bytes, what):
-    """Rank r's send_bytes land at offset sum(recv_bytes[:r]) of dst_ptr on every rank."""
-    rc = lib.smc_allgatherv(comm.handle, src_ptr, send_bytes, dst_ptr, ffi.new("uint64_t[]", recv_bytes), 0)
-    if rc != 0:
-        raise error_for(rc, what)
-
-
-def broadcast_raw(comm, ptr, nbytes, root, what):
-    """`nbytes` at `ptr` on `root` (an index in the communicator) land at `ptr` everywhere."""
-    rc = lib.smc_broadcast(comm.handle, ptr, ptr, nbytes, root, nbytes)  # the tag: an int, hashed alike everywhere
     if rc != 0:
         raise error_for(rc, what)
 

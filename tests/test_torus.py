@@ -7,7 +7,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
+import numpy as np
 import pytest
 
 import multiproc
@@ -59,6 +61,47 @@ def test_logical_grid_on_shared_memory(grid, small):
     if small is not None:
         env["SHMCOMM_TORUS_SMALL_BYTES"] = small
     assert multiproc.run(x * y, _grid_body, env=env, timeout=180) == [True] * (x * y)
+
+
+def _column_failure(small):
+    import shmcomm
+    from shmcomm import basics
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    torus = basics.communicator().torus
+    count = 10 if small else 100_000  # the small path's leader-only column, or every rank's column slice
+
+    def broken(*_):
+        raise RuntimeError("link down")
+    failing = (me % 2 == 0)  # column 0: the rows' first ranks, which alone cross columns on the small path
+    working = torus.column_small, torus.column_allreduce
+    if failing:
+        torus.column_small = torus.column_allreduce = broken
+    start = time.monotonic()
+    with pytest.raises((RuntimeError, shmcomm.ShmCommError)) as info:
+        shmcomm.allreduce(np.ones(count, np.float32), op=shmcomm.Sum)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    if failing:
+        assert text == "link down"
+    else:
+        assert "the cross-host step failed on " + ("rank %d" % (me - 1) if small else "another rank") in text, text
+    torus.column_small, torus.column_allreduce = working  # repaired: the row and the columns go on
+    return elapsed
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_failed_cross_host_step_is_reported_to_the_whole_row_at_once(small):
+    def body():
+        import shmcomm
+
+        elapsed = _column_failure(small)
+        assert shmcomm.allreduce(np.ones(10, np.float32), op=shmcomm.Sum).tolist() == [4.0] * 10
+        return elapsed
+
+    times = multiproc.run(4, body, env={"SHMCOMM_TORUS_GRID": "2x2", "SHMCOMM_TIMEOUT": "60"})
+    assert max(times) < 10, times  # not the timeout
 
 
 def test_grid_that_does_not_fit_is_refused():

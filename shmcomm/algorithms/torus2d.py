@@ -15,6 +15,7 @@ import numpy as np
 from shmcomm import host_ops, ops
 from shmcomm._native import error_for, ffi, lib
 from shmcomm.algorithms import shares
+from shmcomm.exceptions import ShmCommError
 
 _C_OP = {int(k): v for k, v in ops.C_OP.items()}
 
@@ -41,12 +42,16 @@ class Torus:
             # Latency-bound: straight to the core and to MPI, every Python layer here costs microseconds. The tags
             # only need to be equal on every rank of the row.
             rc = lib.smc_allreduce(row.handle, src_ptr, dst_ptr, count, code, _C_OP[op], prescale, 1.0, 1, count)
-            if rc == 0 and row.rank == 0:
-                self.column_small(dst_ptr, nbytes, code, op, postscale, divisor)
-            if rc == 0 and row.size > 1:
-                rc = lib.smc_broadcast(row.handle, dst_ptr, dst_ptr, nbytes, 0, nbytes)
             if rc != 0:
                 raise error_for(rc, what)
+            failure = None
+            if row.rank == 0:
+                failure = _attempt(self.column_small, dst_ptr, nbytes, code, op, postscale, divisor)
+            if row.size > 1:
+                rc = lib.smc_broadcast(row.handle, dst_ptr, dst_ptr, nbytes, 0, nbytes | (_FAILED if failure else 0))
+                _raise_row_failure(failure, rc, what, "rank %d, the first of this host" % row.ranks[0])
+            if failure is not None:
+                raise failure
             return
         counts = shares(count, row.size)
         mine = counts[row.rank]
@@ -55,8 +60,35 @@ class Torus:
         piece = self._scratch[:mine * esize]
         piece_ptr = ffi.from_buffer(self._scratch)
         host_ops.reducescatter_raw(row, src_ptr, piece_ptr, counts, code, op, prescale, 1.0, 1, what)
-        self.column_allreduce(piece, code, op, postscale, divisor)
-        host_ops.allgatherv_raw(row, piece_ptr, mine * esize, dst_ptr, [c * esize for c in counts], what)
+        failure = _attempt(self.column_allreduce, piece, code, op, postscale, divisor)
+        sizes = ffi.new("uint64_t[]", [c * esize for c in counts])
+        rc = lib.smc_allgatherv(row.handle, piece_ptr, mine * esize, dst_ptr, sizes, _FAILED if failure else 0)
+        _raise_row_failure(failure, rc, what, "another rank of this host")
+        if failure is not None:
+            raise failure
+
+
+# A row step's tag with this bit set says "my cross-host step failed": every rank of the row then sees a mismatch
+# at once, instead of waiting for a result that will not come until the timeout.
+_FAILED = 1 << 63
+
+
+def _attempt(fn, *args):
+    """Runs a cross-host step; returns its exception instead of raising it, so the row can be told first."""
+    try:
+        fn(*args)
+    except BaseException as error:  # KeyboardInterrupt too: the rest of the row must not be left waiting
+        return error
+    return None
+
+
+def _raise_row_failure(failure, rc, what, where):
+    if failure is not None or rc == 0:
+        return
+    if rc == lib.SMC_ERR_MISMATCH:  # the row agreed on the sizes in its first step: only a failure flag differs
+        raise ShmCommError("%s: the cross-host step failed on %s (its own error says why); this allreduce did not "
+                           "complete" % (what, where))
+    raise error_for(rc, what)
 
 
 def smb_column(column):
