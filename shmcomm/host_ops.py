@@ -185,7 +185,7 @@ def alltoall(comm, x, splits, what):
 
 # The engine's negotiation messages are usually a few hundred bytes: each rank sends a fixed block (its length, then
 # the start of its message) so one exchange settles the common case; longer messages send their rest in a second.
-_BYTES_BLOCK = 4096
+_BYTES_BLOCK = 2048  # a few hundred tensors' cache ids
 
 
 def allgather_bytes(comm, payload):

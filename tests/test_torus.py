@@ -63,7 +63,7 @@ def test_logical_grid_on_shared_memory(grid, small):
     assert multiproc.run(x * y, _grid_body, env=env, timeout=180) == [True] * (x * y)
 
 
-def _column_failure(small):
+def _column_failure(small, everyone):
     import shmcomm
     from shmcomm import basics
 
@@ -74,29 +74,32 @@ def _column_failure(small):
 
     def broken(*_):
         raise RuntimeError("link down")
-    failing = (me % 2 == 0)  # column 0: the rows' first ranks, which alone cross columns on the small path
+    # Column 0 (the rows' first ranks, which alone cross on the small path), or every rank (a host-wide failure).
+    failing = everyone or me % 2 == 0
     working = torus.column_small, torus.column_allreduce
     if failing:
         torus.column_small = torus.column_allreduce = broken
+    data = np.arange(count, dtype=np.float32) + me
     start = time.monotonic()
     with pytest.raises((RuntimeError, shmcomm.ShmCommError)) as info:
-        shmcomm.allreduce(np.ones(count, np.float32), op=shmcomm.Sum)
+        shmcomm.allreduce_(data, op=shmcomm.Sum)
     elapsed = time.monotonic() - start
     text = str(info.value)
     if failing:
         assert text == "link down"
     else:
         assert "the cross-host step failed on " + ("rank %d" % (me - 1) if small else "another rank") in text, text
+    assert (data == np.arange(count, dtype=np.float32) + me).all()  # in place, and still the input: nothing lost
     torus.column_small, torus.column_allreduce = working  # repaired: the row and the columns go on
     return elapsed
 
 
-@pytest.mark.parametrize("small", [True, False])
-def test_a_failed_cross_host_step_is_reported_to_the_whole_row_at_once(small):
+@pytest.mark.parametrize("small,everyone", [(True, False), (False, False), (False, True)])
+def test_a_failed_cross_host_step_is_reported_to_the_whole_row_at_once(small, everyone):
     def body():
         import shmcomm
 
-        elapsed = _column_failure(small)
+        elapsed = _column_failure(small, everyone)
         assert shmcomm.allreduce(np.ones(10, np.float32), op=shmcomm.Sum).tolist() == [4.0] * 10
         return elapsed
 

@@ -40,32 +40,42 @@ class Torus:
         nbytes = count * esize
         if nbytes <= self.small_bytes:
             # Latency-bound: straight to the core and to MPI, every Python layer here costs microseconds. The tags
-            # only need to be equal on every rank of the row.
-            rc = lib.smc_allreduce(row.handle, src_ptr, dst_ptr, count, code, _C_OP[op], prescale, 1.0, 1, count)
+            # only need to be equal on every rank of the row. The row's sum goes to scratch, so that a failure
+            # leaves the output (often the input itself) as it was.
+            scratch = self._scratch_ptr(nbytes)
+            rc = lib.smc_allreduce(row.handle, src_ptr, scratch, count, code, _C_OP[op], prescale, 1.0, 1, count)
             if rc != 0:
                 raise error_for(rc, what)
             failure = None
             if row.rank == 0:
-                failure = _attempt(self.column_small, dst_ptr, nbytes, code, op, postscale, divisor)
+                failure = _attempt(self.column_small, scratch, nbytes, code, op, postscale, divisor)
             if row.size > 1:
-                rc = lib.smc_broadcast(row.handle, dst_ptr, dst_ptr, nbytes, 0, nbytes | (_FAILED if failure else 0))
+                rc = lib.smc_broadcast(row.handle, scratch, dst_ptr, nbytes, 0, nbytes | (_FAILED if failure else 0))
                 _raise_row_failure(failure, rc, what, "rank %d, the first of this host" % row.ranks[0])
+            elif failure is None:
+                ffi.memmove(dst_ptr, scratch, nbytes)
             if failure is not None:
                 raise failure
             return
         counts = shares(count, row.size)
         mine = counts[row.rank]
-        if self._scratch.nbytes < mine * esize:
-            self._scratch = np.empty(mine * esize, dtype=np.uint8)
+        piece_ptr = self._scratch_ptr(mine * esize)
         piece = self._scratch[:mine * esize]
-        piece_ptr = ffi.from_buffer(self._scratch)
         host_ops.reducescatter_raw(row, src_ptr, piece_ptr, counts, code, op, prescale, 1.0, 1, what)
         failure = _attempt(self.column_allreduce, piece, code, op, postscale, divisor)
         sizes = ffi.new("uint64_t[]", [c * esize for c in counts])
-        rc = lib.smc_allgatherv(row.handle, piece_ptr, mine * esize, dst_ptr, sizes, _FAILED if failure else 0)
+        # After a failure the slices are not sums: gather them somewhere harmless (the row may all have failed, and
+        # then no mismatch stops the copy).
+        target = dst_ptr if failure is None else ffi.new("char[]", nbytes)
+        rc = lib.smc_allgatherv(row.handle, piece_ptr, mine * esize, target, sizes, _FAILED if failure else 0)
         _raise_row_failure(failure, rc, what, "another rank of this host")
         if failure is not None:
             raise failure
+
+    def _scratch_ptr(self, nbytes):
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, dtype=np.uint8)
+        return ffi.from_buffer(self._scratch)
 
 
 # A row step's tag with this bit set says "my cross-host step failed": every rank of the row then sees a mismatch

@@ -68,6 +68,7 @@ class Engine:
         self.bucket_bytes = _setting("BUCKET_BYTES", 25 << 20, int)
         self._unflushed_bytes = 0
         self._flush = False
+        self._flush_waits = False  # the flush came from a caller that waits, not from a full bucket
         self._noname = collections.defaultdict(itertools.count)
         self._thread = threading.Thread(target=self._run, name="shmcomm-engine", daemon=True)
         self._thread.start()
@@ -103,16 +104,18 @@ class Engine:
             ring = self._unflushed_bytes >= self.bucket_bytes or self._someone_joined
         handle.wake = self.flush
         if ring:
-            self.flush()
+            self.flush(waiting=False)
         if self.timeline.active:
             self.timeline.begin([req.name], "NEGOTIATE_" + req.kind.upper())
         return handle
 
-    def flush(self):
-        """Someone waits for a result: negotiate now. Wakes this rank's engine only (the others wake when their
-        callers wait for the same request), every rank's when a rank has joined and will never wait."""
+    def flush(self, waiting=True):
+        """Someone waits for a result (or a bucket is full): negotiate now. Wakes this rank's engine only (the others
+        wake when their callers wait for the same request), every rank's when a rank has joined and will never wait.
+        Only a waiting caller keeps the engines cycling until it is served."""
         with self._cond:
             self._flush = True
+            self._flush_waits = self._flush_waits or waiting
         self.comm.ring_doorbell(everyone=self._someone_joined)
 
     def join(self):
@@ -156,8 +159,8 @@ class Engine:
             self.comm.wait_doorbell(seen, left)
         with self._cond:
             queued, self._queue = self._queue, []
-            self._waited = self._waited or self._flush
-            self._flush, self._unflushed_bytes = False, 0
+            self._waited = self._waited or self._flush_waits
+            self._flush, self._flush_waits, self._unflushed_bytes = False, False, 0
             return queued, self._stopping, self._join
 
     def _cycle_once(self):
