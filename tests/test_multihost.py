@@ -83,9 +83,11 @@ KILLED = """
 
 
 def test_rank_killed_on_one_host_stops_the_job(two_hosts):
+    before = set(os.listdir("/dev/shm"))
     run = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(KILLED)], timeout=120)
     assert run.returncode != 0
     token = run.stdout.split("token ")[1].split()[0]
     assert not [n for n in os.listdir("/dev/shm") if token in n]
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("mpich_shm_")]  # MPICH's too
 
 

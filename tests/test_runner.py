@@ -317,3 +317,24 @@ def test_tunable_flags_reach_the_ranks_env():
             assert env[f"SHMCOMM_{name}"] == value
             assert env[f"HOROVOD_{name}"] == value
         assert env["SHMCOMM_START_TIMEOUT"] == "20" and env["SHMCOMM_TIMEOUT"] == "40"
+
+
+def test_orphaned_mpi_segments_are_removed_but_not_live_or_older_ones(tmp_path):
+    from shmcomm.runner.cleanup import remove_orphaned_mpi_segments
+
+    shm, proc = tmp_path / "shm", tmp_path / "proc"
+    shm.mkdir()
+    (proc / "123").mkdir(parents=True)
+    older = shm / "mpich_shm_old_0"
+    older.write_bytes(b"x")
+    since = time.time() + 1  # the job started after `older` was made
+    os.utime(older, (since - 100, since - 100))
+    time.sleep(1.1)
+    orphan, live, other = shm / "mpich_shm_dead_0", shm / "mpich_shm_live_0", shm / "shmcomm-notmpi"
+    for f in (orphan, live, other):
+        f.write_bytes(b"x")
+    # A live process maps `live` (as /proc/PID/maps lists it); nothing maps `orphan`.
+    (proc / "123" / "maps").write_text("7f0000000000-7f0000001000 rw-s 00000000 00:1a 42    %s\n"
+                                       "7f0000002000-7f0000003000 rw-p 00000000 00:00 0 \n" % live)
+    assert remove_orphaned_mpi_segments(since, str(shm), str(proc)) == ["mpich_shm_dead_0"]
+    assert sorted(os.listdir(shm)) == ["mpich_shm_live_0", "mpich_shm_old_0", "shmcomm-notmpi"]

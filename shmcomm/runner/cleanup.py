@@ -3,7 +3,9 @@
 
 Ranks normally unlink their segment once everyone has attached, but a rank that dies early (or a job stopped
 before all ranks attached) can leave files in /dev/shm that hold memory until reboot. The launcher calls this
-after every job, whatever its outcome.
+after every job, whatever its outcome. MPICH's own node segments (`mpich_shm_*`) are unlinked only by
+MPI_Finalize, so a killed MPI job leaves them too: after an MPI job the launcher also removes those that appeared
+during the job and that no live process still maps.
 """
 
 import os
@@ -41,4 +43,57 @@ def remove_job_segments(token: str, shm_dir: str = SHM_DIR) -> "list[str]":
         except OSError:
             continue  # not ours to remove after all (a directory, another user's file)
         removed.append(name)
+    return removed
+
+
+MPICH_PREFIX = "mpich_shm_"
+
+
+def _mapped_paths(proc_dir="/proc"):
+    """Every file path some live process of this user maps (what /proc lets us read)."""
+    mapped = set()
+    for pid in os.listdir(proc_dir):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc_dir, pid, "maps")) as maps:
+                for line in maps:
+                    path = line.rstrip("\n").partition("/")[2]  # the fields before the path hold no '/'
+                    if path.endswith(" (deleted)"):
+                        path = path[:-len(" (deleted)")]
+                    if path:
+                        mapped.add("/" + path)
+        except OSError:
+            continue  # gone, or not ours to read
+    return mapped
+
+
+def remove_orphaned_mpi_segments(since: float, shm_dir: str = SHM_DIR, proc_dir: str = "/proc") -> "list[str]":
+    """Removes this user's `mpich_shm_*` files created at or after `since` (a time.time()) that no live process
+    maps, and returns their names. A segment of another job still running is mapped by its ranks and stays."""
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(MPICH_PREFIX)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    candidates = []
+    for name in names:
+        path = os.path.join(shm_dir, name)
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        if info.st_uid == os.getuid() and info.st_ctime >= since:
+            candidates.append(path)
+    if not candidates:
+        return []
+    mapped = _mapped_paths(proc_dir)
+    removed = []
+    for path in sorted(candidates):
+        if path in mapped:
+            continue
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(os.path.basename(path))
     return removed

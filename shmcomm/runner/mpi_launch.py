@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from .cleanup import remove_job_segments
+from .cleanup import remove_job_segments, remove_orphaned_mpi_segments
 from .spawn import FORWARDED_SIGNALS, exit_code_of, say, signal_name
 
 _IDENTITY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
@@ -142,6 +142,7 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
     on to the ranks; a second signal, or hydra still running kill_grace_seconds after the first, kills it."""
     if verbose:
         say("mpiexec command: " + shlex.join(mpiexec_args))
+    started = time.time() - 1.0  # file times have coarse clocks: a margin, not a race
     try:
         # Its own session: a Ctrl-C in the terminal reaches only the launcher, which passes it on once.
         process = subprocess.Popen(mpiexec_args, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -181,7 +182,7 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
         # Ranks unlink their segments once all of them have attached; this removes what a failed job left on
         # this host. Simulated hosts share this host's /dev/shm, so it covers them all. On real hosts each
         # host's ranks unlink their own segments right after attaching; a crash before that leaves files there.
-        removed = remove_job_segments(token)
+        removed = remove_job_segments(token) + remove_orphaned_mpi_segments(started)
         if verbose and removed:
             say(f"removed {len(removed)} shared-memory segment(s) the job left: {', '.join(removed)}")
     if received:
