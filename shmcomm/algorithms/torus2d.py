@@ -17,8 +17,6 @@ from shmcomm._native import error_for, ffi, lib
 from shmcomm.algorithms import shares
 from shmcomm.exceptions import ShmCommError
 
-_C_OP = {int(k): v for k, v in ops.C_OP.items()}
-
 
 class Torus:
     """Steps 1-3 over a row communicator (shared memory) and a column allreduce (shared memory or MPI).
@@ -43,7 +41,7 @@ class Torus:
             # only need to be equal on every rank of the row. The row's sum goes to scratch, so that a failure
             # leaves the output (often the input itself) as it was.
             scratch = self._scratch_ptr(nbytes)
-            rc = lib.smc_allreduce(row.handle, src_ptr, scratch, count, code, _C_OP[op], prescale, 1.0, 1, count)
+            rc = lib.smc_allreduce(row.handle, src_ptr, scratch, count, code, ops.C_OP[op], prescale, 1.0, 1, count)
             if rc != 0:
                 raise error_for(rc, what)
             failure = None

@@ -50,7 +50,7 @@ MPICH_PREFIX = "mpich_shm_"
 
 
 def _mapped_paths(proc_dir="/proc"):
-    """Every file path some live process of this user maps (what /proc lets us read)."""
+    """Every file path a live process maps, among the processes whose maps this one may read (its user's)."""
     mapped = set()
     for pid in os.listdir(proc_dir):
         if not pid.isdigit():
