@@ -29,10 +29,17 @@ def last_error():
     return ffi.string(lib.smc_last_error()).decode("utf-8", "replace")
 
 
-def error_for(rc, prefix=None):
-    """The exception for a failed call, with the C text (and an optional local prefix)."""
+_RANK = re.compile(r"\brank (\d+)")
+
+
+def error_for(rc, prefix=None, ranks=None):
+    """The exception for a failed call, with the C text (and an optional local prefix). The core numbers ranks
+    within its communicator; `ranks` (the communicator's global ranks) turns them into the job's."""
     text = last_error()
-    if prefix:
+    if ranks is not None and ranks != list(range(len(ranks))):
+        text = _RANK.sub(lambda m: "rank %d" % ranks[int(m.group(1))] if int(m.group(1)) < len(ranks) else m.group(0),
+                         text)
+    if prefix and not text.startswith(prefix + ":"):
         text = "%s: %s" % (prefix, text)
     cls = _ERRORS.get(rc, exc.ShmCommError)
     if cls in (exc.RankFailure, exc.BrokenCommunicatorError):

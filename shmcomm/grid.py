@@ -8,9 +8,10 @@ import os
 
 import numpy as np
 
-from shmcomm import host_ops, ops
+from shmcomm import disagreement, host_ops, ops
+from shmcomm.algorithms.agreement import MISMATCH, OK, failure_text, signature
 from shmcomm.buffers import require_reducible, wrap
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
 
 ALGORITHMS = ("auto", "torus", "ring", "mpi")
 
@@ -41,6 +42,11 @@ class GridComm:
         self.handle = host.handle       # for code that asks the host communicator directly (spin, boxes)
         self.torus_min_bytes = int(os.environ.get("SHMCOMM_TORUS_MIN_BYTES", 0))
         self.closables = []
+        self.agreement = None           # without a torus, every cross-host collective starts with this
+        if mpi is not None and torus is None:
+            from shmcomm.algorithms.agreement import Agreement
+
+            self.agreement = Agreement(mpi, tuning.timeout_s)
 
     def _choose(self, nbytes):
         """auto: the torus when every host has the same ranks (its small-message path is a single exchange across
@@ -58,19 +64,27 @@ class GridComm:
         src = wrap(x, what, inplace)
         require_reducible(src, what)
         out, dst = (x, src) if inplace else host_ops.output_for(src, output, src.shape, what)
-        self._allreduce(src.ptr, dst.ptr, src.count, src.code, src.itemsize, op, prescale, postscale, what, None)
+        self._allreduce(src.ptr, dst.ptr, src.count, src.code, src.itemsize, op, prescale, postscale, what, None,
+                        src.shape)
         return out
 
     def allreduce_raw(self, ptr, count, code, op, prescale, postscale, what, divisor=None, dst_ptr=None):
         self._allreduce(ptr, ptr if dst_ptr is None else dst_ptr, count, code, host_ops.itemsize(code), op, prescale,
-                        postscale, what, divisor)
+                        postscale, what, divisor, (count,))
 
-    def _allreduce(self, ptr, dst_ptr, count, code, esize, op, prescale, postscale, what, divisor):
+    def _allreduce(self, ptr, dst_ptr, count, code, esize, op, prescale, postscale, what, divisor, shape):
         divisor = (self.size if op == ops.Average else 1) if divisor is None else divisor
+        shape_tag = hash((code,) + tuple(shape)) & host_ops.MASK
         algo = self._choose(count * esize)
-        if algo == "torus":
-            self.torus.allreduce(ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what)
-            return
+        try:
+            if algo == "torus":
+                self.torus.allreduce(ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what,
+                                     shape_tag)
+                return
+            self._agree(signature(count, code, int(op), prescale, postscale, divisor, shape_tag), what)
+        except MismatchError:
+            raise self._disagreement(what, disagreement.words("allreduce", code, shape, int(op), prescale,
+                                                              postscale)) from None
         from shmcomm._native import ffi
 
         if dst_ptr != ptr:
@@ -85,12 +99,34 @@ class GridComm:
 
             mpi_allreduce(self.mpi, raw, code, op, prescale, postscale, divisor)
 
+    def _agree(self, sig, what):
+        """Across hosts, before MPI carries a collective: raises MismatchError on every rank if they disagree, and
+        TimeoutError if one does not come (MPI itself would check neither)."""
+        status, culprit = self.torus.agree(sig, what) if self.torus is not None else self.agreement.agree(sig)
+        if status != OK:
+            raise MismatchError(what) if status == MISMATCH else ShmCommError(failure_text(what, culprit))
+
+    def _disagreement(self, what, mine, buf=None):
+        """The error every rank raises after a mismatch, naming what each rank passed."""
+        every = disagreement.gather(mine, self.mpi, self.host, self.tuning.timeout_s)
+        names = {buf.dtype_key(): buf.type_name()} if buf is not None else None
+        return disagreement.error(what, mine, every, names)
+
+    def _checked(self, what, sig, mine, buf):
+        try:
+            self._agree(sig, what)
+        except MismatchError:
+            raise self._disagreement(what, mine, buf) from None
+
     # ---- the rest: MPI across hosts, shared memory on one host ----
     def broadcast(self, x, output, root, what):
         if self.mpi is None:
             return self.host.broadcast(x, output, root, what)
         from shmcomm.algorithms import mpi_native
 
+        src = wrap(x, what)
+        self._checked(what, signature(2, src.dtype_key(), root, *src.shape), disagreement.words(
+            "broadcast", src.dtype_key(), src.shape, root=root), src)
         return mpi_native.broadcast(self.mpi, x, output, root, what)
 
     def allgather(self, x, what):
@@ -98,7 +134,15 @@ class GridComm:
             return self.host.allgather(x, what)
         from shmcomm.algorithms import mpi_native
 
+        self._check_rows(x, 3, what)
         return mpi_native.allgather(self.mpi, x, what)
+
+    def _check_rows(self, x, kind, what):
+        """allgather and alltoall: the ranks' first dimensions may differ, the rest and the dtype may not."""
+        src = wrap(x, what)
+        shape = tuple(src.shape) or (1,)
+        mine = disagreement.words(disagreement.KINDS[kind], src.dtype_key(), (-1,) + shape[1:])
+        self._checked(what, signature(kind, src.dtype_key(), *shape[1:]), mine, src)
 
     def reducescatter(self, x, op, prescale, postscale, what):
         """The allreduce, then this rank's rows: twice the traffic of a true reduce-scatter, but the torus's."""
@@ -117,12 +161,13 @@ class GridComm:
             return self.host.alltoall(x, splits, what)
         from shmcomm.algorithms import mpi_native
 
+        self._check_rows(x, 4, what)
         return mpi_native.alltoall(self.mpi, x, splits, what)
 
     def barrier(self, what="barrier"):
         if self.mpi is None:
             return self.host.barrier(what)
-        self.mpi.Barrier()
+        self._checked(what, signature(5), disagreement.words("barrier"), None)
 
     def allgather_bytes(self, payload):
         if self.mpi is None:

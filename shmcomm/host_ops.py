@@ -10,17 +10,17 @@ from shmcomm._native import error_for, ffi, lib
 from shmcomm.buffers import empty_like, require_reducible, wrap
 from shmcomm.exceptions import InvalidArgumentError, MismatchError
 
-_MASK = (1 << 64) - 1
+MASK = (1 << 64) - 1
 _C_OP = {int(k): v for k, v in ops.C_OP.items()}
 _DESCRIBE_WORDS = 32  # dtype, ndim, then up to 30 dims: what a rank says about its tensor after a shape mismatch
 
 
 def _tag(buf, shape):
-    return hash((buf.dtype_key(),) + tuple(shape)) & _MASK
+    return hash((buf.dtype_key(),) + tuple(shape)) & MASK
 
 
 def _raise(rc, comm, what, buf):
-    err = error_for(rc, None)
+    err = error_for(rc, None, comm.ranks)
     if isinstance(err, MismatchError) and "different shapes" in str(err):
         err = MismatchError("%s: ranks disagree on the tensor: %s" % (what, _describe_all(comm, buf)))
     elif what not in str(err):
@@ -43,7 +43,7 @@ def _describe_all(comm, buf):
     recv_bytes = ffi.new("uint64_t[]", [mine.nbytes] * comm.size)
     rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine), mine.nbytes, ffi.from_buffer(every), recv_bytes, 0)
     if rc != 0:
-        return "(could not collect the shapes: %s)" % error_for(rc)
+        return "(could not collect the shapes: %s)" % error_for(rc, None, comm.ranks)
     parts = []
     for r in range(comm.size):
         key, ndim = int(every[r, 0]), int(every[r, 1])
@@ -73,7 +73,7 @@ def allreduce(comm, x, output, op, prescale, postscale, what):
         require_reducible(src, what)
     out, dst = (x, src) if inplace else output_for(src, output, src.shape, what)
     rc = lib.smc_allreduce(comm.handle, src.ptr, dst.ptr, src.count, src.code, _C_OP[op], prescale, postscale,
-                           comm.size if op == ops.Average else 1, hash((src.code,) + tuple(src.shape)) & _MASK)
+                           comm.size if op == ops.Average else 1, hash((src.code,) + tuple(src.shape)) & MASK)
     if rc != 0:
         _raise(rc, comm, what, src)
     return out
@@ -85,17 +85,17 @@ def allreduce_raw(comm, ptr, count, code, op, prescale, postscale, what, divisor
     if divisor is None:
         divisor = comm.size if op == ops.Average else 1
     rc = lib.smc_allreduce(comm.handle, ptr, ptr, count, code, _C_OP[op], prescale, postscale, divisor,
-                           hash((code, count)) & _MASK)
+                           hash((code, count)) & MASK)
     if rc != 0:
-        raise error_for(rc, what)
+        raise error_for(rc, what, comm.ranks)
 
 
 def reducescatter_raw(comm, src_ptr, dst_ptr, counts, code, op, prescale, postscale, divisor, what):
     """Elements [sum(counts[:r]), +counts[r]) of the reduction land at dst_ptr on rank r (the torus's row phase)."""
     rc = lib.smc_reducescatter(comm.handle, src_ptr, dst_ptr, ffi.new("uint64_t[]", counts), code, _C_OP[op],
-                               prescale, postscale, divisor, hash((code,) + tuple(counts)) & _MASK)
+                               prescale, postscale, divisor, hash((code,) + tuple(counts)) & MASK)
     if rc != 0:
-        raise error_for(rc, what)
+        raise error_for(rc, what, comm.ranks)
 
 
 def itemsize(code):
@@ -199,7 +199,7 @@ def allgather_bytes(comm, payload):
     rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(block), _BYTES_BLOCK, ffi.from_buffer(out),
                             ffi.new("uint64_t[]", [_BYTES_BLOCK] * n), 0)
     if rc != 0:
-        raise error_for(rc, "negotiation")
+        raise error_for(rc, "negotiation", comm.ranks)
     sizes = [int.from_bytes(out[r * _BYTES_BLOCK:r * _BYTES_BLOCK + 8], "little") for r in range(n)]
     views = [bytes(out[r * _BYTES_BLOCK + 8:r * _BYTES_BLOCK + 8 + min(s, head)]) for r, s in enumerate(sizes)]
     rest = [max(s - head, 0) for s in sizes]
@@ -209,7 +209,7 @@ def allgather_bytes(comm, payload):
         rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine) if mine else ffi.NULL, len(mine),
                                 ffi.from_buffer(tail) if tail else ffi.NULL, ffi.new("uint64_t[]", rest), 0)
         if rc != 0:
-            raise error_for(rc, "negotiation")
+            raise error_for(rc, "negotiation", comm.ranks)
         at = 0
         for r in range(n):
             views[r] += bytes(tail[at:at + rest[r]])

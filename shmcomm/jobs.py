@@ -38,7 +38,7 @@ def build_world(generation):
 
 
 def _logical_grid(topo, tuning, generation, host, x, y):
-    from shmcomm.algorithms.torus2d import Torus, smb_column
+    from shmcomm.algorithms.torus2d import ShmColumn, Torus
     from shmcomm.grid import GridComm
 
     row_index, column_index = topo.rank // x, topo.rank % x
@@ -46,14 +46,14 @@ def _logical_grid(topo, tuning, generation, host, x, y):
                        suffix="_r%d" % row_index)
     column = Communicator(topo, tuning, generation, ranks=[j * x + column_index for j in range(y)],
                           suffix="_c%d" % column_index)
-    world = GridComm(topo, tuning, host, Torus(row, *smb_column(column), small_bytes=torus_small_bytes()),
-                     host_groups=[list(range(topo.size))])
+    torus = Torus(row, ShmColumn(column), torus_small_bytes(), world_rank=topo.rank)
+    world = GridComm(topo, tuning, host, torus, host_groups=[list(range(topo.size))])
     world.closables = [row, column]
     return world
 
 
 def _across_hosts(generation):
-    from shmcomm.algorithms.torus2d import Torus, mpi_column, mpi_column_small
+    from shmcomm.algorithms.torus2d import MpiColumn, Torus
     from shmcomm.grid import GridComm
 
     topo, ctx = topology.from_mpi()
@@ -68,6 +68,9 @@ def _across_hosts(generation):
         if x != topo.local_size or not ctx.homogeneous:
             raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
                              % (grid, topo.local_size))
-    torus = Torus(host, mpi_column(ctx.cross), mpi_column_small(ctx.cross), torus_small_bytes()) \
-        if ctx.homogeneous else None
+    small_bytes = torus_small_bytes()
+    # The column gives up a little before the host's own waits do, so that the rest of the host hears why.
+    column_timeout_s = 0.8 * tuning.timeout_s
+    torus = Torus(host, MpiColumn(ctx.cross, column_timeout_s, small_bytes, "torus column"), small_bytes,
+                  world_rank=topo.rank) if ctx.homogeneous else None
     return GridComm(topo, tuning, host, torus, mpi=ctx.world, host_groups=ctx.world.allgather(ctx.host_ranks))

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from test_simhosts import MPIEXEC, job_env, open_hosts, rank_lines
-from test_torus import CHECKS
+from test_torus import CHECKS, MISMATCHES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside Python or on PATH")
@@ -47,6 +47,16 @@ def test_collectives_across_two_hosts(two_hosts, tmp_path, algo):
     assert sorted(lines) == [0, 1, 2, 3]
     seen = {tuple(lines[r][-1].split()[1:]) for r in lines}
     assert seen == {("simhost0", "GridComm", "2", "2"), ("simhost1", "GridComm", "2", "2")}
+
+
+def test_mismatches_across_two_hosts(two_hosts, tmp_path):
+    """Ranks that disagree, across hosts or inside one, all raise MismatchError naming what each passed; the job
+    goes on."""
+    script = tmp_path / "job.py"
+    script.write_text(MISMATCHES + "\nassert check_mismatches()\nprint('ok', flush=True)\n")
+    run = _shmcommrun(two_hosts, 2, [sys.executable, str(script)], SHMCOMM_TIMEOUT="60")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(rank_lines(run.stdout)) == [0, 1, 2, 3]
 
 
 def test_three_hosts(tmp_path):

@@ -46,6 +46,62 @@ CHECKS = textwrap.dedent("""
 """)
 
 
+MISMATCHES = textwrap.dedent("""
+    import time, numpy as np, shmcomm
+    def check_mismatches(over_mpi=True):
+        # 4 ranks, two to a host (a row). Each case raises MismatchError on every rank within seconds, names what
+        # the ranks passed, leaves the input as it was, and the job goes on.
+        shmcomm.init()
+        me, n = shmcomm.rank(), shmcomm.size()
+        host = me // 2
+        def allreduce(x, **kw):
+            return lambda: shmcomm.allreduce_(x, op=kw.get("op", shmcomm.Sum))
+        cases = [
+            ("count across hosts", np.ones(10 + 2 * host, np.float32), {}, "ranks 0,1 passed float32[10]"),
+            ("small and three-phase path", np.ones(10 if host == 0 else 100_000, np.float32), {},
+             "ranks 2,3 passed float32[100000]"),
+            ("one rank, small", np.ones(12 if me == 1 else 10, np.float32), {}, "rank 1 passed float32[12]"),
+            ("one rank, three-phase", np.ones(100_001 if me == 3 else 100_000, np.float32), {},
+             "rank 3 passed float32[100001]"),
+            ("shape across hosts", np.ones((2, 3) if host == 0 else (3, 2), np.float32), {},
+             "ranks 2,3 passed float32[3, 2]"),
+            ("dtype across hosts", np.ones(10, np.float32 if host == 0 else np.float64), {},
+             "ranks 2,3 passed float64[10]"),
+            ("op on one rank", np.ones(10, np.float32), {"op": shmcomm.Max if me == 2 else shmcomm.Sum},
+             "rank 2 passed float32[10] op max"),
+        ]
+        if over_mpi:
+            cases += [
+                ("broadcast shape", None, "broadcast", "ranks 2,3 passed"),
+                ("allgather trailing shape", None, "allgather", "ranks 2,3 passed"),
+                ("barrier against allreduce", None, "barrier", "ranks 2,3 passed barrier"),
+            ]
+        for name, x, kw, expected in cases:
+            before = None if x is None else x.copy()
+            if kw == "broadcast":
+                call = lambda: shmcomm.broadcast(np.ones(4 + host, np.float32), root_rank=0)
+            elif kw == "allgather":
+                call = lambda: shmcomm.allgather(np.ones((1, 2 + host), np.float32))
+            elif kw == "barrier":
+                call = (lambda: shmcomm.barrier()) if host == 1 else (lambda: shmcomm.allreduce(np.ones(3)))
+            else:
+                call = allreduce(x, **kw)
+            start = time.monotonic()
+            try:
+                call()
+            except shmcomm.MismatchError as error:
+                text = str(error)
+            else:
+                raise AssertionError("%s: no error on rank %d" % (name, me))
+            assert time.monotonic() - start < 20, (name, time.monotonic() - start)
+            assert "ranks disagree" in text and expected in text, (name, text)
+            if before is not None:
+                assert np.array_equal(x, before), name
+            assert shmcomm.allreduce(np.full(5, me, np.float32), op=shmcomm.Sum).tolist() == [n * (n - 1) / 2] * 5
+        return True
+""")
+
+
 def _grid_body():
     namespace = {}
     exec(CHECKS, namespace)
@@ -63,6 +119,15 @@ def test_logical_grid_on_shared_memory(grid, small):
     assert multiproc.run(x * y, _grid_body, env=env, timeout=180) == [True] * (x * y)
 
 
+def test_mismatches_on_a_logical_grid():
+    def body():
+        namespace = {}
+        exec(MISMATCHES, namespace)
+        return namespace["check_mismatches"](over_mpi=False)
+
+    assert multiproc.run(4, body, env={"SHMCOMM_TORUS_GRID": "2x2", "SHMCOMM_TIMEOUT": "60"}, timeout=120) == [True] * 4
+
+
 def _column_failure(small, everyone):
     import shmcomm
     from shmcomm import basics
@@ -76,9 +141,8 @@ def _column_failure(small, everyone):
         raise RuntimeError("link down")
     # Column 0 (the rows' first ranks, which alone cross on the small path), or every rank (a host-wide failure).
     failing = everyone or me % 2 == 0
-    working = torus.column_small, torus.column_allreduce
     if failing:
-        torus.column_small = torus.column_allreduce = broken
+        torus.column.allreduce = torus.column.allreduce_slice = broken
     data = np.arange(count, dtype=np.float32) + me
     start = time.monotonic()
     with pytest.raises((RuntimeError, shmcomm.ShmCommError)) as info:
@@ -88,9 +152,11 @@ def _column_failure(small, everyone):
     if failing:
         assert text == "link down"
     else:
-        assert "the cross-host step failed on " + ("rank %d" % (me - 1) if small else "another rank") in text, text
+        # The small path names the lowest rank that failed; the slices' failure is known to the row only.
+        assert "the cross-host step failed on " + ("rank 0" if small else "another rank") in text, text
     assert (data == np.arange(count, dtype=np.float32) + me).all()  # in place, and still the input: nothing lost
-    torus.column_small, torus.column_allreduce = working  # repaired: the row and the columns go on
+    torus.column.__dict__.pop("allreduce", None)  # repaired: the row and the columns go on
+    torus.column.__dict__.pop("allreduce_slice", None)
     return elapsed
 
 
@@ -121,16 +187,65 @@ def test_grid_that_does_not_fit_is_refused():
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
-@pytest.mark.skipif(not os.path.exists(MPIEXEC) and shutil.which("mpiexec") is None, reason="no mpiexec")
+def _mpiexec(script, ranks, **env):
+    mpiexec = MPIEXEC if os.path.exists(MPIEXEC) else shutil.which("mpiexec")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    return subprocess.run([mpiexec, "-n", str(ranks), sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC) and shutil.which("mpiexec") is None,
+                                   reason="no mpiexec")
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("algo", ["torus", "ring", "mpi"])
+def test_mismatches_across_pretend_hosts(tmp_path, algo):
+    script = tmp_path / "job.py"
+    script.write_text(MISMATCHES + "\nassert check_mismatches()\nprint('rank ok', flush=True)\n")
+    run = _mpiexec(script, 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_ALLREDUCE_ALGO=algo, SHMCOMM_TIMEOUT="60")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("rank ok") == 4
+
+
+STUCK = textwrap.dedent("""
+    import time, numpy as np, shmcomm
+    shmcomm.init()
+    me = shmcomm.rank()
+    if me == 2:  # never comes within the others' timeout
+        time.sleep(8)
+        raise SystemExit(0)
+    start = time.monotonic()
+    try:
+        shmcomm.allreduce(np.ones(10, np.float32))
+    except shmcomm.ShmCommError as error:
+        print("raised %d %s %.1f %s" % (me, type(error).__name__, time.monotonic() - start, error), flush=True)
+""")
+
+
+@needs_mpiexec
+def test_a_rank_that_does_not_come_times_the_others_out_by_name(tmp_path):
+    """MPI waits have no deadline of their own: the column's watchdog gives them SHMCOMM_TIMEOUT's."""
+    script = tmp_path / "job.py"
+    script.write_text(STUCK)
+    run = _mpiexec(script, 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT="3")
+    assert run.returncode == 0, run.stdout + run.stderr
+    raised = {int(line.split()[1]): line.split(None, 4)[2:] for line in run.stdout.splitlines()
+              if line.startswith("raised")}
+    assert sorted(raised) == [0, 1, 3], run.stdout + run.stderr
+    assert all(float(seconds) < 8 for _, seconds, _ in raised.values()), raised
+    # Rank 2's column partner and its row partner name it; rank 1 hears that its host's first rank failed.
+    assert raised[0][0] == "TimeoutError" and "waiting for rank 2" in raised[0][2], raised
+    assert raised[3][0] == "TimeoutError" and "waiting for rank 2" in raised[3][2], raised
+    assert "failed on rank 0" in raised[1][2], raised
+
+
+@needs_mpiexec
 @pytest.mark.parametrize("ranks,per_host,algo", [(4, 2, "torus"), (4, 2, "ring"), (4, 2, "mpi"), (6, 2, "auto"),
                                                  (6, 3, "auto"), (5, 2, "auto")])
 def test_across_pretend_hosts_over_mpi(tmp_path, ranks, per_host, algo):
     script = tmp_path / "job.py"
     script.write_text(CHECKS + "\nassert check_all()\nprint('rank ok', flush=True)\n")
-    mpiexec = MPIEXEC if os.path.exists(MPIEXEC) else shutil.which("mpiexec")
-    env = dict(os.environ, SHMCOMM_RANKS_PER_HOST=str(per_host), SHMCOMM_ALLREDUCE_ALGO=algo,
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, str(script)], env=env, capture_output=True,
-                         text=True, timeout=240)
+    run = _mpiexec(script, ranks, SHMCOMM_RANKS_PER_HOST=str(per_host), SHMCOMM_ALLREDUCE_ALGO=algo)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("rank ok") == ranks

@@ -9,66 +9,134 @@ The ranks form an X-by-Y grid: a row is X ranks of one host, a column the ranks 
   3. all-gather along the row: every rank copies the finished slices out, over shared memory again.
 It moves the bytes a ring moves, in 2(X-1) + 2(Y-1) steps instead of 2(XY-1). Scale factors are applied once: the
 prescale in step 1, the postscale and the average's divisor on the slice in step 2. Counts that do not divide by X
-give the first (count % X) ranks of a row one element more."""
+give the first (count % X) ranks of a row one element more.
+
+Before anything crosses hosts, the columns agree (agreement.py): each rank brings its signature and its row's
+verdict, so that a disagreement anywhere, also one confined to a host or one that sends hosts down different paths,
+fails the call on every rank instead of leaving some waiting in MPI."""
 import numpy as np
 
 from shmcomm import host_ops, ops
 from shmcomm._native import error_for, ffi, lib
 from shmcomm.algorithms import shares
-from shmcomm.exceptions import ShmCommError
-
+from shmcomm.algorithms.agreement import (FAILED, HEADER_BYTES, MISMATCH, OK, Agreement, ShmAgreement, failure_text,
+                                          signature)
+from shmcomm.exceptions import MismatchError, ShmCommError
 
 class Torus:
-    """Steps 1-3 over a row communicator (shared memory) and a column allreduce (shared memory or MPI).
+    """Steps 1-3 over a row communicator (shared memory) and a column (agreement.Agreement over MPI, or
+    agreement.ShmAgreement) that also runs the slices' allreduce (`column.allreduce_slice`).
 
     Up to `small_bytes` the cost is latency, not bandwidth: the row then allreduces the whole buffer in one
-    shared-memory step, the first column (one rank per host) allreduces all of it (`column_small`), and the row
-    takes the result from its first rank. A single exchange per host pair crosses the network, not X of them
-    competing for the host's cores and NIC for no gain in a message this small."""
+    shared-memory step, the first column (one rank per host) allreduces all of it inside its agreement, and the row
+    takes the result and the verdict from its first rank. A single exchange per host pair crosses the network, not X
+    of them competing for the host's cores and NIC for no gain in a message this small."""
 
-    def __init__(self, row, column_allreduce, column_small, small_bytes=0):
+    def __init__(self, row, column, small_bytes=0, world_rank=0):
         self.row = row
-        self.column_allreduce = column_allreduce  # fn(slice_array, code, op, postscale, divisor), in place
-        self.column_small = column_small          # fn(ptr, nbytes, code, op, postscale, divisor), in place
+        self.column = column
         self.small_bytes = small_bytes
+        self.world_rank = world_rank
         self._scratch = np.empty(0, dtype=np.uint8)
 
-    def allreduce(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what):
-        row = self.row
+    def allreduce(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what, shape_tag=0):
+        """Raises MismatchError on every rank when ranks anywhere disagree (on count, dtype, shape, op or scale
+        factors); the output is untouched then and after any failure."""
         nbytes = count * esize
+        sig = signature(count, code, int(op), prescale, postscale, divisor, shape_tag)
         if nbytes <= self.small_bytes:
-            # Latency-bound: straight to the core and to MPI, every Python layer here costs microseconds. The tags
-            # only need to be equal on every rank of the row. The row's sum goes to scratch, so that a failure
-            # leaves the output (often the input itself) as it was.
-            scratch = self._scratch_ptr(nbytes)
-            rc = lib.smc_allreduce(row.handle, src_ptr, scratch, count, code, ops.C_OP[op], prescale, 1.0, 1, count)
-            if rc != 0:
-                raise error_for(rc, what)
-            failure = None
-            if row.rank == 0:
-                failure = _attempt(self.column_small, scratch, nbytes, code, op, postscale, divisor)
-            if row.size > 1:
-                rc = lib.smc_broadcast(row.handle, scratch, dst_ptr, nbytes, 0, nbytes | (_FAILED if failure else 0))
-                _raise_row_failure(failure, rc, what, "rank %d, the first of this host" % row.ranks[0])
-            elif failure is None:
-                ffi.memmove(dst_ptr, scratch, nbytes)
-            if failure is not None:
-                raise failure
-            return
+            verdict = self._small(src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig,
+                                  shape_tag, what)
+        else:
+            verdict = self._three_phases(src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, sig,
+                                         shape_tag, what)
+        if verdict[0] != OK:
+            raise _verdict_error(what, verdict)
+
+    def agree(self, sig, what):
+        """The verdict (status, culprit) of every rank on `sig`, by the small path's route with no data: a collective
+        other than allreduce checks its arguments this way, so that ranks calling different collectives find out
+        as surely as ranks passing different tensors."""
+        return self._small(ffi.NULL, ffi.NULL, 0, lib.SMC_UINT8, 0, ops.Sum, 1.0, 1.0, 1, sig, sig, what)
+
+    def _small(self, src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig, shape_tag, what):
+        # Latency-bound: straight to the core, every Python layer here costs microseconds. The row's sum goes to a
+        # message buffer (a header, then the data); the output is written only once the verdict is OK everywhere.
+        row, column = self.row, self.column
+        leader = row.rank == 0
+        message = column.message(nbytes) if leader else self._scratch_ptr(HEADER_BYTES + nbytes)
+        data = message + HEADER_BYTES
+        rc = lib.smc_allreduce(row.handle, src_ptr, data, count, code, ops.C_OP[op], prescale, 1.0, 1, shape_tag)
+        status, culprit, error = self._row_status(rc, what)
+        if leader:
+            try:
+                verdict = column.allreduce(sig, status, culprit, nbytes, code, op, postscale, divisor)
+            except BaseException as failure:  # KeyboardInterrupt too: the rest of the row must not be left waiting
+                verdict, error = (FAILED, self.world_rank + 1), error or failure
+            if status == OK:  # the row is in step: one broadcast gives it the verdict, and the data
+                column.header[1], column.header[2] = verdict
+                if row.size > 1:
+                    rc = lib.smc_broadcast(row.handle, message, message, HEADER_BYTES + nbytes, 0, nbytes)
+                    if rc != 0:
+                        raise error or error_for(rc, what, self.row.ranks)
+                if verdict[0] == OK:
+                    ffi.memmove(dst_ptr, data, nbytes)
+        else:
+            if status == OK:
+                rc = lib.smc_broadcast(row.handle, ffi.NULL, message, HEADER_BYTES + nbytes, 0, nbytes)
+                if rc != 0:
+                    raise error_for(rc, what, self.row.ranks)
+                head = np.frombuffer(ffi.buffer(message, HEADER_BYTES), dtype=np.uint64)
+                verdict = int(head[1]), int(head[2])
+                if verdict[0] == OK:
+                    ffi.memmove(dst_ptr, data, nbytes)
+                    return verdict
+                status, culprit = verdict
+            # A host that had other counts may have taken the three-phase path, whose every column agrees: this
+            # rank's column does too, with the verdict it has.
+            verdict = column.agree(sig, status, culprit)
+        if error is not None and verdict[0] != MISMATCH:
+            raise error
+        return verdict
+
+    def _three_phases(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, sig, shape_tag,
+                      what):
+        row = self.row
         counts = shares(count, row.size)
         mine = counts[row.rank]
         piece_ptr = self._scratch_ptr(mine * esize)
         piece = self._scratch[:mine * esize]
-        host_ops.reducescatter_raw(row, src_ptr, piece_ptr, counts, code, op, prescale, 1.0, 1, what)
-        failure = _attempt(self.column_allreduce, piece, code, op, postscale, divisor)
+        rc = lib.smc_reducescatter(row.handle, src_ptr, piece_ptr, ffi.new("uint64_t[]", counts), code, ops.C_OP[op],
+                                   prescale, 1.0, 1, shape_tag)
+        status, culprit, error = self._row_status(rc, what)
+        verdict = self.column.agree(sig, status, culprit)
+        if verdict[0] != OK:
+            if error is not None and verdict[0] != MISMATCH:
+                raise error
+            return verdict
+        failure = _attempt(self.column.allreduce_slice, piece, code, op, postscale, divisor)
         sizes = ffi.new("uint64_t[]", [c * esize for c in counts])
         # After a failure the slices are not sums: gather them somewhere harmless (the row may all have failed, and
         # then no mismatch stops the copy).
-        target = dst_ptr if failure is None else ffi.new("char[]", nbytes)
+        target = dst_ptr if failure is None else ffi.new("char[]", count * esize)
         rc = lib.smc_allgatherv(row.handle, piece_ptr, mine * esize, target, sizes, _FAILED if failure else 0)
-        _raise_row_failure(failure, rc, what, "another rank of this host")
         if failure is not None:
             raise failure
+        if rc == lib.SMC_ERR_MISMATCH:  # the row agreed on the sizes in its first step: only a failure flag differs
+            raise ShmCommError("%s: the cross-host step failed on another rank of this host (its own error says "
+                               "why); this allreduce did not complete" % what)
+        if rc != 0:
+            raise error_for(rc, what, self.row.ranks)
+        return OK, 0
+
+    def _row_status(self, rc, what):
+        """(status, culprit, error) of the row's first step: a mismatch is everyone's to report; another failure is
+        this rank's own error, which the columns hear about as FAILED."""
+        if rc == 0:
+            return OK, 0, None
+        if rc == lib.SMC_ERR_MISMATCH:
+            return MISMATCH, 0, None
+        return FAILED, self.world_rank + 1, error_for(rc, what, self.row.ranks)
 
     def _scratch_ptr(self, nbytes):
         if self._scratch.nbytes < nbytes:
@@ -90,47 +158,26 @@ def _attempt(fn, *args):
     return None
 
 
-def _raise_row_failure(failure, rc, what, where):
-    if failure is not None or rc == 0:
-        return
-    if rc == lib.SMC_ERR_MISMATCH:  # the row agreed on the sizes in its first step: only a failure flag differs
-        raise ShmCommError("%s: the cross-host step failed on %s (its own error says why); this allreduce did not "
-                           "complete" % (what, where))
-    raise error_for(rc, what)
+def _verdict_error(what, verdict):
+    status, culprit = verdict
+    if status == MISMATCH:
+        return MismatchError("%s: ranks disagree on the tensor (count, dtype, shape, op or scale factors)" % what)
+    return ShmCommError(failure_text(what, culprit))
 
 
-def smb_column(column):
-    """A column on shared memory (a logical grid on one host): fn(slice_array, ...), the big path's column."""
-    def run(piece, code, op, postscale, divisor):
-        run_small(ffi.from_buffer(piece), piece.nbytes, code, op, postscale, divisor)
+class MpiColumn(Agreement):
+    """A column across hosts: the agreement (and small allreduces) by recursive doubling, the slices by a ring,
+    which carries every dtype."""
 
-    def run_small(ptr, nbytes, code, op, postscale, divisor):
-        host_ops.allreduce_raw(column, ptr, nbytes // host_ops.itemsize(code), code, op, 1.0, postscale,
-                               "torus column", divisor=divisor)
-    return run, run_small
+    def allreduce_slice(self, piece, code, op, postscale, divisor):
+        from shmcomm.algorithms.ring import ring_allreduce
 
-
-def mpi_column(mpi_comm):
-    """A column across hosts: a ring over MPI, which carries every dtype."""
-    from shmcomm.algorithms.ring import ring_allreduce
-
-    def run(piece, code, op, postscale, divisor):
-        ring_allreduce(mpi_comm, piece, code, op, 1.0, postscale, divisor)
-    return run
+        ring_allreduce(self.comm, piece, code, op, 1.0, postscale, divisor)
 
 
-def mpi_column_small(mpi_comm):
-    """A column across hosts for small buffers: the MPI library's own allreduce (recursive doubling: log2(Y)
-    exchanges where a ring takes 2(Y-1)), called directly when MPI reduces the type itself and nothing is scaled."""
-    from mpi4py import MPI
+class ShmColumn(ShmAgreement):
+    """A column on shared memory (a logical grid on one host)."""
 
-    from shmcomm.algorithms.mpi_native import mpi_allreduce, mpi_op, numpy_type
-
-    def run(ptr, nbytes, code, op, postscale, divisor):
-        kind = numpy_type(code)
-        if kind is not None and postscale == 1.0 and divisor == 1:
-            mpi_comm.Allreduce(MPI.IN_PLACE, np.frombuffer(ffi.buffer(ptr, nbytes), dtype=kind), op=mpi_op(op))
-        elif nbytes:
-            mpi_allreduce(mpi_comm, np.frombuffer(ffi.buffer(ptr, nbytes), dtype=np.uint8), code, op, 1.0, postscale,
-                          divisor)
-    return run
+    def allreduce_slice(self, piece, code, op, postscale, divisor):
+        host_ops.allreduce_raw(self.comm, ffi.from_buffer(piece), piece.nbytes // host_ops.itemsize(code), code, op,
+                               1.0, postscale, self.what, divisor=divisor)
