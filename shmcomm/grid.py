@@ -11,7 +11,7 @@ import numpy as np
 from shmcomm import disagreement, host_ops, ops
 from shmcomm.algorithms.agreement import MISMATCH, OK, failure_text, signature
 from shmcomm.buffers import require_reducible, wrap
-from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
+from shmcomm.exceptions import BrokenCommunicatorError, InvalidArgumentError, MismatchError, ShmCommError
 
 ALGORITHMS = ("auto", "torus", "ring", "mpi")
 
@@ -43,10 +43,24 @@ class GridComm:
         self.torus_min_bytes = int(os.environ.get("SHMCOMM_TORUS_MIN_BYTES", 0))
         self.closables = []
         self.agreement = None           # without a torus, every cross-host collective starts with this
+        self.broken = None              # why cross-host calls are refused (an abandoned MPI collective)
+        if mpi is not None:
+            self._require_same_settings()
         if mpi is not None and torus is None:
             from shmcomm.algorithms.agreement import Agreement
 
             self.agreement = Agreement(mpi, tuning.timeout_s)
+
+    def _require_same_settings(self):
+        """Settings that choose paths must be the same everywhere: hosts on different paths would wait for each
+        other, not fail."""
+        mine = (self.algorithm, self.torus.small_bytes if self.torus else None, self.torus_min_bytes)
+        every = self.mpi.allgather(mine)
+        if any(e != mine for e in every):
+            differ = "; ".join("rank %d: %s, %s, %s" % ((r,) + tuple(e)) for r, e in enumerate(every)
+                               if r == 0 or e != every[0])
+            raise ValueError("SHMCOMM_ALLREDUCE_ALGO, SHMCOMM_TORUS_SMALL_BYTES and SHMCOMM_TORUS_MIN_BYTES must be "
+                             "the same on every rank (%s)" % differ)
 
     def _choose(self, nbytes):
         """auto: the torus when every host has the same ranks (its small-message path is a single exchange across
@@ -102,6 +116,8 @@ class GridComm:
     def _agree(self, sig, what):
         """Across hosts, before MPI carries a collective: raises MismatchError on every rank if they disagree, and
         TimeoutError if one does not come (MPI itself would check neither)."""
+        if self.broken:
+            raise BrokenCommunicatorError("%s: unusable after an earlier failure: %s" % (what, self.broken))
         status, culprit = self.torus.agree(sig, what) if self.torus is not None else self.agreement.agree(sig)
         if status != OK:
             raise MismatchError(what) if status == MISMATCH else ShmCommError(failure_text(what, culprit))
@@ -109,6 +125,8 @@ class GridComm:
     def _disagreement(self, what, mine, buf=None):
         """The error every rank raises after a mismatch, naming what each rank passed."""
         every = disagreement.gather(mine, self.mpi, self.host, self.tuning.timeout_s)
+        if every is None and self.mpi is not None:
+            self.broken = "a rank did not take part in describing a disagreement"
         names = {buf.dtype_key(): buf.type_name()} if buf is not None else None
         return disagreement.error(what, mine, every, names)
 
@@ -118,23 +136,26 @@ class GridComm:
         except MismatchError:
             raise self._disagreement(what, mine, buf) from None
 
-    # ---- the rest: MPI across hosts, shared memory on one host ----
+    # ---- the rest: MPI across hosts, shared memory on one host. Each starts with the agreement, so that ranks
+    # calling different collectives find out as surely as ranks passing different tensors. ----
     def broadcast(self, x, output, root, what):
+        src = wrap(x, what, writable=output is x)
+        if output is not None and output is not x:  # local checks first: after the agreement, one rank's error
+            host_ops.output_for(src, output, src.shape, what)  # would leave the others waiting in MPI
+        self._checked(what, signature(2, src.dtype_key(), root, *src.shape), disagreement.words(
+            "broadcast", src.dtype_key(), src.shape, root=root), src)
         if self.mpi is None:
             return self.host.broadcast(x, output, root, what)
         from shmcomm.algorithms import mpi_native
 
-        src = wrap(x, what)
-        self._checked(what, signature(2, src.dtype_key(), root, *src.shape), disagreement.words(
-            "broadcast", src.dtype_key(), src.shape, root=root), src)
         return mpi_native.broadcast(self.mpi, x, output, root, what)
 
     def allgather(self, x, what):
+        self._check_rows(x, 3, what)
         if self.mpi is None:
             return self.host.allgather(x, what)
         from shmcomm.algorithms import mpi_native
 
-        self._check_rows(x, 3, what)
         return mpi_native.allgather(self.mpi, x, what)
 
     def _check_rows(self, x, kind, what):
@@ -157,17 +178,17 @@ class GridComm:
         return total[start:start + share[self.rank]].clone() if src.is_torch else total[start:start + share[self.rank]].copy()
 
     def alltoall(self, x, splits, what):
+        self._check_rows(x, 4, what)
         if self.mpi is None:
             return self.host.alltoall(x, splits, what)
         from shmcomm.algorithms import mpi_native
 
-        self._check_rows(x, 4, what)
         return mpi_native.alltoall(self.mpi, x, splits, what)
 
     def barrier(self, what="barrier"):
-        if self.mpi is None:
-            return self.host.barrier(what)
         self._checked(what, signature(5), disagreement.words("barrier"), None)
+        if self.mpi is None:
+            self.host.barrier(what)
 
     def allgather_bytes(self, payload):
         if self.mpi is None:

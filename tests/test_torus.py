@@ -48,14 +48,14 @@ CHECKS = textwrap.dedent("""
 
 MISMATCHES = textwrap.dedent("""
     import time, numpy as np, shmcomm
-    def check_mismatches(over_mpi=True):
+    def check_mismatches():
         # 4 ranks, two to a host (a row). Each case raises MismatchError on every rank within seconds, names what
         # the ranks passed, leaves the input as it was, and the job goes on.
         shmcomm.init()
         me, n = shmcomm.rank(), shmcomm.size()
         host = me // 2
         def allreduce(x, **kw):
-            return lambda: shmcomm.allreduce_(x, op=kw.get("op", shmcomm.Sum))
+            return lambda: shmcomm.allreduce_(x, op=kw.get("op", shmcomm.Sum), postscale_factor=kw.get("post", 1.0))
         cases = [
             ("count across hosts", np.ones(10 + 2 * host, np.float32), {}, "ranks 0,1 passed float32[10]"),
             ("small and three-phase path", np.ones(10 if host == 0 else 100_000, np.float32), {},
@@ -69,13 +69,15 @@ MISMATCHES = textwrap.dedent("""
              "ranks 2,3 passed float64[10]"),
             ("op on one rank", np.ones(10, np.float32), {"op": shmcomm.Max if me == 2 else shmcomm.Sum},
              "rank 2 passed float32[10] op max"),
+            # Average is a sum to the core's row step: only the signature tells them apart.
+            ("Average on one rank, three-phase", np.ones(100_000, np.float32),
+             {"op": shmcomm.Average if me == 1 else shmcomm.Sum}, "rank 1 passed float32[100000] op average"),
+            ("postscale on one rank", np.ones(10, np.float32), {"post": 2.0 if me == 0 else 1.0},
+             "rank 0 passed float32[10] scaled by (pre 1, post 2)"),
+            ("broadcast shape", None, "broadcast", "ranks 2,3 passed float32[5]"),
+            ("allgather trailing shape", None, "allgather", "ranks 2,3 passed float32[*, 3]"),
+            ("barrier against allreduce", None, "barrier", "ranks 2,3 passed barrier"),
         ]
-        if over_mpi:
-            cases += [
-                ("broadcast shape", None, "broadcast", "ranks 2,3 passed"),
-                ("allgather trailing shape", None, "allgather", "ranks 2,3 passed"),
-                ("barrier against allreduce", None, "barrier", "ranks 2,3 passed barrier"),
-            ]
         for name, x, kw, expected in cases:
             before = None if x is None else x.copy()
             if kw == "broadcast":
@@ -123,7 +125,7 @@ def test_mismatches_on_a_logical_grid():
     def body():
         namespace = {}
         exec(MISMATCHES, namespace)
-        return namespace["check_mismatches"](over_mpi=False)
+        return namespace["check_mismatches"]()
 
     assert multiproc.run(4, body, env={"SHMCOMM_TORUS_GRID": "2x2", "SHMCOMM_TIMEOUT": "60"}, timeout=120) == [True] * 4
 
@@ -208,6 +210,25 @@ def test_mismatches_across_pretend_hosts(tmp_path, algo):
     assert run.stdout.count("rank ok") == 4
 
 
+@needs_mpiexec
+def test_settings_that_choose_paths_must_agree_across_hosts(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, shmcomm
+        rank = int(os.environ["PMI_RANK"])
+        os.environ["SHMCOMM_TORUS_SMALL_BYTES"] = "1000" if rank >= 2 else "2000"
+        try:
+            shmcomm.init()
+        except ValueError as error:
+            print("\\nrefused", rank, error, flush=True)
+    """))
+    run = _mpiexec(script, 4, SHMCOMM_RANKS_PER_HOST="2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    refused = [line for line in run.stdout.splitlines() if line.startswith("refused")]
+    assert len(refused) == 4, run.stdout
+    assert "rank 0: auto, 2000, 0; rank 2: auto, 1000, 0; rank 3: auto, 1000, 0" in refused[0], refused
+
+
 STUCK = textwrap.dedent("""
     import time, numpy as np, shmcomm
     shmcomm.init()
@@ -219,7 +240,8 @@ STUCK = textwrap.dedent("""
     try:
         shmcomm.allreduce(np.ones(10, np.float32))
     except shmcomm.ShmCommError as error:
-        print("raised %d %s %.1f %s" % (me, type(error).__name__, time.monotonic() - start, error), flush=True)
+        # Own line even if another rank's output lands in the middle of ours.
+        print("\\nraised %d %s %.1f %s" % (me, type(error).__name__, time.monotonic() - start, error), flush=True)
 """)
 
 

@@ -51,18 +51,24 @@ def failure_text(what, culprit):
 
 class Watchdog:
     """Deadlines for MPI's blocking waits, which have none: a thread that wakes ten times a second cancels the
-    receive a wait is blocked on once its deadline has passed. The wait itself stays MPI's own (no polling from
+    receive a wait is blocked on once its deadline has passed (MPI_Cancel of a receive is what every MPI supports). The wait itself stays MPI's own (no polling from
     Python, which costs the CPU time that oversubscribed ranks share)."""
 
     def __init__(self):
+        from mpi4py import MPI
+
         self._lock = threading.Lock()
         self._armed = None  # (deadline, request) of the wait in progress
         self._thread = None
+        self._threads_may_call_mpi = MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
     def wait(self, request, deadline, late):
-        """Waits for an MPI request; cancels it at `deadline` and raises what late() returns."""
+        """Waits for a receive request; cancels it at `deadline` and raises what late() returns."""
         from mpi4py import MPI
 
+        if not self._threads_may_call_mpi:  # poll instead
+            wait_all([request], deadline, late)
+            return
         if self._thread is None:  # it ends once its watchdog is gone (shutdown, init again)
             self._thread = threading.Thread(target=_watch, args=(weakref.ref(self),), name="shmcomm-watchdog",
                                             daemon=True)
@@ -100,7 +106,8 @@ def _watch(ref):
 
 
 def wait_all(requests, deadline, late):
-    """Waits for MPI requests (collectives) until `deadline`, polling; then raises what late() returns."""
+    """Waits for MPI requests until `deadline`, polling; then raises what late() returns, leaving them pending (the
+    caller's communicator is then unusable)."""
     from mpi4py import MPI
 
     pause = 1e-4
@@ -194,14 +201,17 @@ class Agreement:
         if incoming is not None:
             self._watchdog.wait(incoming, deadline, lambda: self._late(peer))
         if outgoing is not None:
-            # The peer posts its receive before it sends (and before it hands back a fold): this completes.
-            self._watchdog.wait(outgoing, deadline, lambda: self._late(peer))
+            # The peer posted its receive before it sent (or before it handed back a fold): this completes at once,
+            # and polling it costs nothing. (Sends are not cancelled: not every MPI can.)
+            wait_all([outgoing], deadline, lambda: self._late(peer))
 
     def _merge(self, nbytes, code, op, peer):
         mine, theirs = self._send_words, self._recv_words
         both_ok = mine[1] == OK and theirs[1] == OK and mine[0] == theirs[0]
         _, mine[1], mine[2] = combine(int(mine[0]), int(mine[1]), int(mine[2]), int(theirs[0]), int(theirs[1]),
                                       int(theirs[2]))
+        if both_ok and mine[3] != theirs[3]:  # same arguments, different paths: settings that differ per host
+            both_ok, mine[1] = False, MISMATCH
         if both_ok and nbytes:
             # The lower rank's data first, on both sides, so both compute the very same bits.
             first, second = (self._send_ptr, self._recv_ptr) if self.rank < peer else (self._recv_ptr, self._send_ptr)

@@ -13,6 +13,8 @@ from shmcomm import host_ops, ops
 from shmcomm._native import error_for, ffi, lib
 from shmcomm.algorithms import shares
 
+_TAG = 0x5A1  # its own: other messages on the same communicator (the agreement's) must never match
+
 
 def ring_allreduce(mpi_comm, raw, code, op, prescale=1.0, postscale=1.0, divisor=1):
     """Reduces the elements held in the uint8 array `raw` (of type `code`) in place across mpi_comm."""
@@ -37,7 +39,8 @@ def ring_allreduce(mpi_comm, raw, code, op, prescale=1.0, postscale=1.0, divisor
     for step in range(n - 1):
         send, recv = (me - step) % n, (me - step - 1) % n
         incoming = scratch[:counts[recv] * esize]
-        mpi_comm.Sendrecv([chunk(send), MPI.BYTE], dest=right, recvbuf=[incoming, MPI.BYTE], source=left)
+        mpi_comm.Sendrecv([chunk(send), MPI.BYTE], dest=right, sendtag=_TAG, recvbuf=[incoming, MPI.BYTE], source=left,
+                          recvtag=_TAG)
         if counts[recv]:
             mine = base + int(starts[recv]) * esize
             rc = lib.smc_reduce(mine, ffi.new("void *[2]", [mine, scratch_ptr]), 2, counts[recv], code, c_op, 1.0,
@@ -48,5 +51,6 @@ def ring_allreduce(mpi_comm, raw, code, op, prescale=1.0, postscale=1.0, divisor
     host_ops.scale_raw(base + int(starts[done]) * esize, counts[done], code, postscale, divisor)
     for step in range(n - 1):
         send, recv = (me + 1 - step) % n, (me - step) % n
-        mpi_comm.Sendrecv([chunk(send), MPI.BYTE], dest=right, recvbuf=[chunk(recv), MPI.BYTE], source=left)
+        mpi_comm.Sendrecv([chunk(send), MPI.BYTE], dest=right, sendtag=_TAG, recvbuf=[chunk(recv), MPI.BYTE],
+                          source=left, recvtag=_TAG)
     return raw

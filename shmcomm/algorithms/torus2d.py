@@ -41,15 +41,17 @@ class Torus:
 
     def allreduce(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what, shape_tag=0):
         """Raises MismatchError on every rank when ranks anywhere disagree (on count, dtype, shape, op or scale
-        factors); the output is untouched then and after any failure."""
+        factors); the output is untouched then, and after a failed cross-host step."""
         nbytes = count * esize
-        sig = signature(count, code, int(op), prescale, postscale, divisor, shape_tag)
-        if nbytes <= self.small_bytes:
-            verdict = self._small(src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig,
-                                  shape_tag, what)
+        small = nbytes <= self.small_bytes
+        # Everything that must agree, the path included; it is also the row's tag, so that the row's first step
+        # sees what the core's own check does not (Average against Sum, postscale, divisor).
+        sig = signature(count, code, int(op), prescale, postscale, divisor, shape_tag, small)
+        if small:
+            verdict = self._small(src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig, what)
         else:
             verdict = self._three_phases(src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, sig,
-                                         shape_tag, what)
+                                         what)
         if verdict[0] != OK:
             raise _verdict_error(what, verdict)
 
@@ -57,16 +59,16 @@ class Torus:
         """The verdict (status, culprit) of every rank on `sig`, by the small path's route with no data: a collective
         other than allreduce checks its arguments this way, so that ranks calling different collectives find out
         as surely as ranks passing different tensors."""
-        return self._small(ffi.NULL, ffi.NULL, 0, lib.SMC_UINT8, 0, ops.Sum, 1.0, 1.0, 1, sig, sig, what)
+        return self._small(ffi.NULL, ffi.NULL, 0, lib.SMC_UINT8, 0, ops.Sum, 1.0, 1.0, 1, sig, what)
 
-    def _small(self, src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig, shape_tag, what):
+    def _small(self, src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig, what):
         # Latency-bound: straight to the core, every Python layer here costs microseconds. The row's sum goes to a
         # message buffer (a header, then the data); the output is written only once the verdict is OK everywhere.
         row, column = self.row, self.column
         leader = row.rank == 0
         message = column.message(nbytes) if leader else self._scratch_ptr(HEADER_BYTES + nbytes)
         data = message + HEADER_BYTES
-        rc = lib.smc_allreduce(row.handle, src_ptr, data, count, code, ops.C_OP[op], prescale, 1.0, 1, shape_tag)
+        rc = lib.smc_allreduce(row.handle, src_ptr, data, count, code, ops.C_OP[op], prescale, 1.0, 1, sig)
         status, culprit, error = self._row_status(rc, what)
         if leader:
             try:
@@ -99,15 +101,14 @@ class Torus:
             raise error
         return verdict
 
-    def _three_phases(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, sig, shape_tag,
-                      what):
+    def _three_phases(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, sig, what):
         row = self.row
         counts = shares(count, row.size)
         mine = counts[row.rank]
         piece_ptr = self._scratch_ptr(mine * esize)
         piece = self._scratch[:mine * esize]
         rc = lib.smc_reducescatter(row.handle, src_ptr, piece_ptr, ffi.new("uint64_t[]", counts), code, ops.C_OP[op],
-                                   prescale, 1.0, 1, shape_tag)
+                                   prescale, 1.0, 1, sig)
         status, culprit, error = self._row_status(rc, what)
         verdict = self.column.agree(sig, status, culprit)
         if verdict[0] != OK:
