@@ -5,9 +5,10 @@ then the cost model (shmcomm.sim) calibrated on these measurements, predicted ag
     python -m benchmarks.multihost --hosts 2 --ranks-per-host 2 [--rate 1gbit] [--bytes 4K,256K,4M,64M]
 
 Each time is the median over iterations of the slowest rank's time; the algorithms take turns within each
-iteration. Needs root (network namespaces); see shmcomm/testing/simhosts.py for how the hosts are made. MPI's own
-allreduce runs under the best progress settings found for MPICH on this machine (MPIR_CVAR_CH4_PROGRESS_THROTTLE);
---mpi-env adds or overrides settings."""
+iteration. Needs root (network namespaces); see shmcomm/testing/simhosts.py for how the hosts are made. Each
+simulated host runs on its own share of this machine's CPUs, as separate machines would (--shared-cpus lets the
+scheduler mix the hosts' ranks on the cores instead). MPI's own allreduce runs under the best progress settings found
+for MPICH on this machine (MPIR_CVAR_CH4_PROGRESS_THROTTLE); --mpi-env adds or overrides settings."""
 import argparse
 import json
 import os
@@ -18,8 +19,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG = "MULTIHOST "
 BEST_MPI_SETTINGS = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "16"}
-# The simulated hosts share this machine's cores, which a rank cannot see (its local size is its host's): shmcomm's
-# waits must yield the core at once, as they do on any oversubscribed host.
+# The simulated hosts' ranks outnumber the cores, which a rank cannot tell from its local size: shmcomm's waits must
+# yield the core at once, as they do on any oversubscribed host.
 SHARED_CORES = {"SHMCOMM_SPIN_US": "2"}
 SMALL_SIZE, SMALL_ITERS = 1 << 20, 200  # below SMALL_SIZE bytes, at least SMALL_ITERS iterations
 
@@ -108,6 +109,8 @@ def main():
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--ranks-per-host", type=int, default=2)
     parser.add_argument("--rate", help="cap each host's link, tc syntax (1gbit)")
+    parser.add_argument("--shared-cpus", action="store_true",
+                        help="let every simulated host run on every CPU (by default each has its own)")
     parser.add_argument("--bytes", default="4K,256K,4M,64M")
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
@@ -127,7 +130,8 @@ def main():
 
     env = dict(BEST_MPI_SETTINGS, **SHARED_CORES)
     env.update(item.split("=", 1) for item in args.mpi_env)
-    with SimulatedHosts(args.hosts, rate=args.rate) as sim:
+    with SimulatedHosts(args.hosts, rate=args.rate, own_cpus=not args.shared_cpus) as sim:
+        cpus = "shared" if args.shared_cpus else " ".join("%s:%s" % hc for hc in zip(sim.hosts, sim.cpus))
         cmd = [sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(args.ranks_per_host, extra_env=env),
                sys.executable, "-m", "benchmarks.multihost", "--worker", "--bytes", args.bytes, "--iters",
                str(args.iters), "--warmup", str(args.warmup)]
@@ -141,9 +145,9 @@ def main():
     from shmcomm.jobs import torus_small_bytes
 
     small_bytes = torus_small_bytes(env)
-    print("# %s | %s | %d hosts x %d ranks, links %s, MPI settings %s" % (
+    print("# %s | %s | %d hosts x %d ranks, links %s, CPUs %s, MPI settings %s" % (
         " ".join(["python -m benchmarks.multihost"] + sys.argv[1:]), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        args.hosts, args.ranks_per_host, args.rate or "unshaped", " ".join("%s=%s" % kv for kv in env.items())))
+        args.hosts, args.ranks_per_host, args.rate or "unshaped", cpus, " ".join("%s=%s" % kv for kv in env.items())))
     by = {(r["algorithm"], r["bytes"]): r["median_s"] for r in results}
     print("%12s %12s %12s %12s %12s %10s %10s %10s" % ("bytes", "torus (ms)", "ring (ms)", "auto (ms)", "MPI (ms)",
                                                        "MPI/torus", "ring/torus", "MPI/auto"))

@@ -293,7 +293,9 @@ def test_command_not_found_exits_127():
     assert "shmcomm-no-such-command-xyz" in result.stderr and "not found" in result.stderr
 
 
-@pytest.mark.parametrize("args", [[], ["true"], ["-np", "0", "true"], ["-np", "2"]])
+@pytest.mark.parametrize("args", [[], ["true"], ["-np", "0", "true"], ["-np", "2"],
+                                  ["-np", "2", "--torus-grid", "2by1", "true"],
+                                  ["-np", "2", "--allreduce-algo", "tree", "true"]])
 def test_usage_errors_exit_2(args):
     result = launch(*args)
     assert result.returncode == 2
@@ -304,10 +306,12 @@ def test_tunable_flags_reach_the_ranks_env():
     flags = ["--fusion-threshold-mb", "1.5", "--cycle-time-ms", "3.5", "--cache-capacity", "64",
              "--timeline-filename", "/tmp/timeline.json", "--timeline-mark-cycles", "--no-stall-check",
              "--stall-check-warning-time-seconds", "30", "--stall-check-shutdown-time-seconds", "90",
-             "--log-level", "debug", "--start-timeout", "20", "--timeout", "40"]
+             "--log-level", "debug", "--start-timeout", "20", "--timeout", "40", "--allreduce-algo", "Torus",
+             "--torus-grid", "2x1", "--torus-small-bytes", "4096"]
     expected = {"FUSION_THRESHOLD": str(int(1.5 * 1024 * 1024)), "CYCLE_TIME": "3.5", "CACHE_CAPACITY": "64",
                 "TIMELINE": "/tmp/timeline.json", "TIMELINE_MARK_CYCLES": "1", "STALL_CHECK_DISABLE": "1",
-                "STALL_CHECK_TIME_SECONDS": "30", "STALL_SHUTDOWN_TIME_SECONDS": "90", "LOG_LEVEL": "DEBUG"}
+                "STALL_CHECK_TIME_SECONDS": "30", "STALL_SHUTDOWN_TIME_SECONDS": "90", "LOG_LEVEL": "DEBUG",
+                "ALLREDUCE_ALGO": "torus", "TORUS_GRID": "2x1", "TORUS_SMALL_BYTES": "4096"}
     program = rank_program("import json, os; print(json.dumps(dict(os.environ)))")
     result = launch("-np", 2, *flags, *program)
     assert result.returncode == 0, result.stderr
@@ -317,6 +321,13 @@ def test_tunable_flags_reach_the_ranks_env():
             assert env[f"SHMCOMM_{name}"] == value
             assert env[f"HOROVOD_{name}"] == value
         assert env["SHMCOMM_START_TIMEOUT"] == "20" and env["SHMCOMM_TIMEOUT"] == "40"
+
+
+def test_the_launcher_offers_the_algorithms_the_library_knows():
+    from shmcomm.grid import ALGORITHMS
+    from shmcomm.runner.cli import ALLREDUCE_ALGORITHMS
+
+    assert ALLREDUCE_ALGORITHMS == ALGORITHMS
 
 
 def test_orphaned_mpi_segments_are_removed_but_not_live_or_older_ones(tmp_path):

@@ -192,6 +192,25 @@ def test_teardown_kills_what_runs_inside_and_leaves_nothing():
     assert leftovers(hosts.suffix) == [] and not os.path.exists(hosts.agent)
 
 
+def test_host_cpus_split_this_machine():
+    assert simhosts.host_cpus(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
+    assert simhosts.host_cpus(3, [0, 1]) == ["0", "1", "0"]
+    assert simhosts.host_cpus(1, [4, 5]) == ["4,5"]
+
+
+def test_hosts_with_their_own_cpus_run_there():
+    hosts = open_hosts(2, own_cpus=True)
+    try:
+        for host, cpus in zip(hosts.hosts, hosts.cpus):
+            seen = subprocess.run([hosts.agent, host, sys.executable, "-c",
+                                   "'import os, socket; print(socket.gethostname(), sorted(os.sched_getaffinity(0)))'"],
+                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+            assert seen.returncode == 0, seen.stderr
+            assert seen.stdout.strip().split(None, 1) == [host, str(sorted(int(c) for c in cpus.split(",")))], seen.stdout
+    finally:
+        hosts.close()
+
+
 OWNER = """
     import os, sys, time
     from shmcomm.testing.simhosts import SimulatedHosts

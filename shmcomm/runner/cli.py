@@ -43,6 +43,23 @@ def _count(text):
     return str(value)
 
 
+def _grid(text):
+    columns, _, rows = text.strip().lower().partition("x")
+    if not (columns.isdigit() and rows.isdigit() and int(columns) > 0 and int(rows) > 0):
+        raise argparse.ArgumentTypeError(f"expected XxY (ranks per row x rows), e.g. 2x2, got {text!r}")
+    return f"{int(columns)}x{int(rows)}"
+
+
+# shmcomm.grid.ALGORITHMS, not imported: the launcher runs before the C core is built.
+ALLREDUCE_ALGORITHMS = ("auto", "torus", "ring", "mpi")
+
+
+def _algorithm(text):
+    if text.strip().lower() not in ALLREDUCE_ALGORITHMS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(ALLREDUCE_ALGORITHMS)}, got {text!r}")
+    return text.strip().lower()
+
+
 def _log_level(text):
     level = text.strip().upper()
     if level not in LOG_LEVELS:
@@ -74,6 +91,12 @@ ENV_FLAGS = (
     ("--stall-check-shutdown-time-seconds", _number, _both("STALL_SHUTDOWN_TIME_SECONDS"), "S",
      "seconds before shutting down a stalled job"),
     ("--log-level", _log_level, _both("LOG_LEVEL"), "LEVEL", "one of " + ", ".join(LOG_LEVELS)),
+    ("--allreduce-algo", _algorithm, _both("ALLREDUCE_ALGO"), "ALGO",
+     "allreduce across hosts: auto, torus, ring or mpi"),
+    ("--torus-grid", _grid, _both("TORUS_GRID"), "XxY",
+     "a logical 2D-torus grid of X ranks per row and Y rows (also on one host)"),
+    ("--torus-small-bytes", _count, _both("TORUS_SMALL_BYTES"), "N",
+     "bytes up to which the torus takes its single-exchange path"),
 )
 
 

@@ -157,8 +157,8 @@ def _torus(machine: Machine, nbytes: float, grid=None):
 
 # The torus's path for small messages (shmcomm takes it up to SHMCOMM_TORUS_SMALL_BYTES): the row allreduces all
 # M bytes in one shared-memory step, one rank per host allreduces them across hosts by recursive doubling (MPI's
-# algorithm for short messages: log2(H) exchanges, two more when H is not a power of two), and the row takes the
-# result from it in one more step:
+# algorithm for short messages, which shmcomm runs inside its cross-host agreement: log2(H) exchanges, two more when
+# H is not a power of two), and the row takes the result from it in one more step:
 #   T = 2 alpha_h + 2M beta_h + s (alpha_v + M beta_v) + (L - 1 + s) M gamma,  s = the exchanges across hosts.
 def _torus_small(machine: Machine, nbytes: float):
     local, hosts = machine.local, machine.hosts

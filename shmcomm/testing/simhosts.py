@@ -91,12 +91,13 @@ def _pid_alive(pid):
 
 
 def _agent_script(targets):
-    """An ssh stand-in: `agent [ssh options] HOST COMMAND...` runs COMMAND in HOST's namespace and name.
+    """An ssh stand-in: `agent [ssh options] HOST COMMAND...` runs COMMAND in HOST's namespace and name, on HOST's
+    CPUs when it has its own (empty: all of them).
 
     Like ssh, it joins the command words with spaces for the remote shell to parse again (hydra quotes the
     proxy's path with that in mind)."""
-    cases = "".join(f"  {'|'.join(shlex.quote(k) for k in keys)}) ns={shlex.quote(ns)} name={shlex.quote(name)} ;;\n"
-                    for keys, ns, name in targets)
+    cases = "".join(f"  {'|'.join(shlex.quote(k) for k in keys)}) ns={shlex.quote(ns)} name={shlex.quote(name)} "
+                    f"cpus={shlex.quote(cpus)} ;;\n" for keys, ns, name, cpus in targets)
     return f"""#!/bin/sh
 # Simulated-host agent, called like ssh: agent [ssh options] HOST COMMAND...
 while [ $# -gt 0 ]; do
@@ -112,20 +113,34 @@ host=$1; shift
 case "$host" in
 {cases}  *) echo "$0: $host is not one of the simulated hosts" >&2; exit 255 ;;
 esac
-exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$1" && shift && exec "$@"' -- "$name" sh -c "$*"
+pin=
+if [ -n "$cpus" ]; then pin="taskset -c $cpus"; fi
+exec ip netns exec "$ns" unshare --uts $pin sh -c 'hostname "$1" && shift && exec "$@"' -- "$name" sh -c "$*"
 """
+
+
+def host_cpus(n_hosts, cpus=None):
+    """Each host's share of this machine's CPUs (taskset lists): contiguous equal parts, or, with more hosts than
+    CPUs, one CPU each in turn."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if n_hosts > len(cpus):
+        return [str(cpus[i % len(cpus)]) for i in range(n_hosts)]
+    per = len(cpus) // n_hosts
+    return [",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(n_hosts)]
 
 
 class SimulatedHosts:
     """Context manager creating `n_hosts` simulated hosts; `rate` (tc syntax, e.g. "1gbit") caps each host's
-    link in both directions. Everything is removed on exit, on SIGTERM (when entered in the main thread) and
+    link in both directions; `own_cpus` gives each host its own CPUs (host_cpus). Everything is removed on exit, on SIGTERM (when entered in the main thread) and
     by close(); cleanup_stale() removes what a killed process left."""
 
-    def __init__(self, n_hosts, rate=None):
+    def __init__(self, n_hosts, rate=None, own_cpus=False):
         if not 1 <= n_hosts <= 200:
             raise ValueError(f"n_hosts must be between 1 and 200, got {n_hosts}")
         self.n_hosts = n_hosts
         self.rate = rate
+        # Real hosts do not share CPUs: with own_cpus each host's processes run on its own part of this machine's.
+        self.cpus = host_cpus(n_hosts) if own_cpus else [""] * n_hosts
         if rate is not None:
             rate_bits_per_second(rate)  # refuse a bad rate before creating anything
         self.suffix = secrets.token_hex(3)
@@ -192,7 +207,8 @@ class SimulatedHosts:
             if self.rate is not None:
                 self._limit_rate(ns, veth)
         self.agent = os.path.join(tempfile.mkdtemp(prefix=f"{NAME_PREFIX}-{self.suffix}-"), "agent")
-        targets = [((name, addr), ns, name) for name, addr, ns in zip(self.hosts, self.addresses, self.namespaces)]
+        targets = [((name, addr), ns, name, cpus)
+                   for name, addr, ns, cpus in zip(self.hosts, self.addresses, self.namespaces, self.cpus)]
         with open(self.agent, "w") as agent:
             agent.write(_agent_script(targets))
         os.chmod(self.agent, 0o755)
