@@ -19,8 +19,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG = "MULTIHOST "
 BEST_MPI_SETTINGS = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "16"}
-# The simulated hosts' ranks outnumber the cores, which a rank cannot tell from its local size: shmcomm's waits must
-# yield the core at once, as they do on any oversubscribed host.
+# With --shared-cpus the ranks of all simulated hosts share the cores, which a rank cannot tell from its local size
+# and CPU set: shmcomm's waits must yield the core at once, as they do on an oversubscribed host. (A host with its own
+# CPUs sees it has fewer than ranks, and does so by itself.)
 SHARED_CORES = {"SHMCOMM_SPIN_US": "2"}
 SMALL_SIZE, SMALL_ITERS = 1 << 20, 200  # below SMALL_SIZE bytes, at least SMALL_ITERS iterations
 
@@ -128,7 +129,7 @@ def main():
         return
     from shmcomm.testing.simhosts import SimulatedHosts
 
-    env = dict(BEST_MPI_SETTINGS, **SHARED_CORES)
+    env = dict(BEST_MPI_SETTINGS, **(SHARED_CORES if args.shared_cpus else {}))
     env.update(item.split("=", 1) for item in args.mpi_env)
     with SimulatedHosts(args.hosts, rate=args.rate, own_cpus=not args.shared_cpus) as sim:
         cpus = "shared" if args.shared_cpus else " ".join("%s:%s" % hc for hc in zip(sim.hosts, sim.cpus))

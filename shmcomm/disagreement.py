@@ -14,7 +14,7 @@ from shmcomm.exceptions import MismatchError
 
 _WORDS = 32
 _FIXED = 7            # kind, dtype, op, prescale, postscale, root, ndim; then the dimensions
-KINDS = {1: "allreduce", 2: "broadcast", 3: "allgather", 4: "alltoall", 5: "barrier"}
+KINDS = {1: "allreduce", 2: "broadcast", 3: "allgather", 4: "alltoall", 5: "barrier", 6: "reducescatter"}
 KIND = {name: code for code, name in KINDS.items()}
 _OPS = {0: "average", 1: "sum", 3: "min", 4: "max", 5: "product"}
 
@@ -66,7 +66,7 @@ def _text(row, varying, type_name):
         text = "%s of %s" % (KINDS.get(kind, "?"), text)
     if varying[2] and op >= 0:
         text += " op %s" % _OPS.get(op, op)
-    if (varying[3] or varying[4]) and KINDS.get(kind) == "allreduce":
+    if (varying[3] or varying[4]) and KINDS.get(kind) in ("allreduce", "reducescatter"):
         text += " scaled by (pre %g, post %g)" % (_float(pre), _float(post))
     if varying[5] and root >= 0:
         text += " root %d" % root

@@ -23,6 +23,23 @@ def requested_algorithm():
     return algo
 
 
+# Variables that choose paths: hosts on different paths would wait for each other instead of failing.
+PATH_SETTINGS = ("SHMCOMM_ALLREDUCE_ALGO", "HOROVOD_ALLREDUCE_ALGO", "SHMCOMM_TORUS_SMALL_BYTES",
+                 "HOROVOD_TORUS_SMALL_BYTES", "SHMCOMM_TORUS_MIN_BYTES", "SHMCOMM_TORUS_GRID", "HOROVOD_TORUS_GRID")
+
+
+def require_same_settings(mpi):
+    """Every rank must have the same PATH_SETTINGS; compared as they are set, before anything parses them, so that
+    one rank's bad value fails every rank alike."""
+    mine = tuple(os.environ.get(name) for name in PATH_SETTINGS)
+    every = mpi.allgather(mine)
+    if any(e != mine for e in every):
+        differ = "; ".join("rank %d: %s" % (r, ", ".join("%s=%s" % (n, v) for n, v in zip(PATH_SETTINGS, e) if v))
+                           for r, e in enumerate(every) if r == 0 or e != every[0])
+        names = ", ".join(n for n in PATH_SETTINGS if n.startswith("SHMCOMM_"))
+        raise ValueError("%s (or their HOROVOD_ names) must be the same on every rank (%s)" % (names, differ))
+
+
 class GridComm:
     def __init__(self, topology, tuning, host, torus, mpi=None, host_groups=()):
         self.topology = topology
@@ -44,29 +61,17 @@ class GridComm:
         self.closables = []
         self.agreement = None           # without a torus, every cross-host collective starts with this
         self.broken = None              # why cross-host calls are refused (an abandoned MPI collective)
-        if mpi is not None:
-            self._require_same_settings()
         if mpi is not None and torus is None:
             from shmcomm.algorithms.agreement import Agreement
 
             self.agreement = Agreement(mpi, tuning.timeout_s)
 
-    def _require_same_settings(self):
-        """Settings that choose paths must be the same everywhere: hosts on different paths would wait for each
-        other, not fail."""
-        mine = (self.algorithm, self.torus.small_bytes if self.torus else None, self.torus_min_bytes)
-        every = self.mpi.allgather(mine)
-        if any(e != mine for e in every):
-            differ = "; ".join("rank %d: %s, %s, %s" % ((r,) + tuple(e)) for r, e in enumerate(every)
-                               if r == 0 or e != every[0])
-            raise ValueError("SHMCOMM_ALLREDUCE_ALGO, SHMCOMM_TORUS_SMALL_BYTES and SHMCOMM_TORUS_MIN_BYTES must be "
-                             "the same on every rank (%s)" % differ)
-
     def _choose(self, nbytes):
-        """auto: the torus when every host has the same ranks (its small-message path is a single exchange across
-        hosts, made by one rank per host while the others sleep: on par with MPI's own allreduce at 4 KiB on the
-        simulated hosts, ahead above); for uneven hosts, and below SHMCOMM_TORUS_MIN_BYTES (0), the MPI library's
-        allreduce."""
+        """auto: the torus when every host has the same ranks; for uneven hosts, and below SHMCOMM_TORUS_MIN_BYTES
+        (0), the MPI library's allreduce. The torus's small-message path is a single exchange across hosts, made by
+        one rank per host while the others sleep, which carries the cross-host agreement too; MPI's allreduce needs
+        that agreement as an exchange of its own first. On 2 simulated hosts the torus is on par with MPI's own
+        allreduce at 4 KiB and ahead from 8 KiB; MPI is ahead at 2 KiB, and at 4 KiB with 3 hosts on 2 cores."""
         if self.algorithm != "auto":
             return self.algorithm
         if self.torus is None or (self.mpi is not None and nbytes < self.torus_min_bytes):
@@ -87,9 +92,13 @@ class GridComm:
         self._allreduce(ptr, ptr if dst_ptr is None else dst_ptr, count, code, host_ops.itemsize(code), op, prescale,
                         postscale, what, divisor, (count,))
 
-    def _allreduce(self, ptr, dst_ptr, count, code, esize, op, prescale, postscale, what, divisor, shape):
+    def _allreduce(self, ptr, dst_ptr, count, code, esize, op, prescale, postscale, what, divisor, shape,
+                   kind="allreduce"):
+        if self.broken:
+            raise BrokenCommunicatorError("%s: unusable after an earlier failure: %s" % (what, self.broken))
         divisor = (self.size if op == ops.Average else 1) if divisor is None else divisor
-        shape_tag = hash((code,) + tuple(shape)) & host_ops.MASK
+        # The kind tells reducescatter (an allreduce here) from allreduce.
+        shape_tag = hash((disagreement.KIND[kind], code) + tuple(shape)) & host_ops.MASK
         algo = self._choose(count * esize)
         try:
             if algo == "torus":
@@ -98,7 +107,7 @@ class GridComm:
                 return
             self._agree(signature(count, code, int(op), prescale, postscale, divisor, shape_tag), what)
         except MismatchError:
-            raise self._disagreement(what, disagreement.words("allreduce", code, shape, int(op), prescale,
+            raise self._disagreement(what, disagreement.words(kind, code, shape, int(op), prescale,
                                                               postscale)) from None
         from shmcomm._native import ffi
 
@@ -172,11 +181,14 @@ class GridComm:
         require_reducible(src, what)
         if len(src.shape) == 0:
             raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % what)
-        total = self.allreduce(x, None, op, prescale, postscale, what)
+        total, dst = host_ops.output_for(src, None, src.shape, what)
+        self._allreduce(src.ptr, dst.ptr, src.count, src.code, src.itemsize, op, prescale, postscale, what, None,
+                        src.shape, kind="reducescatter")
         rows = src.shape[0]
         share = [rows // self.size + (1 if r < rows % self.size else 0) for r in range(self.size)]
         start = sum(share[:self.rank])
-        return total[start:start + share[self.rank]].clone() if src.is_torch else total[start:start + share[self.rank]].copy()
+        mine = total[start:start + share[self.rank]]
+        return mine.clone() if src.is_torch else mine.copy()
 
     def alltoall(self, x, splits, what):
         self._check_rows(x, 4, what)
@@ -194,6 +206,8 @@ class GridComm:
     def allgather_bytes(self, payload):
         if self.mpi is None:
             return self.host.allgather_bytes(payload)
+        if self.broken:
+            raise BrokenCommunicatorError("negotiation: unusable after an earlier failure: %s" % self.broken)
         return self.mpi.allgather(bytes(payload))
 
     def set_spin(self, spin_us):

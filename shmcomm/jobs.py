@@ -54,23 +54,29 @@ def _logical_grid(topo, tuning, generation, host, x, y):
 
 def _across_hosts(generation):
     from shmcomm.algorithms.torus2d import MpiColumn, Torus
-    from shmcomm.grid import GridComm
+    from shmcomm.grid import GridComm, require_same_settings
 
     topo, ctx = topology.from_mpi()
+    if ctx.hosts > 1 or _grid_text():
+        require_same_settings(ctx.world)
     tuning = env.tuning(topo.local_size)
     host = Communicator(topo, tuning, generation, ranks=ctx.host_ranks, suffix="_h%d" % ctx.host_index, arena=True)
     if ctx.hosts == 1 and not _grid_text():
         host.ranks = list(range(topo.size))  # one host: the host communicator is the world
         return host
-    grid = _grid_text()
-    if grid:
-        x, y = topology.parse_grid(grid, topo.size)
-        if x != topo.local_size or not ctx.homogeneous:
-            raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
-                             % (grid, topo.local_size))
-    small_bytes = torus_small_bytes()
-    # The column gives up a little before the host's own waits do, so that the rest of the host hears why.
-    column_timeout_s = 0.8 * tuning.timeout_s
-    torus = Torus(host, MpiColumn(ctx.cross, column_timeout_s, small_bytes, "torus column"), small_bytes,
-                  world_rank=topo.rank) if ctx.homogeneous else None
-    return GridComm(topo, tuning, host, torus, mpi=ctx.world, host_groups=ctx.world.allgather(ctx.host_ranks))
+    try:
+        grid = _grid_text()
+        if grid:
+            x, y = topology.parse_grid(grid, topo.size)
+            if x != topo.local_size or not ctx.homogeneous:
+                raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
+                                 % (grid, topo.local_size))
+        small_bytes = torus_small_bytes()
+        # The column gives up a little before the host's own waits do, so that the rest of the host hears why.
+        column_timeout_s = 0.8 * tuning.timeout_s
+        torus = Torus(host, MpiColumn(ctx.cross, column_timeout_s, small_bytes, "torus column"), small_bytes,
+                      world_rank=topo.rank) if ctx.homogeneous else None
+        return GridComm(topo, tuning, host, torus, mpi=ctx.world, host_groups=ctx.world.allgather(ctx.host_ranks))
+    except BaseException:
+        host.close()
+        raise

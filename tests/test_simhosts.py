@@ -196,17 +196,21 @@ def test_host_cpus_split_this_machine():
     assert simhosts.host_cpus(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
     assert simhosts.host_cpus(3, [0, 1]) == ["0", "1", "0"]
     assert simhosts.host_cpus(1, [4, 5]) == ["4,5"]
+    assert simhosts.host_cpus(3, [0, 1, 2, 3]) == ["0,1", "2", "3"]
+    with pytest.raises(ValueError):
+        simhosts.host_cpus(2, [])
 
 
 def test_hosts_with_their_own_cpus_run_there():
     hosts = open_hosts(2, own_cpus=True)
     try:
         for host, cpus in zip(hosts.hosts, hosts.cpus):
-            seen = subprocess.run([hosts.agent, host, sys.executable, "-c",
-                                   "'import os, socket; print(socket.gethostname(), sorted(os.sched_getaffinity(0)))'"],
-                                  stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+            program = "'import os, socket; print(socket.gethostname(), sorted(os.sched_getaffinity(0)))'"
+            seen = subprocess.run([hosts.agent, host, sys.executable, "-c", program], stdin=subprocess.DEVNULL,
+                                  capture_output=True, text=True, timeout=30)
             assert seen.returncode == 0, seen.stderr
-            assert seen.stdout.strip().split(None, 1) == [host, str(sorted(int(c) for c in cpus.split(",")))], seen.stdout
+            expected = [host, str(sorted(int(c) for c in cpus.split(",")))]
+            assert seen.stdout.strip().split(None, 1) == expected, seen.stdout
     finally:
         hosts.close()
 

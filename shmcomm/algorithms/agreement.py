@@ -12,6 +12,7 @@ and associative, so every rank ends with the same verdict, whatever the order of
 A small allreduce rides in the same messages (`allreduce`): its data follows the header and each round also reduces
 the partner's data, so the check costs no extra message where latency matters. Every wait has a deadline
 (SHMCOMM_TIMEOUT), kept by a watchdog thread."""
+import os
 import threading
 import time
 import weakref
@@ -27,6 +28,7 @@ HEADER_BYTES = 32     # uint64 words: signature, status, lowest failed rank + 1 
 _MASK = (1 << 64) - 1
 _TAG = 0x5AC          # apart from the tags of the ring's messages on the same communicator
 _WATCH_PERIOD_S = 0.1
+_SEND_POLL_S = 0.01   # a send still in flight after the receive is polled this long before the waits sleep
 
 
 def signature(*values):
@@ -51,8 +53,9 @@ def failure_text(what, culprit):
 
 class Watchdog:
     """Deadlines for MPI's blocking waits, which have none: a thread that wakes ten times a second cancels the
-    receive a wait is blocked on once its deadline has passed (MPI_Cancel of a receive is what every MPI supports). The wait itself stays MPI's own (no polling from
-    Python, which costs the CPU time that oversubscribed ranks share)."""
+    receive a wait is blocked on once its deadline has passed (MPI_Cancel of a receive is what every MPI supports).
+    The wait itself stays MPI's own, not a polling loop in Python, which costs the CPU time that oversubscribed ranks
+    share; only where threads may not call MPI (below MPI_THREAD_MULTIPLE) the receive is polled."""
 
     def __init__(self):
         from mpi4py import MPI
@@ -201,9 +204,16 @@ class Agreement:
         if incoming is not None:
             self._watchdog.wait(incoming, deadline, lambda: self._late(peer))
         if outgoing is not None:
-            # The peer posted its receive before it sent (or before it handed back a fold): this completes at once,
-            # and polling it costs nothing. (Sends are not cancelled: not every MPI can.)
-            wait_all([outgoing], deadline, lambda: self._late(peer))
+            # The peer posted its receive before it sent (or before it handed back a fold), so this completes as
+            # soon as the bytes are through: poll it closely for a while (MPI's own wait polls too), then with
+            # sleeps until the deadline. (Sends are not cancelled: not every MPI can.)
+            if not outgoing.Test():
+                until = time.monotonic() + _SEND_POLL_S
+                while not outgoing.Test():
+                    if time.monotonic() > until:
+                        wait_all([outgoing], deadline, lambda: self._late(peer))
+                        break
+                    os.sched_yield()
 
     def _merge(self, nbytes, code, op, peer):
         mine, theirs = self._send_words, self._recv_words

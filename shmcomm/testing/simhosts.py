@@ -96,8 +96,8 @@ def _agent_script(targets):
 
     Like ssh, it joins the command words with spaces for the remote shell to parse again (hydra quotes the
     proxy's path with that in mind)."""
-    cases = "".join(f"  {'|'.join(shlex.quote(k) for k in keys)}) ns={shlex.quote(ns)} name={shlex.quote(name)} "
-                    f"cpus={shlex.quote(cpus)} ;;\n" for keys, ns, name, cpus in targets)
+    cases = "".join(f"  {'|'.join(shlex.quote(k) for k in keys)}) ns={shlex.quote(ns)} "
+                    f"name={shlex.quote(name)} cpus={shlex.quote(cpus)} ;;\n" for keys, ns, name, cpus in targets)
     return f"""#!/bin/sh
 # Simulated-host agent, called like ssh: agent [ssh options] HOST COMMAND...
 while [ $# -gt 0 ]; do
@@ -120,19 +120,25 @@ exec ip netns exec "$ns" unshare --uts $pin sh -c 'hostname "$1" && shift && exe
 
 
 def host_cpus(n_hosts, cpus=None):
-    """Each host's share of this machine's CPUs (taskset lists): contiguous equal parts, or, with more hosts than
-    CPUs, one CPU each in turn."""
+    """Each host's share of this machine's CPUs (taskset lists): contiguous parts as equal as they can be; with more
+    hosts than CPUs, one CPU each in turn, so some hosts share one."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if not cpus:
+        raise ValueError("no CPUs to share out")
     if n_hosts > len(cpus):
         return [str(cpus[i % len(cpus)]) for i in range(n_hosts)]
-    per = len(cpus) // n_hosts
-    return [",".join(str(c) for c in cpus[i * per:(i + 1) * per]) for i in range(n_hosts)]
+    shares, at = [], 0
+    for i in range(n_hosts):
+        take = len(cpus) // n_hosts + (1 if i < len(cpus) % n_hosts else 0)
+        shares.append(",".join(str(c) for c in cpus[at:at + take]))
+        at += take
+    return shares
 
 
 class SimulatedHosts:
     """Context manager creating `n_hosts` simulated hosts; `rate` (tc syntax, e.g. "1gbit") caps each host's
-    link in both directions; `own_cpus` gives each host its own CPUs (host_cpus). Everything is removed on exit, on SIGTERM (when entered in the main thread) and
-    by close(); cleanup_stale() removes what a killed process left."""
+    link in both directions; `own_cpus` gives each host its own CPUs (host_cpus). Everything is removed on exit, on
+    SIGTERM (when entered in the main thread) and by close(); cleanup_stale() removes what a killed process left."""
 
     def __init__(self, n_hosts, rate=None, own_cpus=False):
         if not 1 <= n_hosts <= 200:
