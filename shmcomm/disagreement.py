@@ -40,12 +40,12 @@ def gather(mine, mpi=None, host=None, timeout_s=60.0):
     if mpi is not None:
         from mpi4py import MPI
 
-        from shmcomm.algorithms.agreement import wait_all
+        from shmcomm.algorithms.agreement import poll
 
         every = np.zeros((mpi.Get_size(), _WORDS), dtype=np.int64)
         try:
             request = mpi.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
-            wait_all([request], time.monotonic() + timeout_s, lambda: MismatchError("late"))
+            poll([request], time.monotonic() + timeout_s, lambda: MismatchError("late"))
         except (MismatchError, MPI.Exception):
             return None
         return every

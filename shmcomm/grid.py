@@ -208,7 +208,14 @@ class GridComm:
             return self.host.allgather_bytes(payload)
         if self.broken:
             raise BrokenCommunicatorError("negotiation: unusable after an earlier failure: %s" % self.broken)
-        return self.mpi.allgather(bytes(payload))
+        from shmcomm.algorithms.mpi_native import allgather_bytes
+        from shmcomm.exceptions import TimeoutError
+
+        try:
+            return allgather_bytes(self.mpi, payload, self.tuning.timeout_s)
+        except TimeoutError as error:
+            self.broken = str(error)  # its allgather is still pending on the world
+            raise
 
     def set_spin(self, spin_us):
         self.host.set_spin(spin_us)

@@ -190,26 +190,30 @@ _BYTES_BLOCK = 2048  # a few hundred tensors' cache ids
 
 def allgather_bytes(comm, payload):
     """Every rank's bytes object, in rank order (the engine's negotiation messages)."""
-    n, head = comm.size, _BYTES_BLOCK - 8
+    def gatherv(mine, every, sizes):
+        rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine) if mine else ffi.NULL, len(mine),
+                                ffi.from_buffer(every) if every else ffi.NULL, ffi.new("uint64_t[]", sizes), 0)
+        if rc != 0:
+            raise error_for(rc, "negotiation", comm.ranks)
+    return allgather_bytes_over(gatherv, comm.size, payload)
+
+
+def allgather_bytes_over(gatherv, n, payload):
+    """allgather_bytes with any transport: gatherv(mine, every, sizes) puts every rank's `mine` (sizes[r] bytes from
+    rank r) into the bytearray `every`, in rank order."""
+    head = _BYTES_BLOCK - 8
     block = bytearray(_BYTES_BLOCK)
     block[:8] = len(payload).to_bytes(8, "little")
     first = payload[:head]
     block[8:8 + len(first)] = first
     out = bytearray(_BYTES_BLOCK * n)
-    rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(block), _BYTES_BLOCK, ffi.from_buffer(out),
-                            ffi.new("uint64_t[]", [_BYTES_BLOCK] * n), 0)
-    if rc != 0:
-        raise error_for(rc, "negotiation", comm.ranks)
+    gatherv(block, out, [_BYTES_BLOCK] * n)
     sizes = [int.from_bytes(out[r * _BYTES_BLOCK:r * _BYTES_BLOCK + 8], "little") for r in range(n)]
     views = [bytes(out[r * _BYTES_BLOCK + 8:r * _BYTES_BLOCK + 8 + min(s, head)]) for r, s in enumerate(sizes)]
     rest = [max(s - head, 0) for s in sizes]
     if any(rest):  # the same decision on every rank: all saw the same lengths
         tail = bytearray(sum(rest))
-        mine = payload[head:]
-        rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine) if mine else ffi.NULL, len(mine),
-                                ffi.from_buffer(tail) if tail else ffi.NULL, ffi.new("uint64_t[]", rest), 0)
-        if rc != 0:
-            raise error_for(rc, "negotiation", comm.ranks)
+        gatherv(bytes(payload[head:]), tail, rest)
         at = 0
         for r in range(n):
             views[r] += bytes(tail[at:at + rest[r]])

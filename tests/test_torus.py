@@ -233,6 +233,49 @@ def test_settings_that_choose_paths_must_agree_across_hosts(tmp_path):
                 "rank 3: SHMCOMM_TORUS_SMALL_BYTES=1000)") in text, text
 
 
+@needs_mpiexec
+def test_negotiation_messages_of_every_length_across_pretend_hosts(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import shmcomm
+        from shmcomm import basics
+        shmcomm.init()
+        me, world = shmcomm.rank(), basics.communicator()
+        for length in (lambda r: 0, lambda r: 5 + r, lambda r: 2040 + r, lambda r: 3000 * r, lambda r: 70000):
+            got = world.allgather_bytes(bytes([65 + me]) * length(me))
+            assert got == [bytes([65 + r]) * length(r) for r in range(4)], [len(g) for g in got]
+        print("rank ok", flush=True)
+    """))
+    run = _mpiexec(script, 4, SHMCOMM_RANKS_PER_HOST="2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("rank ok") == 4
+
+
+@needs_mpiexec
+def test_negotiation_across_hosts_times_out_on_a_stuck_rank(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time, shmcomm
+        from shmcomm import basics
+        shmcomm.init()
+        me, world = shmcomm.rank(), basics.communicator()
+        if me == 2:  # never comes within the others' timeout
+            time.sleep(5)
+            raise SystemExit(0)
+        start = time.monotonic()
+        try:
+            world.allgather_bytes(b"x" * 10)
+        except shmcomm.TimeoutError as error:
+            with open(os.path.join(sys.argv[1], "raised%d" % me), "w") as f:
+                f.write("%.1f %s" % (time.monotonic() - start, error))
+    """))
+    run = _mpiexec([script, tmp_path], 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT="2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    for rank in (0, 1, 3):
+        seconds, text = (tmp_path / ("raised%d" % rank)).read_text().split(None, 1)
+        assert float(seconds) < 6 and "negotiation: timed out" in text, text
+
+
 STUCK = textwrap.dedent("""
     import os, sys, time, numpy as np, shmcomm
     shmcomm.init()

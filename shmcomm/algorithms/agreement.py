@@ -28,7 +28,7 @@ HEADER_BYTES = 32     # uint64 words: signature, status, lowest failed rank + 1 
 _MASK = (1 << 64) - 1
 _TAG = 0x5AC          # apart from the tags of the ring's messages on the same communicator
 _WATCH_PERIOD_S = 0.1
-_SEND_POLL_S = 0.01   # a send still in flight after the receive is polled this long before the waits sleep
+_CLOSE_POLL_S = 0.01  # how long poll() polls before it sleeps
 
 
 def signature(*values):
@@ -106,6 +106,21 @@ def _watch(ref):
             return
         watchdog.cancel_if_late()
         del watchdog
+
+
+def poll(requests, deadline, late):
+    """Waits for MPI requests that should complete soon: polls closely for _CLOSE_POLL_S, yielding the core in
+    between (MPI's own waits poll too), then with sleeps until `deadline` (wait_all)."""
+    from mpi4py import MPI
+
+    if MPI.Request.Testall(requests):
+        return
+    until = time.monotonic() + _CLOSE_POLL_S
+    while time.monotonic() < until:
+        os.sched_yield()
+        if MPI.Request.Testall(requests):
+            return
+    wait_all(requests, deadline, late)
 
 
 def wait_all(requests, deadline, late):
@@ -205,15 +220,8 @@ class Agreement:
             self._watchdog.wait(incoming, deadline, lambda: self._late(peer))
         if outgoing is not None:
             # The peer posted its receive before it sent (or before it handed back a fold), so this completes as
-            # soon as the bytes are through: poll it closely for a while (MPI's own wait polls too), then with
-            # sleeps until the deadline. (Sends are not cancelled: not every MPI can.)
-            if not outgoing.Test():
-                until = time.monotonic() + _SEND_POLL_S
-                while not outgoing.Test():
-                    if time.monotonic() > until:
-                        wait_all([outgoing], deadline, lambda: self._late(peer))
-                        break
-                    os.sched_yield()
+            # soon as the bytes are through. (Sends are not cancelled: not every MPI can.)
+            poll([outgoing], deadline, lambda: self._late(peer))
 
     def _merge(self, nbytes, code, op, peer):
         mine, theirs = self._send_words, self._recv_words

@@ -116,3 +116,26 @@ def alltoall(mpi, x, splits, what):
     mpi.Alltoallv([_bytes_of(src), ([s * row_bytes for s in splits], None), MPI.BYTE],
                   [_bytes_of(wrap(out, what, True)), ([int(g) * row_bytes for g in got], None), MPI.BYTE])
     return out, got
+
+
+def allgather_bytes(mpi, payload, timeout_s):
+    """host_ops.allgather_bytes across hosts (the engine's negotiation), within SHMCOMM_TIMEOUT: MPI's own allgather
+    would wait forever for a rank that stopped."""
+    import time
+
+    from mpi4py import MPI
+
+    from shmcomm.algorithms.agreement import poll
+    from shmcomm.exceptions import TimeoutError
+
+    deadline = time.monotonic() + timeout_s
+
+    def late():
+        return TimeoutError("negotiation: timed out after %.0f s waiting for the other ranks' messages across hosts "
+                            "(a rank is stuck; SHMCOMM_TIMEOUT sets the limit)" % timeout_s)
+
+    def gatherv(mine, every, sizes):
+        displacements = [sum(sizes[:r]) for r in range(len(sizes))]
+        request = mpi.Iallgatherv([mine, len(mine), MPI.BYTE], [every, (sizes, displacements), MPI.BYTE])
+        poll([request], deadline, late)
+    return host_ops.allgather_bytes_over(gatherv, mpi.Get_size(), payload)
