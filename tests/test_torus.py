@@ -251,55 +251,45 @@ def test_negotiation_messages_of_every_length_across_pretend_hosts(tmp_path):
     assert run.stdout.count("rank ok") == 4
 
 
-@needs_mpiexec
-def test_negotiation_across_hosts_times_out_on_a_stuck_rank(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
-        import os, sys, time, shmcomm
+def _stuck_rank_job(call, sleep):
+    """Rank 2 of 4 stays away longer than the others' timeout; they make `call` and record what they raise."""
+    return textwrap.dedent("""
+        import os, sys, time, numpy as np, shmcomm
         from shmcomm import basics
         shmcomm.init()
-        me, world = shmcomm.rank(), basics.communicator()
-        if me == 2:  # never comes within the others' timeout
-            time.sleep(5)
+        me = shmcomm.rank()
+        if me == 2:
+            time.sleep(%s)
             raise SystemExit(0)
         start = time.monotonic()
         try:
-            world.allgather_bytes(b"x" * 10)
-        except shmcomm.TimeoutError as error:
-            with open(os.path.join(sys.argv[1], "raised%d" % me), "w") as f:
-                f.write("%.1f %s" % (time.monotonic() - start, error))
-    """))
-    run = _mpiexec([script, tmp_path], 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT="2")
+            %s
+        except shmcomm.ShmCommError as error:
+            with open(os.path.join(sys.argv[1], "raised%%d" %% me), "w") as f:  # hydra may split stdout lines
+                f.write("%%s %%.1f %%s" %% (type(error).__name__, time.monotonic() - start, error))
+    """) % (sleep, call)
+
+
+def _run_stuck_rank_job(tmp_path, call, sleep, timeout):
+    script = tmp_path / "job.py"
+    script.write_text(_stuck_rank_job(call, sleep))
+    run = _mpiexec([script, tmp_path], 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT=str(timeout))
     assert run.returncode == 0, run.stdout + run.stderr
-    for rank in (0, 1, 3):
-        seconds, text = (tmp_path / ("raised%d" % rank)).read_text().split(None, 1)
-        assert float(seconds) < 6 and "negotiation: timed out" in text, text
+    return {int(f.name[6:]): f.read_text().split(None, 2) for f in tmp_path.glob("raised*")}, run
 
 
-STUCK = textwrap.dedent("""
-    import os, sys, time, numpy as np, shmcomm
-    shmcomm.init()
-    me = shmcomm.rank()
-    if me == 2:  # never comes within the others' timeout
-        time.sleep(8)
-        raise SystemExit(0)
-    start = time.monotonic()
-    try:
-        shmcomm.allreduce(np.ones(10, np.float32))
-    except shmcomm.ShmCommError as error:
-        with open(os.path.join(sys.argv[1], "raised%d" % me), "w") as f:  # hydra may split stdout lines
-            f.write("%s %.1f %s" % (type(error).__name__, time.monotonic() - start, error))
-""")
+@needs_mpiexec
+def test_negotiation_across_hosts_times_out_on_a_stuck_rank(tmp_path):
+    raised, run = _run_stuck_rank_job(tmp_path, "basics.communicator().allgather_bytes(b'x' * 10)", 5, 2)
+    assert sorted(raised) == [0, 1, 3], run.stdout + run.stderr
+    for kind, seconds, text in raised.values():
+        assert kind == "TimeoutError" and float(seconds) < 6 and "negotiation: timed out" in text, text
 
 
 @needs_mpiexec
 def test_a_rank_that_does_not_come_times_the_others_out_by_name(tmp_path):
     """MPI waits have no deadline of their own: the column's watchdog gives them SHMCOMM_TIMEOUT's."""
-    script = tmp_path / "job.py"
-    script.write_text(STUCK)
-    run = _mpiexec([script, tmp_path], 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT="3")
-    assert run.returncode == 0, run.stdout + run.stderr
-    raised = {int(f.name[6:]): f.read_text().split(None, 2) for f in tmp_path.glob("raised*")}
+    raised, run = _run_stuck_rank_job(tmp_path, "shmcomm.allreduce(np.ones(10, np.float32))", 8, 3)
     assert sorted(raised) == [0, 1, 3], run.stdout + run.stderr
     assert all(float(seconds) < 8 for _, seconds, _ in raised.values()), raised
     # Rank 2's column partner and its row partner name it; rank 1 hears that its host's first rank failed.
