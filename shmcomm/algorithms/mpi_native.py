@@ -4,6 +4,7 @@
 MPI has no 16-bit float reductions, so float16 and bfloat16 are widened to float32 for the reduction and rounded
 back once. Scale factors use the core's kernels, so they follow the same rules as everywhere else."""
 import functools
+import itertools
 
 import numpy as np
 
@@ -135,7 +136,7 @@ def allgather_bytes(mpi, payload, timeout_s):
                             "(a rank is stuck; SHMCOMM_TIMEOUT sets the limit)" % timeout_s)
 
     def gatherv(mine, every, sizes):
-        displacements = [sum(sizes[:r]) for r in range(len(sizes))]
+        displacements = [0] + list(itertools.accumulate(sizes[:-1]))
         request = mpi.Iallgatherv([mine, len(mine), MPI.BYTE], [every, (sizes, displacements), MPI.BYTE])
         poll([request], deadline, late)
     return host_ops.allgather_bytes_over(gatherv, mpi.Get_size(), payload)
