@@ -206,8 +206,8 @@ class Agreement:
                     self._merge(nbytes, code, op, peer)
                 if self.fold_from is not None:
                     self._exchange(self.fold_from, deadline, send=True, receive=False)
-        except TimeoutError as error:
-            self.broken = str(error)
+        except BaseException as error:  # a timeout, or MPI's own error: the rounds are out of step from here on
+            self.broken = str(error) or type(error).__name__
             raise
         return int(words[1]), int(words[2])
 
