@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from shmcomm import dtypes
+from shmcomm import dtypes, ops
 from shmcomm._native import ffi, lib
 from shmcomm.exceptions import MismatchError
 
@@ -16,7 +16,6 @@ _WORDS = 32
 _FIXED = 7            # kind, dtype, op, prescale, postscale, root, ndim; then the dimensions
 KINDS = {1: "allreduce", 2: "broadcast", 3: "allgather", 4: "alltoall", 5: "barrier", 6: "reducescatter"}
 KIND = {name: code for code, name in KINDS.items()}
-_OPS = {0: "average", 1: "sum", 3: "min", 4: "max", 5: "product"}
 
 
 def _bits(value):
@@ -65,7 +64,7 @@ def _text(row, varying, type_name):
     if varying[0]:
         text = "%s of %s" % (KINDS.get(kind, "?"), text)
     if varying[2] and op >= 0:
-        text += " op %s" % _OPS.get(op, op)
+        text += " op %s" % ops.ReduceOp(op).name.lower()
     if (varying[3] or varying[4]) and KINDS.get(kind) in ("allreduce", "reducescatter"):
         text += " scaled by (pre %g, post %g)" % (_float(pre), _float(post))
     if varying[5] and root >= 0:

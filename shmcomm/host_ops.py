@@ -90,14 +90,6 @@ def allreduce_raw(comm, ptr, count, code, op, prescale, postscale, what, divisor
         raise error_for(rc, what, comm.ranks)
 
 
-def reducescatter_raw(comm, src_ptr, dst_ptr, counts, code, op, prescale, postscale, divisor, what):
-    """Elements [sum(counts[:r]), +counts[r]) of the reduction land at dst_ptr on rank r (the torus's row phase)."""
-    rc = lib.smc_reducescatter(comm.handle, src_ptr, dst_ptr, ffi.new("uint64_t[]", counts), code, _C_OP[op],
-                               prescale, postscale, divisor, hash((code,) + tuple(counts)) & MASK)
-    if rc != 0:
-        raise error_for(rc, what, comm.ranks)
-
-
 def itemsize(code):
     return int(lib.smc_dtype_size(code))
 

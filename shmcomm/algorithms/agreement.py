@@ -25,7 +25,6 @@ from shmcomm.exceptions import BrokenCommunicatorError, TimeoutError
 
 OK, MISMATCH, FAILED = 0, 1, 2
 HEADER_BYTES = 32     # uint64 words: signature, status, lowest failed rank + 1 (0: none), data bytes that follow
-_MASK = (1 << 64) - 1
 _TAG = 0x5AC          # apart from the tags of the ring's messages on the same communicator
 _WATCH_PERIOD_S = 0.1
 _CLOSE_POLL_S = 0.01  # how long poll() polls before it sleeps
@@ -33,7 +32,7 @@ _CLOSE_POLL_S = 0.01  # how long poll() polls before it sleeps
 
 def signature(*values):
     """A 64-bit hash of numbers, equal on every rank for equal values (no strings: their hashes differ per process)."""
-    return hash(values) & _MASK
+    return hash(values) & host_ops.MASK
 
 
 def combine(sig, status, culprit, other_sig, other_status, other_culprit):

@@ -23,11 +23,6 @@ def mpi_op(op):
     return {ops.Average: MPI.SUM, ops.Sum: MPI.SUM, ops.Min: MPI.MIN, ops.Max: MPI.MAX, ops.Product: MPI.PROD}[op]
 
 
-def numpy_type(code):
-    """The numpy type MPI reduces elements of type `code` as, or None (the 16-bit floats, which MPI lacks)."""
-    return _NUMPY_OF.get(code)
-
-
 def _widened(raw, code):
     """float32 copy of 16-bit floats (their bits converted by the core's kernel)."""
     wide = np.empty(raw.nbytes // 2, dtype=np.float32)
