@@ -24,10 +24,14 @@ def _sources():
     return [os.path.relpath(p) for p in found]
 
 
+def core_flags():
+    """The flags of csrc/cflags.txt, which says why each is there: the first word of every line starting with '-'."""
+    with open(os.path.join(HERE, "cflags.txt")) as f:
+        return [line.split()[0] for line in f if line.startswith("-")]
+
+
 def _compile_args():
-    # No FMA contraction: a reduction must give the same bits on every CPU the wheel runs on.
-    args = ["-O3", "-std=gnu11", "-fwrapv", "-fno-strict-aliasing", "-ffp-contract=off", "-pthread", "-Wall",
-            "-Wextra", "-Wno-unused-parameter"]
+    args = core_flags()
     if os.environ.get("SHMCOMM_SANITIZE"):
         args += ["-fsanitize=" + os.environ["SHMCOMM_SANITIZE"], "-fno-omit-frame-pointer", "-O1", "-g"]
     return args

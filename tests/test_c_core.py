@@ -10,8 +10,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C_DIR = os.path.join(ROOT, "tests", "c")
 CC = os.environ.get("CC", "gcc")
-FLAGS = ["-std=gnu11", "-fwrapv", "-fno-strict-aliasing", "-pthread", "-Wall", "-Wextra", "-Werror",
-         "-Wno-unused-parameter", "-I" + os.path.join(ROOT, "csrc"), "-I" + os.path.join(ROOT, "csrc", "include")]
+
+
+def _core_flags():
+    """The package's own flags (csrc/cflags.txt: the first word of each line starting with '-')."""
+    with open(os.path.join(ROOT, "csrc", "cflags.txt")) as f:
+        return [line.split()[0] for line in f if line.startswith("-")]
+
+
+# The tests add -Werror and their own optimisation level (a later -O wins) or sanitizers.
+FLAGS = _core_flags() + ["-Werror", "-I" + os.path.join(ROOT, "csrc"), "-I" + os.path.join(ROOT, "csrc", "include")]
 SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 
 pytestmark = pytest.mark.skipif(shutil.which(CC) is None, reason="no C compiler")
