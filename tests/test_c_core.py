@@ -39,12 +39,12 @@ def _build_and_run(tmp_path, test, extra):
     return run.stdout
 
 
-@pytest.mark.parametrize("test", ["test_core.c", "test_reduce.c"])
+@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_reduce.c"])
 def test_c_units(tmp_path, test):
     _build_and_run(tmp_path, test, ["-O2"])
 
 
-@pytest.mark.parametrize("test", ["test_core.c", "test_reduce.c"])
+@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_reduce.c"])
 def test_c_units_under_sanitizers(tmp_path, test):
     probe = subprocess.run([CC, "-fsanitize=address,undefined", "-x", "c", "-", "-o", str(tmp_path / "probe")],
                            input="int main(void){return 0;}", text=True, capture_output=True)

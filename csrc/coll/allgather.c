@@ -11,8 +11,9 @@ static smc_result_t check_contributions(smc_comm_t* c, const uint64_t* recv_byte
   for (int j = 0; j < c->size; j++) {
     uint64_t sent = smc_peer_desc(c, j)->own;
     if (sent != recv_bytes[j])
-      return smc_set_error(SMC_ERR_MISMATCH, "allgather: ranks disagree: rank %d contributes %llu bytes, the ranks "
-                           "expected %llu", j, (unsigned long long)sent, (unsigned long long)recv_bytes[j]);
+      return smc_set_peer_error(SMC_ERR_MISMATCH, smc_job_rank(c, j), SMC_FIELD_COUNT,
+                                "allgather: ranks disagree: rank %d contributes %llu bytes, the ranks expected %llu",
+                                smc_job_rank(c, j), (unsigned long long)sent, (unsigned long long)recv_bytes[j]);
   }
   return SMC_SUCCESS;
 }

@@ -25,9 +25,11 @@ static smc_result_t plan_routes(smc_comm_t* c, route_t* routes, uint64_t* longes
     const uint64_t* expected_by_j = sent_by_j + n;
     for (int i = 0; i < n; i++) {
       uint64_t sent_to_j = ((const uint64_t*)smc_half(c, i))[j];
-      if (sent_to_j != expected_by_j[i])
-        return smc_set_error(SMC_ERR_MISMATCH, "alltoall: ranks disagree: rank %d sends %llu bytes to rank %d, which "
-                             "expects %llu", i, (unsigned long long)sent_to_j, j, (unsigned long long)expected_by_j[i]);
+      if (sent_to_j != expected_by_j[i]) /* the sender is named as the rank that differs */
+        return smc_set_peer_error(SMC_ERR_MISMATCH, smc_job_rank(c, i), SMC_FIELD_COUNT,
+                                  "alltoall: ranks disagree: rank %d sends %llu bytes to rank %d, which expects %llu",
+                                  smc_job_rank(c, i), (unsigned long long)sent_to_j, smc_job_rank(c, j),
+                                  (unsigned long long)expected_by_j[i]);
     }
     route_t* r = &routes[j];
     r->from = 0;

@@ -35,6 +35,10 @@ static smc_result_t validate(const smc_config_t* cfg) {
                          cfg->size);
   if (!(cfg->timeout_s > 0) || !(cfg->start_timeout_s > 0) || !(cfg->liveness_s > 0))
     return smc_set_error(SMC_ERR_INVALID, "init: timeouts must be positive");
+  for (int r = 0; cfg->job_ranks != NULL && r < cfg->size; r++)
+    if (cfg->job_ranks[r] < 0) /* -1 means "no rank" in the failure data */
+      return smc_set_error(SMC_ERR_INVALID, "init: job_ranks[%d] is %d; job ranks are not negative", r,
+                           cfg->job_ranks[r]);
   return SMC_SUCCESS;
 }
 
@@ -70,10 +74,21 @@ static smc_result_t init_header(smc_comm_t* c, const smc_config_t* cfg, size_t c
   return SMC_SUCCESS;
 }
 
+/* Rank 0 creates the segment: when it never appears, rank 0 is the one to name. */
+static smc_result_t open_segment(smc_comm_t* c, double timeout_s, void** base) {
+  smc_result_t rc = smc_segment_open(c->name, c->total_bytes, timeout_s, base);
+  if (rc != SMC_ERR_TIMEOUT) return rc;
+  return smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, 0), SMC_FIELD_NONE,
+                            "segment %s did not appear within %.1f s: did rank %d start?", c->name, timeout_s,
+                            smc_job_rank(c, 0));
+}
+
 static smc_result_t wait_ready(smc_comm_t* c, double timeout_s) {
   double deadline = smc_now() + timeout_s;
   while (atomic_load(&c->hdr->ready) == 0) {
-    if (smc_now() > deadline) return smc_set_error(SMC_ERR_TIMEOUT, "init: segment %s never became ready", c->name);
+    if (smc_now() > deadline)
+      return smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, 0), SMC_FIELD_NONE,
+                                "init: segment %s never became ready", c->name);
     smc_futex_sleep(&c->hdr->ready, 0, 0.01);
   }
   if (c->hdr->magic != SMC_MAGIC || c->hdr->layout_version != SMC_LAYOUT_VERSION || c->hdr->size != c->size)
@@ -101,10 +116,15 @@ static smc_result_t wait_all_attached(smc_comm_t* c, double timeout_s) {
   if (rc != SMC_ERR_TIMEOUT) return rc;
   char missing[256] = "";
   size_t used = 0;
-  for (int r = 0; r < c->size && used < sizeof(missing) - 16; r++)
-    if (c->ctl[r].pid == 0) used += (size_t)snprintf(missing + used, sizeof(missing) - used, "%s%d", used ? ", " : "", r);
-  return smc_set_error(SMC_ERR_TIMEOUT, "init: only %u of %d ranks attached within %.1f s; missing ranks: %s",
-                       atomic_load(&c->hdr->attached), c->size, timeout_s, missing);
+  int first_missing = -1;
+  for (int r = 0; r < c->size && used < sizeof(missing) - 16; r++) {
+    if (c->ctl[r].pid != 0) continue;
+    if (first_missing < 0) first_missing = smc_job_rank(c, r);
+    used += (size_t)snprintf(missing + used, sizeof(missing) - used, "%s%d", used ? ", " : "", smc_job_rank(c, r));
+  }
+  return smc_set_peer_error(SMC_ERR_TIMEOUT, first_missing, SMC_FIELD_NONE,
+                            "init: only %u of %d ranks attached within %.1f s; missing ranks: %s",
+                            atomic_load(&c->hdr->attached), c->size, timeout_s, missing);
 }
 
 smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
@@ -121,6 +141,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->timeout_s = cfg->timeout_s;
   c->liveness_s = cfg->liveness_s;
   c->spin_us = cfg->spin_us < 0 ? 0 : cfg->spin_us;
+  for (int r = 0; r < c->size; r++) c->job_ranks[r] = cfg->job_ranks != NULL ? cfg->job_ranks[r] : r;
   snprintf(c->name, sizeof(c->name), "/shmcomm-%s-%d", cfg->token, cfg->generation);
 
   size_t ctl_off = round_up(sizeof(smc_shm_header_t), SMC_PAGE);
@@ -132,7 +153,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   if (c->rank == 0)
     SMC_CHECK_GOTO(smc_segment_create(c->name, c->total_bytes, &base), res, fail);
   else
-    SMC_CHECK_GOTO(smc_segment_open(c->name, c->total_bytes, cfg->start_timeout_s, &base), res, fail);
+    SMC_CHECK_GOTO(open_segment(c, cfg->start_timeout_s, &base), res, fail);
   c->base = base;
   c->hdr = base;
   c->ctl = (smc_rank_ctl_t*)(c->base + ctl_off);
@@ -145,7 +166,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   smc_rank_ctl_t* me = &c->ctl[c->rank];
   if (me->pid != 0) {
     res = smc_set_error(SMC_ERR_INVALID, "init: rank %d is taken by pid %d: two processes were given the same rank",
-                        c->rank, (int)me->pid);
+                        smc_job_rank(c, c->rank), (int)me->pid);
     goto fail_unmap;
   }
   int lrc = pthread_mutex_lock(&me->alive);
@@ -212,8 +233,6 @@ uint32_t smc_comm_doorbell_wait(smc_comm_t* c, uint32_t seen, double timeout_s) 
 }
 
 void smc_comm_set_spin(smc_comm_t* c, int spin_us) { c->spin_us = spin_us < 0 ? 0 : spin_us; }
-int smc_comm_rank(const smc_comm_t* c) { return c->rank; }
-int smc_comm_size(const smc_comm_t* c) { return c->size; }
 
 uint64_t smc_comm_failed_ranks(smc_comm_t* c) {
   uint64_t mask = 0;

@@ -10,15 +10,6 @@
 #include "shm/wait.h"
 #include "shmcomm.h"
 
-typedef enum {
-  SMC_COLL_BARRIER = 1,
-  SMC_COLL_ALLREDUCE,
-  SMC_COLL_REDUCESCATTER,
-  SMC_COLL_BROADCAST,
-  SMC_COLL_ALLGATHERV,
-  SMC_COLL_ALLTOALLV
-} smc_coll_kind_t;
-
 struct smc_comm {
   int rank;
   int size;
@@ -39,14 +30,20 @@ struct smc_comm {
   int spin_us;
   smc_result_t broken;     /* non-success once a failure left the protocol state unknown */
   char broken_msg[512];
+  smc_failure_t broken_failure; /* the failure data of that failure, repeated by every later refusal */
+  int job_ranks[SMC_MAX_RANKS]; /* a copy of smc_config_t.job_ranks: nothing points into the caller's memory */
 };
+
+/* How messages and failure data name rank r of this communicator. */
+static inline int smc_job_rank(const smc_comm_t* c, int r) { return c->job_ranks[r]; }
 
 /* The half of rank r's slot that the current step uses. */
 static inline uint8_t* smc_half(smc_comm_t* c, int r) {
   return c->slots + (size_t)r * c->slot_bytes + (size_t)c->parity * c->half_bytes;
 }
 
-/* liveness.c: SMC_SUCCESS while rank r is attached and alive; otherwise SMC_ERR_RANK_FAILED with a text naming it. */
+/* liveness.c: SMC_SUCCESS while rank r is attached and alive; otherwise SMC_ERR_RANK_FAILED with a text and failure
+ * data naming it. */
 smc_result_t smc_peer_check(smc_comm_t* c, int r, const char* what);
 
 /* step.c: the building blocks of every collective. A collective is a series of steps; in a step each rank writes

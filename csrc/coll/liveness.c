@@ -10,8 +10,10 @@
 
 smc_result_t smc_peer_check(smc_comm_t* c, int r, const char* what) {
   smc_rank_ctl_t* peer = &c->ctl[r];
+  const int job_rank = smc_job_rank(c, r);
   if (atomic_load(&peer->dead))
-    return smc_set_error(SMC_ERR_RANK_FAILED, "%s: rank %d (pid %d) died", what, r, (int)peer->pid);
+    return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE, "%s: rank %d (pid %d) died", what,
+                              job_rank, (int)peer->pid);
   int rc = pthread_mutex_trylock(&peer->alive);
   if (rc == EBUSY) return SMC_SUCCESS;
   if (rc == EOWNERDEAD || rc == ENOTRECOVERABLE) {
@@ -19,15 +21,16 @@ smc_result_t smc_peer_check(smc_comm_t* c, int r, const char* what) {
     /* Unlocking without pthread_mutex_consistent makes the mutex permanently unrecoverable: every later trylock, from
      * any rank, reports the death too. */
     if (rc == EOWNERDEAD) pthread_mutex_unlock(&peer->alive);
-    return smc_set_error(SMC_ERR_RANK_FAILED, "%s: rank %d (pid %d) died", what, r, (int)peer->pid);
+    return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE, "%s: rank %d (pid %d) died", what,
+                              job_rank, (int)peer->pid);
   }
   if (rc == 0) {
     pthread_mutex_unlock(&peer->alive);
     if (atomic_load(&peer->departed))
-      return smc_set_error(SMC_ERR_RANK_FAILED,
-                           "%s: rank %d (pid %d) has shut down; the ranks did not call the same collectives", what, r,
-                           (int)peer->pid);
+      return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE,
+                                "%s: rank %d (pid %d) has shut down; the ranks did not call the same collectives",
+                                what, job_rank, (int)peer->pid);
     return SMC_SUCCESS; /* not attached yet: only possible during init, which waits for it */
   }
-  return smc_set_error(SMC_ERR_SYSTEM, "%s: checking rank %d failed: %s", what, r, strerror(rc));
+  return smc_set_error(SMC_ERR_SYSTEM, "%s: checking rank %d failed: %s", what, job_rank, strerror(rc));
 }

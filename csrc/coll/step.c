@@ -19,14 +19,15 @@ static smc_result_t check_peer(void* arg) {
 static smc_result_t mark_broken(smc_comm_t* c, smc_result_t rc) {
   c->broken = rc;
   snprintf(c->broken_msg, sizeof(c->broken_msg), "%s", smc_last_error());
+  smc_last_failure(&c->broken_failure);
   return rc;
 }
 
 smc_result_t smc_comm_usable(smc_comm_t* c, const char* what) {
   if (c == NULL) return smc_set_error(SMC_ERR_INVALID, "%s: communicator is NULL", what);
   if (c->broken != SMC_SUCCESS)
-    return smc_set_error(SMC_ERR_BROKEN, "%s: the communicator is unusable after an earlier failure: %s", what,
-                         c->broken_msg);
+    return smc_set_failure(SMC_ERR_BROKEN, &c->broken_failure,
+                           "%s: the communicator is unusable after an earlier failure: %s", what, c->broken_msg);
   return SMC_SUCCESS;
 }
 
@@ -39,10 +40,10 @@ smc_result_t smc_sync(smc_comm_t* c, const char* what) {
     smc_wait_opts_t opts = {c->spin_us, c->timeout_s, c->liveness_s, check_peer, &ref};
     smc_result_t rc = smc_wait_reach(&c->ctl[r].seq, &c->ctl[r].sleepers, target, &opts);
     if (rc == SMC_ERR_TIMEOUT)
-      rc = smc_set_error(SMC_ERR_TIMEOUT,
-                         "%s: timed out after %.0f s waiting for rank %d (pid %d, alive): it is stuck, or it called "
-                         "a different collective (SHMCOMM_TIMEOUT sets the limit)",
-                         what, c->timeout_s, r, (int)c->ctl[r].pid);
+      rc = smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, r), SMC_FIELD_NONE,
+                              "%s: timed out after %.0f s waiting for rank %d (pid %d, alive): it is stuck, or it "
+                              "called a different collective (SHMCOMM_TIMEOUT sets the limit)",
+                              what, c->timeout_s, smc_job_rank(c, r), (int)c->ctl[r].pid);
     if (rc != SMC_SUCCESS) return mark_broken(c, rc);
   }
   return SMC_SUCCESS;
@@ -64,25 +65,43 @@ static const char* op_name(uint32_t op) {
   return op < SMC_NUM_OPS ? names[op] : "?";
 }
 
-/* Names the first field in which rank r differs from rank 0, in the order a user would look for it. */
-static int describe_difference(char* out, size_t len, int r, const smc_desc_t* a, const smc_desc_t* b) {
-  if (a->coll != b->coll)
-    return snprintf(out, len, "rank 0 called %s, rank %d called %s", coll_name(a->coll), r, coll_name(b->coll));
-  if (a->dtype != b->dtype)
-    return snprintf(out, len, "rank 0 has dtype %s, rank %d has %s", dtype_name(a->dtype), r, dtype_name(b->dtype));
-  if (a->count != b->count)
-    return snprintf(out, len, "rank 0 has count %llu, rank %d has %llu", (unsigned long long)a->count, r,
-                    (unsigned long long)b->count);
-  if (a->op != b->op)
-    return snprintf(out, len, "rank 0 has op %s, rank %d has %s", op_name(a->op), r, op_name(b->op));
-  if (a->root != b->root) return snprintf(out, len, "rank 0 has root %d, rank %d has %d", a->root, r, b->root);
-  if (a->prescale != b->prescale || a->postscale != b->postscale || a->divisor != b->divisor)
-    return snprintf(out, len, "rank 0 scales by (pre %g, post %g, /%lld), rank %d by (pre %g, post %g, /%lld)",
-                    a->prescale, a->postscale, (long long)a->divisor, r, b->prescale, b->postscale,
-                    (long long)b->divisor);
-  if (a->tag != b->tag)
-    return snprintf(out, len, "rank 0 and rank %d passed different shapes or per-rank counts", r);
-  return 0;
+/* Names the first field in which descriptor b (of job rank `other`) differs from a (of job rank `first`, the
+ * communicator's rank 0), in the order a user would look for it. Returns that field, SMC_FIELD_NONE if they agree. */
+static smc_field_t describe_difference(char* out, size_t len, int first, int other, const smc_desc_t* a,
+                                       const smc_desc_t* b) {
+  if (a->coll != b->coll) {
+    snprintf(out, len, "rank %d called %s, rank %d called %s", first, coll_name(a->coll), other, coll_name(b->coll));
+    return SMC_FIELD_COLL;
+  }
+  if (a->dtype != b->dtype) {
+    snprintf(out, len, "rank %d has dtype %s, rank %d has %s", first, dtype_name(a->dtype), other,
+             dtype_name(b->dtype));
+    return SMC_FIELD_DTYPE;
+  }
+  if (a->count != b->count) {
+    snprintf(out, len, "rank %d has count %llu, rank %d has %llu", first, (unsigned long long)a->count, other,
+             (unsigned long long)b->count);
+    return SMC_FIELD_COUNT;
+  }
+  if (a->op != b->op) {
+    snprintf(out, len, "rank %d has op %s, rank %d has %s", first, op_name(a->op), other, op_name(b->op));
+    return SMC_FIELD_OP;
+  }
+  if (a->root != b->root) {
+    snprintf(out, len, "rank %d has root %d, rank %d has %d", first, a->root, other, b->root);
+    return SMC_FIELD_ROOT;
+  }
+  if (a->prescale != b->prescale || a->postscale != b->postscale || a->divisor != b->divisor) {
+    snprintf(out, len, "rank %d scales by (pre %g, post %g, /%lld), rank %d by (pre %g, post %g, /%lld)", first,
+             a->prescale, a->postscale, (long long)a->divisor, other, b->prescale, b->postscale,
+             (long long)b->divisor);
+    return SMC_FIELD_SCALE;
+  }
+  if (a->tag != b->tag) {
+    snprintf(out, len, "rank %d and rank %d passed different shapes or per-rank counts", first, other);
+    return SMC_FIELD_TAG;
+  }
+  return SMC_FIELD_NONE;
 }
 
 smc_result_t smc_coll_begin(smc_comm_t* c, smc_desc_t* desc, const char* what) {
@@ -91,14 +110,22 @@ smc_result_t smc_coll_begin(smc_comm_t* c, smc_desc_t* desc, const char* what) {
   const smc_desc_t* first = smc_peer_desc(c, 0);
   char msg[768] = "";
   size_t used = 0;
+  int culprit = -1; /* the first rank that differs from rank 0, and how */
+  smc_field_t field = SMC_FIELD_NONE;
   for (int r = 1; r < c->size && used < sizeof(msg) - 1; r++) {
     char part[256];
-    if (describe_difference(part, sizeof(part), r, first, smc_peer_desc(c, r)) > 0)
-      used += (size_t)snprintf(msg + used, sizeof(msg) - used, "%s%s", used ? "; " : "", part);
+    smc_field_t differs =
+        describe_difference(part, sizeof(part), smc_job_rank(c, 0), smc_job_rank(c, r), first, smc_peer_desc(c, r));
+    if (differs == SMC_FIELD_NONE) continue;
+    if (culprit < 0) {
+      culprit = smc_job_rank(c, r);
+      field = differs;
+    }
+    used += (size_t)snprintf(msg + used, sizeof(msg) - used, "%s%s", used ? "; " : "", part);
   }
-  if (used == 0) return SMC_SUCCESS;
+  if (culprit < 0) return SMC_SUCCESS;
   smc_flip(c);
-  return smc_set_error(SMC_ERR_MISMATCH, "%s: ranks disagree: %s", what, msg);
+  return smc_set_peer_error(SMC_ERR_MISMATCH, culprit, field, "%s: ranks disagree: %s", what, msg);
 }
 
 const smc_desc_t* smc_peer_desc(smc_comm_t* c, int r) { return &c->ctl[r].desc[c->parity]; }

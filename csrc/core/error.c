@@ -4,31 +4,41 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-/* Thread-local so that the engine thread and the user's thread never overwrite each other's text. */
+/* Thread-local so that the engine thread and the user's thread never overwrite each other's failure. */
 static __thread char last_error[1024];
+static __thread smc_failure_t last_failure = {SMC_SUCCESS, -1, SMC_FIELD_NONE};
+
+static void record(smc_failure_t failure, const char* fmt, va_list ap) {
+  vsnprintf(last_error, sizeof(last_error), fmt, ap);
+  last_failure = failure;
+}
 
 smc_result_t smc_set_error(smc_result_t rc, const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(last_error, sizeof(last_error), fmt, ap);
+  record((smc_failure_t){rc, -1, SMC_FIELD_NONE}, fmt, ap);
+  va_end(ap);
+  return rc;
+}
+
+smc_result_t smc_set_peer_error(smc_result_t rc, int rank, smc_field_t field, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  record((smc_failure_t){rc, rank, field}, fmt, ap);
+  va_end(ap);
+  return rc;
+}
+
+smc_result_t smc_set_failure(smc_result_t rc, const smc_failure_t* failure, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  record(*failure, fmt, ap);
   va_end(ap);
   return rc;
 }
 
 const char* smc_last_error(void) { return last_error; }
 
-const char* smc_result_string(smc_result_t rc) {
-  switch (rc) {
-    case SMC_SUCCESS: return "success";
-    case SMC_ERR_INVALID: return "invalid argument";
-    case SMC_ERR_SYSTEM: return "system error";
-    case SMC_ERR_TIMEOUT: return "timeout";
-    case SMC_ERR_RANK_FAILED: return "rank failed";
-    case SMC_ERR_MISMATCH: return "mismatch across ranks";
-    case SMC_ERR_NOMEM: return "out of memory";
-    case SMC_ERR_EXISTS: return "already exists";
-    case SMC_ERR_NOT_FOUND: return "not found";
-    case SMC_ERR_BROKEN: return "communicator broken";
-  }
-  return "unknown error";
+void smc_last_failure(smc_failure_t* out) {
+  if (out != NULL) *out = last_failure;
 }

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Error reporting: every failure sets this thread's last-error text and returns its code. */
+/* Error reporting: every failure sets this thread's last-error text and failure data, and returns its code. */
 #ifndef SMC_CORE_ERROR_H_
 #define SMC_CORE_ERROR_H_
 
@@ -8,7 +8,15 @@
 
 #include "shmcomm.h"
 
+/* A failure no particular peer caused: the failure data is {rc, -1, SMC_FIELD_NONE}. */
 smc_result_t smc_set_error(smc_result_t rc, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A failure because of one peer: `rank` is its job rank; `field`, for a mismatch, the first field that differs. */
+smc_result_t smc_set_peer_error(smc_result_t rc, int rank, smc_field_t field, const char* fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* Returns rc with `failure` as the failure data: SMC_ERR_BROKEN keeps the data of the failure that broke the
+ * communicator, so that callers still learn which peer it was. */
+smc_result_t smc_set_failure(smc_result_t rc, const smc_failure_t* failure, const char* fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 /* Propagates a failure: the callee already wrote the text. */
 #define SMC_CHECK(call)            \

@@ -4,7 +4,9 @@
  * a preprocessor directive to cffi's cdef, so it must stay C99 and free of macros in declarations.
  *
  * Conventions: every non-trivial function returns smc_result_t; on failure the calling thread's last-error text
- * (smc_last_error) says what went wrong. `count` is in elements, `*_bytes` in bytes. In-place iff sendbuf == recvbuf.
+ * (smc_last_error) says what went wrong and its failure data (smc_last_failure) says it as numbers. Ranks are named
+ * by their job rank (smc_config_t.job_ranks) in both. `count` is in elements, `*_bytes` in bytes. In-place iff
+ * sendbuf == recvbuf.
  */
 #ifndef SHMCOMM_H_
 #define SHMCOMM_H_
@@ -46,6 +48,37 @@ typedef enum {
   SMC_NUM_OPS = 4
 } smc_redop_t;
 
+/* What a collective is. These codes describe a collective everywhere: in the descriptor every rank publishes and
+ * compares (csrc/coll/step.c), in the engine's negotiation and in the cross-host agreement, which read them from here
+ * (lib.SMC_COLL_*) so that there is one numbering to keep. */
+typedef enum {
+  SMC_COLL_BARRIER = 1,
+  SMC_COLL_ALLREDUCE = 2,
+  SMC_COLL_REDUCESCATTER = 3,
+  SMC_COLL_BROADCAST = 4,
+  SMC_COLL_ALLGATHERV = 5,
+  SMC_COLL_ALLTOALLV = 6
+} smc_coll_kind_t;
+
+/* A part of a collective's description that ranks can disagree on, in the order the check compares them. */
+typedef enum {
+  SMC_FIELD_NONE = 0,
+  SMC_FIELD_COLL = 1,  /* different collectives */
+  SMC_FIELD_DTYPE = 2,
+  SMC_FIELD_COUNT = 3, /* element or byte counts, also one rank's share of an allgather or alltoall */
+  SMC_FIELD_OP = 4,
+  SMC_FIELD_ROOT = 5,
+  SMC_FIELD_SCALE = 6, /* prescale, postscale or divisor */
+  SMC_FIELD_TAG = 7    /* the caller's tag or the per-rank counts: the shapes differ */
+} smc_field_t;
+
+/* A failure as data, so that callers never parse the text. */
+typedef struct {
+  smc_result_t code; /* what failed; for SMC_ERR_BROKEN, the earlier failure that broke the communicator */
+  int rank;          /* job rank of the peer that died, left, is late, or differs; -1 if none */
+  smc_field_t field; /* mismatches: the first field that differs; SMC_FIELD_NONE otherwise */
+} smc_failure_t;
+
 /* How a rank finds its peers and how it waits. Every rank of a job passes the same values except `rank`. */
 typedef struct {
   const char* token;      /* job token: 8..64 characters of [A-Za-z0-9_]; names the shared segment */
@@ -59,14 +92,16 @@ typedef struct {
   size_t small_bytes;     /* allreduce up to this many bytes takes the one-step path */
   size_t arena_bytes;     /* room for Soft Memory Boxes */
   int spin_us;            /* microseconds a waiter polls before it sleeps on a futex */
+  const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL
+                           * means rank r is job rank r. Copied by smc_comm_create. */
 } smc_config_t;
 
 typedef struct smc_comm smc_comm_t;
 typedef struct smc_box smc_box_t;
 
 /* ---- errors ---- */
-const char* smc_last_error(void);                /* this thread's text for its last failure */
-const char* smc_result_string(smc_result_t rc);  /* a short name for a code */
+const char* smc_last_error(void);            /* this thread's text for its last failure */
+void smc_last_failure(smc_failure_t* out);   /* this thread's data for its last failure */
 
 /* ---- communicator (csrc/coll/comm.c) ---- */
 /* Creates or attaches the job segment, waits until all `size` ranks have attached, then removes the segment's name
@@ -82,9 +117,8 @@ uint32_t smc_comm_doorbell_value(smc_comm_t* comm);
 uint32_t smc_comm_doorbell_wait(smc_comm_t* comm, uint32_t seen, double timeout_s);
 /* Changes how long waits poll before sleeping (the engine polls briefly while negotiating). */
 void smc_comm_set_spin(smc_comm_t* comm, int spin_us);
-int smc_comm_rank(const smc_comm_t* comm);
-int smc_comm_size(const smc_comm_t* comm);
-/* Ranks whose process is gone, as a bit mask (bit r = rank r); for error reports and tests. */
+/* Ranks whose process is gone, as a bit mask (bit i = the communicator's i-th rank, job_ranks[i]; the first 64
+ * only); for error reports and tests. Overwrites this thread's last failure. */
 uint64_t smc_comm_failed_ranks(smc_comm_t* comm);
 
 /* ---- collectives (csrc/coll/); every rank calls them in the same order ----

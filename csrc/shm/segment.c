@@ -67,8 +67,7 @@ smc_result_t smc_segment_open(const char* name, size_t bytes, double timeout_s, 
     } else if (errno != ENOENT) {
       return smc_set_error(SMC_ERR_SYSTEM, "shm_open(%s) failed: %s", name, strerror(errno));
     }
-    if (smc_now() > deadline)
-      return smc_set_error(SMC_ERR_TIMEOUT, "segment %s did not appear within %.1f s: did rank 0 start?", name, timeout_s);
+    if (smc_now() > deadline) return SMC_ERR_TIMEOUT; /* the caller knows whom it waited for */
     smc_sleep(pause);
     if (pause < 0.01) pause *= 2;
   }

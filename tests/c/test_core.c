@@ -6,47 +6,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "core/clock.h"
+#include "harness.h"
 #include "shm/segment.h"
 #include "shm/wait.h"
 #include "shmcomm.h"
-
-static int passed, failed;
-
-#define EXPECT(cond, ...)                                 \
-  do {                                                    \
-    if (cond) {                                           \
-      passed++;                                           \
-    } else {                                              \
-      failed++;                                           \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                       \
-      fprintf(stderr, "\n");                              \
-    }                                                     \
-  } while (0)
-
-static void make_token(char* out, size_t len) {
-  snprintf(out, len, "ctest%d%ld", (int)getpid(), (long)time(NULL));
-}
-
-static smc_config_t config(const char* token, int rank, int size) {
-  smc_config_t c = {0};
-  c.token = token;
-  c.rank = rank;
-  c.size = size;
-  c.start_timeout_s = 20;
-  c.timeout_s = 20;
-  c.liveness_s = 0.05;
-  c.slot_bytes = 1 << 16;
-  c.small_bytes = 4096;
-  c.arena_bytes = 1 << 16;
-  c.spin_us = 5;
-  return c;
-}
 
 static int shm_exists(const char* name) {
   char path[256];
@@ -96,9 +62,16 @@ static void test_wait_timeout(void) {
   EXPECT(smc_reached(2, 0xFFFFFFFFu), "2 is after 0xFFFFFFFF");
 }
 
+typedef struct {
+  const char* token;
+  int size, rounds, die_rank;
+} job_t;
+
 /* Child body: create, run `rounds` barriers and allreduces, check the sums, leave. Exit code 0 = fine. */
-static int rank_main(const char* token, int rank, int size, int rounds, int die_rank) {
-  smc_config_t cfg = config(token, rank, size);
+static int rank_main(int rank, void* arg) {
+  const job_t* job = arg;
+  const int size = job->size, rounds = job->rounds, die_rank = job->die_rank;
+  smc_config_t cfg = config(job->token, rank, size);
   smc_comm_t* comm = NULL;
   if (smc_comm_create(&cfg, &comm) != SMC_SUCCESS) {
     fprintf(stderr, "rank %d: create: %s\n", rank, smc_last_error());
@@ -124,41 +97,23 @@ static int rank_main(const char* token, int rank, int size, int rounds, int die_
 }
 
 static int run_ranks(int size, int rounds, int die_rank, const char* token) {
-  pid_t pids[16];
-  for (int r = 0; r < size; r++) {
-    pids[r] = fork();
-    if (pids[r] == 0) {
-      alarm(60); /* a hang fails the test instead of stalling it */
-      _exit(rank_main(token, r, size, rounds, die_rank));
-    }
-  }
-  int bad = 0;
-  for (int r = 0; r < size; r++) {
-    int status = 0;
-    waitpid(pids[r], &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      fprintf(stderr, "rank %d ended with status %d\n", r, status);
-      bad++;
-    }
-  }
-  return bad;
+  job_t job = {token, size, rounds, die_rank};
+  return fork_ranks(size, rank_main, &job);
 }
 
 int main(void) {
   test_segment();
   test_wait_timeout();
   char token[64], name[128];
-  make_token(token, sizeof(token));
+  make_token(token, sizeof(token), "");
   EXPECT(run_ranks(4, 3000, -1, token) == 0, "4 ranks, 3000 barriers and allreduces");
   snprintf(name, sizeof(name), "/shmcomm-%s-0", token);
   EXPECT(!shm_exists(name), "no segment left after a clean job");
-  make_token(token, sizeof(token));
-  strcat(token, "b");
+  make_token(token, sizeof(token), "b");
   double t0 = smc_now();
   EXPECT(run_ranks(8, 300, -1, token) == 0, "8 ranks on this machine's cores");
   printf("8 ranks x 300 rounds: %.2f s\n", smc_now() - t0);
-  make_token(token, sizeof(token));
-  strcat(token, "c");
+  make_token(token, sizeof(token), "c");
   EXPECT(run_ranks(3, 100000, 2, token) == 0, "a vanished rank is named by the others");
   snprintf(name, sizeof(name), "/shmcomm-%s-0", token);
   EXPECT(!shm_exists(name), "no segment left after a crash");
