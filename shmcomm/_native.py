@@ -1,7 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
 """The compiled core and the one place where its return codes become exceptions."""
-import re
-
 from shmcomm import exceptions as exc
 
 try:
@@ -22,33 +20,44 @@ _ERRORS = {
     lib.SMC_ERR_NOT_FOUND: exc.BoxNotFoundError,
     lib.SMC_ERR_BROKEN: exc.BrokenCommunicatorError,
 }
-_RANK_IN_TEXT = re.compile(r"rank (\d+) \(pid")
+# MismatchError.field for the core's smc_field_t. The tag digests the shapes and the per-rank counts.
+_FIELDS = {
+    lib.SMC_FIELD_COLL: "collective",
+    lib.SMC_FIELD_DTYPE: "dtype",
+    lib.SMC_FIELD_COUNT: "count",
+    lib.SMC_FIELD_OP: "op",
+    lib.SMC_FIELD_ROOT: "root",
+    lib.SMC_FIELD_SCALE: "scale",
+    lib.SMC_FIELD_TAG: "shape",
+}
 
 
 def last_error():
     return ffi.string(lib.smc_last_error()).decode("utf-8", "replace")
 
 
-_RANK = re.compile(r"\brank (\d+)")
+def last_failure():
+    """This thread's failure data from the core: .code, .rank (a job rank, -1 if none) and .field."""
+    failure = ffi.new("smc_failure_t *")
+    lib.smc_last_failure(failure)
+    return failure
 
 
-def error_for(rc, prefix=None, ranks=None):
-    """The exception for a failed call, with the C text (and an optional local prefix). The core numbers ranks
-    within its communicator; `ranks` (the communicator's global ranks) turns them into the job's."""
+def error_for(rc, prefix=None):
+    """The exception for a failed call, built from the core's failure data; its message is the C text (with an
+    optional local prefix), which already numbers ranks as the job does."""
     text = last_error()
-    if ranks is not None and ranks != list(range(len(ranks))):
-        text = _RANK.sub(lambda m: "rank %d" % ranks[int(m.group(1))] if int(m.group(1)) < len(ranks) else m.group(0),
-                         text)
     if prefix and not text.startswith(prefix + ":"):
         text = "%s: %s" % (prefix, text)
+    failure = last_failure()
     cls = _ERRORS.get(rc, exc.ShmCommError)
-    if cls in (exc.RankFailure, exc.BrokenCommunicatorError):
-        m = _RANK_IN_TEXT.search(text)
-        if m and ("died" in text or "shut down" in text):
-            return exc.RankFailure(text, int(m.group(1)))
-        if cls is exc.RankFailure:
-            return exc.RankFailure(text)
+    # A rank died or shut down: in this call, or in the one that broke the communicator.
+    if cls is exc.RankFailure or (cls is exc.BrokenCommunicatorError and failure.code == lib.SMC_ERR_RANK_FAILED):
+        return exc.RankFailure(text, failure.rank if failure.rank >= 0 else None)
+    if cls is exc.MismatchError:
+        return exc.MismatchError(text, _FIELDS.get(failure.field))
     return cls(text)
+
 
 def check(rc):
     if rc != 0:

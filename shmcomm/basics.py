@@ -37,6 +37,8 @@ class Communicator:
         cfg.small_bytes = tuning.small_bytes
         cfg.arena_bytes = tuning.arena_bytes if (ranks is None if arena is None else arena) else 0
         cfg.spin_us = tuning.spin_us
+        job_ranks = ffi.new("int[]", self.ranks)  # messages name ranks as the job does; create copies the array
+        cfg.job_ranks = job_ranks
         out = ffi.new("smc_comm_t **")
         check(lib.smc_comm_create(cfg, out))
         self.handle = out[0]

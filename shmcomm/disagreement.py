@@ -14,7 +14,9 @@ from shmcomm.exceptions import MismatchError
 
 _WORDS = 32
 _FIXED = 7            # kind, dtype, op, prescale, postscale, root, ndim; then the dimensions
-KINDS = {1: "allreduce", 2: "broadcast", 3: "allgather", 4: "alltoall", 5: "barrier", 6: "reducescatter"}
+KINDS = {lib.SMC_COLL_ALLREDUCE: "allreduce", lib.SMC_COLL_BROADCAST: "broadcast",
+         lib.SMC_COLL_ALLGATHERV: "allgather", lib.SMC_COLL_ALLTOALLV: "alltoall", lib.SMC_COLL_BARRIER: "barrier",
+         lib.SMC_COLL_REDUCESCATTER: "reducescatter"}  # the C core's codes (smc_coll_kind_t)
 KIND = {name: code for code, name in KINDS.items()}
 
 

@@ -16,7 +16,16 @@ class InvalidArgumentError(ShmCommError, builtins.ValueError):
 
 
 class MismatchError(ShmCommError, builtins.ValueError):
-    """Ranks called different collectives or disagreed on their arguments. Raised on every rank; the job goes on."""
+    """Ranks called different collectives or disagreed on their arguments. Raised on every rank; the job goes on.
+    ``field`` says what differed where the C core found it: "collective", "dtype", "count", "op", "root", "scale" or
+    "shape" (the shapes or per-rank counts); None otherwise."""
+
+    def __init__(self, message, field=None):
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.field))
 
 
 class TimeoutError(ShmCommError, builtins.TimeoutError):

@@ -9,6 +9,7 @@ import os
 import numpy as np
 
 from shmcomm import disagreement, host_ops, ops
+from shmcomm._native import lib
 from shmcomm.algorithms.agreement import MISMATCH, OK, failure_text, signature
 from shmcomm.buffers import require_reducible, wrap
 from shmcomm.exceptions import BrokenCommunicatorError, InvalidArgumentError, MismatchError, ShmCommError
@@ -152,7 +153,7 @@ class GridComm:
         src = wrap(x, what, writable=output is x)
         if output is not None and output is not x:  # local checks first: after the agreement, one rank's error
             host_ops.output_for(src, output, src.shape, what)  # would leave the others waiting in MPI
-        self._checked(what, signature(2, src.dtype_key(), root, *src.shape), disagreement.words(
+        self._checked(what, signature(lib.SMC_COLL_BROADCAST, src.dtype_key(), root, *src.shape), disagreement.words(
             "broadcast", src.dtype_key(), src.shape, root=root), src)
         if self.mpi is None:
             return self.host.broadcast(x, output, root, what)
@@ -161,7 +162,7 @@ class GridComm:
         return mpi_native.broadcast(self.mpi, x, output, root, what)
 
     def allgather(self, x, what):
-        self._check_rows(x, 3, what)
+        self._check_rows(x, lib.SMC_COLL_ALLGATHERV, what)
         if self.mpi is None:
             return self.host.allgather(x, what)
         from shmcomm.algorithms import mpi_native
@@ -191,7 +192,7 @@ class GridComm:
         return mine.clone() if src.is_torch else mine.copy()
 
     def alltoall(self, x, splits, what):
-        self._check_rows(x, 4, what)
+        self._check_rows(x, lib.SMC_COLL_ALLTOALLV, what)
         if self.mpi is None:
             return self.host.alltoall(x, splits, what)
         from shmcomm.algorithms import mpi_native
@@ -199,7 +200,7 @@ class GridComm:
         return mpi_native.alltoall(self.mpi, x, splits, what)
 
     def barrier(self, what="barrier"):
-        self._checked(what, signature(5), disagreement.words("barrier"), None)
+        self._checked(what, signature(lib.SMC_COLL_BARRIER), disagreement.words("barrier"), None)
         if self.mpi is None:
             self.host.barrier(what)
 

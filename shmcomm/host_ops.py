@@ -20,11 +20,11 @@ def _tag(buf, shape):
 
 
 def _raise(rc, comm, what, buf):
-    err = error_for(rc, None, comm.ranks)
-    if isinstance(err, MismatchError) and "different shapes" in str(err):
-        err = MismatchError("%s: ranks disagree on the tensor: %s" % (what, _describe_all(comm, buf)))
-    elif what not in str(err):
-        err = type(err)("%s: %s" % (what, err)) if not hasattr(err, "rank") else err
+    err = error_for(rc)
+    if isinstance(err, MismatchError) and err.field == "shape":
+        err = MismatchError("%s: ranks disagree on the tensor: %s" % (what, _describe_all(comm, buf)), err.field)
+    elif what not in str(err) and not hasattr(err, "rank"):
+        err.args = ("%s: %s" % (what, err),)  # in place: .field stays
     raise err
 
 
@@ -43,7 +43,7 @@ def _describe_all(comm, buf):
     recv_bytes = ffi.new("uint64_t[]", [mine.nbytes] * comm.size)
     rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine), mine.nbytes, ffi.from_buffer(every), recv_bytes, 0)
     if rc != 0:
-        return "(could not collect the shapes: %s)" % error_for(rc, None, comm.ranks)
+        return "(could not collect the shapes: %s)" % error_for(rc)
     parts = []
     for r in range(comm.size):
         key, ndim = int(every[r, 0]), int(every[r, 1])
@@ -87,7 +87,7 @@ def allreduce_raw(comm, ptr, count, code, op, prescale, postscale, what, divisor
     rc = lib.smc_allreduce(comm.handle, ptr, ptr, count, code, _C_OP[op], prescale, postscale, divisor,
                            hash((code, count)) & MASK)
     if rc != 0:
-        raise error_for(rc, what, comm.ranks)
+        raise error_for(rc, what)
 
 
 def itemsize(code):
@@ -186,7 +186,7 @@ def allgather_bytes(comm, payload):
         rc = lib.smc_allgatherv(comm.handle, ffi.from_buffer(mine) if mine else ffi.NULL, len(mine),
                                 ffi.from_buffer(every) if every else ffi.NULL, ffi.new("uint64_t[]", sizes), 0)
         if rc != 0:
-            raise error_for(rc, "negotiation", comm.ranks)
+            raise error_for(rc, "negotiation")
     return allgather_bytes_over(gatherv, comm.size, payload)
 
 

@@ -107,6 +107,36 @@ def test_mismatch_raises_on_every_rank_and_the_job_goes_on():
     assert [m.split(": ", 1)[1] for m in seen[0]] == [m.split(": ", 1)[1] for m in seen[1]]
 
 
+def _mismatch_fields():
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    cases = [
+        lambda: shmcomm.allreduce(np.ones(10 + me, np.float32)),
+        lambda: shmcomm.allreduce(np.ones(10, [np.float32, np.float64][me])),
+        lambda: shmcomm.allreduce(np.ones(4), op=[shmcomm.Sum, shmcomm.Max][me]),
+        lambda: shmcomm.broadcast(np.ones(4), root_rank=me),
+        lambda: shmcomm.allreduce(np.ones([(2, 6), (3, 4)][me], np.float32)),
+        lambda: shmcomm.allgather(np.ones((2, 3 + me))),
+        lambda: shmcomm.allreduce(np.ones(4)) if me == 0 else shmcomm.broadcast(np.ones(4), 0),
+        lambda: shmcomm.allreduce(np.ones(4), op=shmcomm.Sum, prescale_factor=1 + me),
+        lambda: shmcomm.allreduce(np.ones(10 + me, np.float32), name="g"),  # the name is prefixed; the field stays
+    ]
+    fields = []
+    for call in cases:
+        with pytest.raises(shmcomm.MismatchError) as info:
+            call()
+        fields.append(info.value.field)
+    assert str(info.value).startswith("allreduce.g: ")
+    return fields
+
+
+def test_mismatch_field_says_what_differs_on_every_rank():
+    expected = ["count", "dtype", "op", "root", "shape", "shape", "collective", "scale", "count"]
+    assert multiproc.run(2, _mismatch_fields) == [expected, expected]
+
+
 def _die_mid_collective(victim):
     import shmcomm
 
@@ -137,6 +167,37 @@ def test_killed_rank_is_named_by_every_other_rank_within_seconds():
         what, rank, text, after = payload
         assert what == "raised" and rank == 1 and "rank 1" in text and "died" in text
         assert after < 10
+
+
+def _die_in_process_set():
+    import shmcomm
+    from shmcomm._native import lib
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    ps = shmcomm.add_process_set([1, 2])  # job ranks 1 and 2 are ranks 0 and 1 of its communicator
+    if me == 0:
+        return "outside"
+    with pytest.raises(shmcomm.MismatchError, match="rank 1 has count 10, rank 2 has 11") as info:
+        shmcomm.allreduce(np.ones(9 + me), process_set=ps)
+    assert info.value.field == "count"
+    if me == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(shmcomm.RankFailure, match="rank 2 .*died") as info:
+        start = time.monotonic()
+        while time.monotonic() - start < 30:
+            shmcomm.allreduce(np.ones(4), process_set=ps)
+    with pytest.raises(shmcomm.RankFailure) as later:  # the broken communicator still names it
+        shmcomm.barrier(process_set=ps)
+    # smc_comm_failed_ranks numbers ranks within the communicator: bit 1 is job rank 2.
+    return info.value.rank, later.value.rank, lib.smc_comm_failed_ranks(ps.communicator().handle)
+
+
+def test_killed_rank_in_a_process_set_is_named_by_its_job_rank():
+    results = multiproc.run(3, _die_in_process_set, timeout=60, check=False)
+    assert results[0] == ("ok", "outside")
+    assert results[2][0] == "died"
+    assert results[1] == ("ok", (2, 2, 0b10)), results[1]
 
 
 def _peer_shut_down():

@@ -291,7 +291,7 @@ class ShmAgreement:
         rc = lib.smc_allgatherv(self.comm.handle, self._ptr, HEADER_BYTES, ffi.from_buffer(self._headers),
                                 self._sizes, 0)
         if rc != 0:
-            raise error_for(rc, self.what, self.comm.ranks)
+            raise error_for(rc, self.what)
         verdict = (int(self._headers[0, 0]), int(self._headers[0, 1]), int(self._headers[0, 2]))
         for r in range(1, self.comm.size):
             verdict = combine(*verdict, *(int(v) for v in self._headers[r, :3]))

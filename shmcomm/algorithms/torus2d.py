@@ -80,14 +80,14 @@ class Torus:
                 if row.size > 1:
                     rc = lib.smc_broadcast(row.handle, message, message, HEADER_BYTES + nbytes, 0, nbytes)
                     if rc != 0:
-                        raise error or error_for(rc, what, self.row.ranks)
+                        raise error or error_for(rc, what)
                 if verdict[0] == OK:
                     ffi.memmove(dst_ptr, data, nbytes)
         else:
             if status == OK:
                 rc = lib.smc_broadcast(row.handle, ffi.NULL, message, HEADER_BYTES + nbytes, 0, nbytes)
                 if rc != 0:
-                    raise error_for(rc, what, self.row.ranks)
+                    raise error_for(rc, what)
                 head = np.frombuffer(ffi.buffer(message, HEADER_BYTES), dtype=np.uint64)
                 verdict = int(head[1]), int(head[2])
                 if verdict[0] == OK:
@@ -127,7 +127,7 @@ class Torus:
             raise ShmCommError("%s: the cross-host step failed on another rank of this host (its own error says "
                                "why); this allreduce did not complete" % what)
         if rc != 0:
-            raise error_for(rc, what, self.row.ranks)
+            raise error_for(rc, what)
         return OK, 0
 
     def _row_status(self, rc, what):
@@ -137,7 +137,7 @@ class Torus:
             return OK, 0, None
         if rc == lib.SMC_ERR_MISMATCH:
             return MISMATCH, 0, None
-        return FAILED, self.world_rank + 1, error_for(rc, what, self.row.ranks)
+        return FAILED, self.world_rank + 1, error_for(rc, what)
 
     def _scratch_ptr(self, nbytes):
         if self._scratch.nbytes < nbytes:
