@@ -143,7 +143,7 @@ def main():
         sys.stderr.write(run.stdout + run.stderr)
         raise SystemExit("the job failed")
     results = [json.loads(line.split(TAG, 1)[1]) for line in run.stdout.splitlines() if TAG in line]
-    from shmcomm.jobs import torus_small_bytes
+    from shmcomm.env import torus_small_bytes
 
     small_bytes = torus_small_bytes(env)
     print("# %s | %s | %d hosts x %d ranks, links %s, CPUs %s, MPI settings %s" % (

@@ -8,7 +8,7 @@ from shmcomm.ops import Average
 
 
 def _submit(req):
-    return engine.start().submit(req)
+    return basics.start_engine().submit(req)
 
 
 def allreduce_async(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
@@ -74,7 +74,7 @@ def join():
 
 def start_timeline(file_path, mark_cycles=False):
     """Starts writing the Chrome-trace timeline of this rank's engine to `file_path`."""
-    engine.start().timeline.start(file_path, mark_cycles)
+    basics.start_engine().timeline.start(file_path, mark_cycles)
 
 
 def stop_timeline():

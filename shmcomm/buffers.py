@@ -3,6 +3,7 @@
 
 The checks here are the ones Horovod users know (contiguous, supported dtype, right device); they run before any
 rank touches shared memory."""
+import math
 import sys
 import zlib
 
@@ -99,3 +100,20 @@ def empty_like(buf, shape):
 
         return torch.empty(shape, dtype=buf.array.dtype)
     return np.empty(shape, dtype=buf.array.dtype)
+
+
+def output_for(src, output, shape, what):
+    """The caller's output array after checking it fits, or a new one; with its Buffer."""
+    if output is None:
+        out = empty_like(src, shape)
+        return out, wrap(out, what, writable=True)
+    dst = wrap(output, what, writable=True)
+    if tuple(dst.shape) != tuple(shape) or dst.dtype_key() != src.dtype_key():
+        raise InvalidArgumentError("%s: output is %s%s, expected %s%s" % (what, dst.type_name(), list(dst.shape),
+                                                                         src.type_name(), list(shape)))
+    return output, dst
+
+
+def row_bytes(buf, shape):
+    """Bytes per row along the first dimension of `shape` (shape[1:]'s elements times the item size)."""
+    return math.prod(shape[1:]) * buf.itemsize

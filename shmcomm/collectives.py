@@ -6,7 +6,7 @@ raises MismatchError for that call and the job can go on. While the background e
 started it), these calls go through it, so that they and the asynchronous ones keep one order on every rank."""
 import numpy as np
 
-from shmcomm import basics, ops
+from shmcomm import ops, session
 from shmcomm.engine import current as current_engine
 from shmcomm.engine.request import Request, execute
 from shmcomm.buffers import is_torch, wrap
@@ -14,7 +14,7 @@ from shmcomm.exceptions import InvalidArgumentError
 
 def resolve_set(process_set):
     """The communicator and id of a process set (None or the global set: everyone)."""
-    comm = basics.communicator()
+    comm = session.communicator()
     if process_set is None or process_set.process_set_id == 0:
         return comm, 0
     return process_set.communicator(), process_set.process_set_id
@@ -70,7 +70,7 @@ def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_fact
               process_set=None):
     """The reduction of `tensor` over all ranks (default op: Average), in a new tensor or in `output`."""
     if process_set is None and average is None and current_engine() is None:  # the latency path: no Request
-        return basics.communicator().allreduce(tensor, output, ops.resolve(op), prescale_factor,
+        return session.communicator().allreduce(tensor, output, ops.resolve(op), prescale_factor,
                                   postscale_factor, "allreduce" if name is None else "allreduce." + name)
     return run(allreduce_request(tensor, output, op, average, prescale_factor, postscale_factor, name, process_set))
 
@@ -78,7 +78,7 @@ def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_fact
 def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=None):
     """Reduces `tensor` over all ranks in place and returns it."""
     if process_set is None and average is None and current_engine() is None:  # the latency path: no Request
-        return basics.communicator().allreduce(tensor, tensor, ops.resolve(op), prescale_factor,
+        return session.communicator().allreduce(tensor, tensor, ops.resolve(op), prescale_factor,
                                   postscale_factor, "allreduce" if name is None else "allreduce." + name)
     return run(allreduce_request(tensor, tensor, op, average, prescale_factor, postscale_factor, name, process_set))
 

@@ -1,22 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one reader of the environment: the launcher's rank contract and the tuning knobs.
+"""The one reader of the environment: the launcher's rank contract, the tuning knobs and the paths taken.
 
-Every SHMCOMM_* name is also read under its HOROVOD_* spelling, so a job started the Horovod way finds its ranks."""
+Every SHMCOMM_* name is also read under its HOROVOD_* spelling, so a job started the Horovod way finds its ranks.
+Bad values raise ValueError naming the variable. The README's "Tuning" table documents each one:
+
+  launch:     RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, JOB_TOKEN
+  waits:      TIMEOUT, START_TIMEOUT, LIVENESS_INTERVAL, SPIN_US
+  memory:     SLOT_BYTES, SMALL_BYTES, SMB_BYTES
+  engine:     ENGINE, CYCLE_TIME, FUSION_THRESHOLD, BUCKET_BYTES, CACHE_CAPACITY, STALL_CHECK_DISABLE,
+              STALL_CHECK_TIME_SECONDS, STALL_SHUTDOWN_TIME_SECONDS, TIMELINE, TIMELINE_MARK_CYCLES
+  paths:      ALLREDUCE_ALGO, TORUS_GRID, TORUS_SMALL_BYTES, TORUS_MIN_BYTES, RANKS_PER_HOST (testing: pretend hosts)
+  logging:    LOG_LEVEL"""
 import os
 import secrets
 from dataclasses import dataclass
 
 
-def _get(name, default=None):
+def _get(name, default=None, environ=None):
+    environ = os.environ if environ is None else environ
     for prefix in ("SHMCOMM_", "HOROVOD_"):
-        value = os.environ.get(prefix + name)
+        value = environ.get(prefix + name)
         if value not in (None, ""):
             return value
     return default
 
 
-def _number(name, default, kind=float):
-    value = _get(name)
+def _number(name, default, kind=float, environ=None):
+    value = _get(name, environ=environ)
     if value is None:
         return default
     try:
@@ -58,6 +68,25 @@ def topology():
                     _number("CROSS_SIZE", 1, int), token, True)
 
 
+_MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+
+
+def launched_by_mpi():
+    """Whether MPI placed this process (mpiexec, shmcommrun -H, srun): then MPI, not the launcher's variables, says
+    where it sits."""
+    if os.environ.get("SHMCOMM_LAUNCHER") == "mpi":
+        return True
+    if _get("RANK") is not None:
+        return False
+    if any(os.environ.get(v) for v in _MPI_RANK_VARIABLES):
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in os.environ
+
+
+def job_token():
+    return _get("JOB_TOKEN")
+
+
 def engine_requested():
     return _get("ENGINE", "0") not in ("0", "false", "False", "")
 
@@ -89,3 +118,89 @@ def tuning(local_size):
         arena_bytes=_number("SMB_BYTES", 256 << 20, int),
         spin_us=_number("SPIN_US", default_spin_us, int),
     )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    cycle_s: float                 # cycle while a caller waits
+    fusion_threshold: int          # largest fused allreduce, bytes
+    bucket_bytes: int              # queued requests wait until a caller waits or this many bytes gathered
+    cache_capacity: int            # response-cache entries
+    stall_check_s: float           # report requests some ranks wait for this long
+    stall_shutdown_s: float        # then fail them (0: never)
+    stall_check: bool
+
+
+def engine():
+    return EngineSettings(
+        cycle_s=_number("CYCLE_TIME", 1.0) / 1000.0,
+        fusion_threshold=_number("FUSION_THRESHOLD", 64 << 20, int),
+        bucket_bytes=_number("BUCKET_BYTES", 25 << 20, int),
+        cache_capacity=_number("CACHE_CAPACITY", 1024, int),
+        stall_check_s=_number("STALL_CHECK_TIME_SECONDS", 60.0),
+        stall_shutdown_s=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0),
+        stall_check=not _number("STALL_CHECK_DISABLE", 0, int),
+    )
+
+
+def timeline():
+    """(file, mark_cycles) of the Chrome-trace timeline; file is None when none is asked for."""
+    return _get("TIMELINE"), _get("TIMELINE_MARK_CYCLES", "0") != "0"
+
+
+ALGORITHMS = ("auto", "torus", "ring", "mpi")
+TORUS_SMALL_BYTES = 256 << 10
+
+# Settings that choose paths: hosts on different paths would wait for each other instead of failing, so every rank
+# must have the same (bootstrap compares them, as set, before anything parses them).
+PATH_SETTINGS = ("ALLREDUCE_ALGO", "TORUS_SMALL_BYTES", "TORUS_MIN_BYTES", "TORUS_GRID")
+
+
+def path_settings_as_set():
+    return tuple(os.environ.get(prefix + name) for name in PATH_SETTINGS for prefix in ("SHMCOMM_", "HOROVOD_"))
+
+
+@dataclass(frozen=True)
+class PathSettings:
+    algorithm: str          # across hosts: auto, torus, ring or mpi
+    grid: object            # (x, y) of SHMCOMM_TORUS_GRID, or None
+    grid_text: str          # as set, for messages
+    torus_small_bytes: int  # up to this size the torus takes its small-message path
+    torus_min_bytes: int    # auto takes MPI's own allreduce below this size
+
+
+def paths(size, environ=None):
+    """The path settings of a job of `size` ranks."""
+    algorithm = (_get("ALLREDUCE_ALGO", "auto", environ) or "auto").lower()
+    if algorithm not in ALGORITHMS:
+        raise ValueError("SHMCOMM_ALLREDUCE_ALGO=%r: choose one of %s" % (algorithm, ", ".join(ALGORITHMS)))
+    grid_text = _get("TORUS_GRID", environ=environ)
+    return PathSettings(algorithm, parse_grid(grid_text, size) if grid_text else None, grid_text,
+                        _number("TORUS_SMALL_BYTES", TORUS_SMALL_BYTES, int, environ),
+                        _number("TORUS_MIN_BYTES", 0, int, environ))
+
+
+def torus_small_bytes(environ=None):
+    return _number("TORUS_SMALL_BYTES", TORUS_SMALL_BYTES, int, environ)
+
+
+def parse_grid(text, size):
+    """SHMCOMM_TORUS_GRID=XxY: X ranks per row, Y rows, X*Y = size."""
+    try:
+        x, y = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError("SHMCOMM_TORUS_GRID=%r: expected XxY, e.g. 2x2" % text) from None
+    if x < 1 or y < 1 or x * y != size:
+        raise ValueError("SHMCOMM_TORUS_GRID=%s does not fit %d ranks (X*Y must equal the number of ranks)"
+                         % (text, size))
+    return x, y
+
+
+def pretend_ranks_per_host():
+    """Testing aid: consecutive groups of this many ranks act as hosts (MPI still carries the cross-host steps)."""
+    return _number("RANKS_PER_HOST", 0, int)
+
+
+def log_level():
+    """SHMCOMM_LOG_LEVEL (Horovod's names: trace, debug, info, warning, error, fatal), or None when unset."""
+    return _get("LOG_LEVEL")

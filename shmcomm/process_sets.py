@@ -5,7 +5,7 @@ add_process_set is called by every rank, in the same order on all of them, so ev
 the members then meet in a segment of their own. Non-members keep the id but hold no communicator."""
 import threading
 
-from shmcomm import basics
+from shmcomm import bootstrap, session
 from shmcomm.exceptions import InvalidArgumentError
 
 _lock = threading.Lock()
@@ -22,22 +22,22 @@ class ProcessSet:
         self._comm = None
 
     def size(self):
-        return len(self.ranks) if self.process_set_id != 0 else basics.size()
+        return len(self.ranks) if self.process_set_id != 0 else session.communicator().topology.size
 
     def rank(self):
         if self.process_set_id == 0:
-            return basics.rank()
-        me = basics.rank()
+            return _my_rank()
+        me = _my_rank()
         return self.ranks.index(me) if me in self.ranks else -1
 
     def included(self):
-        return self.process_set_id == 0 or basics.rank() in self.ranks
+        return self.process_set_id == 0 or _my_rank() in self.ranks
 
     def communicator(self):
         if self.process_set_id is None:
             raise InvalidArgumentError("process set %s was never added (add_process_set)" % self.ranks)
         if self._comm is None:
-            raise InvalidArgumentError("rank %d is not in process set %d %s" % (basics.rank(), self.process_set_id,
+            raise InvalidArgumentError("rank %d is not in process set %d %s" % (_my_rank(), self.process_set_id,
                                                                                self.ranks))
         return self._comm
 
@@ -53,7 +53,7 @@ global_process_set.process_set_id = 0
 def add_process_set(process_set):
     """Registers a set (a ProcessSet or a list of ranks). Every rank must call it, in the same order."""
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    comm = basics.communicator()
+    comm = session.communicator()
     if not ps.ranks or any(r < 0 or r >= comm.size for r in ps.ranks):
         raise InvalidArgumentError("process set ranks %s must be a non-empty subset of 0..%d" % (ps.ranks,
                                                                                              comm.size - 1))
@@ -66,8 +66,7 @@ def add_process_set(process_set):
         _next_id[0] += 1
         _registry[ps.process_set_id] = ps
     if comm.topology.rank in ps.ranks:
-        ps._comm = basics.Communicator(comm.topology, comm.tuning, basics.generation(), ranks=ps.ranks,
-                                       suffix="_s%d" % ps.process_set_id)
+        ps._comm = bootstrap.process_set(comm, ps.ranks, ps.process_set_id, session.generation())
     return ps
 
 
@@ -87,11 +86,12 @@ def communicator_of(set_id):
     """This rank's communicator of a registered set (the engine runs a fused group of the set on it)."""
     ps = _registry.get(set_id)
     if ps is None:
-        raise InvalidArgumentError("process set %d is not registered on rank %d" % (set_id, basics.rank()))
+        raise InvalidArgumentError("process set %d is not registered on rank %d" % (set_id, _my_rank()))
     return ps.communicator()
 
 
-def _close_all():
+def close_all():
+    """At shutdown: every set's communicator closes and the numbering starts again."""
     with _lock:
         sets = list(_registry.values())
         _registry.clear()
@@ -103,4 +103,5 @@ def _close_all():
         ps.process_set_id = None
 
 
-basics.on_shutdown(_close_all)
+def _my_rank():
+    return session.communicator().topology.rank

@@ -12,10 +12,10 @@ import contextlib
 
 import numpy as np
 
-from shmcomm import basics, dtypes
-from shmcomm._native import check, ffi, lib
+from shmcomm import dtypes, session
 from shmcomm.buffers import wrap
 from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.transport.box import BoxHandle
 
 
 def _count(shape):
@@ -26,11 +26,8 @@ class SoftMemoryBox:
     def __init__(self, name, shape=None, dtype=np.float32, create=None, timeout=None):
         """With `shape`: create the box, or attach to an existing one of the same shape and dtype (create=True
         insists on creating). Without: attach to a box another rank creates, waiting up to `timeout` seconds."""
-        comm = basics.communicator()
-        self._comm = comm
+        comm = session.communicator()
         self.name = name
-        out = ffi.new("smc_box_t **")
-        encoded = name.encode()
         if shape is not None:
             shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
             if any(s < 0 for s in shape):
@@ -38,21 +35,20 @@ class SoftMemoryBox:
             code = dtypes.numpy_code(np.dtype(dtype))
             if code is None:
                 raise InvalidArgumentError("box '%s': dtype %s is not supported" % (name, np.dtype(dtype)))
-            check(lib.smc_box_create(comm.handle, encoded, _count(shape), code, 0 if create else 1, out))
+            self._box = BoxHandle(comm.shm, name, _count(shape), code, exist_ok=not create)
         else:
             wait = comm.tuning.start_timeout_s if timeout is None else float(timeout)
-            check(lib.smc_box_attach(comm.handle, encoded, wait, out))
-            shape = (int(lib.smc_box_count(out[0])),)
-        self._box = out[0]
+            self._box = BoxHandle(comm.shm, name, timeout_s=wait)
+            shape = (self._box.count,)
         self.shape = shape
-        self.dtype = dtypes.numpy_dtype(lib.smc_box_dtype(self._box))
-        self.count = int(lib.smc_box_count(self._box))
+        self.dtype = dtypes.numpy_dtype(self._box.dtype)
+        self.count = self._box.count
         self._timeout = comm.tuning.timeout_s
 
     def _handle(self):
-        if self._box is None:
+        if self._box.closed:
             raise InvalidArgumentError("box '%s' is closed" % self.name)
-        if self._comm.handle is None:
+        if self._box.detached:
             raise InvalidArgumentError("box '%s': shmcomm was shut down" % self.name)
         return self._box
 
@@ -68,21 +64,19 @@ class SoftMemoryBox:
                 arr = arr.astype(self.dtype)
             data = np.ascontiguousarray(arr)
         buf = wrap(data, where)
-        if buf.code != lib.smc_box_dtype(self._box):
+        if buf.code != self._box.dtype:
             raise InvalidArgumentError("%s: got %s, the box holds %s" % (where, buf.type_name(), self.dtype))
         return buf
 
     @property
     def version(self):
         """How many writes and accumulates the box has seen."""
-        return int(lib.smc_box_version(self._handle()))
+        return self._handle().version()
 
     def view(self):
         """A numpy array over the shared memory itself: no copy, no lock. Use it for reading a quiet box, or under
         `locked()`."""
-        box = self._handle()
-        nbytes = self.count * self.dtype.itemsize
-        raw = ffi.buffer(lib.smc_box_data(box), nbytes)
+        raw = self._handle().data(self.count * self.dtype.itemsize)
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape)
 
     def read(self, out=None, offset=0, count=None):
@@ -95,30 +89,26 @@ class SoftMemoryBox:
         if buf.count < count:
             raise InvalidArgumentError("box '%s' read: out holds %d elements, %d requested" % (self.name, buf.count,
                                                                                               count))
-        check(lib.smc_box_read(box, offset, count, buf.ptr, ffi.NULL))
+        box.read(offset, count, buf.ptr)
         return out
 
     def write(self, data, offset=0):
         """Overwrites elements from `offset` with `data`; returns the new version."""
         box = self._handle()
         buf = self._source(data, offset, "write")
-        version = ffi.new("uint64_t *")
-        check(lib.smc_box_write(box, offset, buf.count, buf.ptr, version))
-        return int(version[0])
+        return box.write(offset, buf.count, buf.ptr)
 
     def accumulate(self, data, alpha=1.0, beta=1.0, offset=0):
         """box = beta * box + alpha * data, atomically against every other writer; returns the new version."""
         box = self._handle()
         buf = self._source(data, offset, "accumulate")
-        version = ffi.new("uint64_t *")
-        check(lib.smc_box_accumulate(box, offset, buf.count, buf.ptr, float(alpha), float(beta), version))
-        return int(version[0])
+        return box.accumulate(offset, buf.count, buf.ptr, float(alpha), float(beta))
 
     def lock(self, timeout=None):
-        check(lib.smc_box_lock(self._handle(), self._timeout if timeout is None else float(timeout)))
+        self._handle().lock(self._timeout if timeout is None else float(timeout))
 
     def unlock(self):
-        check(lib.smc_box_unlock(self._handle()))
+        self._handle().unlock()
 
     @contextlib.contextmanager
     def locked(self, timeout=None):
@@ -130,22 +120,14 @@ class SoftMemoryBox:
 
     def wait_version(self, version, timeout=None):
         """Sleeps until the version reaches `version`; returns the version seen."""
-        seen = ffi.new("uint64_t *")
-        check(lib.smc_box_wait_version(self._handle(), int(version), self._timeout if timeout is None else
-                                       float(timeout), seen))
-        return int(seen[0])
+        return self._handle().wait_version(int(version), self._timeout if timeout is None else float(timeout))
 
     def close(self):
-        if self._box is not None:
-            if self._comm.handle is not None:
-                lib.smc_box_close(self._box)
-            self._box = None
+        self._box.close()
 
     def destroy(self):
         """Removes the name; the space is reused once every rank has closed its handle."""
-        comm = self._comm
-        self.close()
-        check(lib.smc_box_destroy(comm.handle, self.name.encode()))
+        self._box.destroy()
 
     def __enter__(self):
         return self

@@ -46,7 +46,7 @@ def test_collectives_across_two_hosts(two_hosts, tmp_path, algo):
     lines = rank_lines(run.stdout)
     assert sorted(lines) == [0, 1, 2, 3]
     seen = {tuple(lines[r][-1].split()[1:]) for r in lines}
-    assert seen == {("simhost0", "GridComm", "2", "2"), ("simhost1", "GridComm", "2", "2")}
+    assert seen == {("simhost0", "WorldComm", "2", "2"), ("simhost1", "WorldComm", "2", "2")}
 
 
 def test_mismatches_across_two_hosts(two_hosts, tmp_path):

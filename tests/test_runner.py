@@ -324,7 +324,7 @@ def test_tunable_flags_reach_the_ranks_env():
 
 
 def test_the_launcher_offers_the_algorithms_the_library_knows():
-    from shmcomm.grid import ALGORITHMS
+    from shmcomm.env import ALGORITHMS
     from shmcomm.runner.cli import ALLREDUCE_ALGORITHMS
 
     assert ALLREDUCE_ALGORITHMS == ALGORITHMS

@@ -49,8 +49,8 @@ typedef enum {
 } smc_redop_t;
 
 /* What a collective is. These codes describe a collective everywhere: in the descriptor every rank publishes and
- * compares (csrc/coll/step.c), in the engine's negotiation and in the cross-host agreement, which read them from here
- * (lib.SMC_COLL_*) so that there is one numbering to keep. */
+ * compares (csrc/coll/step.c), in the engine's negotiation and in the cross-host agreement. Python reads them as
+ * lib.SMC_COLL_* instead of numbering collectives itself, so there is one numbering to keep. */
 typedef enum {
   SMC_COLL_BARRIER = 1,
   SMC_COLL_ALLREDUCE = 2,

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Allreduce algorithms for jobs that span hosts (or a logical grid on one host): 2D torus, ring, MPI's own."""
+"""Algorithms: how the collectives of a job are composed from transports (shmcomm/transport/).
 
-
-def shares(count, parts):
-    """Horovod's split: the first (count % parts) parts get one element more."""
-    return [count // parts + (1 if i < count % parts else 0) for i in range(parts)]
+- host.HostComm: the ranks of one host, one shared-memory transport;
+- world.WorldComm: a job across hosts (or a logical grid on one host), composing the host's shared-memory transport
+  with the 2D torus (torus2d.py: rows on shared memory, columns on MPI or shared memory), a ring (ring.py), or MPI's
+  own collectives, each preceded by the agreement (agreement.py);
+- choice.py decides which, once for the job and per call for `auto`."""

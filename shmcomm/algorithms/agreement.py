@@ -11,28 +11,17 @@ and associative, so every rank ends with the same verdict, whatever the order of
 
 A small allreduce rides in the same messages (`allreduce`): its data follows the header and each round also reduces
 the partner's data, so the check costs no extra message where latency matters. Every wait has a deadline
-(SHMCOMM_TIMEOUT), kept by a watchdog thread."""
-import os
-import threading
-import time
-import weakref
-
+(SHMCOMM_TIMEOUT), kept by the MPI transport (transport/deadline.py)."""
 import numpy as np
 
-from shmcomm import host_ops, ops
-from shmcomm._native import error_for, ffi, lib
-from shmcomm.exceptions import BrokenCommunicatorError, TimeoutError
+from shmcomm import description
+from shmcomm._native import ffi
+from shmcomm.exceptions import TimeoutError
+from shmcomm.transport import kernels
 
 OK, MISMATCH, FAILED = 0, 1, 2
 HEADER_BYTES = 32     # uint64 words: signature, status, lowest failed rank + 1 (0: none), data bytes that follow
 _TAG = 0x5AC          # apart from the tags of the ring's messages on the same communicator
-_WATCH_PERIOD_S = 0.1
-_CLOSE_POLL_S = 0.01  # how long poll() polls before it sleeps
-
-
-def signature(*values):
-    """A 64-bit hash of numbers, equal on every rank for equal values (no strings: their hashes differ per process)."""
-    return hash(values) & host_ops.MASK
 
 
 def combine(sig, status, culprit, other_sig, other_status, other_culprit):
@@ -50,105 +39,15 @@ def failure_text(what, culprit):
         what, "rank %d" % (culprit - 1) if culprit else "another rank")
 
 
-class Watchdog:
-    """Deadlines for MPI's blocking waits, which have none: a thread that wakes ten times a second cancels the
-    receive a wait is blocked on once its deadline has passed (MPI_Cancel of a receive is what every MPI supports).
-    The wait itself stays MPI's own, not a polling loop in Python, which costs the CPU time that oversubscribed ranks
-    share; only where threads may not call MPI (below MPI_THREAD_MULTIPLE) the receive is polled."""
-
-    def __init__(self):
-        from mpi4py import MPI
-
-        self._lock = threading.Lock()
-        self._armed = None  # (deadline, request) of the wait in progress
-        self._thread = None
-        self._threads_may_call_mpi = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-
-    def wait(self, request, deadline, late):
-        """Waits for a receive request; cancels it at `deadline` and raises what late() returns."""
-        from mpi4py import MPI
-
-        if not self._threads_may_call_mpi:  # poll instead
-            wait_all([request], deadline, late)
-            return
-        if self._thread is None:  # it ends once its watchdog is gone (shutdown, init again)
-            self._thread = threading.Thread(target=_watch, args=(weakref.ref(self),), name="shmcomm-watchdog",
-                                            daemon=True)
-            self._thread.start()
-        armed = (deadline, request)
-        self._armed = armed
-        status = MPI.Status()
-        try:
-            request.Wait(status)
-        finally:
-            with self._lock:
-                self._armed = None
-        if status.Is_cancelled():
-            raise late()
-
-    def cancel_if_late(self):
-        armed = self._armed
-        if armed is not None and time.monotonic() > armed[0]:
-            with self._lock:
-                if self._armed is armed:  # still waiting (the wait disarms under this lock once it returns)
-                    try:
-                        armed[1].Cancel()
-                    except Exception:  # it completed at this very moment: nothing to cancel
-                        pass
-
-
-def _watch(ref):
-    while True:
-        time.sleep(_WATCH_PERIOD_S)
-        watchdog = ref()
-        if watchdog is None:
-            return
-        watchdog.cancel_if_late()
-        del watchdog
-
-
-def poll(requests, deadline, late):
-    """Waits for MPI requests that should complete soon: polls closely for _CLOSE_POLL_S, yielding the core in
-    between (MPI's own waits poll too), then with sleeps until `deadline` (wait_all)."""
-    from mpi4py import MPI
-
-    if MPI.Request.Testall(requests):
-        return
-    until = time.monotonic() + _CLOSE_POLL_S
-    while time.monotonic() < until:
-        os.sched_yield()
-        if MPI.Request.Testall(requests):
-            return
-    wait_all(requests, deadline, late)
-
-
-def wait_all(requests, deadline, late):
-    """Waits for MPI requests until `deadline`, polling; then raises what late() returns, leaving them pending (the
-    caller's communicator is then unusable)."""
-    from mpi4py import MPI
-
-    pause = 1e-4
-    while not MPI.Request.Testall(requests):
-        if time.monotonic() > deadline:
-            raise late()
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-2)
-
-
 class Agreement:
-    """Recursive-doubling agreement (and small allreduce) over an MPI communicator. Owns its message buffers: a
-    small allreduce's data is placed in message(nbytes) by the caller, and the result is left there."""
+    """Recursive-doubling agreement (and small allreduce) over an MPI transport (transport.mpi.Mpi). Owns its message
+    buffers: a small allreduce's data is placed in message(nbytes) by the caller, and the result is left there.
+    Ops are the core's (ops.C_OP)."""
 
-    def __init__(self, mpi_comm, timeout_s, capacity=0, what="across hosts"):
-        from mpi4py import MPI
-
-        self.comm = mpi_comm
-        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.world_ranks = mpi_comm.allgather(MPI.COMM_WORLD.Get_rank())
-        self._byte = MPI.BYTE
-        self.timeout_s = timeout_s
-        self.what = what
-        self.broken = None
+    def __init__(self, transport, capacity=0):
+        self.transport = transport
+        self.rank, self.size = transport.rank, transport.size
+        self.what = transport.what
         self.fold_into, self.fold_from, self.partners = _schedule(self.rank, self.size)
         # Partners may send a header and up to `capacity` bytes of data whatever this rank's own message is.
         self._send = np.zeros(HEADER_BYTES + capacity, dtype=np.uint8)
@@ -156,8 +55,6 @@ class Agreement:
         self._send_words = self._send[:HEADER_BYTES].view(np.uint64)
         self._recv_words = self._recv[:HEADER_BYTES].view(np.uint64)
         self._send_ptr, self._recv_ptr = ffi.from_buffer(self._send), ffi.from_buffer(self._recv)
-        self._pair = ffi.new("void *[2]")
-        self._watchdog = Watchdog()
 
     def message(self, nbytes):
         """The message buffer: HEADER_BYTES of header, then room for `nbytes` (at most `capacity`) of data, where
@@ -172,7 +69,7 @@ class Agreement:
         return self._send_words
 
     def agree(self, sig, status=OK, culprit=0):
-        """(status, culprit) combined over every rank of the communicator; culprit is a failed world rank + 1."""
+        """(status, culprit) combined over every rank of the communicator; culprit is a failed job rank + 1."""
         return self._run(sig, status, culprit, 0, None, None)
 
     def allreduce(self, sig, status, culprit, nbytes, code, op, postscale=1.0, divisor=1):
@@ -180,18 +77,16 @@ class Agreement:
         place."""
         verdict = self._run(sig, status, culprit, nbytes, code, op)
         if verdict[0] == OK and nbytes:
-            host_ops.scale_raw(self._send_ptr + HEADER_BYTES, nbytes // host_ops.itemsize(code), code, postscale,
-                               divisor)
+            kernels.scale(self._send_ptr + HEADER_BYTES, nbytes // kernels.itemsize(code), code, postscale, divisor)
         return verdict
 
     def _run(self, sig, status, culprit, nbytes, code, op):
-        if self.broken:
-            raise BrokenCommunicatorError("%s: unusable after an earlier failure: %s" % (self.what, self.broken))
+        self.transport.usable(self.what)
         words = self._send_words
         words[0], words[1], words[2], words[3] = sig, status, culprit, nbytes
         if self.size == 1:
             return status, culprit
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self.transport.deadline()
         try:
             if self.fold_into is not None:  # hand everything to the partner; its next message is the verdict
                 self._exchange(self.fold_into, deadline, send=True, receive=True)
@@ -206,21 +101,15 @@ class Agreement:
                 if self.fold_from is not None:
                     self._exchange(self.fold_from, deadline, send=True, receive=False)
         except BaseException as error:  # a timeout, or MPI's own error: the rounds are out of step from here on
-            self.broken = str(error) or type(error).__name__
+            self.transport.broken = str(error) or type(error).__name__
             raise
         return int(words[1]), int(words[2])
 
     def _exchange(self, peer, deadline, send, receive):
         words = self._send_words
         length = HEADER_BYTES + (int(words[3]) if words[1] == OK else 0)
-        incoming = self.comm.Irecv([self._recv, self._recv.nbytes, self._byte], peer, _TAG) if receive else None
-        outgoing = self.comm.Isend([self._send, length, self._byte], peer, _TAG) if send else None
-        if incoming is not None:
-            self._watchdog.wait(incoming, deadline, lambda: self._late(peer))
-        if outgoing is not None:
-            # The peer posted its receive before it sent (or before it handed back a fold), so this completes as
-            # soon as the bytes are through. (Sends are not cancelled: not every MPI can.)
-            poll([outgoing], deadline, lambda: self._late(peer))
+        self.transport.exchange(peer, self._send if send else None, length, self._recv if receive else None,
+                                deadline, _TAG, lambda: self._late(peer))
 
     def _merge(self, nbytes, code, op, peer):
         mine, theirs = self._send_words, self._recv_words
@@ -232,11 +121,8 @@ class Agreement:
         if both_ok and nbytes:
             # The lower rank's data first, on both sides, so both compute the very same bits.
             first, second = (self._send_ptr, self._recv_ptr) if self.rank < peer else (self._recv_ptr, self._send_ptr)
-            self._pair[0], self._pair[1] = first + HEADER_BYTES, second + HEADER_BYTES
-            rc = lib.smc_reduce(self._send_ptr + HEADER_BYTES, self._pair, 2, nbytes // host_ops.itemsize(code), code,
-                                ops.C_OP[op], 1.0, 1.0, 1)
-            if rc != 0:
-                raise error_for(rc, self.what)
+            kernels.reduce_pair(self._send_ptr + HEADER_BYTES, first + HEADER_BYTES, second + HEADER_BYTES,
+                                nbytes // kernels.itemsize(code), code, op, self.what)
 
     def _adopt(self, nbytes):
         """A folded rank takes its partner's final header, and the data with it."""
@@ -246,8 +132,8 @@ class Agreement:
 
     def _late(self, peer):
         return TimeoutError("%s: timed out after %.0f s waiting for rank %d: it is stuck, or it called a different "
-                            "collective (SHMCOMM_TIMEOUT sets the limit)" % (self.what, self.timeout_s,
-                                                                             self.world_ranks[peer]))
+                            "collective (SHMCOMM_TIMEOUT sets the limit)" % (self.what, self.transport.timeout_s,
+                                                                             self.transport.ranks[peer]))
 
 
 def _schedule(rank, size):
@@ -266,14 +152,15 @@ def _schedule(rank, size):
 
 
 class ShmAgreement:
-    """The same contract over a shared-memory communicator (a logical grid's column on one host): headers are
-    allgathered, every rank combines them all; a small allreduce is the agreement, then the core's allreduce."""
+    """The same contract over a shared-memory transport (a logical grid's column on one host): headers are
+    allgathered, every rank combines them all; a small allreduce is the agreement, then the transport's allreduce."""
 
-    def __init__(self, comm, capacity=0, what="torus column"):
-        self.comm = comm
+    def __init__(self, transport, capacity=0, what="torus column"):
+        self.transport = transport
         self.what = what
-        self._headers = np.zeros((comm.size, 4), dtype=np.uint64)
-        self._sizes = ffi.new("uint64_t[]", [HEADER_BYTES] * comm.size)
+        self._headers = np.zeros((transport.size, 4), dtype=np.uint64)
+        self._headers_ptr = ffi.from_buffer(self._headers)
+        self._sizes = [HEADER_BYTES] * transport.size
         self._grow(capacity)
 
     def _grow(self, capacity):
@@ -288,12 +175,9 @@ class ShmAgreement:
 
     def agree(self, sig, status=OK, culprit=0):
         self.header[:3] = (sig, status, culprit)
-        rc = lib.smc_allgatherv(self.comm.handle, self._ptr, HEADER_BYTES, ffi.from_buffer(self._headers),
-                                self._sizes, 0)
-        if rc != 0:
-            raise error_for(rc, self.what)
+        self.transport.allgatherv(self._ptr, HEADER_BYTES, self._headers_ptr, self._sizes, 0, self.what)
         verdict = (int(self._headers[0, 0]), int(self._headers[0, 1]), int(self._headers[0, 2]))
-        for r in range(1, self.comm.size):
+        for r in range(1, self.transport.size):
             verdict = combine(*verdict, *(int(v) for v in self._headers[r, :3]))
         self.header[1], self.header[2] = verdict[1], verdict[2]
         return verdict[1], verdict[2]
@@ -301,6 +185,8 @@ class ShmAgreement:
     def allreduce(self, sig, status, culprit, nbytes, code, op, postscale=1.0, divisor=1):
         verdict = self.agree(sig, status, culprit)
         if verdict[0] == OK and nbytes:
-            host_ops.allreduce_raw(self.comm, self._ptr + HEADER_BYTES, nbytes // host_ops.itemsize(code), code, op,
-                                   1.0, postscale, self.what, divisor=divisor)
+            count = nbytes // kernels.itemsize(code)
+            data = self._ptr + HEADER_BYTES
+            self.transport.allreduce(data, data, count, code, op, 1.0, postscale, divisor,
+                                     description.tag(code, (count,)), self.what)
         return verdict

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Ring allreduce over an MPI communicator, with the core's kernels doing the arithmetic.
+"""Ring allreduce over an MPI transport's point-to-point steps, with the core's kernels doing the arithmetic.
 
 The buffer is cut into one chunk per rank. Reduce-scatter: in N-1 steps each rank sends a chunk to its right
 neighbour and adds the chunk arriving from its left into its own copy, so after the last step rank r holds the
@@ -9,48 +9,39 @@ is why they carry small ones badly. MPI moves bytes only, so every dtype the cor
 included) works, and every rank ends with the same bits: each chunk is reduced in one place, then copied."""
 import numpy as np
 
-from shmcomm import host_ops, ops
-from shmcomm._native import error_for, ffi, lib
-from shmcomm.algorithms import shares
+from shmcomm._native import ffi
+from shmcomm.description import shares
+from shmcomm.transport import kernels
 
 _TAG = 0x5A1  # its own: other messages on the same communicator (the agreement's) must never match
 
 
-def ring_allreduce(mpi_comm, raw, code, op, prescale=1.0, postscale=1.0, divisor=1):
-    """Reduces the elements held in the uint8 array `raw` (of type `code`) in place across mpi_comm."""
-    from mpi4py import MPI
-
-    n, me = mpi_comm.Get_size(), mpi_comm.Get_rank()
-    esize = host_ops.itemsize(code)
+def ring_allreduce(transport, raw, code, op, prescale=1.0, postscale=1.0, divisor=1):
+    """Reduces the elements held in the uint8 array `raw` (of type `code`, op a core op) in place across the
+    transport (transport.mpi.Mpi)."""
+    n, me = transport.size, transport.rank
+    esize = kernels.itemsize(code)
     count = raw.nbytes // esize
     base = ffi.from_buffer(raw)
-    if prescale != 1.0:
-        host_ops.scale_raw(base, count, code, prescale, 1)
+    kernels.scale(base, count, code, prescale)
     counts = shares(count, n)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     scratch = np.empty(max(counts) * esize, dtype=np.uint8)
     scratch_ptr = ffi.from_buffer(scratch)
     right, left = (me + 1) % n, (me - 1) % n
-    c_op = ops.C_OP[op]
 
     def chunk(c):
         return raw[starts[c] * esize:(starts[c] + counts[c]) * esize]
 
     for step in range(n - 1):
         send, recv = (me - step) % n, (me - step - 1) % n
-        incoming = scratch[:counts[recv] * esize]
-        mpi_comm.Sendrecv([chunk(send), MPI.BYTE], dest=right, sendtag=_TAG, recvbuf=[incoming, MPI.BYTE], source=left,
-                          recvtag=_TAG)
+        transport.sendrecv(chunk(send), right, scratch[:counts[recv] * esize], left, _TAG)
         if counts[recv]:
             mine = base + int(starts[recv]) * esize
-            rc = lib.smc_reduce(mine, ffi.new("void *[2]", [mine, scratch_ptr]), 2, counts[recv], code, c_op, 1.0,
-                                1.0, 1)
-            if rc != 0:
-                raise error_for(rc, "ring allreduce")
+            kernels.reduce_pair(mine, mine, scratch_ptr, counts[recv], code, op, "ring allreduce")
     done = (me + 1) % n
-    host_ops.scale_raw(base + int(starts[done]) * esize, counts[done], code, postscale, divisor)
+    kernels.scale(base + int(starts[done]) * esize, counts[done], code, postscale, divisor)
     for step in range(n - 1):
         send, recv = (me + 1 - step) % n, (me - step) % n
-        mpi_comm.Sendrecv([chunk(send), MPI.BYTE], dest=right, sendtag=_TAG, recvbuf=[chunk(recv), MPI.BYTE],
-                          source=left, recvtag=_TAG)
+        transport.sendrecv(chunk(send), right, chunk(recv), left, _TAG)
     return raw

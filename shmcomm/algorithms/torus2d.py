@@ -14,18 +14,24 @@ give the first (count % X) ranks of a row one element more.
 Before anything crosses hosts, the columns agree (agreement.py): each rank brings its signature and its row's
 verdict, so that a disagreement anywhere, also one confined to a host or one that sends hosts down different paths,
 fails the call on every rank instead of leaving some waiting in MPI."""
+import logging
+
 import numpy as np
 
-from shmcomm import host_ops, ops
-from shmcomm._native import error_for, ffi, lib
-from shmcomm.algorithms import shares
-from shmcomm.algorithms.agreement import (FAILED, HEADER_BYTES, MISMATCH, OK, Agreement, ShmAgreement, failure_text,
-                                          signature)
+from shmcomm import description
+from shmcomm._native import ffi, lib
+from shmcomm.algorithms.agreement import FAILED, HEADER_BYTES, MISMATCH, OK, Agreement, ShmAgreement, failure_text
+from shmcomm.algorithms.ring import ring_allreduce
+from shmcomm.description import shares
 from shmcomm.exceptions import MismatchError, ShmCommError
+from shmcomm.transport import kernels
+
+log = logging.getLogger("shmcomm.algorithms")
 
 class Torus:
-    """Steps 1-3 over a row communicator (shared memory) and a column (agreement.Agreement over MPI, or
-    agreement.ShmAgreement) that also runs the slices' allreduce (`column.allreduce_slice`).
+    """Steps 1-3 over a row (a shared-memory transport) and a column (agreement.Agreement over an MPI transport, or
+    agreement.ShmAgreement over a shared-memory one) that also runs the slices' allreduce (`column.allreduce_slice`).
+    Ops are the core's (ops.C_OP).
 
     Up to `small_bytes` the cost is latency, not bandwidth: the row then allreduces the whole buffer in one
     shared-memory step, the first column (one rank per host) allreduces all of it inside its agreement, and the row
@@ -39,14 +45,17 @@ class Torus:
         self.world_rank = world_rank
         self._scratch = np.empty(0, dtype=np.uint8)
 
-    def allreduce(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what, shape_tag=0):
-        """Raises MismatchError on every rank when ranks anywhere disagree (on count, dtype, shape, op or scale
-        factors); the output is untouched then, and after a failed cross-host step."""
+    def allreduce(self, src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, what, collective):
+        """`collective` (description.Collective) is what the caller passed. Raises MismatchError on every rank when
+        ranks anywhere disagree (on count, dtype, shape, op or scale factors); the output is untouched then, and after
+        a failed cross-host step."""
         nbytes = count * esize
         small = nbytes <= self.small_bytes
         # Everything that must agree, the path included; it is also the row's tag, so that the row's first step
         # sees what the core's own check does not (Average against Sum, postscale, divisor).
-        sig = signature(count, code, int(op), prescale, postscale, divisor, shape_tag, small)
+        sig = collective.signature(count, divisor, small)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("torus: %d bytes take the %s path", nbytes, "small" if small else "three-phase")
         if small:
             verdict = self._small(src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig, what)
         else:
@@ -59,7 +68,7 @@ class Torus:
         """The verdict (status, culprit) of every rank on `sig`, by the small path's route with no data: a collective
         other than allreduce checks its arguments this way, so that ranks calling different collectives find out
         as surely as ranks passing different tensors."""
-        return self._small(ffi.NULL, ffi.NULL, 0, lib.SMC_UINT8, 0, ops.Sum, 1.0, 1.0, 1, sig, what)
+        return self._small(ffi.NULL, ffi.NULL, 0, lib.SMC_UINT8, 0, lib.SMC_SUM, 1.0, 1.0, 1, sig, what)
 
     def _small(self, src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig, what):
         # Latency-bound: straight to the core, every Python layer here costs microseconds. The row's sum goes to a
@@ -68,8 +77,8 @@ class Torus:
         leader = row.rank == 0
         message = column.message(nbytes) if leader else self._scratch_ptr(HEADER_BYTES + nbytes)
         data = message + HEADER_BYTES
-        rc = lib.smc_allreduce(row.handle, src_ptr, data, count, code, ops.C_OP[op], prescale, 1.0, 1, sig)
-        status, culprit, error = self._row_status(rc, what)
+        status, culprit, error = self._row_step(row.allreduce, what, src_ptr, data, count, code, op, prescale, 1.0, 1,
+                                                sig, what)
         if leader:
             try:
                 verdict = column.allreduce(sig, status, culprit, nbytes, code, op, postscale, divisor)
@@ -78,16 +87,15 @@ class Torus:
             if status == OK:  # the row is in step: one broadcast gives it the verdict, and the data
                 column.header[1], column.header[2] = verdict
                 if row.size > 1:
-                    rc = lib.smc_broadcast(row.handle, message, message, HEADER_BYTES + nbytes, 0, nbytes)
-                    if rc != 0:
-                        raise error or error_for(rc, what)
+                    try:
+                        row.broadcast(message, message, HEADER_BYTES + nbytes, 0, nbytes, what)
+                    except ShmCommError as failure:
+                        raise error or failure
                 if verdict[0] == OK:
                     ffi.memmove(dst_ptr, data, nbytes)
         else:
             if status == OK:
-                rc = lib.smc_broadcast(row.handle, ffi.NULL, message, HEADER_BYTES + nbytes, 0, nbytes)
-                if rc != 0:
-                    raise error_for(rc, what)
+                row.broadcast(ffi.NULL, message, HEADER_BYTES + nbytes, 0, nbytes, what)
                 head = np.frombuffer(ffi.buffer(message, HEADER_BYTES), dtype=np.uint64)
                 verdict = int(head[1]), int(head[2])
                 if verdict[0] == OK:
@@ -107,37 +115,43 @@ class Torus:
         mine = counts[row.rank]
         piece_ptr = self._scratch_ptr(mine * esize)
         piece = self._scratch[:mine * esize]
-        rc = lib.smc_reducescatter(row.handle, src_ptr, piece_ptr, ffi.new("uint64_t[]", counts), code, ops.C_OP[op],
-                                   prescale, 1.0, 1, sig)
-        status, culprit, error = self._row_status(rc, what)
+        status, culprit, error = self._row_step(row.reducescatter, what, src_ptr, piece_ptr, counts, code, op,
+                                                prescale, 1.0, 1, sig, what)
         verdict = self.column.agree(sig, status, culprit)
         if verdict[0] != OK:
             if error is not None and verdict[0] != MISMATCH:
                 raise error
             return verdict
         failure = _attempt(self.column.allreduce_slice, piece, code, op, postscale, divisor)
-        sizes = ffi.new("uint64_t[]", [c * esize for c in counts])
+        sizes = [c * esize for c in counts]
         # After a failure the slices are not sums: gather them somewhere harmless (the row may all have failed, and
         # then no mismatch stops the copy).
         target = dst_ptr if failure is None else ffi.new("char[]", count * esize)
-        rc = lib.smc_allgatherv(row.handle, piece_ptr, mine * esize, target, sizes, _FAILED if failure else 0)
+        try:
+            row.allgatherv(piece_ptr, mine * esize, target, sizes, _FAILED if failure else 0, what)
+        except MismatchError:  # the row agreed on the sizes in its first step: only a failure flag differs
+            if failure is not None:
+                raise failure from None
+            raise ShmCommError("%s: the cross-host step failed on another rank of this host (its own error says "
+                               "why); this allreduce did not complete" % what) from None
+        except ShmCommError:
+            if failure is not None:
+                raise failure from None
+            raise
         if failure is not None:
             raise failure
-        if rc == lib.SMC_ERR_MISMATCH:  # the row agreed on the sizes in its first step: only a failure flag differs
-            raise ShmCommError("%s: the cross-host step failed on another rank of this host (its own error says "
-                               "why); this allreduce did not complete" % what)
-        if rc != 0:
-            raise error_for(rc, what)
         return OK, 0
 
-    def _row_status(self, rc, what):
+    def _row_step(self, step, what, *args):
         """(status, culprit, error) of the row's first step: a mismatch is everyone's to report; another failure is
         this rank's own error, which the columns hear about as FAILED."""
-        if rc == 0:
-            return OK, 0, None
-        if rc == lib.SMC_ERR_MISMATCH:
+        try:
+            step(*args)
+        except MismatchError:
             return MISMATCH, 0, None
-        return FAILED, self.world_rank + 1, error_for(rc, what)
+        except ShmCommError as error:
+            return FAILED, self.world_rank + 1, error
+        return OK, 0, None
 
     def _scratch_ptr(self, nbytes):
         if self._scratch.nbytes < nbytes:
@@ -171,14 +185,14 @@ class MpiColumn(Agreement):
     which carries every dtype."""
 
     def allreduce_slice(self, piece, code, op, postscale, divisor):
-        from shmcomm.algorithms.ring import ring_allreduce
-
-        ring_allreduce(self.comm, piece, code, op, 1.0, postscale, divisor)
+        ring_allreduce(self.transport, piece, code, op, 1.0, postscale, divisor)
 
 
 class ShmColumn(ShmAgreement):
     """A column on shared memory (a logical grid on one host)."""
 
     def allreduce_slice(self, piece, code, op, postscale, divisor):
-        host_ops.allreduce_raw(self.comm, ffi.from_buffer(piece), piece.nbytes // host_ops.itemsize(code), code, op,
-                               1.0, postscale, self.what, divisor=divisor)
+        ptr = ffi.from_buffer(piece)
+        count = piece.nbytes // kernels.itemsize(code)
+        self.transport.allreduce(ptr, ptr, count, code, op, 1.0, postscale, divisor, description.tag(code, (count,)),
+                                 self.what)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The background engine: asynchronous collectives, negotiated across ranks, fused, in one order everywhere.
 
-It starts on the first asynchronous request and stops at shutdown (basics.shutdown stops it first)."""
+It starts on the first asynchronous request (basics.start_engine hands it the world communicator) and stops at
+shutdown (basics.shutdown stops it first)."""
 import threading
 
 _lock = threading.Lock()
@@ -13,16 +14,14 @@ def current():
     return _engine
 
 
-def start():
-    """The running engine, started if needed (needs init())."""
+def start(comm, communicator_of):
+    """The running engine, started on `comm` if needed; communicator_of(set_id) is a process set's communicator."""
     global _engine
     with _lock:
         if _engine is None:
-            from shmcomm import basics
             from shmcomm.engine.loop import Engine
 
-            comm = basics.communicator()
-            _engine = Engine(comm)
+            _engine = Engine(comm, communicator_of)
         return _engine
 
 

@@ -9,20 +9,21 @@ import math
 
 import numpy as np
 
-from shmcomm import host_ops
 from shmcomm._native import ffi
+from shmcomm.buffers import output_for
 
 
 def _nbytes(sig, itemsize):
-    return math.prod(sig[3]) * itemsize  # math.prod: a tenth of np.prod's cost on a short tuple
+    return math.prod(sig.collective.shape) * itemsize  # math.prod: a tenth of np.prod's cost on a short tuple
 
 
 def groups(responses, threshold, itemsize_of):
     """Splits a run of agreed allreduce responses into fusion groups (lists of responses)."""
     out, current, key, used = [], [], None, 0
     for resp in responses:
-        size = _nbytes(resp.sig, itemsize_of(resp.sig[2]))
-        this_key = (resp.sig[1], resp.sig[2], resp.sig[4], resp.sig[5], resp.sig[6])
+        c = resp.sig.collective
+        size = _nbytes(resp.sig, itemsize_of(c.dtype))
+        this_key = (resp.sig.set_key, c.dtype, c.op, c.prescale, c.postscale)
         if current and (this_key != key or used + size > threshold):
             out.append(current)
             current, used = [], 0
@@ -46,7 +47,7 @@ class FusionBuffer:
         return self.buf
 
 
-def run_group(comm, group, requests, fusion, itemsize, code, timeline):
+def run_group(comm, group, requests, fusion, itemsize, timeline):
     """Packs, reduces once and unpacks one group; returns {name: result} for this rank's requests."""
     sizes = [_nbytes(r.sig, itemsize) for r in group]
     total = sum(sizes)
@@ -66,9 +67,9 @@ def run_group(comm, group, requests, fusion, itemsize, code, timeline):
             views.append(src)
         at += size
     timeline.end(names, "MEMCPY_IN_FUSION_BUFFER")
-    first = group[0].sig
+    first = group[0].sig.collective
     timeline.begin(names, "ALLREDUCE")
-    comm.allreduce_raw(base, total // itemsize, code, first[4], first[5], first[6],
+    comm.allreduce_raw(base, total // itemsize, first.dtype, first.op, first.prescale, first.postscale,
                            "fused allreduce of %s" % ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""))
     timeline.end(names, "ALLREDUCE")
     timeline.begin(names, "MEMCPY_OUT_FUSION_BUFFER")
@@ -76,7 +77,7 @@ def run_group(comm, group, requests, fusion, itemsize, code, timeline):
     for resp, size, src in zip(group, sizes, views):
         if src is not None:
             req = requests[resp.name]
-            out, dst = (req.tensor, src) if req.output is req.tensor else host_ops.output_for(src, req.output,
+            out, dst = (req.tensor, src) if req.output is req.tensor else output_for(src, req.output,
                                                                                                src.shape, req.what)
             ffi.memmove(dst.ptr, base + at, size)
             results[resp.name] = out

@@ -8,19 +8,20 @@ other ranks on what is ready everywhere (negotiate.py), runs it in the agreed or
 (fusion.py), and completes the handles. Shutdown travels in the same messages, as does join()."""
 import collections
 import itertools
-import os
+import logging
 import threading
 import time
 
-from shmcomm import process_sets
-from shmcomm._native import lib
+from shmcomm import env
 from shmcomm.buffers import wrap
-from shmcomm.engine import fusion
+from shmcomm.engine import fusion, timeline
 from shmcomm.engine.negotiate import Negotiator, members_of, signature
 from shmcomm.engine.request import Handle, execute, finish
 from shmcomm.engine.stall import StallInspector
-from shmcomm.engine.timeline import from_environment
-from shmcomm.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
+from shmcomm.exceptions import BrokenCommunicatorError, MismatchError, RankFailure, ShmCommError, TimeoutError
+from shmcomm.transport import kernels
+
+log = logging.getLogger("shmcomm.engine")
 
 _FATAL = (RankFailure, BrokenCommunicatorError, TimeoutError)
 # The engine mostly waits for peers that are busy computing, and shares its rank's core with the training thread:
@@ -30,24 +31,18 @@ _DATA_SPIN_US = 50
 _IDLE_SLEEP_S = 0.1
 
 
-def _setting(name, default, kind=float):
-    for prefix in ("SHMCOMM_", "HOROVOD_"):
-        value = os.environ.get(prefix + name)
-        if value not in (None, ""):
-            return kind(value)
-    return default
-
-
 class Engine:
-    def __init__(self, comm):
+    """Serves the communicator `comm`; communicator_of(set_id) gives a process set's (process_sets.communicator_of)."""
+
+    def __init__(self, comm, communicator_of):
+        settings = env.engine()
         self.comm = comm
-        self.cycle_s = _setting("CYCLE_TIME", 1.0) / 1000.0
-        self.fusion_threshold = _setting("FUSION_THRESHOLD", 64 << 20, int)
-        self.negotiator = Negotiator(comm, _setting("CACHE_CAPACITY", 1024, int))
-        self.stall = StallInspector(comm.rank, _setting("STALL_CHECK_TIME_SECONDS", 60.0),
-                                    _setting("STALL_SHUTDOWN_TIME_SECONDS", 0.0),
-                                    not _setting("STALL_CHECK_DISABLE", 0, int))
-        self.timeline = from_environment(comm.rank)
+        self.communicator_of = communicator_of
+        self.cycle_s = settings.cycle_s
+        self.fusion_threshold = settings.fusion_threshold
+        self.negotiator = Negotiator(comm, settings.cache_capacity)
+        self.stall = StallInspector(comm.rank, settings.stall_check_s, settings.stall_shutdown_s, settings.stall_check)
+        self.timeline = timeline.started(comm.rank, *env.timeline())
         self.fusion = fusion.FusionBuffer()
         self._cond = threading.Condition()
         self._queue = []
@@ -65,7 +60,7 @@ class Engine:
         # Bucketing: queued requests wait until a caller waits for one (or polls), until SHMCOMM_BUCKET_BYTES have
         # gathered, or until the idle timer (0.1 s) fires. Gradients then travel in a few fused allreduces per step
         # instead of one negotiation per gradient, each of which would take every rank's core from its computation.
-        self.bucket_bytes = _setting("BUCKET_BYTES", 25 << 20, int)
+        self.bucket_bytes = settings.bucket_bytes
         self._unflushed_bytes = 0
         self._flush = False
         self._flush_waits = False  # the flush came from a caller that waits, not from a full bucket
@@ -209,15 +204,15 @@ class Engine:
     def _execute(self, plan):
         if plan.steps is None:
             plan.steps = self._steps(plan.responses)
+        if plan.steps and log.isEnabledFor(logging.DEBUG):
+            log.debug("cycle %d runs %s", self._cycle, _plan_text(plan.steps))
         me = self.comm.topology.rank
         for kind, item in plan.steps:
             if kind == "fused":
                 self._execute_allreduces(item)
-            elif me not in members_of(item.sig[1], self.comm.size):
+            elif me not in members_of(item.sig.set_key, self.comm.size):
                 continue
             elif kind == "error":
-                from shmcomm.exceptions import MismatchError
-
                 self._complete(item.name, error=MismatchError(item.error))
             else:
                 self._run_one(item.name)
@@ -228,11 +223,11 @@ class Engine:
         groups of its sets, in the same order as the other members."""
         steps, run = [], []
         for resp in responses + [None]:
-            if resp is not None and resp.error is None and resp.sig[0] == "allreduce":
+            if resp is not None and resp.error is None and resp.sig.collective.kind == "allreduce":
                 run.append(resp)
                 continue
             if run:
-                steps.append(("fused", fusion.groups(run, max(self.fusion_threshold, 1), lib.smc_dtype_size)))
+                steps.append(("fused", fusion.groups(run, max(self.fusion_threshold, 1), kernels.itemsize)))
                 run = []
             if resp is not None:
                 steps.append(("error" if resp.error is not None else "one", resp))
@@ -256,7 +251,7 @@ class Engine:
     def _execute_allreduces(self, groups):
         me = self.comm.topology.rank
         for group in groups:
-            if me not in members_of(group[0].sig[1], self.comm.size):
+            if me not in members_of(group[0].sig.set_key, self.comm.size):
                 continue
             if len(group) == 1 and not group[0].joined and group[0].name in self._pending:
                 self._run_one(group[0].name)
@@ -264,9 +259,9 @@ class Engine:
             requests = {r.name: self._pending[r.name][0] for r in group if r.name in self._pending}
             self.timeline.end(list(requests), "NEGOTIATE_ALLREDUCE")
             sig = group[0].sig
-            comm = self.comm if sig[1] == 0 else process_sets.communicator_of(sig[1][0])
+            comm = self.comm if sig.set_key == 0 else self.communicator_of(sig.set_key[0])
             try:
-                results = fusion.run_group(comm, group, requests, self.fusion, lib.smc_dtype_size(sig[2]), sig[2],
+                results = fusion.run_group(comm, group, requests, self.fusion, kernels.itemsize(sig.collective.dtype),
                                            self.timeline)
             except ShmCommError as error:
                 self._complete_many([(name, None, error) for name in requests])
@@ -300,3 +295,14 @@ class Engine:
         if self._join is not None:
             self._join.set_error(error)
             self._join = None
+
+
+def _plan_text(steps):
+    """A plan in words for the debug log: 'fused allreduce [a, b]; broadcast c; error d'."""
+    parts = []
+    for kind, item in steps:
+        if kind == "fused":
+            parts.extend("fused allreduce [%s]" % ", ".join(r.name for r in group) for group in item)
+        else:
+            parts.append("%s %s" % ("error" if kind == "error" else item.sig.collective.kind, item.name))
+    return "; ".join(parts)

@@ -11,8 +11,15 @@ because every rank assigns ids in the same order, and later cycles send only the
 tensors every step, then costs a few integers per tensor per cycle. When every rank sends the very same message of
 cached ids, nothing is left to judge: the verdict for that message is remembered (a Plan) and reused as it is."""
 import pickle
+from typing import NamedTuple
 
-from shmcomm import dtypes
+from shmcomm import description
+
+
+class Signature(NamedTuple):
+    """What all ranks must agree on for a request: its process set and what it is (description.Collective)."""
+    set_key: object
+    collective: description.Collective
 
 
 def set_key(req):
@@ -26,35 +33,8 @@ def members_of(key, size):
 
 
 def signature(req, buf_key, shape):
-    """What all ranks must agree on for this request. The first dimension of allgather and alltoall may differ."""
-    kind = req.kind
-    if kind in ("allgather", "alltoall"):
-        return (kind, set_key(req), buf_key, tuple(shape[1:]))
-    if kind == "broadcast":
-        return (kind, set_key(req), buf_key, tuple(shape), req.root)
-    if kind in ("allreduce", "reducescatter"):
-        return (kind, set_key(req), buf_key, tuple(shape), int(req.op), req.prescale, req.postscale)
-    return (kind, set_key(req))
-
-
-def describe(sig):
-    kind = sig[0]
-    if len(sig) < 4:
-        return kind
-    dtype = dtypes.NAMES.get(sig[2], "dtype#%d" % sig[2])
-    dims = [str(d) for d in sig[3]]
-    if kind in ("allgather", "alltoall"):
-        dims = ["*"] + dims  # the first dimension may differ
-    text = "%s %s[%s]" % (kind, dtype, ", ".join(dims))
-    if kind == "broadcast":
-        text += " root %d" % sig[4]
-    elif len(sig) > 4:
-        from shmcomm.ops import ReduceOp
-
-        text += " op %s" % ReduceOp(sig[4]).name
-        if sig[5] != 1.0 or sig[6] != 1.0:
-            text += " prescale %g postscale %g" % (sig[5], sig[6])
-    return text
+    return Signature(set_key(req), description.describe(req.kind, buf_key, shape, req.op, req.prescale,
+                                                        req.postscale, req.root))
 
 
 class Response:
@@ -134,7 +114,7 @@ class Negotiator:
         for name in order:
             by_rank = seen[name]
             sig = next(iter(by_rank.values()))
-            members = members_of(sig[1], len(everyone))
+            members = members_of(sig.set_key, len(everyone))
             missing = [r for r in members if r not in by_rank and r not in joined]
             if missing:
                 waiting[name] = (sorted(by_rank), missing)
@@ -151,9 +131,9 @@ class Negotiator:
         sig = next(iter(by_rank.values()))
         # Cached entries decode to the very same tuple on every rank, so identity settles the usual case cheaply.
         if any(s is not sig and s != sig for s in by_rank.values()):
-            parts = ["rank %d: %s" % (r, describe(s)) for r, s in sorted(by_rank.items())]
-            return "%s: ranks disagree: %s" % (name, "; ".join(parts))
-        if zeros and sig[0] != "allreduce":
+            every = {r: s.collective for r, s in by_rank.items()}
+            return "%s: ranks disagree: %s" % (name, description.listing(every))
+        if zeros and sig.collective.kind != "allreduce":
             return ("%s: ranks %s have called join(); only allreduce can go on without them"
                     % (name, ", ".join(str(r) for r in zeros)))
         return None

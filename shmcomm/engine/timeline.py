@@ -5,7 +5,6 @@ Each tensor is a trace "process" named after it; its phases are begin/end events
 agreement, then the op itself with MEMCPY_IN_FUSION_BUFFER, ALLREDUCE and MEMCPY_OUT_FUSION_BUFFER when fused.
 With mark_cycles, every engine cycle is an instant CYCLE_START event."""
 import json
-import os
 import threading
 import time
 
@@ -84,13 +83,11 @@ class Timeline:
                     self._emit({"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0, "ts": self._now()})
 
 
-def from_environment(rank, getenv=os.environ.get):
-    """A timeline started from SHMCOMM_TIMELINE (or HOROVOD_TIMELINE); a path with {rank} gets the rank, and other
-    ranks than 0 write `<path>.<rank>` so that ranks never share a file."""
+def started(rank, path, mark_cycles):
+    """A timeline writing to `path` (env.timeline(): SHMCOMM_TIMELINE), if one is given; a path with {rank} gets the
+    rank, and other ranks than 0 write `<path>.<rank>` so that ranks never share a file."""
     timeline = Timeline(rank)
-    path = getenv("SHMCOMM_TIMELINE") or getenv("HOROVOD_TIMELINE")
     if path and path != "DYNAMIC":
         path = path.format(rank=rank) if "{rank}" in path else (path if rank == 0 else "%s.%d" % (path, rank))
-        mark = (getenv("SHMCOMM_TIMELINE_MARK_CYCLES") or getenv("HOROVOD_TIMELINE_MARK_CYCLES") or "0") != "0"
-        timeline.start(path, mark)
+        timeline.start(path, mark_cycles)
     return timeline

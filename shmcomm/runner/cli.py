@@ -14,6 +14,8 @@ import shutil
 import socket
 import sys
 
+from shmcomm.env import ALGORITHMS
+
 PROG = "shmcommrun"
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 _LOCAL_HOST_NAMES = ("localhost", "127.0.0.1")
@@ -50,8 +52,7 @@ def _grid(text):
     return f"{int(columns)}x{int(rows)}"
 
 
-# shmcomm.grid.ALGORITHMS, not imported: the launcher runs before the C core is built.
-ALLREDUCE_ALGORITHMS = ("auto", "torus", "ring", "mpi")
+ALLREDUCE_ALGORITHMS = ALGORITHMS  # env needs no C core: the launcher runs before it is built
 
 
 def _algorithm(text):

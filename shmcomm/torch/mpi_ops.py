@@ -74,18 +74,23 @@ def _apply(function, compression, tensors, *args):
 
 # ---- allreduce ----
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=global_process_set):
-    """Starts reducing `tensor` over the ranks into a new tensor; returns a handle for poll()/synchronize()."""
-    return _single(_async.allreduce_async, tensor, name, op=resolve(op, average), prescale_factor=prescale_factor,
+def _reduction(submit, combine, tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set):
+    """Horovod's allreduce arguments, resolved, for one tensor (combine=_single) or a list (_group)."""
+    return combine(submit, tensors, name, op=resolve(op, average), prescale_factor=prescale_factor,
                    postscale_factor=postscale_factor, process_set=process_set)
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set):
-    """Starts reducing `tensor` in place; synchronize() returns `tensor`."""
-    return _single(_async.allreduce_async_, tensor, name, op=resolve(op, average), prescale_factor=prescale_factor,
-                   postscale_factor=postscale_factor, process_set=process_set)
+def allreduce_async(tensor, *args, **kwargs):
+    """allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+    process_set=global_process_set): starts reducing `tensor` over the ranks into a new tensor; returns a handle for
+    poll()/synchronize()."""
+    return _reduction(_async.allreduce_async, _single, tensor, *args, **kwargs)
+
+
+def allreduce_async_(tensor, *args, **kwargs):
+    """Starts reducing `tensor` in place (allreduce_async's arguments); synchronize() returns `tensor`."""
+    return _reduction(_async.allreduce_async_, _single, tensor, *args, **kwargs)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -93,17 +98,15 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                            process_set=global_process_set):
-    """One handle for the allreduce of every tensor of the list; synchronize() returns a tuple of new tensors."""
-    return _group(_async.allreduce_async, tensors, name, op=resolve(op, average), prescale_factor=prescale_factor,
-                  postscale_factor=postscale_factor, process_set=process_set)
+def grouped_allreduce_async(tensors, *args, **kwargs):
+    """One handle for the allreduce of every tensor of the list (allreduce_async's arguments); synchronize() returns
+    a tuple of new tensors."""
+    return _reduction(_async.allreduce_async, _group, tensors, *args, **kwargs)
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                             process_set=global_process_set):
-    return _group(_async.allreduce_async_, tensors, name, op=resolve(op, average), prescale_factor=prescale_factor,
-                  postscale_factor=postscale_factor, process_set=process_set)
+def grouped_allreduce_async_(tensors, *args, **kwargs):
+    """The same, in place."""
+    return _reduction(_async.allreduce_async_, _group, tensors, *args, **kwargs)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,

@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What every communicator the API and the engine use has in common: the host's shared-memory transport, which
+holds the Soft Memory Box arena and the doorbells the engine sleeps on.
+
+Two kinds exist: host.HostComm (the ranks of one host, or a process set of them) and world.WorldComm (a job across
+hosts, or a logical grid on one). Both offer allreduce, allreduce_raw, broadcast, allgather, reducescatter,
+alltoall, barrier and allgather_bytes on numpy arrays and torch tensors."""
+
+
+class Communicator:
+    def __init__(self, shm, topology, tuning, ranks):
+        self.shm = shm                  # transport.shm.SharedMemory of this host's ranks
+        self.topology = topology
+        self.tuning = tuning
+        self.ranks = list(ranks)        # the job ranks it holds, in order
+        self.rank = self.ranks.index(topology.rank)
+        self.size = len(self.ranks)
+        self.closables = []             # further transports to close with it
+
+    @property
+    def doorbell_reaches_all(self):
+        """Whether ringing reaches every rank's engine (a host's segment does; other hosts are not in it)."""
+        return self.shm.size == self.size
+
+    def ring_doorbell(self, everyone=False):
+        self.shm.ring_doorbell(everyone)
+
+    def doorbell(self):
+        return self.shm.doorbell()
+
+    def wait_doorbell(self, seen, timeout_s):
+        return self.shm.wait_doorbell(seen, timeout_s)
+
+    def set_spin(self, spin_us):
+        self.shm.set_spin(spin_us)
+
+    def failed_ranks(self):
+        return self.shm.failed_ranks()
+
+    def close(self):
+        for transport in self.closables:
+            transport.close()
+        self.shm.close()

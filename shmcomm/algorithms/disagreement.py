@@ -1,0 +1,37 @@
+# SPDX-License-Identifier: Apache-2.0
+"""After ranks across hosts disagree on a collective, every rank says the same thing: who passed what.
+
+Each rank packs what it passed (its description.Collective) into a row of integers, the rows are allgathered (over
+the MPI transport, within its deadline, or over the host's shared memory for a grid on one host), and the message
+groups ranks that passed the same."""
+import numpy as np
+
+from shmcomm import description
+from shmcomm._native import ffi
+from shmcomm.exceptions import MismatchError, ShmCommError
+
+
+def disagreement_error(what, collective, mpi, shm, names=None):
+    """The MismatchError every rank raises, naming what each rank passed (`names`: dtype keys of types the core does
+    not reduce, in words)."""
+    every = _gather(collective.words(), mpi, shm)
+    if every is None:
+        return MismatchError("%s: ranks disagree on the tensor or the collective (their descriptions could not be "
+                             "collected)" % what)
+    text = description.disagreement({r: description.Collective.from_words(row) for r, row in enumerate(every)}, names)
+    if text.startswith("all passed"):
+        return MismatchError("%s: ranks disagree on the arguments, though %s" % (what, text))
+    return MismatchError("%s: ranks disagree: %s" % (what, text))
+
+
+def _gather(mine, mpi, shm):
+    """Every rank's row, or None if that fails."""
+    if mpi is not None:
+        return mpi.allgather_rows(mine)
+    every = np.zeros((shm.size, mine.size), dtype=np.int64)
+    try:
+        shm.allgatherv(ffi.from_buffer(mine), mine.nbytes, ffi.from_buffer(every), [mine.nbytes] * shm.size, 0,
+                       "disagreement")
+    except ShmCommError:
+        return None
+    return every

@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The collectives of one host's ranks on numpy arrays and torch tensors: each is one or two steps of the
+shared-memory transport, whose C core checks that every rank passed the same description.
+
+Callers (the public API in collectives.py and the engine) have resolved the op, the root and the splits; this module
+turns arrays into pointers and sizes, and explains a disagreement on shapes by naming what every rank passed."""
+import numpy as np
+
+from shmcomm import description, ops
+from shmcomm._native import ffi
+from shmcomm.algorithms.communicator import Communicator
+from shmcomm.buffers import empty_like, output_for, require_reducible, row_bytes, wrap
+from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
+
+_DESCRIBE_WORDS = 32  # dtype, ndim, then up to 30 dims: what a rank says about its tensor after a shape mismatch
+
+
+class HostComm(Communicator):
+    """A shared-memory transport's ranks: a host's, or a process set's."""
+
+    def __init__(self, shm):
+        super().__init__(shm, shm.topology, shm.tuning, shm.ranks)
+
+    def allreduce(self, x, output, op, prescale, postscale, what):
+        """Reduces `x` into `output` (which may be `x` itself, or None for a new array); returns the result.
+        This is the latency path of the whole library: keep it free of avoidable work."""
+        inplace = output is x
+        src = wrap(x, what, inplace)
+        if src.code is None:
+            require_reducible(src, what)
+        out, dst = (x, src) if inplace else output_for(src, output, src.shape, what)
+        try:
+            self.shm.allreduce(src.ptr, dst.ptr, src.count, src.code, ops.C_OP[op], prescale, postscale,
+                               self.size if op == ops.Average else 1, description.tag(src.code, src.shape), what)
+        except MismatchError as error:
+            raise self._explained(error, what, src) from None
+        return out
+
+    def allreduce_raw(self, ptr, count, code, op, prescale, postscale, what, divisor=None):
+        """In-place allreduce of `count` elements of type `code` at `ptr` (the engine's fusion buffer). The divisor
+        defaults to the communicator's size for Average."""
+        if divisor is None:
+            divisor = self.size if op == ops.Average else 1
+        self.shm.allreduce(ptr, ptr, count, code, ops.C_OP[op], prescale, postscale, divisor,
+                           description.tag(code, (count,)), what)
+
+    def broadcast(self, x, output, root, what):
+        """`root` (an index in the communicator) sends `x`; everyone's result lands in `output` (may be `x`)."""
+        src = wrap(x, what, writable=output is x)
+        out, dst = (x, src) if output is x else output_for(src, output, src.shape, what)
+        tag = description.describe("broadcast", src.dtype_key(), src.shape).tag()
+        self._step(self.shm.broadcast, src, what, src.ptr, dst.ptr, src.nbytes, root, tag, what)
+        return out
+
+    def allgather(self, x, what):
+        """Concatenation along the first dimension, which may differ between ranks."""
+        src = wrap(x, what)
+        shape = tuple(src.shape) or (1,)
+        tag = description.describe("allgather", src.dtype_key(), shape).tag()
+        dims = self._first_dims(src, shape[0], tag, what)
+        out = empty_like(src, (int(dims.sum()),) + shape[1:])
+        dst = wrap(out, what, writable=True)
+        size = row_bytes(src, shape)
+        self._step(self.shm.allgatherv, src, what, src.ptr, src.nbytes, dst.ptr, [int(d) * size for d in dims], tag,
+                   what)
+        return out
+
+    def reducescatter(self, x, op, prescale, postscale, what):
+        """This rank's share of the reduction, split along the first dimension by Horovod's rule."""
+        src = wrap(x, what)
+        require_reducible(src, what)
+        if len(src.shape) == 0:
+            raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % what)
+        rows = src.shape[0]
+        per_row = src.count // rows if rows else 0
+        shares = description.shares(rows, self.size)
+        out = empty_like(src, (shares[self.rank],) + tuple(src.shape[1:]))
+        dst = wrap(out, what, writable=True)
+        tag = description.describe("reducescatter", src.dtype_key(), src.shape).tag()
+        self._step(self.shm.reducescatter, src, what, src.ptr, dst.ptr, [s * per_row for s in shares], src.code,
+                   ops.C_OP[op], float(prescale), float(postscale), self.size if op == ops.Average else 1, tag, what)
+        return out
+
+    def alltoall(self, x, splits, what):
+        """Sends splits[j] rows to rank j; returns (rows received in rank order, rows received from each rank)."""
+        src = wrap(x, what)
+        n = self.size
+        shape = tuple(src.shape) or (1,)
+        tag = description.describe("alltoall", src.dtype_key(), shape).tag()
+        got = np.empty(n, dtype=np.int64)
+        sent = np.array(splits, dtype=np.int64)
+        self._step(self.shm.alltoallv, src, what, ffi.from_buffer(sent), [8] * n, ffi.from_buffer(got), [8] * n, tag,
+                   what)
+        size = row_bytes(src, shape)
+        out = empty_like(src, (int(got.sum()),) + shape[1:])
+        dst = wrap(out, what, writable=True)
+        self._step(self.shm.alltoallv, src, what, src.ptr, [s * size for s in splits], dst.ptr,
+                   [int(g) * size for g in got], tag, what)
+        return out, got
+
+    def barrier(self, what="barrier"):
+        self.shm.barrier(what)
+
+    def allgather_bytes(self, payload):
+        return self.shm.allgather_bytes(payload)
+
+    def _first_dims(self, src, first, tag, what):
+        """Every rank's first dimension, exchanged under the tag of the rest, so that the rest must agree."""
+        mine = np.array([first], dtype=np.int64)
+        every = np.empty(self.size, dtype=np.int64)
+        self._step(self.shm.allgatherv, src, what, ffi.from_buffer(mine), 8, ffi.from_buffer(every),
+                   [8] * self.size, tag, what)
+        return every
+
+    def _step(self, step, src, what, *args):
+        try:
+            step(*args)
+        except MismatchError as error:
+            raise self._explained(error, what, src) from None
+
+    def _explained(self, error, what, buf):
+        """A shape mismatch names every rank's tensor: every rank lands here together, so they swap descriptions."""
+        if error.field != "shape":
+            return error
+        mine = np.zeros(_DESCRIBE_WORDS, dtype=np.int64)
+        dims = list(buf.shape)[: _DESCRIBE_WORDS - 2]
+        mine[0], mine[1] = buf.dtype_key(), len(buf.shape)
+        mine[2: 2 + len(dims)] = dims
+        every = np.zeros((self.size, _DESCRIBE_WORDS), dtype=np.int64)
+        try:
+            self.shm.allgatherv(ffi.from_buffer(mine), mine.nbytes, ffi.from_buffer(every),
+                                [mine.nbytes] * self.size, 0, what)
+        except ShmCommError as failure:
+            return MismatchError("%s: ranks disagree on the tensor: (could not collect the shapes: %s)"
+                                 % (what, failure), error.field)
+        names = {buf.dtype_key(): buf.type_name()}
+        parts = []
+        for r in range(self.size):
+            key, ndim = int(every[r, 0]), int(every[r, 1])
+            dtype = description.dtype_name(key, names)
+            parts.append("rank %d has %s%s" % (self.ranks[r], dtype, [int(d) for d in every[r, 2: 2 + min(ndim, 30)]]))
+        return MismatchError("%s: ranks disagree on the tensor: %s" % (what, "; ".join(parts)), error.field)

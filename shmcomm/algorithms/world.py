@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The communicator of a job that spans hosts, or of a logical grid on one host (SHMCOMM_TORUS_GRID).
+
+It offers what host.HostComm offers, so the API and the engine use either unchanged. Allreduce goes through the
+algorithm choice.py picks (torus, ring or MPI's own); the other collectives go through the MPI transport across
+hosts, or through the host's shared memory when the whole grid is on one host. Every collective starts with the
+agreement (through the torus's route when there is a torus), so that ranks that disagree, or call different
+collectives, all raise instead of corrupting data or waiting in MPI."""
+import numpy as np
+
+from shmcomm import description, ops
+from shmcomm._native import ffi
+from shmcomm.algorithms import choice
+from shmcomm.algorithms.agreement import MISMATCH, OK, Agreement, failure_text
+from shmcomm.algorithms.communicator import Communicator
+from shmcomm.algorithms.disagreement import disagreement_error
+from shmcomm.algorithms.ring import ring_allreduce
+from shmcomm.buffers import empty_like, output_for, require_reducible, row_bytes, wrap
+from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
+from shmcomm.transport import kernels
+
+
+class WorldComm(Communicator):
+    """`host`: this host's algorithms.host.HostComm; `torus`: a torus2d.Torus, or None (hosts of unequal sizes);
+    `mpi`: the MPI transport over the whole job, None for a grid on one host; `paths`: env.PathSettings."""
+
+    def __init__(self, topology, tuning, host, torus, paths, mpi=None):
+        super().__init__(host.shm, topology, tuning, range(topology.size))
+        self.host = host
+        self.torus = torus
+        self.mpi = mpi
+        self.algorithm = choice.validate(paths.algorithm, torus is not None, mpi is not None)
+        self.torus_min_bytes = paths.torus_min_bytes
+        # Without a torus, every cross-host collective starts with this.
+        self.agreement = Agreement(mpi) if mpi is not None and torus is None else None
+
+    # ---- allreduce ----
+    def allreduce(self, x, output, op, prescale, postscale, what):
+        inplace = output is x
+        src = wrap(x, what, inplace)
+        require_reducible(src, what)
+        out, dst = (x, src) if inplace else output_for(src, output, src.shape, what)
+        self._allreduce(src.ptr, dst.ptr, src.count, src.code, src.itemsize, op, prescale, postscale, what, None,
+                        description.describe("allreduce", src.code, src.shape, op, prescale, postscale))
+        return out
+
+    def allreduce_raw(self, ptr, count, code, op, prescale, postscale, what, divisor=None):
+        self._allreduce(ptr, ptr, count, code, kernels.itemsize(code), op, prescale, postscale, what, divisor,
+                        description.describe("allreduce", code, (count,), op, prescale, postscale))
+
+    def _allreduce(self, ptr, dst_ptr, count, code, esize, op, prescale, postscale, what, divisor, collective):
+        if self.mpi is not None:
+            self.mpi.usable(what)
+        divisor = (self.size if op == ops.Average else 1) if divisor is None else divisor
+        c_op = ops.C_OP[op]
+        algorithm = choice.allreduce(self.algorithm, count * esize, self.torus is not None, self.mpi is not None,
+                                     self.torus_min_bytes)
+        try:
+            if algorithm == "torus":
+                self.torus.allreduce(ptr, dst_ptr, count, code, esize, c_op, prescale, postscale, divisor, what,
+                                     collective)
+                return
+            self._agree(collective.signature(count, divisor), what)
+        except MismatchError:
+            raise self._disagreement(what, collective) from None
+        if dst_ptr != ptr:
+            ffi.memmove(dst_ptr, ptr, count * esize)
+        if algorithm == "ring":
+            raw = np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8)
+            ring_allreduce(self.mpi, raw, code, c_op, prescale, postscale, divisor)
+        else:
+            self.mpi.allreduce(dst_ptr, dst_ptr, count, code, c_op, prescale, postscale, divisor, 0, what)
+
+    def _agree(self, sig, what):
+        """Across hosts, before MPI carries a collective: raises MismatchError on every rank if they disagree, and
+        TimeoutError if one does not come (MPI itself would check neither)."""
+        if self.mpi is not None:
+            self.mpi.usable(what)
+        status, culprit = self.torus.agree(sig, what) if self.torus is not None else self.agreement.agree(sig)
+        if status != OK:
+            raise MismatchError(what) if status == MISMATCH else ShmCommError(failure_text(what, culprit))
+
+    def _disagreement(self, what, collective, buf=None):
+        """The error every rank raises after a mismatch, naming what each rank passed."""
+        names = {buf.dtype_key(): buf.type_name()} if buf is not None else None
+        return disagreement_error(what, collective, self.mpi, self.host.shm, names)
+
+    def _checked(self, what, collective, buf=None, extra=()):
+        """The agreement on `collective` (and `extra` numbers that must agree too)."""
+        try:
+            self._agree(collective.signature(*extra), what)
+        except MismatchError:
+            raise self._disagreement(what, collective, buf) from None
+
+    # ---- the rest: MPI across hosts, shared memory on one host. Each starts with the agreement, so that ranks
+    # calling different collectives find out as surely as ranks passing different tensors. ----
+    def broadcast(self, x, output, root, what):
+        src = wrap(x, what, writable=output is x)
+        out, dst = (x, src) if output is x else output_for(src, output, src.shape, what)  # before the agreement:
+        self._checked(what, description.describe("broadcast", src.dtype_key(), src.shape, root=root), src)  # one
+        if self.mpi is None:  # rank's error after it would leave the others waiting in MPI
+            return self.host.broadcast(x, out, root, what)
+        self.mpi.broadcast(src.ptr, dst.ptr, src.nbytes, root, 0, what)
+        return out
+
+    def allgather(self, x, what):
+        src = self._check_rows(x, "allgather", what)
+        if self.mpi is None:
+            return self.host.allgather(x, what)
+        shape = tuple(src.shape) or (1,)
+        rows = self._first_dims(shape[0], what)
+        out = empty_like(src, (sum(rows),) + shape[1:])
+        size = row_bytes(src, shape)
+        self.mpi.allgatherv(src.ptr, src.nbytes, wrap(out, what, True).ptr, [r * size for r in rows], 0, what)
+        return out
+
+    def alltoall(self, x, splits, what):
+        src = self._check_rows(x, "alltoall", what)
+        if self.mpi is None:
+            return self.host.alltoall(x, splits, what)
+        shape = tuple(src.shape) or (1,)
+        got = np.empty(self.size, dtype=np.int64)
+        self.mpi.alltoallv(ffi.from_buffer(np.array(splits, dtype=np.int64)), [8] * self.size, ffi.from_buffer(got),
+                           [8] * self.size, 0, what)
+        size = row_bytes(src, shape)
+        out = empty_like(src, (int(got.sum()),) + shape[1:])
+        self.mpi.alltoallv(src.ptr, [s * size for s in splits], wrap(out, what, True).ptr,
+                           [int(g) * size for g in got], 0, what)
+        return out, got
+
+    def _check_rows(self, x, kind, what):
+        """allgather and alltoall: the ranks' first dimensions may differ, the rest and the dtype may not."""
+        src = wrap(x, what)
+        self._checked(what, description.describe(kind, src.dtype_key(), tuple(src.shape) or (1,)), src)
+        return src
+
+    def _first_dims(self, first, what):
+        mine = np.array([first], dtype=np.int64)
+        every = np.empty(self.size, dtype=np.int64)
+        self.mpi.allgatherv(ffi.from_buffer(mine), 8, ffi.from_buffer(every), [8] * self.size, 0, what)
+        return [int(d) for d in every]
+
+    def reducescatter(self, x, op, prescale, postscale, what):
+        """This rank's rows of the reduction. MPI's own reduce-scatter where MPI's allreduce would be chosen; else
+        the allreduce, then this rank's rows: twice the traffic of a true reduce-scatter, but the torus's."""
+        src = wrap(x, what)
+        require_reducible(src, what)
+        if len(src.shape) == 0:
+            raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % what)
+        collective = description.describe("reducescatter", src.code, src.shape, op, prescale, postscale)
+        share = description.shares(src.shape[0], self.size)
+        divisor = self.size if op == ops.Average else 1
+        if choice.allreduce(self.algorithm, src.nbytes, self.torus is not None, self.mpi is not None,
+                            self.torus_min_bytes) == "mpi":
+            self._checked(what, collective, src, (src.count, divisor))
+            out = empty_like(src, (share[self.rank],) + tuple(src.shape[1:]))
+            per_row = src.count // src.shape[0] if src.shape[0] else 0
+            self.mpi.reducescatter(src.ptr, wrap(out, what, True).ptr, [s * per_row for s in share], src.code,
+                                   ops.C_OP[op], prescale, postscale, divisor, 0, what)
+            return out
+        total, dst = output_for(src, None, src.shape, what)
+        self._allreduce(src.ptr, dst.ptr, src.count, src.code, src.itemsize, op, prescale, postscale, what, None,
+                        collective)
+        start = sum(share[:self.rank])
+        mine = total[start:start + share[self.rank]]
+        return mine.clone() if src.is_torch else mine.copy()
+
+    def barrier(self, what="barrier"):
+        self._checked(what, description.describe("barrier"))
+        if self.mpi is None:
+            self.host.barrier(what)
+
+    def allgather_bytes(self, payload):
+        if self.mpi is None:
+            return self.host.allgather_bytes(payload)
+        return self.mpi.allgather_bytes(payload)

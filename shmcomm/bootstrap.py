@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builds the world communicator for the kind of job this process is in, from transports and algorithms.
+
+- one host, the usual case: the host's shared-memory transport under algorithms.host.HostComm, nothing else (no
+  MPI is imported);
+- one host with SHMCOMM_TORUS_GRID=XxY: rows and columns of the torus both on shared memory, which is how the torus
+  is exercised without several hosts;
+- several hosts (launched by mpiexec, shmcommrun -H, srun): each host's shared memory for the rows, MPI for the
+  columns and for the collectives that are not allreduce."""
+from shmcomm import env, topology
+from shmcomm.algorithms.host import HostComm
+from shmcomm.transport.shm import SharedMemory
+
+
+def build_world(generation):
+    if env.launched_by_mpi():
+        return _across_hosts(generation)
+    topo = env.topology()
+    tuning = env.tuning(topo.local_size)
+    paths = env.paths(topo.size)
+    host = HostComm(SharedMemory(topo, tuning, generation, arena=True))
+    return host if paths.grid is None else _logical_grid(topo, tuning, generation, host, paths)
+
+
+def process_set(world, ranks, set_id, generation):
+    """The communicator of a process set's members (its own segment among this host's ranks)."""
+    return HostComm(SharedMemory(world.topology, world.tuning, generation, ranks=ranks, suffix="_s%d" % set_id))
+
+
+def _logical_grid(topo, tuning, generation, host, paths):
+    from shmcomm.algorithms.torus2d import ShmColumn, Torus
+    from shmcomm.algorithms.world import WorldComm
+
+    x, y = paths.grid
+    row_index, column_index = topo.rank // x, topo.rank % x
+    row = SharedMemory(topo, tuning, generation, ranks=[row_index * x + i for i in range(x)], suffix="_r%d" % row_index)
+    column = SharedMemory(topo, tuning, generation, ranks=[j * x + column_index for j in range(y)],
+                          suffix="_c%d" % column_index)
+    torus = Torus(row, ShmColumn(column), paths.torus_small_bytes, world_rank=topo.rank)
+    world = WorldComm(topo, tuning, host, torus, paths)
+    world.closables = [row, column]
+    return world
+
+
+def _across_hosts(generation):
+    from shmcomm.algorithms.torus2d import MpiColumn, Torus
+    from shmcomm.algorithms.world import WorldComm
+    from shmcomm.transport.mpi import Mpi
+
+    topo, ctx = topology.from_mpi()
+    _require_same_settings(ctx.world)
+    tuning = env.tuning(topo.local_size)
+    paths = env.paths(topo.size)
+    shm = SharedMemory(topo, tuning, generation, ranks=ctx.host_ranks, suffix="_h%d" % ctx.host_index, arena=True)
+    if ctx.hosts == 1 and paths.grid is None:
+        shm.ranks = list(range(topo.size))  # one host: the host communicator is the world
+        return HostComm(shm)
+    try:
+        if paths.grid is not None and (paths.grid[0] != topo.local_size or not ctx.homogeneous):
+            raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
+                             % (paths.grid_text, topo.local_size))
+        # The column gives up a little before the host's own waits do, so that the rest of the host hears why.
+        column = Mpi(ctx.cross, 0.8 * tuning.timeout_s, "torus column") if ctx.homogeneous else None
+        torus = Torus(shm, MpiColumn(column, paths.torus_small_bytes), paths.torus_small_bytes,
+                      world_rank=topo.rank) if column is not None else None
+        return WorldComm(topo, tuning, HostComm(shm), torus, paths, mpi=Mpi(ctx.world, tuning.timeout_s))
+    except BaseException:
+        shm.close()
+        raise
+
+
+def _require_same_settings(mpi):
+    """Every rank must set the path settings alike; compared as they are set, before anything parses them, so that
+    one rank's bad value fails every rank alike."""
+    names = ["%s%s" % (prefix, name) for name in env.PATH_SETTINGS for prefix in ("SHMCOMM_", "HOROVOD_")]
+    mine = env.path_settings_as_set()
+    every = mpi.allgather(mine)
+    if any(e != mine for e in every):
+        differ = "; ".join("rank %d: %s" % (r, ", ".join("%s=%s" % (n, v) for n, v in zip(names, e) if v))
+                           for r, e in enumerate(every) if r == 0 or e != every[0])
+        raise ValueError("%s (or their HOROVOD_ names) must be the same on every rank (%s)"
+                         % (", ".join("SHMCOMM_" + n for n in env.PATH_SETTINGS), differ))

@@ -1,0 +1,37 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The communicator this process holds between init() and shutdown(), for the modules that serve the API.
+
+The process holds at most one at a time. `generation` counts inits so that init/shutdown/init in one process (all
+ranks doing the same) meets a fresh segment."""
+import threading
+
+from shmcomm.exceptions import NotInitializedError
+
+_NOT_INITIALIZED = "shmcomm has not been initialized; use shmcomm.init()."
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.comm = None
+        self.generation = 0
+
+
+state = _State()
+
+
+def communicator():
+    """The world communicator (algorithms.host.HostComm or algorithms.world.WorldComm)."""
+    comm = state.comm
+    if comm is None:
+        raise NotInitializedError(_NOT_INITIALIZED)
+    return comm
+
+
+def is_initialized():
+    return state.comm is not None
+
+
+def generation():
+    """How many times this process has initialised; part of every segment name."""
+    return state.generation

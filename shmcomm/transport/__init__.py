@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Transports: how bytes move between the ranks of one communicator. The algorithms (shmcomm/algorithms/) compose
+them; nothing above this package calls the C core's communication functions or MPI directly.
+
+Two transports exist today:
+- `shm.SharedMemory`: the ranks of one host (or a subset: a process set, a logical grid's row or column) meet in one
+  shared-memory segment owned by the C core. Its collectives are steps over that segment; it also owns the doorbells
+  the engine sleeps on and the Soft Memory Box arena (`box.py`).
+- `mpi.Mpi`: the ranks of an MPI communicator (one rank per host in a torus column, or the whole world), with a
+  deadline on every wait that MPI itself would leave unbounded.
+
+Both offer the interface below (`Transport`), in the units of the C core: pointers, element counts and dtype codes
+(shmcomm/dtypes.py), byte counts, a 64-bit `tag` that every rank must pass equal (a digest of the collective's
+description, shmcomm/description.py) and `what`, how errors name the call. Failures raise the exceptions of
+shmcomm.exceptions; a transport that can no longer be trusted raises BrokenCommunicatorError from then on.
+
+    rank, size, ranks             this process's index, the member count, the members' job ranks
+    allreduce(src, dst, count, dtype, op, prescale, postscale, divisor, tag, what)
+    reducescatter(src, dst, counts, dtype, op, prescale, postscale, divisor, tag, what)
+    broadcast(src, dst, nbytes, root, tag, what)
+    allgatherv(src, nbytes, dst, sizes, tag, what)
+    alltoallv(src, send_sizes, dst, recv_sizes, tag, what)
+    barrier(what)
+    allgather_bytes(payload)      every rank's bytes object (the engine's negotiation, within the deadline)
+    failed_ranks()                job ranks known to be dead (liveness)
+    doorbell(), ring_doorbell(everyone), wait_doorbell(seen, timeout_s), doorbell_reaches_all
+    set_spin(spin_us), close()
+
+`Mpi` adds point-to-point (`exchange`, `sendrecv`) for the agreement's recursive doubling and for rings; the shared
+memory needs none, since every rank reads its peers' slots directly. Its doorbell reaches no one
+(`doorbell_reaches_all` is False): the engine then cycles on its timer.
+
+A GPU transport (NCCL) fits the same interface: its communicator is built from an id that `allgather_bytes` of the
+host transport distributes; allreduce, reducescatter, broadcast, allgatherv (ncclAllGather, or grouped
+ncclBroadcast for unequal sizes) and alltoallv (grouped ncclSend/ncclRecv) take device pointers and enqueue on the
+transport's stream; every call ends with a bounded wait on that stream (ncclCommGetAsyncError polled to the
+deadline, then ncclCommAbort) so that no wait is unbounded; `tag` is checked by the agreement of the host transport
+before the kernels are enqueued, since NCCL checks no arguments; exchange/sendrecv map to ncclSend/ncclRecv. The
+algorithms then take it as the column of the 2D torus without change."""
+import abc
+
+
+class Transport(abc.ABC):
+    """The interface every transport offers; see the module docstring. Subclasses set rank, size and ranks."""
+
+    rank = 0
+    size = 1
+    ranks = (0,)
+    doorbell_reaches_all = False
+
+    @abc.abstractmethod
+    def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
+        """dst = postscale * op(prescale * src of every rank) / divisor; `count` elements of `dtype`."""
+
+    @abc.abstractmethod
+    def reducescatter(self, src, dst, counts, dtype, op, prescale, postscale, divisor, tag, what):
+        """Rank r gets elements [sum(counts[:r]), +counts[r]) of the allreduce of every src."""
+
+    @abc.abstractmethod
+    def broadcast(self, src, dst, nbytes, root, tag, what):
+        """Root's `nbytes` at src land in every rank's dst."""
+
+    @abc.abstractmethod
+    def allgatherv(self, src, nbytes, dst, sizes, tag, what):
+        """dst = every rank's src, in rank order; sizes[r] is rank r's byte count."""
+
+    @abc.abstractmethod
+    def alltoallv(self, src, send_sizes, dst, recv_sizes, tag, what):
+        """send_sizes[j] bytes of src go to rank j; recv_sizes[j] bytes from rank j land in dst in rank order."""
+
+    @abc.abstractmethod
+    def barrier(self, what="barrier"):
+        """Returns once every rank has called it."""
+
+    @abc.abstractmethod
+    def allgather_bytes(self, payload):
+        """Every rank's bytes object, in rank order, within the deadline."""
+
+    def failed_ranks(self):
+        return []
+
+    def set_spin(self, spin_us):
+        """How long waits poll before they sleep; transports that do not poll ignore it."""
+
+    def close(self):
+        """Leaves the communicator; never blocks on peers."""
+
+
+# The engine's negotiation messages are usually a few hundred bytes: each rank sends a fixed block (its length, then
+# the start of its message) so one exchange settles the common case; longer messages send their rest in a second.
+_BYTES_BLOCK = 2048  # a few hundred tensors' cache ids
+
+
+def allgather_bytes_over(gatherv, n, payload):
+    """allgather_bytes with any transport: gatherv(mine, every, sizes) puts every rank's `mine` (sizes[r] bytes from
+    rank r) into the bytearray `every`, in rank order."""
+    head = _BYTES_BLOCK - 8
+    block = bytearray(_BYTES_BLOCK)
+    block[:8] = len(payload).to_bytes(8, "little")
+    first = payload[:head]
+    block[8:8 + len(first)] = first
+    out = bytearray(_BYTES_BLOCK * n)
+    gatherv(block, out, [_BYTES_BLOCK] * n)
+    sizes = [int.from_bytes(out[r * _BYTES_BLOCK:r * _BYTES_BLOCK + 8], "little") for r in range(n)]
+    views = [bytes(out[r * _BYTES_BLOCK + 8:r * _BYTES_BLOCK + 8 + min(s, head)]) for r, s in enumerate(sizes)]
+    rest = [max(s - head, 0) for s in sizes]
+    if any(rest):  # the same decision on every rank: all saw the same lengths
+        tail = bytearray(sum(rest))
+        gatherv(bytes(payload[head:]), tail, rest)
+        at = 0
+        for r in range(n):
+            views[r] += bytes(tail[at:at + rest[r]])
+            at += rest[r]
+    return views

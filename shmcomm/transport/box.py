@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Soft Memory Box storage in the shared-memory transport's arena (csrc/shm/box.c): named, typed buffers that every
+rank of the host reads, writes and accumulates into under a robust per-box lock. shmcomm/smb.py is the user's API
+over this; a box spanning hosts would be another implementation of the same handle."""
+from shmcomm._native import check, ffi, lib
+
+
+class BoxHandle:
+    """One process's handle to a box in `shm`'s arena (a transport.shm.SharedMemory with the arena)."""
+
+    def __init__(self, shm, name, count=None, dtype=None, exist_ok=True, timeout_s=0.0):
+        """With `count` and `dtype`: create the box (or attach to an equal one if exist_ok). Without: attach to a box
+        another rank creates, waiting up to timeout_s for it."""
+        self._shm = shm
+        self._name = name.encode()
+        out = ffi.new("smc_box_t **")
+        if count is not None:
+            check(lib.smc_box_create(shm.handle, self._name, count, dtype, 1 if exist_ok else 0, out))
+        else:
+            check(lib.smc_box_attach(shm.handle, self._name, timeout_s, out))
+        self._box = out[0]
+        self.count = int(lib.smc_box_count(self._box))
+        self.dtype = int(lib.smc_box_dtype(self._box))
+
+    @property
+    def closed(self):
+        return self._box is None
+
+    @property
+    def detached(self):
+        """The transport was shut down: the arena is gone."""
+        return self._shm.handle is None
+
+    def version(self):
+        return int(lib.smc_box_version(self._box))
+
+    def data(self, nbytes):
+        """The box's memory itself, as a cffi buffer of nbytes."""
+        return ffi.buffer(lib.smc_box_data(self._box), nbytes)
+
+    def read(self, offset, count, dst):
+        check(lib.smc_box_read(self._box, offset, count, dst, ffi.NULL))
+
+    def write(self, offset, count, src):
+        version = ffi.new("uint64_t *")
+        check(lib.smc_box_write(self._box, offset, count, src, version))
+        return int(version[0])
+
+    def accumulate(self, offset, count, src, alpha, beta):
+        version = ffi.new("uint64_t *")
+        check(lib.smc_box_accumulate(self._box, offset, count, src, alpha, beta, version))
+        return int(version[0])
+
+    def lock(self, timeout_s):
+        check(lib.smc_box_lock(self._box, timeout_s))
+
+    def unlock(self):
+        check(lib.smc_box_unlock(self._box))
+
+    def wait_version(self, version, timeout_s):
+        seen = ffi.new("uint64_t *")
+        check(lib.smc_box_wait_version(self._box, version, timeout_s, seen))
+        return int(seen[0])
+
+    def close(self):
+        if self._box is not None:
+            if self._shm.handle is not None:
+                lib.smc_box_close(self._box)
+            self._box = None
+
+    def destroy(self):
+        """Closes this handle and removes the name; the space is reused once every rank has closed its handle."""
+        self.close()
+        check(lib.smc_box_destroy(self._shm.handle, self._name))

@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The MPI transport: the ranks of an MPI communicator (mpi4py on numpy views of the tensors' memory).
+
+MPI checks no arguments and has no timeouts. The arguments are the algorithms' business: they run the agreement
+(algorithms/agreement.py) before they hand a collective to this transport, so `tag` is not checked here. The
+timeouts are this module's: every wait that can outlast a peer that stopped has the deadline of SHMCOMM_TIMEOUT
+(deadline.py), and a transport whose wait was abandoned refuses every later call (BrokenCommunicatorError), since its
+messages are out of step from then on. Data phases that start after a successful agreement (Bcast, Allgatherv,
+Alltoallv, the ring's Sendrecv) are MPI's own blocking calls: every rank has arrived by then, and a rank that dies
+there is caught by the launcher, which stops the job.
+
+MPI has no 16-bit float reductions, so float16 and bfloat16 are widened to float32 for MPI's allreduce and rounded
+back once. Scale factors use the core's kernels, so they follow the same rules as everywhere else."""
+import itertools
+import time
+
+import numpy as np
+
+from shmcomm._native import ffi, lib
+from shmcomm.exceptions import BrokenCommunicatorError, TimeoutError
+from shmcomm.transport import Transport, allgather_bytes_over, kernels
+from shmcomm.transport.deadline import Watchdog, poll
+
+_NUMPY_OF = {lib.SMC_FLOAT32: np.float32, lib.SMC_FLOAT64: np.float64, lib.SMC_INT8: np.int8,
+             lib.SMC_UINT8: np.uint8, lib.SMC_INT16: np.int16, lib.SMC_INT32: np.int32, lib.SMC_INT64: np.int64}
+
+
+def _bytes(ptr, nbytes):
+    return np.frombuffer(ffi.buffer(ptr, nbytes), dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
+
+
+def _widened(raw, dtype):
+    """float32 copy of 16-bit floats."""
+    wide = np.empty(raw.nbytes // 2, dtype=np.float32)
+    if dtype == lib.SMC_FLOAT16:
+        wide[:] = raw.view(np.float16)
+    else:  # bfloat16: the top half of a float32
+        wide.view(np.uint32)[:] = raw.view(np.uint16).astype(np.uint32) << 16
+    return wide
+
+
+def _narrow_into(raw, wide, dtype):
+    if dtype == lib.SMC_FLOAT16:
+        raw.view(np.float16)[:] = wide
+    else:  # round to nearest even, as the core does
+        bits = wide.view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        nan = np.isnan(wide)
+        raw.view(np.uint16)[:] = np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+class Mpi(Transport):
+    """A transport over the MPI communicator `comm`; `ranks` are its members' job ranks (MPI.COMM_WORLD's)."""
+
+    def __init__(self, comm, timeout_s, what="across hosts"):
+        from mpi4py import MPI
+
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.ranks = comm.allgather(MPI.COMM_WORLD.Get_rank())
+        self.timeout_s = timeout_s
+        self.what = what
+        self.broken = None  # why calls are refused: a wait was abandoned, its messages are still pending
+        self._byte = MPI.BYTE
+        self._ops = {lib.SMC_SUM: MPI.SUM, lib.SMC_MIN: MPI.MIN, lib.SMC_MAX: MPI.MAX, lib.SMC_PROD: MPI.PROD}
+        self._watchdog = Watchdog()
+
+    def usable(self, what):
+        if self.broken:
+            raise BrokenCommunicatorError("%s: unusable after an earlier failure: %s" % (what, self.broken))
+
+    def deadline(self):
+        return time.monotonic() + self.timeout_s
+
+    def _bounded(self, request, what, late):
+        """Polls `request` to the deadline; a late one leaves the transport refused."""
+        try:
+            poll([request], self.deadline(), late)
+        except TimeoutError as error:
+            self.broken = str(error)
+            raise
+
+    # ---- steps (after the agreement) ----
+    def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
+        """MPI's own allreduce, in place on dst."""
+        from mpi4py import MPI
+
+        self.usable(what)
+        esize = kernels.itemsize(dtype)
+        if dst != src:
+            ffi.memmove(dst, src, count * esize)
+        raw = _bytes(dst, count * esize)
+        kernels.scale(dst, count, dtype, prescale)
+        if dtype in (lib.SMC_FLOAT16, lib.SMC_BFLOAT16):
+            wide = _widened(raw, dtype)
+            self.comm.Allreduce(MPI.IN_PLACE, wide, op=self._ops[op])
+            _narrow_into(raw, wide, dtype)
+        else:
+            self.comm.Allreduce(MPI.IN_PLACE, raw.view(_NUMPY_OF[dtype]), op=self._ops[op])
+        kernels.scale(dst, count, dtype, postscale, divisor)
+
+    def reducescatter(self, src, dst, counts, dtype, op, prescale, postscale, divisor, tag, what):
+        """MPI_Reduce_scatter (widened for 16-bit floats like allreduce)."""
+        self.usable(what)
+        esize = kernels.itemsize(dtype)
+        total = sum(counts)
+        work = np.empty(total * esize, dtype=np.uint8)
+        work_ptr = ffi.from_buffer(work)
+        ffi.memmove(work_ptr, src, total * esize)
+        kernels.scale(work_ptr, total, dtype, prescale)
+        mine = counts[self.rank]
+        out = _bytes(dst, mine * esize)
+        if dtype in (lib.SMC_FLOAT16, lib.SMC_BFLOAT16):
+            wide_out = np.empty(mine, dtype=np.float32)
+            self.comm.Reduce_scatter(_widened(work, dtype), wide_out, list(counts), op=self._ops[op])
+            _narrow_into(out, wide_out, dtype)
+        else:
+            numpy_type = _NUMPY_OF[dtype]
+            self.comm.Reduce_scatter(work.view(numpy_type), out.view(numpy_type), list(counts), op=self._ops[op])
+        kernels.scale(dst, mine, dtype, postscale, divisor)
+
+    def broadcast(self, src, dst, nbytes, root, tag, what):
+        self.usable(what)
+        if dst != src and self.rank == root:
+            ffi.memmove(dst, src, nbytes)
+        self.comm.Bcast(_bytes(dst, nbytes), root=root)
+
+    def allgatherv(self, src, nbytes, dst, sizes, tag, what):
+        self.usable(what)
+        self.comm.Allgatherv([_bytes(src, nbytes), self._byte], [_bytes(dst, sum(sizes)), (list(sizes), None),
+                                                                 self._byte])
+
+    def alltoallv(self, src, send_sizes, dst, recv_sizes, tag, what):
+        self.usable(what)
+        self.comm.Alltoallv([_bytes(src, sum(send_sizes)), (list(send_sizes), None), self._byte],
+                            [_bytes(dst, sum(recv_sizes)), (list(recv_sizes), None), self._byte])
+
+    def barrier(self, what="barrier"):
+        self.usable(what)
+        self._bounded(self.comm.Ibarrier(), what, lambda: self._late_all(what))
+
+    def allgather_bytes(self, payload):
+        """Every rank's bytes (the engine's negotiation), within SHMCOMM_TIMEOUT: MPI's own allgather would wait
+        forever for a rank that stopped."""
+        self.usable("negotiation")
+        deadline = self.deadline()
+
+        def late():
+            return TimeoutError("negotiation: timed out after %.0f s waiting for the other ranks' messages across "
+                                "hosts (a rank is stuck; SHMCOMM_TIMEOUT sets the limit)" % self.timeout_s)
+
+        def gatherv(mine, every, sizes):
+            displacements = [0] + list(itertools.accumulate(sizes[:-1]))
+            request = self.comm.Iallgatherv([mine, len(mine), self._byte], [every, (sizes, displacements), self._byte])
+            try:
+                poll([request], deadline, late)
+            except TimeoutError as error:
+                self.broken = str(error)  # its allgather is still pending
+                raise
+        return allgather_bytes_over(gatherv, self.size, payload)
+
+    def allgather_rows(self, row):
+        """Every rank's int64 row (a description after a disagreement), within the deadline; None if that fails."""
+        from mpi4py import MPI
+
+        every = np.zeros((self.size, row.size), dtype=np.int64)
+        try:
+            request = self.comm.Iallgather([row, MPI.INT64_T], [every, MPI.INT64_T])
+            poll([request], self.deadline(), lambda: TimeoutError("late"))
+        except (TimeoutError, MPI.Exception):
+            self.broken = "a rank did not take part in describing a disagreement"
+            return None
+        return every
+
+    # ---- point to point ----
+    def exchange(self, peer, send, send_bytes, recv, deadline, tag, late):
+        """Sends send[:send_bytes] to `peer` and/or receives into `recv` from it (either may be None), by `deadline`:
+        a late receive is cancelled and raises late(). The receive is posted before the send, so a peer doing the
+        same never waits for buffer space."""
+        incoming = self.comm.Irecv([recv, recv.nbytes, self._byte], peer, tag) if recv is not None else None
+        outgoing = self.comm.Isend([send, send_bytes, self._byte], peer, tag) if send is not None else None
+        if incoming is not None:
+            self._watchdog.wait(incoming, deadline, late)
+        if outgoing is not None:
+            # The peer posted its receive before it sent (or before it handed back a fold), so this completes as
+            # soon as the bytes are through. (Sends are not cancelled: not every MPI can.)
+            poll([outgoing], deadline, late)
+
+    def sendrecv(self, send, dest, recv, source, tag):
+        """One ring step: send to `dest` while receiving from `source` (uint8 arrays)."""
+        self.comm.Sendrecv([send, self._byte], dest=dest, sendtag=tag, recvbuf=[recv, self._byte], source=source,
+                           recvtag=tag)
+
+    def _late_all(self, what):
+        return TimeoutError("%s: timed out after %.0f s waiting for the other ranks across hosts (a rank is stuck, or "
+                            "it called a different collective; SHMCOMM_TIMEOUT sets the limit)"
+                            % (what, self.timeout_s))

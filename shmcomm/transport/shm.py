@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The shared-memory transport: ranks of one host meeting in a segment owned by the C core (csrc/coll/).
+
+Each call is one C call; this module only converts sizes to C arrays and failures to exceptions. It is on the
+latency path of everything (a small allreduce costs a few microseconds): keep it free of avoidable work."""
+from shmcomm._native import error_for, ffi, lib
+from shmcomm.exceptions import RankFailure
+from shmcomm.transport import Transport, allgather_bytes_over
+
+
+def _error(rc, what):
+    """The exception for a failed step: the core's (built from its failure data), its text prefixed with the
+    caller's name for the call where the core's own does not mention it. A dead rank's text stands as it is."""
+    error = error_for(rc)
+    if what not in str(error) and not isinstance(error, RankFailure):
+        error.args = ("%s: %s" % (what, error),) + error.args[1:]
+    return error
+
+
+class SharedMemory(Transport):
+    """A communicator over some ranks of this host: all of them, or a subset (a process set, a row or column of a
+    logical grid). `ranks` are the job ranks it holds, in order; `rank` is this process's index among them.
+    `arena`: whether the segment holds the Soft Memory Box arena (only a host's main communicator does)."""
+
+    doorbell_reaches_all = True  # every rank of this communicator shares the segment
+
+    def __init__(self, topology, tuning, generation, ranks=None, suffix="", arena=False):
+        self.topology = topology
+        self.tuning = tuning
+        self.ranks = list(range(topology.size)) if ranks is None else list(ranks)
+        self.rank = self.ranks.index(topology.rank)
+        self.size = len(self.ranks)
+        self._token = ffi.new("char[]", (topology.token + suffix).encode())
+        cfg = ffi.new("smc_config_t *")
+        cfg.token = self._token
+        cfg.generation = generation
+        cfg.rank = self.rank
+        cfg.size = self.size
+        cfg.start_timeout_s = tuning.start_timeout_s
+        cfg.timeout_s = tuning.timeout_s
+        cfg.liveness_s = tuning.liveness_s
+        cfg.slot_bytes = tuning.slot_bytes
+        cfg.small_bytes = tuning.small_bytes
+        cfg.arena_bytes = tuning.arena_bytes if arena else 0
+        cfg.spin_us = tuning.spin_us
+        job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
+        cfg.job_ranks = job_ranks
+        out = ffi.new("smc_comm_t **")
+        self._check(lib.smc_comm_create(cfg, out), "init")
+        self.handle = out[0]
+
+    def _check(self, rc, what):
+        if rc != 0:
+            raise _error(rc, what)
+
+    # ---- steps ----
+    def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
+        rc = lib.smc_allreduce(self.handle, src, dst, count, dtype, op, prescale, postscale, divisor, tag)
+        if rc != 0:
+            raise _error(rc, what)
+
+    def reducescatter(self, src, dst, counts, dtype, op, prescale, postscale, divisor, tag, what):
+        self._check(lib.smc_reducescatter(self.handle, src, dst, ffi.new("uint64_t[]", counts), dtype, op, prescale,
+                                          postscale, divisor, tag), what)
+
+    def broadcast(self, src, dst, nbytes, root, tag, what):
+        self._check(lib.smc_broadcast(self.handle, src, dst, nbytes, root, tag), what)
+
+    def allgatherv(self, src, nbytes, dst, sizes, tag, what):
+        self._check(lib.smc_allgatherv(self.handle, src, nbytes, dst, ffi.new("uint64_t[]", sizes), tag), what)
+
+    def alltoallv(self, src, send_sizes, dst, recv_sizes, tag, what):
+        self._check(lib.smc_alltoallv(self.handle, src, ffi.new("uint64_t[]", send_sizes), dst,
+                                      ffi.new("uint64_t[]", recv_sizes), tag), what)
+
+    def barrier(self, what="barrier"):
+        self._check(lib.smc_barrier(self.handle), what)
+
+    def allgather_bytes(self, payload):
+        def gatherv(mine, every, sizes):
+            self.allgatherv(ffi.from_buffer(mine) if mine else ffi.NULL, len(mine),
+                            ffi.from_buffer(every) if every else ffi.NULL, sizes, 0, "negotiation")
+        return allgather_bytes_over(gatherv, self.size, payload)
+
+    # ---- liveness, doorbells, waiting ----
+    def failed_ranks(self):
+        mask = lib.smc_comm_failed_ranks(self.handle) if self.handle is not None else 0
+        return [self.ranks[r] for r in range(self.size) if mask >> r & 1]
+
+    def set_spin(self, spin_us):
+        lib.smc_comm_set_spin(self.handle, spin_us)
+
+    def ring_doorbell(self, everyone=False):
+        lib.smc_comm_doorbell_ring(self.handle, -1 if everyone else self.rank)
+
+    def doorbell(self):
+        return lib.smc_comm_doorbell_value(self.handle)
+
+    def wait_doorbell(self, seen, timeout_s):
+        return lib.smc_comm_doorbell_wait(self.handle, seen, timeout_s)
+
+    def close(self):
+        if self.handle is not None:
+            lib.smc_comm_destroy(self.handle)
+            self.handle = None

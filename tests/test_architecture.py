@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The layering docs/architecture.md describes, checked from the source: no import cycles (function-level imports
+included), the C core's communication calls only inside the transports, no parsing of error text."""
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "shmcomm"
+
+
+def _modules():
+    """{module name: path} of every module of the package."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name, path, modules):
+    """The package's modules that `name` imports, anywhere in its code (top level, functions, methods)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1 more
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base
+                                                                                                  else []))
+            for alias in node.names:
+                submodule = "%s.%s" % (base, alias.name)
+                targets.add(submodule if submodule in modules else base)
+    return {t for t in targets if t in modules and t != name}
+
+
+def _cycles(graph):
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_among_the_package_modules():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert len(graph) > 40 and graph["shmcomm.basics"]  # the walk found the package and its imports
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path):
+    """The check itself: a function-level import that closes a loop is found."""
+    pkg = tmp_path / "shmcomm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from shmcomm import b\n")
+    (pkg / "b.py").write_text("def f():\n    from shmcomm.a import thing\n")
+    (pkg / "c.py").write_text("import shmcomm.a\n")
+    modules = {"shmcomm": pkg / "__init__.py", "shmcomm.a": pkg / "a.py", "shmcomm.b": pkg / "b.py",
+               "shmcomm.c": pkg / "c.py"}
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert _cycles(graph) == [["shmcomm.a", "shmcomm.b"]]
+
+
+def test_only_the_transports_call_the_c_core():
+    """Communication, boxes and kernels go through shmcomm/transport/; _native.py only turns failures into
+    exceptions (constants such as lib.SMC_FLOAT32 may be read anywhere)."""
+    calls = [str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
+             if "lib.smc_" in path.read_text() and "transport" not in path.parts and path.name != "_native.py"]
+    assert calls == []
+
+
+def test_no_regular_expression_reads_an_error_message():
+    """Failures are data (exceptions carry .rank and .field from the core): only the modules that parse user input
+    or file names (the launcher, the cost model's command line, the simulated hosts) use regular expressions."""
+    allowed = {"runner", "sim", "testing"}
+    users = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) else []
+            if "re" in names and not allowed & set(path.relative_to(PACKAGE).parts):
+                users.append(str(path.relative_to(PACKAGE.parent)))
+    assert users == []
