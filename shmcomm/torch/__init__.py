@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Horovod's PyTorch API over shmcomm: `import shmcomm.torch as hvd` and a Horovod training script runs unchanged
-on the CPU ranks of one host.
+on CPU ranks, on one host or across hosts (shared memory within a host; MPI and the 2D-torus allreduce between
+hosts).
 
-Not provided: `elastic` (ranks cannot join or leave a running shmcomm job: the launcher starts a fixed set of
-processes on one host) and Adasum (the constant exists; using it raises NotImplementedError)."""
+Not provided: `elastic` (ranks cannot join or leave a running shmcomm job: it is the fixed set of processes that
+shmcommrun or mpiexec started) and Adasum (the constant exists; using it raises NotImplementedError)."""
 from shmcomm import basics as _basics
 from shmcomm import env as _env
 from shmcomm import process_sets as _process_sets
@@ -68,8 +69,8 @@ def remove_process_set(process_set):
 def _check_comm(comm):
     if not isinstance(comm, (list, tuple, range)):
         raise ValueError(
-            "init(comm=%s): shmcomm does not run over MPI: the ranks of a job meet in shared memory, so an MPI "
-            "communicator cannot define the job. Call init() with no comm (every rank the launcher started); for "
+            "init(comm=%s): a shmcomm job is every rank that shmcommrun or mpiexec started, so an MPI communicator "
+            "cannot define it. Call init() with no comm (every rank the launcher started); for "
             "collectives over a subset of the ranks, use add_process_set(ranks)." % type(comm).__name__)
     world = _env.topology().size
     ranks = sorted({int(r) for r in comm})
@@ -82,8 +83,8 @@ def _check_comm(comm):
 
 def __getattr__(name):
     if name == "elastic":
-        raise AttributeError("shmcomm.torch has no elastic mode: a shmcomm job is the fixed set of ranks the launcher "
-                             "started on one host, so ranks cannot join or leave while it runs")
+        raise AttributeError("shmcomm.torch has no elastic mode: a shmcomm job is the fixed set of ranks that "
+                             "shmcommrun or mpiexec started, so ranks cannot join or leave while it runs")
     raise AttributeError("module 'shmcomm.torch' has no attribute %r" % name)
 
 
