@@ -5,6 +5,8 @@ hosts).
 
 Not provided: `elastic` (ranks cannot join or leave a running shmcomm job: it is the fixed set of processes that
 shmcommrun or mpiexec started) and Adasum (the constant exists; using it raises NotImplementedError)."""
+import importlib.util as _importlib_util
+
 from shmcomm import basics as _basics
 from shmcomm import env as _env
 from shmcomm import process_sets as _process_sets
@@ -94,17 +96,19 @@ def shutdown():
     _mpi_ops._handle_map.clear()
 
 
-# What this build can do, truthfully: collectives run over shared memory on CPU tensors, without MPI, Gloo, NCCL,
-# CUDA, ROCm, DDL or oneCCL.
+# What this build can do, truthfully: collectives on CPU tensors, over shared memory within a host and over MPI
+# (mpi4py) between hosts; never over Gloo, NCCL, CUDA, ROCm, DDL or oneCCL.
 
 def mpi_built():
-    """False: no collective here goes through MPI (ranks on one host meet in shared memory), whether or not mpi4py
-    is installed."""
-    return False
+    """True when mpi4py is installed (it is a dependency): a job that spans hosts then runs its cross-host steps
+    over MPI. Looks for the package without importing it, since importing mpi4py.MPI starts MPI."""
+    return _importlib_util.find_spec("mpi4py") is not None
 
 
 def mpi_enabled():
-    return False
+    """True when this job's collectives go over MPI: it was initialized and spans hosts. A job on one host meets
+    only in shared memory, even when mpiexec started it."""
+    return _basics.is_initialized() and getattr(_basics.communicator(), "mpi", None) is not None
 
 
 def mpi_threads_supported():
