@@ -8,6 +8,7 @@ import shutil
 import site
 import subprocess
 import sys
+import tarfile
 import textwrap
 import zipfile
 from pathlib import Path
@@ -56,9 +57,14 @@ def _venv_site_packages(venv):
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
-    source = tmp_path_factory.mktemp("source") / "shmcomm"
-    shutil.copytree(REPO, source, ignore=NOT_SOURCES)
+def source(tmp_path_factory):
+    copy = tmp_path_factory.mktemp("source") / "shmcomm"
+    shutil.copytree(REPO, copy, ignore=NOT_SOURCES)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def wheel(source, tmp_path_factory):
     wheels = tmp_path_factory.mktemp("wheels")
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels, source])
     (built,) = wheels.glob("shmcomm-*.whl")
@@ -85,6 +91,17 @@ def test_wheel_carries_the_compiled_core_and_no_sources(wheel):
     packages = sorted(str(p.relative_to(REPO)) for p in (REPO / "shmcomm").rglob("__init__.py"))
     assert [p for p in packages if p not in names] == []
     assert any(n.endswith("entry_points.txt") for n in names)
+
+
+def test_sdist_carries_everything_the_core_build_reads(source, tmp_path):
+    # A wheel built from the sdist (as `python -m build` does) compiles the core from what the sdist holds.
+    _run([sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_sdist({str(tmp_path)!r})"],
+         cwd=source)
+    (sdist,) = tmp_path.glob("shmcomm-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        carried = {Path(*Path(name).parts[1:]) for name in archive.getnames()}
+    needed = {p.relative_to(source) for p in (source / "csrc").rglob("*") if p.is_file()}
+    assert needed and needed <= carried, sorted(needed - carried)
 
 
 def test_installed_wheel_runs_a_two_rank_allreduce_without_a_compiler(installed, tmp_path):
