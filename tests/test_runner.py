@@ -269,13 +269,6 @@ def test_job_segments_are_removed_and_other_jobs_are_left_alone(failing):
         decoy.unlink()
 
 
-def test_check_build_reports_the_c_core():
-    result = launch("--check-build", timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "C core" in result.stdout
-    assert "Available Frameworks:" in result.stdout
-
-
 def test_bad_host_lists_are_refused_and_localhost_stays_local(tmp_path):
     # Other hosts go through mpiexec (tests/test_simhosts.py); malformed lists and too few slots are usage errors.
     result = launch("-np", 4, "-H", "localhost:1,some-other-host:1", "true")

@@ -1,18 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`shmcommrun --check-build`: what was built and what this machine offers, in Horovod's check-build layout.
+"""`shmcommrun --check-build`: what shmcomm can do here, in Horovod's check-build layout.
 
-Each probe answers (available, detail) and never raises: a broken optional package must show up as missing in
-the report, not abort it.
+As in Horovod, [X] means "usable through this library", not "installed": JAX, CUDA and NCCL stay [ ] until shmcomm
+supports them, whatever is installed. Each probe answers (usable, detail) and never raises: a broken optional
+package must show up as unusable in the report, not abort it.
 """
 
-import ctypes
-import ctypes.util
-import glob
 import importlib
-import importlib.util
 import os
-import shutil
 import sys
+
+from .mpi_launch import find_mpiexec
+
+NOT_SUPPORTED = (False, "not supported by shmcomm yet")
 
 
 def _first_line(text):
@@ -24,31 +24,6 @@ def _reason(error):
     return _first_line(f"{type(error).__name__}: {error}")
 
 
-def _package_library(package, pattern):
-    """A shared library shipped inside a pip package such as nvidia.nccl, without importing the package."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        return None
-    for directory in (spec.submodule_search_locations or []) if spec else []:
-        found = sorted(glob.glob(os.path.join(directory, "lib", pattern)))
-        if found:
-            return found[0]
-    return None
-
-
-def _library_version(path, function, decode):
-    """Calls a library's `int f(int*)` version getter through ctypes; None when it cannot be loaded."""
-    try:
-        getter = getattr(ctypes.CDLL(path), function)
-        value = ctypes.c_int(0)
-        if getter(ctypes.byref(value)) != 0:
-            return None
-        return decode(value.value)
-    except (OSError, AttributeError):
-        return None
-
-
 def probe_core():
     try:
         core = importlib.import_module("shmcomm._C")
@@ -57,54 +32,31 @@ def probe_core():
     return True, f"built ({getattr(core, '__file__', None) or 'built-in'})"
 
 
-def _cuda_version(code):
-    return f"{code // 1000}.{code % 1000 // 10}"
-
-
-def probe_cuda():
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path=os.path.join(cuda_home, "bin"))
-    cudart = ctypes.util.find_library("cudart") or _package_library("nvidia.cuda_runtime", "libcudart.so*")
-    if not nvcc and not cudart:
-        return False, "not built (neither nvcc nor libcudart found)"
-    parts = [f"nvcc {nvcc or 'not found'}", f"libcudart {cudart or 'not found'}"]
-    version = cudart and _library_version(cudart, "cudaRuntimeGetVersion", _cuda_version)
-    if version:
-        parts.append(f"runtime {version}")
-    return True, "found (" + ", ".join(parts) + ")"
-
-
-def _nccl_version(code):
-    if code >= 10000:  # NCCL 2.9 changed the encoding from major*1000 to major*10000
-        return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
-    return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
-
-
-def probe_nccl():
-    library = ctypes.util.find_library("nccl") or _package_library("nvidia.nccl", "libnccl.so*")
-    if not library:
-        return False, "not found (no libnccl and no nvidia.nccl package)"
-    version = _library_version(library, "ncclGetVersion", _nccl_version)
-    return True, f"found ({library}" + (f", version {version})" if version else ", version unknown)")
-
-
 def probe_mpi():
+    """Usable when mpi4py loads its MPI library and there is an mpiexec to start a job across hosts."""
     try:
         import mpi4py
         mpi4py.rc.initialize = False  # the library version needs no MPI_Init, which can be slow or hang
         mpi4py.rc.finalize = False
         from mpi4py import MPI
-        return True, f"mpi4py {mpi4py.__version__}, {_first_line(MPI.Get_library_version())}"
+        library = f"mpi4py {mpi4py.__version__}, {_first_line(MPI.Get_library_version())}"
     except Exception as error:
         return False, f"not available ({_reason(error)})"
+    mpiexec = find_mpiexec()
+    if not mpiexec:
+        return False, f"{library}, but no mpiexec beside {sys.executable} or on PATH"
+    return True, f"{library}, {mpiexec}"
 
 
-def _probe_framework(module_name):
+def probe_torch():
     try:
-        module = importlib.import_module(module_name)
+        import torch
     except Exception as error:
         return False, f"not available ({_reason(error)})"
-    return True, f"{module.__version__}"
+    # shmcomm.torch's DistributedOptimizer hooks each gradient with this (torch 2.1 and later).
+    if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+        return False, f"{torch.__version__} is too old: shmcomm.torch needs torch 2.1 or later"
+    return True, torch.__version__
 
 
 def _shmcomm_version():
@@ -119,30 +71,25 @@ def _shmcomm_version():
         return "(version unknown)"
 
 
-def _mark(available):
-    return "[X]" if available else "[ ]"
+def _mark(usable):
+    return "[X]" if usable else "[ ]"
 
 
 def build_report():
     """The report as a list of lines."""
-    core, cuda, nccl, mpi = probe_core(), probe_cuda(), probe_nccl(), probe_mpi()
-    torch, jax = _probe_framework("torch"), _probe_framework("jax")
+    core, mpi, torch = probe_core(), probe_mpi(), probe_torch()
+    rows = {
+        "Available Frameworks:": [("PyTorch", torch), ("JAX", NOT_SUPPORTED)],
+        "Available Controllers/Transports:": [("Shared memory", core), ("MPI", mpi)],
+        "Available Tensor Operations:": [("NCCL", NOT_SUPPORTED), ("CUDA", NOT_SUPPORTED), ("C core (CPU)", core)],
+    }
     version = _shmcomm_version()
-    lines = [f"shmcomm {'v' + version if version[0].isdigit() else version}:", "", "Available Frameworks:"]
-    lines += [f"    {_mark(torch[0])} PyTorch", f"    {_mark(jax[0])} JAX", ""]
-    lines += ["Available Controllers/Transports:",
-              f"    {_mark(core[0])} Shared memory (C core)",
-              f"    {_mark(mpi[0])} MPI",
-              f"    {_mark(cuda[0])} CUDA",
-              f"    {_mark(nccl[0])} NCCL", ""]
-    lines += ["Details:",
-              f"    C core: {core[1]}",
-              f"    CUDA: {cuda[1]}",
-              f"    NCCL: {nccl[1]}",
-              f"    MPI: {mpi[1]}",
-              f"    PyTorch: {torch[1]}",
-              f"    JAX: {jax[1]}"]
-    return lines
+    lines = [f"shmcomm {'v' + version if version[0].isdigit() else version}:", ""]
+    for heading, entries in rows.items():
+        lines += [heading] + [f"    {_mark(usable)} {name}" for name, (usable, _) in entries] + [""]
+    details = {"C core": core, "MPI": mpi, "PyTorch": torch, "JAX": NOT_SUPPORTED, "CUDA": NOT_SUPPORTED,
+               "NCCL": NOT_SUPPORTED}
+    return lines + ["Details:"] + [f"    {name}: {detail}" for name, (_, detail) in details.items()]
 
 
 def print_build_report():

@@ -131,7 +131,8 @@ def build_parser():
     parser.add_argument("--kill-grace-seconds", type=float, default=5.0, metavar="S",
                         help="after a failure, seconds between SIGTERM and SIGKILL (default 5)")
     parser.add_argument("--verbose", action="store_true", help="print the launch plan to stderr")
-    parser.add_argument("--check-build", action="store_true", help="print what was built and exit")
+    parser.add_argument("--check-build", action="store_true",
+                        help="print what shmcomm can use here (frameworks, transports, tensor operations) and exit")
     tunables = parser.add_argument_group("tunables (each only sets environment variables of the ranks)")
     for flag, convert, names, metavar, text in ENV_FLAGS:
         text = f"{text} (sets {', '.join(names)})"

@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Horovod's PyTorch API over shmcomm: `import shmcomm.torch as hvd` and a Horovod training script runs unchanged
-on the CPU ranks of one host.
+on CPU ranks, on one host or across hosts (shared memory within a host; MPI and the 2D-torus allreduce between
+hosts).
 
-Not provided: `elastic` (ranks cannot join or leave a running shmcomm job: the launcher starts a fixed set of
-processes on one host) and Adasum (the constant exists; using it raises NotImplementedError)."""
+Not provided: `elastic` (ranks cannot join or leave a running shmcomm job: it is the fixed set of processes that
+shmcommrun or mpiexec started) and Adasum (the constant exists; using it raises NotImplementedError)."""
+import importlib.util as _importlib_util
+
 from shmcomm import basics as _basics
 from shmcomm import env as _env
 from shmcomm import process_sets as _process_sets
@@ -68,8 +71,8 @@ def remove_process_set(process_set):
 def _check_comm(comm):
     if not isinstance(comm, (list, tuple, range)):
         raise ValueError(
-            "init(comm=%s): shmcomm does not run over MPI: the ranks of a job meet in shared memory, so an MPI "
-            "communicator cannot define the job. Call init() with no comm (every rank the launcher started); for "
+            "init(comm=%s): a shmcomm job is every rank that shmcommrun or mpiexec started, so an MPI communicator "
+            "cannot define it. Call init() with no comm (every rank the launcher started); for "
             "collectives over a subset of the ranks, use add_process_set(ranks)." % type(comm).__name__)
     world = _env.topology().size
     ranks = sorted({int(r) for r in comm})
@@ -82,8 +85,8 @@ def _check_comm(comm):
 
 def __getattr__(name):
     if name == "elastic":
-        raise AttributeError("shmcomm.torch has no elastic mode: a shmcomm job is the fixed set of ranks the launcher "
-                             "started on one host, so ranks cannot join or leave while it runs")
+        raise AttributeError("shmcomm.torch has no elastic mode: a shmcomm job is the fixed set of ranks that "
+                             "shmcommrun or mpiexec started, so ranks cannot join or leave while it runs")
     raise AttributeError("module 'shmcomm.torch' has no attribute %r" % name)
 
 
@@ -93,17 +96,19 @@ def shutdown():
     _mpi_ops._handle_map.clear()
 
 
-# What this build can do, truthfully: collectives run over shared memory on CPU tensors, without MPI, Gloo, NCCL,
-# CUDA, ROCm, DDL or oneCCL.
+# What this build can do, truthfully: collectives on CPU tensors, over shared memory within a host and over MPI
+# (mpi4py) between hosts; never over Gloo, NCCL, CUDA, ROCm, DDL or oneCCL.
 
 def mpi_built():
-    """False: no collective here goes through MPI (ranks on one host meet in shared memory), whether or not mpi4py
-    is installed."""
-    return False
+    """True when mpi4py is installed (it is a dependency): a job that spans hosts then runs its cross-host steps
+    over MPI. Looks for the package without importing it, since importing mpi4py.MPI starts MPI."""
+    return _importlib_util.find_spec("mpi4py") is not None
 
 
 def mpi_enabled():
-    return False
+    """True when this job's collectives go over MPI: it was initialized and spans hosts. A job on one host meets
+    only in shared memory, even when mpiexec started it."""
+    return _basics.is_initialized() and getattr(_basics.communicator(), "mpi", None) is not None
 
 
 def mpi_threads_supported():

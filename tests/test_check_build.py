@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`shmcommrun --check-build` marks what shmcomm can use, not what is installed. Each case runs the report in a
+subprocess whose prelude hides or fakes a module, so the test process's own imports stay untouched."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REPORT = "from shmcomm.runner.check_build import print_build_report\nprint_build_report()\n"
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+# What this test environment (the README's test command) can use.
+EVERYTHING = {"PyTorch": HAS_TORCH, "JAX": False, "Shared memory": True, "MPI": True, "NCCL": False, "CUDA": False,
+              "C core (CPU)": True}
+
+
+def _env(extra_path=()):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHMCOMM_", "HOROVOD_"))}
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, extra_path), str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _marks(stdout):
+    """{name: True for [X], False for [ ]}, and the details as {name: text}."""
+    marks = {m[2]: m[1] == "X" for m in re.finditer(r"^    \[(X| )\] (.+)$", stdout, re.M)}
+    details = dict(re.findall(r"^    (\w[\w ]*): (.*)$", stdout, re.M))
+    return marks, details
+
+
+def _report(prelude=""):
+    command = [sys.executable, "-c", textwrap.dedent(prelude) + REPORT]
+    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return _marks(result.stdout)
+
+
+def test_check_build_marks_what_shmcomm_can_use_not_what_is_installed(tmp_path):
+    # An installed JAX must not make shmcomm claim it.
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text("__version__ = '0.4.30'\n")
+    result = subprocess.run([sys.executable, "-m", "shmcomm.runner", "--check-build"], cwd=REPO,
+                            env=_env([tmp_path]), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    marks, details = _marks(result.stdout)
+    assert marks == EVERYTHING, result.stdout
+    assert "not supported" in details["JAX"] and "not supported" in details["CUDA"]
+    assert details["C core"].startswith("built (") and "mpiexec" in details["MPI"]
+    for heading in ("Available Frameworks:", "Available Controllers/Transports:", "Available Tensor Operations:"):
+        assert heading in result.stdout
+
+
+def test_without_the_c_core_shared_memory_is_unmarked():
+    marks, details = _report("""
+        import sys
+        sys.modules["shmcomm._C"] = None  # what an unbuilt core looks like: its import fails
+    """)
+    assert marks == dict(EVERYTHING, **{"Shared memory": False, "C core (CPU)": False})
+    assert details["C core"].startswith("NOT built (")
+
+
+def test_without_mpi4py_mpi_is_unmarked():
+    marks, details = _report("""
+        import sys
+        sys.modules["mpi4py"] = None
+    """)
+    assert marks == dict(EVERYTHING, MPI=False)
+    assert details["MPI"].startswith("not available (")
+
+
+def test_without_mpiexec_mpi_is_unmarked():
+    marks, details = _report("""
+        import shmcomm.runner.mpi_launch
+        shmcomm.runner.mpi_launch.find_mpiexec = lambda: None
+    """)
+    assert marks == dict(EVERYTHING, MPI=False)
+    assert "no mpiexec" in details["MPI"]
+
+
+def test_without_torch_or_with_a_torch_too_old_pytorch_is_unmarked():
+    marks, details = _report("""
+        import sys
+        sys.modules["torch"] = None
+    """)
+    assert marks == dict(EVERYTHING, PyTorch=False)
+    assert details["PyTorch"].startswith("not available (")
+    marks, details = _report("""
+        import sys, types
+        torch = types.ModuleType("torch")  # torch 2.0 had no Tensor.register_post_accumulate_grad_hook
+        torch.__version__, torch.Tensor = "2.0.1", type("Tensor", (), {})
+        sys.modules["torch"] = torch
+    """)
+    assert marks == dict(EVERYTHING, PyTorch=False)
+    assert "2.0.1 is too old" in details["PyTorch"]
