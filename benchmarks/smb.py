@@ -108,6 +108,7 @@ def box_worker(options):
 
         shmcomm.barrier()
         first = pp_box.version
+        shmcomm.barrier()  # every rank has read the version before rank 0's first write changes it
         trips = _box_pingpong(pp_box, rank, data, mine, first)
         times, _ = measure(agree, rank in (0, 1), trips, options.warmup, max(options.iters, MIN_PINGPONG_ITERS),
                            timed=rank == 0)  # only rank 0 sees whole round trips

@@ -63,7 +63,8 @@ def _across_hosts(generation):
         column = Mpi(ctx.cross, 0.8 * tuning.timeout_s, "torus column") if ctx.homogeneous else None
         torus = Torus(shm, MpiColumn(column, paths.torus_small_bytes), paths.torus_small_bytes,
                       world_rank=topo.rank) if column is not None else None
-        return WorldComm(topo, tuning, HostComm(shm), torus, paths, mpi=Mpi(ctx.world, tuning.timeout_s))
+        return WorldComm(topo, tuning, HostComm(shm), torus, paths, mpi=Mpi(ctx.world, tuning.timeout_s),
+                         host_groups=ctx.world.allgather(ctx.host_ranks))
     except BaseException:
         shm.close()
         raise

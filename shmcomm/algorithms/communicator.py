@@ -16,6 +16,8 @@ class Communicator:
         self.rank = self.ranks.index(topology.rank)
         self.size = len(self.ranks)
         self.closables = []             # further transports to close with it
+        self.host_groups = [self.ranks]  # the job ranks of each host (WorldComm: of every host)
+        self.mpi = None                 # the MPI transport across hosts, if the job spans hosts
 
     @property
     def doorbell_reaches_all(self):

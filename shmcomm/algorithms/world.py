@@ -22,10 +22,12 @@ from shmcomm.transport import kernels
 
 class WorldComm(Communicator):
     """`host`: this host's algorithms.host.HostComm; `torus`: a torus2d.Torus, or None (hosts of unequal sizes);
-    `mpi`: the MPI transport over the whole job, None for a grid on one host; `paths`: env.PathSettings."""
+    `mpi`: the MPI transport over the whole job, None for a grid on one host; `paths`: env.PathSettings;
+    `host_groups`: the job ranks of each host."""
 
-    def __init__(self, topology, tuning, host, torus, paths, mpi=None):
+    def __init__(self, topology, tuning, host, torus, paths, mpi=None, host_groups=None):
         super().__init__(host.shm, topology, tuning, range(topology.size))
+        self.host_groups = [list(g) for g in host_groups] if host_groups is not None else [self.ranks]
         self.host = host
         self.torus = torus
         self.mpi = mpi

@@ -108,7 +108,7 @@ def mpi_built():
 def mpi_enabled():
     """True when this job's collectives go over MPI: it was initialized and spans hosts. A job on one host meets
     only in shared memory, even when mpiexec started it."""
-    return _basics.is_initialized() and getattr(_basics.communicator(), "mpi", None) is not None
+    return _basics.is_initialized() and _basics.communicator().mpi is not None
 
 
 def mpi_threads_supported():

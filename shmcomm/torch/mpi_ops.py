@@ -48,10 +48,7 @@ def _names(name, count):
 
 def is_homogeneous():
     """True when every host runs the same number of ranks, as in Horovod (always, on one host)."""
-    comm = basics.communicator()
-    # Only a job that spans hosts (or a logical grid) knows its hosts; any other communicator is one host.
-    ranks_per_host = {len(host) for host in getattr(comm, "host_groups", None) or [comm.ranks]}
-    return len(ranks_per_host) == 1
+    return len({len(host) for host in basics.communicator().host_groups}) == 1
 
 
 def _start(start, tensors, names, finish, **kwargs):
