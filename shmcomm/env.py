@@ -10,7 +10,8 @@ Bad values raise ValueError naming the variable. The README's "Tuning" table doc
   engine:     ENGINE, CYCLE_TIME, FUSION_THRESHOLD, BUCKET_BYTES, CACHE_CAPACITY, STALL_CHECK_DISABLE,
               STALL_CHECK_TIME_SECONDS, STALL_SHUTDOWN_TIME_SECONDS, TIMELINE, TIMELINE_MARK_CYCLES
   paths:      ALLREDUCE_ALGO, TORUS_GRID, TORUS_SMALL_BYTES, TORUS_MIN_BYTES, RANKS_PER_HOST (testing: pretend hosts)
-  logging:    LOG_LEVEL"""
+  logging:    LOG_LEVEL
+  horovod:    ELASTIC (a world of one still reduces gradients)"""
 import os
 import secrets
 from dataclasses import dataclass
@@ -85,6 +86,12 @@ def launched_by_mpi():
 
 def job_token():
     return _get("JOB_TOKEN")
+
+
+def elastic():
+    """HOROVOD_ELASTIC=1 (Horovod's elastic mode): a world of one still installs the optimizer's hooks, since ranks
+    may join later."""
+    return _get("ELASTIC", "0") == "1"
 
 
 def engine_requested():

@@ -4,9 +4,10 @@
     model = torch.nn.parallel.DistributedDataParallel(model)
     model.register_comm_hook(state=None, hook=shmcomm.torch.allreduce_hook)
 
-DDP keeps its bucketing and its overlap of communication with backward; only the bytes travel through shared
-memory. DDP still needs a torch.distributed process group (gloo) for its start-up broadcasts. `state` may be None
-(every rank) or a ProcessSet of the ranks that run this DDP model; any other state is ignored."""
+DDP keeps its bucketing and its overlap of communication with backward; only the bytes travel through shmcomm
+(shared memory inside a host, the 2D torus across hosts). DDP still needs a torch.distributed process group (gloo)
+for its start-up broadcasts. `state` may be None (every rank) or a ProcessSet of the ranks that run this DDP model;
+any other state is ignored."""
 import itertools
 import threading
 

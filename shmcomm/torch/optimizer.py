@@ -5,13 +5,12 @@ A hook on each parameter's gradient accumulator starts an asynchronous in-place 
 is final, so communication overlaps the rest of the backward pass; step() waits for them, then runs the wrapped
 optimizer's step. Every tensor travels under its parameter's name, which is what the ranks agree on."""
 import collections
-import os
 import warnings
 from contextlib import contextmanager
 
 import torch
 
-from shmcomm import asynchronous, basics
+from shmcomm import asynchronous, basics, env
 from shmcomm.process_sets import global_process_set
 from shmcomm.torch import mpi_ops
 from shmcomm.torch.compression import Compression
@@ -59,7 +58,7 @@ class _DistributedOptimizer:
         self._groups = groups
         self._p_to_group = {}
         self._group_counts = {}
-        if process_set.included() and (basics.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
+        if process_set.included() and (basics.size() > 1 or env.elastic()):
             self._register_hooks()
 
     # ---- hooks ----
