@@ -4,6 +4,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))  # the multiproc harness
 
+try:
+    # Once here, not in every rank: ranks forked by tests/multiproc.py inherit it, and the exact checks move bfloat16
+    # as torch tensors (shmcomm/testing/exact.py).
+    import torch  # noqa: F401
+except ImportError:
+    pass
+
 
 def pytest_report_header(config):
     return "shmcomm tests: ranks are forked processes on one host (%d cores)" % (os.cpu_count() or 1)
