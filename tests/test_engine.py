@@ -25,9 +25,9 @@ def _any_order(count):
     for name, h in handles.items():
         got = shmcomm.synchronize(h)
         assert got.shape == (100 + int(name[1:]),) and (got == n * float(name[1:])).all()
-    inplace = np.ones(10)
+    inplace = np.arange(10.0) + 2 * me  # averaged in place: arange + (n - 1), exactly
     h = shmcomm.allreduce_async_(inplace, name="inplace")
-    assert shmcomm.synchronize(h) is inplace and (inplace == 1).all()
+    assert shmcomm.synchronize(h) is inplace and inplace.tolist() == (np.arange(10.0) + n - 1).tolist()
     # Blocking calls go through the engine too, in the same agreed order.
     assert shmcomm.allgather(np.array([me])).tolist() == list(range(n))
     out, splits = shmcomm.alltoall(np.arange(n) + 10 * me, splits=[1] * n)

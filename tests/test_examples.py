@@ -6,7 +6,11 @@ import sys
 
 import pytest
 
+from report_gathered_weights import assert_same_on_every_rank
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Runs an example and prints each rank's digest of the weights it gathers (the example's own check uses shmcomm).
+REPORT = os.path.join(ROOT, "tests", "report_gathered_weights.py")
 
 
 def _launch(*args, timeout=300):
@@ -16,9 +20,10 @@ def _launch(*args, timeout=300):
 
 def test_train_synthetic_two_ranks():
     pytest.importorskip("torch")
-    run = _launch("-np", "2", sys.executable, "examples/train_synthetic.py", "--epochs", "15")
+    run = _launch("-np", "2", sys.executable, REPORT, "examples/train_synthetic.py", "--epochs", "15")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "weights identical on all ranks: True" in run.stdout
+    assert_same_on_every_rank(run.stdout, 2)
     accuracy = float(run.stdout.split("test accuracy ")[1].split("%")[0])
     assert accuracy > 90
 
@@ -32,10 +37,11 @@ def _accuracy(run):
 def test_torch_digits_two_ranks_match_one():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    args = [sys.executable, "examples/torch_digits.py", "--epochs", "8"]
+    args = [sys.executable, REPORT, "examples/torch_digits.py", "--epochs", "8"]
     one = _accuracy(_launch("-np", "1", *args))
     two_run = _launch("-np", "2", *args)
     two = _accuracy(two_run)
+    assert_same_on_every_rank(two_run.stdout, 2)
     assert one >= 95 and two >= 95 and abs(one - two) <= 1.0, (one, two)
     assert "training" in two_run.stderr  # rank 0's progress bar
 

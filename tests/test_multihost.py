@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from report_gathered_weights import assert_same_on_every_rank
 from test_simhosts import MPIEXEC, job_env, open_hosts, rank_lines
 from test_torus import CHECKS, MISMATCHES, ROUNDS_AT_EVERY_STEP, run_checks_job
 
@@ -89,10 +90,12 @@ def test_three_hosts(tmp_path):
 def test_distributed_optimizer_across_hosts(two_hosts):
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    run = _shmcommrun(two_hosts, 2, [sys.executable, os.path.join(ROOT, "examples", "torch_digits.py"), "--epochs", "2",
-                                     "--no-progress"])
+    report = os.path.join(ROOT, "tests", "report_gathered_weights.py")  # each rank's digest of the final weights
+    run = _shmcommrun(two_hosts, 2, [sys.executable, report, os.path.join(ROOT, "examples", "torch_digits.py"),
+                                     "--epochs", "2", "--no-progress"])
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ranks 4, weights identical on all ranks: True" in run.stdout
+    assert_same_on_every_rank(run.stdout, 4)
 
 
 KILLED = """

@@ -49,8 +49,7 @@ def _every_op():
     assert torch.equal(hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum, name="a")), total)
     y = x.clone()
     assert hvd.synchronize(hvd.allreduce_async_(y, op=hvd.Sum)) is y and torch.equal(y, total)
-    half = hvd.allreduce(x.float(), op=hvd.Sum, compression=hvd.Compression.fp16)
-    assert half.dtype == torch.float32 and torch.allclose(half, total.float())
+    _check_fp16_compression(hvd)
     leaf = torch.ones(3, requires_grad=True)  # a tensor requiring grad works in place, as in Horovod
     hvd.allreduce_(leaf, op=hvd.Sum)
     assert torch.equal(leaf.detach(), torch.full((3,), float(n)))
@@ -124,6 +123,42 @@ def _every_op():
 @pytest.mark.parametrize("size", [2, 3])
 def test_every_op(size):
     assert multiproc.run(size, _every_op, timeout=90) == [True] * size
+
+
+def _fp16_inputs(rank, shape):
+    """float32 values of either sign in [1/16, 4), few of them float16 values: compression rounds them, and their
+    float16 roundings add up exactly in float32 over up to 8 ranks."""
+    g = torch.Generator().manual_seed(500 + rank)
+    magnitude = torch.exp2(torch.rand(shape, generator=g) * 6 - 4)
+    return torch.where(torch.rand(shape, generator=g) < 0.5, -magnitude, magnitude)
+
+
+def _check_fp16_compression(hvd):
+    """Compression.fp16 sends float16: the inputs are rounded to float16, summed in float32, and the result (times
+    1/n for Average, a factor rounded to float32) is rounded once to float16, then returned as float32."""
+    n, me = hvd.size(), hvd.rank()
+    xs = [_fp16_inputs(r, (4 * n + 1, 3)) for r in range(n)]
+    total = sum(x.half().float() for x in xs)
+    shares = [(4 * n + 1) // n + (1 if r < (4 * n + 1) % n else 0) for r in range(n)]
+    mine = slice(sum(shares[:me]), sum(shares[:me + 1]))
+    for op, factor in ((hvd.Sum, 1.0), (hvd.Average, 1.0 / n)):
+        want = (total * torch.tensor(factor, dtype=torch.float32)).half().float()
+        assert not torch.equal(want, sum(xs) * factor)  # without the compression the result would differ
+        got = hvd.allreduce(xs[me], op=op, compression=hvd.Compression.fp16)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (op, (got - want).abs().max())
+        got = hvd.reducescatter(xs[me], op=op, compression=hvd.Compression.fp16)
+        assert got.dtype == torch.float32 and torch.equal(got, want[mine]), op
+    grouped = hvd.grouped_allreduce([xs[me], 2 * xs[me]], op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert torch.equal(grouped[0], total.half().float()) and torch.equal(grouped[1], (2 * total).half().float())
+
+
+def _fp16_compression():
+    _check_fp16_compression(_init())
+    return True
+
+
+def test_fp16_compression_rounds_the_inputs_and_the_result_once():
+    assert multiproc.run(4, _fp16_compression, timeout=60) == [True] * 4
 
 
 def _poll_is_asynchronous():

@@ -37,7 +37,10 @@ ROUNDING_COUNT = 4096
 # ---- 16-bit floats without ml_dtypes: bfloat16 values travel as torch tensors, are computed here as float32 ----
 
 def round_to(values, dtype):
-    """float32 `values` rounded once (to nearest, ties to even) to `dtype`, returned as float32."""
+    """float32 `values` rounded once (to nearest, ties to even) to `dtype`, returned as float32 (float64 values stay
+    float64)."""
+    if dtype == "float64":
+        return np.asarray(values, dtype=np.float64)
     values = np.asarray(values, dtype=np.float32)
     if dtype == "float16":
         return values.astype(np.float16).astype(np.float32)
@@ -101,6 +104,9 @@ def allreduce_input(rank, n, count, dtype, op, scaled=False):
 
 
 def expected_allreduce(inputs, dtype, op, prescale=1.0, postscale=1.0):
+    """The result for these inputs (exact in every dtype before the last step). Floats: one multiply by
+    postscale / divisor, that factor rounded to the type the sum is computed in (float32 for 16-bit floats), then one
+    rounding to the dtype, as the README's "16-bit floats accumulate in float32 and round once" has it."""
     stack = np.stack(inputs).astype(np.float64) * prescale
     n = len(inputs)
     if op in ("Sum", "Average"):
@@ -111,10 +117,13 @@ def expected_allreduce(inputs, dtype, op, prescale=1.0, postscale=1.0):
         total = stack.max(0)
     else:
         total = stack.prod(0)
-    total = total * postscale
     if dtype in FLOATS:
-        return total / n if op == "Average" else total
-    exact = total.astype(np.int64)
+        divisor = n if op == "Average" else 1
+        if (postscale, divisor) == (1.0, 1):
+            return total
+        compute = np.float64 if dtype == "float64" else np.float32
+        return round_to(total.astype(compute) * compute(postscale / divisor), dtype).astype(np.float64)
+    exact = (total * postscale).astype(np.int64)
     if op == "Average":
         exact = np.sign(exact) * (np.abs(exact) // n)  # toward zero, as Horovod
     return exact.astype(dtype).astype(np.float64)  # integer sums and products wrap like the C types
