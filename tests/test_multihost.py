@@ -14,7 +14,7 @@ from report_gathered_weights import assert_same_on_every_rank
 from test_simhosts import MPIEXEC, job_env, open_hosts, rank_lines
 from test_torus import CHECKS, MISMATCHES, ROUNDS_AT_EVERY_STEP, run_checks_job
 
-from shmcomm.testing import exact
+from shmcomm.testing import exact, outcomes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec beside Python or on PATH")
@@ -119,3 +119,44 @@ def test_rank_killed_on_one_host_stops_the_job(two_hosts):
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("mpich_shm_")]  # MPICH's too
 
 
+
+
+SURVIVORS = """
+    import os, signal, sys, time, numpy as np, shmcomm
+    from shmcomm.testing import outcomes
+    shmcomm.init()
+    me = shmcomm.rank()
+    x = np.ones(1 << 18, np.float32)  # past the torus's small-message size: rows and columns all take part
+    shmcomm.allreduce_(x)
+    shmcomm.barrier()
+    if me == 3:
+        # Rank 3 dies between two collectives. Its launcher-side guard (its parent) is stopped first: it would have
+        # hydra kill the whole job at once, before the others can say what they raised.
+        os.kill(os.getppid(), signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        shmcomm.allreduce_(x)
+    except shmcomm.ShmCommError as error:
+        outcomes.record(sys.argv[1], me, error, started)
+    # A survivor's exit has hydra stop the job: first every survivor says what it raised.
+    outcomes.wait_for(sys.argv[1], [0, 1, 2], timeout=60)
+    os._exit(1)  # without MPI_Finalize, which would wait for rank 3
+"""
+
+
+def test_survivors_of_a_rank_killed_on_another_host_name_it(two_hosts, tmp_path):
+    before = set(os.listdir("/dev/shm"))
+    run = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(SURVIVORS), str(tmp_path)], timeout=120,
+                      SHMCOMM_TIMEOUT="3")
+    assert run.returncode != 0, run.stdout + run.stderr
+    raised = outcomes.read(tmp_path)
+    assert sorted(raised) == [0, 1, 2], run.stdout + run.stderr
+    # Rank 3's row partner sees it die in shared memory; its column partner waits for it over MPI until the column's
+    # deadline (80% of SHMCOMM_TIMEOUT); rank 0 hears from its column that rank 2's step failed.
+    assert raised[2]["type"] == "RankFailure" and raised[2]["rank"] == 3, raised
+    assert "rank 3" in raised[2]["message"] and "died" in raised[2]["message"], raised
+    assert raised[1]["type"] == "TimeoutError" and "waiting for rank 3" in raised[1]["message"], raised
+    assert raised[0]["type"] == "ShmCommError" and "failed on rank 2" in raised[0]["message"], raised
+    assert all(r["seconds"] < 3 * 3 for r in raised.values()), raised  # the deadline, with room for a busy machine
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith(("shmcomm-", "mpich_shm_"))]
