@@ -14,3 +14,9 @@ except ImportError:
 
 def pytest_report_header(config):
     return "shmcomm tests: ranks are forked processes on one host (%d cores)" % (os.cpu_count() or 1)
+
+
+def pytest_configure(config):
+    # Every run lists its skips with their reasons (-rs): a skipped test must never pass for a passing one.
+    if "s" not in config.option.reportchars and "a" not in config.option.reportchars:
+        config.option.reportchars += "s"

@@ -70,5 +70,9 @@ def test_readme_commands_are_what_ci_runs():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     with open(os.path.join(ROOT, ".ci", "run")) as f:
-        ci = [line for line in f.read().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+        lines = [line for line in f.read().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    settings = [line for line in lines if line.startswith("export ")]
+    ci = [line for line in lines if not line.startswith("export ")]
     assert len(ci) == 1 and ci[0] in readme
+    # CI can run the simulated hosts and the sanitizers: there they must not be skipped.
+    assert settings == ["export SHMCOMM_REQUIRE_SIMHOSTS=1 SHMCOMM_REQUIRE_SANITIZERS=1"], settings

@@ -196,17 +196,13 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 def _mpiexec(args, ranks, **env):
     """Runs `python args...` (a script and its arguments) on `ranks` MPI ranks."""
     mpiexec = MPIEXEC if os.path.exists(MPIEXEC) else shutil.which("mpiexec")
+    assert mpiexec, "no mpiexec beside Python or on PATH: the mpich wheel, a dependency, provides it"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
     args = [str(a) for a in (args if isinstance(args, list) else [args])]
     return subprocess.run([mpiexec, "-n", str(ranks), sys.executable] + args, env=env, capture_output=True,
                           text=True, timeout=240)
 
 
-needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC) and shutil.which("mpiexec") is None,
-                                   reason="no mpiexec")
-
-
-@needs_mpiexec
 @pytest.mark.parametrize("algo", ["torus", "ring", "mpi"])
 def test_mismatches_across_pretend_hosts(tmp_path, algo):
     script = tmp_path / "job.py"
@@ -216,7 +212,6 @@ def test_mismatches_across_pretend_hosts(tmp_path, algo):
     assert run.stdout.count("rank ok") == 4
 
 
-@needs_mpiexec
 def test_settings_that_choose_paths_must_agree_across_hosts(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
@@ -237,7 +232,6 @@ def test_settings_that_choose_paths_must_agree_across_hosts(tmp_path):
                 "rank 3: SHMCOMM_TORUS_SMALL_BYTES=1000)") in text, text
 
 
-@needs_mpiexec
 def test_negotiation_messages_of_every_length_across_pretend_hosts(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
@@ -282,7 +276,6 @@ def _run_stuck_rank_job(tmp_path, call, sleep, timeout):
     return {int(f.name[6:]): f.read_text().split(None, 2) for f in tmp_path.glob("raised*")}, run
 
 
-@needs_mpiexec
 def test_negotiation_across_hosts_times_out_on_a_stuck_rank(tmp_path):
     raised, run = _run_stuck_rank_job(tmp_path, "basics.communicator().allgather_bytes(b'x' * 10)", 5, 2)
     assert sorted(raised) == [0, 1, 3], run.stdout + run.stderr
@@ -290,7 +283,6 @@ def test_negotiation_across_hosts_times_out_on_a_stuck_rank(tmp_path):
         assert kind == "TimeoutError" and float(seconds) < 6 and "negotiation: timed out" in text, text
 
 
-@needs_mpiexec
 def test_a_rank_that_does_not_come_times_the_others_out_by_name(tmp_path):
     """MPI waits have no deadline of their own: the column's watchdog gives them SHMCOMM_TIMEOUT's."""
     raised, run = _run_stuck_rank_job(tmp_path, "shmcomm.allreduce(np.ones(10, np.float32))", 8, 3)
