@@ -85,6 +85,12 @@ def run(size, fn, *args, timeout=60, env=None, check=True):
     return [res[1] for res in results]
 
 
+def Event():
+    """An event the ranks of one run share: pass it to run() among the args, so that a rank waits for another to have
+    done something (event.wait(timeout)) instead of sleeping for a while."""
+    return multiprocessing.get_context("fork").Event()
+
+
 def job_segments_exist(token):
     prefix = segment_prefix(token)
     return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]

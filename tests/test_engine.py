@@ -230,22 +230,23 @@ def test_dead_rank_fails_pending_handles_on_the_others():
     assert status == "ok" and rank == 1 and took < 10
 
 
-def _peer_leaves():
+def _peer_leaves(left):
     import shmcomm
 
     shmcomm.init(engine=True)
     shmcomm.barrier()
     if shmcomm.rank() == 1:
         shmcomm.shutdown()
+        left.set()
         return "left"
-    time.sleep(0.5)
+    assert left.wait(60)
     with pytest.raises(shmcomm.RankFailure, match="rank 1 has shut down"):
         shmcomm.allreduce(np.ones(2), name="late")
     return "raised"
 
 
 def test_a_rank_that_shuts_down_is_named():
-    assert multiproc.run(2, _peer_leaves) == ["raised", "left"]
+    assert multiproc.run(2, _peer_leaves, multiproc.Event()) == ["raised", "left"]
 
 
 def _process_sets():

@@ -60,29 +60,29 @@ class LiveLauncher:
     def __init__(self, *args):
         self.process = subprocess.Popen(launcher_args(*args), cwd=REPO, env=launcher_env(), text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.lines = queue.Queue()
+        self.lines = {"stdout": queue.Queue(), "stderr": queue.Queue()}
         self.stdout = []
         self.stderr = []
-        threading.Thread(target=self._read, args=(self.process.stdout, self.stdout, True), daemon=True).start()
-        self.stderr_reader = threading.Thread(target=self._read, args=(self.process.stderr, self.stderr, False),
+        threading.Thread(target=self._read, args=(self.process.stdout, self.stdout, "stdout"), daemon=True).start()
+        self.stderr_reader = threading.Thread(target=self._read, args=(self.process.stderr, self.stderr, "stderr"),
                                               daemon=True)
         self.stderr_reader.start()
 
-    def _read(self, pipe, sink, notify):
+    def _read(self, pipe, sink, label):
         for line in pipe:
             sink.append(line)
-            if notify:
-                self.lines.put(line)
+            self.lines[label].put(line)
 
-    def wait_for_lines(self, containing, count, timeout=30):
+    def wait_for_lines(self, containing, count, timeout=30, stream="stdout"):
         deadline = time.monotonic() + timeout
         seen = 0
         while seen < count:
             try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+                line = self.lines[stream].get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
                 self.process.kill()
-                pytest.fail(f"only {seen} of {count} lines with {containing!r}; stdout: {''.join(self.stdout)}")
+                pytest.fail(f"only {seen} of {count} lines with {containing!r}; {stream}: "
+                            f"{''.join(getattr(self, stream))}")
             seen += containing in line
 
     def finish(self, timeout=TIMEOUT):
@@ -216,7 +216,7 @@ def test_second_ctrl_c_kills_at_once():
     launcher.wait_for_lines("ready", 2)
     started = time.monotonic()
     launcher.process.send_signal(signal.SIGINT)
-    time.sleep(0.5)
+    launcher.wait_for_lines("received SIGINT", 1, stream="stderr")  # the first one was taken as the first
     launcher.process.send_signal(signal.SIGINT)
     returncode, _, stderr = launcher.finish(timeout=15)
     assert time.monotonic() - started < 10
@@ -338,12 +338,12 @@ def test_orphaned_mpi_segments_are_removed_but_not_live_or_older_ones(tmp_path):
     (proc / "123").mkdir(parents=True)
     older = shm / "mpich_shm_old_0"
     older.write_bytes(b"x")
-    since = time.time() + 1  # the job started after `older` was made
-    os.utime(older, (since - 100, since - 100))
-    time.sleep(1.1)
+    since = time.time()
+    os.utime(older, (since - 100, since - 100))  # made before the job started
     orphan, live, other = shm / "mpich_shm_dead_0", shm / "mpich_shm_live_0", shm / "shmcomm-notmpi"
     for f in (orphan, live, other):
         f.write_bytes(b"x")
+        os.utime(f, (since + 1, since + 1))  # made during the job
     # A live process maps `live` (as /proc/PID/maps lists it); nothing maps `orphan`.
     (proc / "123" / "maps").write_text("7f0000000000-7f0000001000 rw-s 00000000 00:1a 42    %s\n"
                                        "7f0000002000-7f0000003000 rw-p 00000000 00:00 0 \n" % live)
