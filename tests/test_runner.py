@@ -21,12 +21,18 @@ TIMEOUT = 60  # for any one launcher run; the tests that measure stopping speed 
 IDENTITY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
 
 
-def launcher_env():
+def launcher_env(**changes):
+    """The test's environment less any shmcomm job's identity, with `changes` (None: unset)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     for name in list(env):  # a test run under shmcommrun must not leak its own identity into these checks
         if name.startswith(("SHMCOMM_", "HOROVOD_")):
             del env[name]
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 
@@ -39,9 +45,10 @@ def rank_program(source):
     return [sys.executable, "-c", textwrap.dedent(source)]
 
 
-def launch(*args, timeout=TIMEOUT):
-    return subprocess.run(launcher_args(*args), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def launch(*args, timeout=TIMEOUT, env=None):
+    """Runs the launcher; env: changes to its environment (launcher_env)."""
+    return subprocess.run(launcher_args(*args), cwd=REPO, env=launcher_env(**(env or {})), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def rank_lines(output, label="stdout"):
@@ -269,11 +276,69 @@ def test_job_segments_are_removed_and_other_jobs_are_left_alone(failing):
         decoy.unlink()
 
 
+def _has(module):
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
 def test_check_build_reports_the_c_core():
     result = launch("--check-build", timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "C core" in result.stdout
-    assert "Available Frameworks:" in result.stdout
+    lines = result.stdout.splitlines()
+    assert "    [X] Shared memory (C core)" in lines, result.stdout
+    assert re.search(r"^    C core: built \(.*_C.*\)$", result.stdout, re.MULTILINE), result.stdout
+    assert "    [X] MPI" in lines  # mpi4py and the mpich wheel are dependencies
+    assert ("    [X] PyTorch" if _has("torch") else "    [ ] PyTorch") in lines
+    assert "Available Frameworks:" in lines
+
+
+def test_check_build_says_when_the_c_core_is_missing():
+    program = ("import sys; sys.modules['shmcomm._C'] = None  # as if it had not been built\n"
+               "from shmcomm.runner import main; sys.exit(main(['--check-build']))")
+    result = subprocess.run([sys.executable, "-c", program], cwd=REPO, env=launcher_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "    [ ] Shared memory (C core)" in result.stdout.splitlines(), result.stdout
+    assert "    C core: NOT built (" in result.stdout, result.stdout
+
+
+def test_each_rank_gets_its_share_of_the_cores_as_math_threads():
+    cores = len(os.sched_getaffinity(0))
+    program = rank_program('import os; print(os.environ["OMP_NUM_THREADS"])')
+    for ranks in (1, 2, 3):
+        result = launch("-np", ranks, *program, env={"OMP_NUM_THREADS": None})
+        assert result.returncode == 0, result.stderr
+        assert rank_lines(result.stdout) == {r: [str(max(1, cores // ranks))] for r in range(ranks)}
+    result = launch("-np", 2, *program, env={"OMP_NUM_THREADS": "7"})  # set: left as it is
+    assert rank_lines(result.stdout) == {0: ["7"], 1: ["7"]}
+
+
+def test_a_single_host_job_never_loads_mpi():
+    """Every kind of collective, the engine, shmcomm.torch and a logical grid: mpi4py is never imported and no MPI
+    library is mapped."""
+    program = rank_program("""
+        import sys, numpy as np, shmcomm
+        shmcomm.init()
+        shmcomm.allreduce(np.ones(300_000, np.float32))
+        shmcomm.allgather(np.ones(3))
+        shmcomm.synchronize(shmcomm.allreduce_async(np.ones(3), name="async"))
+        shmcomm.barrier()
+        if sys.argv[1:] == ["torch"]:
+            import torch, shmcomm.torch as hvd
+            hvd.init()
+            hvd.allreduce(torch.ones(3))
+        with open("/proc/self/maps") as f:
+            libraries = f.read()
+        print("mpi4py" in sys.modules, "libmpi" in libraries, flush=True)
+    """)
+    for options, ranks, extra in ((["-np", 2], 2, ["torch"] if _has("torch") else []),
+                                  (["-np", 4, "--torus-grid", "2x2"], 4, [])):
+        result = launch(*options, *program, *extra)
+        assert result.returncode == 0, result.stderr
+        assert rank_lines(result.stdout) == {r: ["False False"] for r in range(ranks)}, (options, result.stdout)
 
 
 def test_bad_host_lists_are_refused_and_localhost_stays_local(tmp_path):
@@ -283,8 +348,13 @@ def test_bad_host_lists_are_refused_and_localhost_stays_local(tmp_path):
     assert launch("-np", 2, "-H", "localhost:x", "true").returncode == 2
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# local only\nlocalhost slots=2\n")
-    assert launch("-np", 2, "--hostfile", hostfile, "true").returncode == 0
-    assert launch("-np", 2, "-H", "localhost:4", "true").returncode == 0
+    # This host's names start the ranks here, as without -H: no mpiexec, the local launcher's identity.
+    program = rank_program('import os; print(os.environ.get("SHMCOMM_LAUNCHER"), os.environ.get("SHMCOMM_RANK"))')
+    for hosts in (["--hostfile", hostfile], ["-H", "localhost:4"]):
+        result = launch("-np", 2, *hosts, *program)
+        assert result.returncode == 0, result.stderr
+        assert rank_lines(result.stdout) == {0: ["None 0"], 1: ["None 1"]}, result.stdout
+        assert "mpiexec" not in result.stderr
 
 
 def test_command_not_found_exits_127():

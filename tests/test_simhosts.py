@@ -151,7 +151,9 @@ def test_shmcommrun_starts_ranks_across_hosts_with_the_job_environment(sim):
         assert env["SHMCOMM_FUSION_THRESHOLD"] == env["HOROVOD_FUSION_THRESHOLD"] == str(2 << 20)
         assert env["SHMCOMM_CYCLE_TIME"] == env["HOROVOD_CYCLE_TIME"] == "3"
         assert "SHMCOMM_RANK" not in env and "HOROVOD_SIZE" not in env
-        assert int(env["OMP_NUM_THREADS"]) >= 1
+        # cores / ranks per host (of this host's cores: the others are assumed alike), unless set already
+        assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS",
+                                                        str(max(1, len(os.sched_getaffinity(0)) // 2)))
 
 
 def test_a_failing_rank_fails_the_job_promptly(sim):
@@ -256,14 +258,20 @@ def test_cleanup_stale_removes_what_a_killed_run_left():
     assert leftovers(suffix) == []
 
 
-def test_hostfile_ssh_port_and_interface_reach_hydra(tmp_path):
-    """Without namespaces: an agent that runs the proxy here, as ssh to another host would."""
+def local_agent(tmp_path):
+    """An ssh stand-in that runs hydra's proxy here, as ssh to another host would, and logs its arguments: the
+    launcher's multi-host path without namespaces. Returns the agent and its log."""
     log = tmp_path / "agent.log"
     agent = tmp_path / "agent"
     agent.write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
                      'while [ $# -gt 0 ]; do case "$1" in -p) shift 2;; -*) shift;; *) break;; esac; done\n'
                      'shift; exec /bin/sh -c "$*"\n')
     agent.chmod(0o755)
+    return agent, log
+
+
+def test_hostfile_ssh_port_and_interface_reach_hydra(tmp_path):
+    agent, log = local_agent(tmp_path)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# two hosts\nfar-a slots=1\n\nfar-b slots=1  # the second\n")
     result = run([sys.executable, "-m", "shmcomm.runner", "-np", 2, "--hostfile", hostfile, "-p", 2222,
@@ -275,6 +283,18 @@ def test_hostfile_ssh_port_and_interface_reach_hydra(tmp_path):
     calls = log.read_text().splitlines()
     assert len(calls) == 2 and all(" -p 2222 " in call for call in calls)
     assert {call.split(" -p 2222 ")[1].split()[0] for call in calls} == {"far-a", "far-b"}
+
+
+def test_mpi_args_reach_mpiexec_last(tmp_path):
+    """--mpi-args goes to mpiexec as it is, after the launcher's own options (so that it can override them)."""
+    agent, _ = local_agent(tmp_path)
+    result = run([sys.executable, "-m", "shmcomm.runner", "-np", 2, "-H", "far-a:1,far-b:1", "--verbose",
+                  "--launcher-agent", agent, "--mpi-args", "-genv MPI_ARGS_MARK 'two words' -genv PYTHONUNBUFFERED 0",
+                  *python_program('import os; print(os.environ.get("MPI_ARGS_MARK"), os.environ["PYTHONUNBUFFERED"])')])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(result.stdout.splitlines()) == ["[0]<stdout>: two words 0", "[1]<stdout>: two words 0"]
+    command = next(line for line in result.stderr.splitlines() if "mpiexec command:" in line)
+    assert "-genv MPI_ARGS_MARK 'two words' -genv PYTHONUNBUFFERED 0 " + sys.executable in command, command
 
 
 def test_bad_host_lists_are_usage_errors(tmp_path):
