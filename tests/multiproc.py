@@ -18,12 +18,12 @@ class RankError(AssertionError):
     """One or more ranks failed; the message holds each failing rank's traceback."""
 
 
-def _rank_main(rank, size, token, extra_env, conn, fn, args):
-    os.environ.update({
-        "SHMCOMM_RANK": str(rank), "SHMCOMM_SIZE": str(size), "SHMCOMM_LOCAL_RANK": str(rank),
-        "SHMCOMM_LOCAL_SIZE": str(size), "SHMCOMM_CROSS_RANK": "0", "SHMCOMM_CROSS_SIZE": "1",
-        "SHMCOMM_JOB_TOKEN": token,
-    })
+def _rank_main(rank, size, token, extra_env, prefix, conn, fn, args):
+    for name in [k for k in os.environ if k.startswith(("SHMCOMM_", "HOROVOD_"))]:
+        del os.environ[name]  # only what this run gives
+    identity = {"RANK": rank, "SIZE": size, "LOCAL_RANK": rank, "LOCAL_SIZE": size, "CROSS_RANK": 0, "CROSS_SIZE": 1,
+                "JOB_TOKEN": token}
+    os.environ.update({prefix + name: str(value) for name, value in identity.items()})
     os.environ.update(extra_env or {})
     try:
         result = ("ok", fn(*args))
@@ -40,15 +40,16 @@ def _rank_main(rank, size, token, extra_env, conn, fn, args):
     os._exit(0)
 
 
-def run(size, fn, *args, timeout=60, env=None, check=True):
+def run(size, fn, *args, timeout=60, env=None, check=True, prefix="SHMCOMM_"):
     """Returns the list of per-rank results. With check=False, failures come back as ("error", text) pairs
-    instead of raising; a rank that died without reporting gives ("died", exitcode)."""
+    instead of raising; a rank that died without reporting gives ("died", exitcode). prefix="HOROVOD_" gives the
+    ranks their identity under Horovod's names only."""
     ctx = multiprocessing.get_context("fork")
     token = secrets.token_hex(16)
     procs, conns = [], []
     for rank in range(size):
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, args=(rank, size, token, env, child, fn, args), daemon=True)
+        p = ctx.Process(target=_rank_main, args=(rank, size, token, env, prefix, child, fn, args), daemon=True)
         p.start()
         child.close()
         procs.append(p)
@@ -83,6 +84,12 @@ def run(size, fn, *args, timeout=60, env=None, check=True):
     if failures:
         raise RankError("\n".join("--- rank %d: %s\n%s" % (r, res[0], res[1]) for r, res in failures))
     return [res[1] for res in results]
+
+
+def Event():
+    """An event the ranks of one run share: pass it to run() among the args, so that a rank waits for another to have
+    done something (event.wait(timeout)) instead of sleeping for a while."""
+    return multiprocessing.get_context("fork").Event()
 
 
 def job_segments_exist(token):

@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Allreduce over every dtype and op, world sizes 1-4, small and large counts, in place and out of place."""
+import hashlib
+import sys
+
 import numpy as np
 import pytest
 
 import multiproc
+from shmcomm.testing import exact
 
 DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64"]
 COUNTS = [0, 1, 7, 1000, 40_001, 1_200_003]  # 1.2 M float32 crosses many staging steps
@@ -14,19 +18,6 @@ def _inputs(rank, count, dtype):
     rng = np.random.default_rng(1000 * rank + count)
     values = rng.integers(1, 4, size=count)
     return values.astype(dtype)
-
-
-def _expected(size, count, dtype, op):
-    stack = np.stack([_inputs(r, count, dtype).astype(np.float64) for r in range(size)])
-    if op == "Sum":
-        out = stack.sum(0)
-    elif op == "Min":
-        out = stack.min(0)
-    elif op == "Max":
-        out = stack.max(0)
-    else:
-        out = stack.prod(0)
-    return out
 
 
 def _all_ops_all_dtypes(size):
@@ -40,9 +31,8 @@ def _all_ops_all_dtypes(size):
                 if count > 40_001 and (op != "Sum" or dtype not in ("float32", "int64", "float16")):
                     continue  # large counts: enough to cover the pipelined path per element size
                 x = _inputs(me, count, dtype)
-                expected = _expected(size, count, dtype, op)
-                if dtype in ("int8", "uint8", "int16") and op == "Product":
-                    expected = expected.astype(np.int64).astype(dtype)  # wraps like the C types
+                # Integer products wrap like the C types.
+                expected = exact.expected_allreduce([_inputs(r, count, dtype) for r in range(size)], dtype, op)
                 got = shmcomm.allreduce(x, op=getattr(shmcomm, op))
                 assert got.dtype == x.dtype and got.shape == x.shape
                 np.testing.assert_array_equal(got.astype(np.float64), np.asarray(expected, dtype).astype(np.float64),
@@ -84,17 +74,42 @@ def _average_and_scaling(size):
     tenth = np.full(8, 0.1, dtype=np.float16)
     want = np.float16(np.float32(np.float16(0.1)) * size)
     assert shmcomm.allreduce(tenth, op=shmcomm.Sum)[0] == want
-    # Results are bit-identical on every rank, even for float sums whose order matters.
+    # Results are bit-identical on every rank, even for float sums whose order matters: the test compares digests
+    # of all their bytes.
     noisy = np.random.default_rng(me).standard_normal(300_001).astype(np.float32)
-    digest = shmcomm.allreduce(noisy, op=shmcomm.Sum).tobytes()
-    gathered = shmcomm.allgather(np.frombuffer(digest[:4096], dtype=np.uint8).copy())
-    assert all(np.array_equal(gathered[r * 4096:(r + 1) * 4096], gathered[:4096]) for r in range(size))
-    return True
+    return hashlib.sha256(shmcomm.allreduce(noisy, op=shmcomm.Sum).tobytes()).hexdigest()
 
 
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_average_scaling_and_fp16(size):
-    assert multiproc.run(size, _average_and_scaling, size, timeout=120) == [True] * size
+    digests = multiproc.run(size, _average_and_scaling, size, timeout=120)
+    assert len(set(digests)) == 1, digests
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_exact_checks_on_one_host(size):
+    """shmcomm/testing/exact.py: every collective, dtype (bfloat16 too, where torch is) and op against expectations
+    computed with numpy, and the digests of every rank's results compared here."""
+    reports = multiproc.run(size, exact.run_checks, timeout=180)
+    exact.assert_identical(reports)
+    exact.assert_rounding_is_visible(size)
+    exact.assert_rounds_once(reports)
+
+
+def _rounding_only():
+    import shmcomm
+
+    shmcomm.init()
+    report = exact.Report(shmcomm.rank(), shmcomm.size())
+    exact.check_rounding(shmcomm, report, ["float16", "bfloat16"] if "torch" in sys.modules else ["float16"])
+    return report.as_dict()
+
+
+def test_16_bit_sums_round_once_with_eight_ranks():
+    reports = multiproc.run(8, _rounding_only, timeout=120)
+    exact.assert_identical(reports)
+    exact.assert_rounding_is_visible(8)
+    exact.assert_rounds_once(reports)
 
 
 def _bfloat16_torch(size):

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The C unit tests (tests/c), built here with the compiler the package was built with, also under sanitizers."""
+"""The C unit tests (tests/c), built here with the compiler the package was built with, also under sanitizers, and
+the other builds of tests/c/Makefile (the kernels without -fwrapv under UBSan, and every clone of them)."""
 import glob
 import os
+import platform
 import shutil
 import subprocess
 
@@ -44,10 +46,45 @@ def test_c_units(tmp_path, test):
     _build_and_run(tmp_path, test, ["-O2"])
 
 
-@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_reduce.c"])
-def test_c_units_under_sanitizers(tmp_path, test):
+def _require_sanitizers(tmp_path):
+    """Skips where this compiler has no sanitizer runtime, unless SHMCOMM_REQUIRE_SANITIZERS=1 (CI, whose machines
+    have it): there a missing runtime fails."""
     probe = subprocess.run([CC, "-fsanitize=address,undefined", "-x", "c", "-", "-o", str(tmp_path / "probe")],
                            input="int main(void){return 0;}", text=True, capture_output=True)
     if probe.returncode != 0:
-        pytest.skip("this compiler has no address/undefined sanitizer runtime")
+        why = "this compiler has no address/undefined sanitizer runtime: " + probe.stderr.strip()[-300:]
+        if os.environ.get("SHMCOMM_REQUIRE_SANITIZERS") == "1":
+            pytest.fail(why + " (SHMCOMM_REQUIRE_SANITIZERS=1)")
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c"])
+def test_core_units_under_sanitizers(tmp_path, test):
+    """test_reduce.c runs under them through `make asan`, below, without -fwrapv."""
+    _require_sanitizers(tmp_path)
     _build_and_run(tmp_path, test, SANITIZE)
+
+
+def _make(tmp_path, target):
+    """Runs a target of tests/c/Makefile, building in tmp_path; returns its output."""
+    if shutil.which("make") is None:
+        pytest.fail("tests/c/Makefile needs make")
+    run = subprocess.run(["make", "-s", "-f", os.path.join(C_DIR, "Makefile"), "-C", str(tmp_path), target,
+                          "CC=" + CC], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+def test_reduce_kernels_under_ubsan_without_fwrapv(tmp_path):
+    """`make asan`: the kernels built without -fwrapv, so that UBSan sees any signed overflow they rely on, and with
+    float-cast-overflow, which guards their double -> integer conversions."""
+    _require_sanitizers(tmp_path)
+    assert _make(tmp_path, "asan").count(" 0 failed") == 1
+
+
+def test_every_clone_of_the_reduce_kernels(tmp_path):
+    """`make clones`: the kernels pinned to the portable code and, where the CPU has it, to the avx2 code, so that
+    every target_clones variant is checked on one machine (the library runs only the best one)."""
+    with open("/proc/cpuinfo") as f:
+        avx2 = platform.machine() == "x86_64" and " avx2" in f.read()
+    assert _make(tmp_path, "clones").count(" 0 failed") == (2 if avx2 else 1)

@@ -146,3 +146,26 @@ def _into_output():
 
 def test_results_into_a_given_output():
     assert multiproc.run(2, _into_output) == [True, True]
+
+
+def _torch_reducescatter_with_empty_shares(size):
+    import torch
+
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    rows = size - 1  # the last rank's share is empty
+    full = sum(torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + r for r in range(size))
+    got = shmcomm.reducescatter(torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3) + me, op=shmcomm.Sum)
+    assert torch.equal(got, full[me:me + 1]), (me, got)
+    return True
+
+
+@pytest.mark.xfail(strict=True, reason="library bug: reducescatter of a torch tensor with fewer rows than ranks "
+                                       "raises 'NULL buffer' on the ranks whose share is empty (an empty torch "
+                                       "tensor's data pointer is NULL), and the other ranks wait for them; numpy "
+                                       "arrays work")
+def test_reducescatter_of_torch_tensors_leaves_some_ranks_none():
+    pytest.importorskip("torch")
+    assert multiproc.run(3, _torch_reducescatter_with_empty_shares, 3, timeout=60) == [True] * 3

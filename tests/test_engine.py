@@ -25,9 +25,9 @@ def _any_order(count):
     for name, h in handles.items():
         got = shmcomm.synchronize(h)
         assert got.shape == (100 + int(name[1:]),) and (got == n * float(name[1:])).all()
-    inplace = np.ones(10)
+    inplace = np.arange(10.0) + 2 * me  # averaged in place: arange + (n - 1), exactly
     h = shmcomm.allreduce_async_(inplace, name="inplace")
-    assert shmcomm.synchronize(h) is inplace and (inplace == 1).all()
+    assert shmcomm.synchronize(h) is inplace and inplace.tolist() == (np.arange(10.0) + n - 1).tolist()
     # Blocking calls go through the engine too, in the same agreed order.
     assert shmcomm.allgather(np.array([me])).tolist() == list(range(n))
     out, splits = shmcomm.alltoall(np.arange(n) + 10 * me, splits=[1] * n)
@@ -230,22 +230,23 @@ def test_dead_rank_fails_pending_handles_on_the_others():
     assert status == "ok" and rank == 1 and took < 10
 
 
-def _peer_leaves():
+def _peer_leaves(left):
     import shmcomm
 
     shmcomm.init(engine=True)
     shmcomm.barrier()
     if shmcomm.rank() == 1:
         shmcomm.shutdown()
+        left.set()
         return "left"
-    time.sleep(0.5)
+    assert left.wait(60)
     with pytest.raises(shmcomm.RankFailure, match="rank 1 has shut down"):
         shmcomm.allreduce(np.ones(2), name="late")
     return "raised"
 
 
 def test_a_rank_that_shuts_down_is_named():
-    assert multiproc.run(2, _peer_leaves) == ["raised", "left"]
+    assert multiproc.run(2, _peer_leaves, multiproc.Event()) == ["raised", "left"]
 
 
 def _process_sets():
@@ -271,3 +272,84 @@ def test_process_sets():
     results = multiproc.run(4, _process_sets, timeout=60)
     assert results[0] == ([2.0], [2], [4.0]) and results[2] == ([2.0], [2], [4.0])
     assert results[1] == ([4.0], [3], [4.0]) and results[3] == ([4.0], [3], [4.0])
+
+
+def _stall_shutdown(failed):
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    if shmcomm.rank() == 1:
+        assert failed.wait(60)  # never submits "never"
+    else:
+        start = time.monotonic()
+        with pytest.raises(shmcomm.ShmCommError, match=r"allreduce\.never: gave up after \d+ s: ranks 1 never "
+                                                       r"submitted it \(stall shutdown time\)") as info:
+            shmcomm.allreduce(np.ones(3), name="never")
+        assert type(info.value) is shmcomm.ShmCommError
+        assert time.monotonic() - start >= 2  # not before SHMCOMM_STALL_SHUTDOWN_TIME_SECONDS
+        failed.set()
+    assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum, name="after").tolist() == [2.0, 2.0]  # the engine goes on
+    return True
+
+
+@pytest.mark.parametrize("prefix", ["SHMCOMM_", "HOROVOD_"])
+def test_stall_shutdown_time_fails_the_request_and_the_engine_goes_on(prefix):
+    env = {prefix + "STALL_CHECK_TIME_SECONDS": "1", prefix + "STALL_SHUTDOWN_TIME_SECONDS": "2"}
+    assert multiproc.run(2, _stall_shutdown, multiproc.Event(), env=env, timeout=60) == [True, True]
+
+
+def _timeline_files(path, ranks):
+    """Rank 0 writes `path`, rank r > 0 `path.r`: each a valid JSON array of Chrome-trace events, named after its
+    rank. Returns {rank: events}."""
+    files = {r: path if r == 0 else "%s.%d" % (path, r) for r in range(ranks)}
+    events = {}
+    for r, name in files.items():
+        with open(name) as f:
+            events[r] = json.load(f)
+        assert events[r][0]["args"]["name"] == "shmcomm rank %d" % r, events[r][0]
+    return events
+
+
+def _traced(ranks):
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    me = shmcomm.rank()
+    got = shmcomm.allreduce(np.full(4, float(me)), op=shmcomm.Sum, name="traced")
+    assert got.tolist() == [ranks * (ranks - 1) / 2] * 4
+    return True
+
+
+@pytest.mark.parametrize("prefix", ["SHMCOMM_", "HOROVOD_"])
+def test_timeline_variable_writes_a_file_per_rank(tmp_path, prefix):
+    path = str(tmp_path / "timeline.json")
+    env = {prefix + "TIMELINE": path, prefix + "TIMELINE_MARK_CYCLES": "1"}
+    assert multiproc.run(3, _traced, 3, env=env) == [True] * 3
+    for events in _timeline_files(path, 3).values():  # complete once the ranks shut down
+        names = [e["name"] for e in events]
+        processes = [e["args"]["name"] for e in events if e["name"] == "process_name"]
+        assert "allreduce.traced" in processes and "NEGOTIATE_ALLREDUCE" in names and "ALLREDUCE" in names
+        assert "CYCLE_START" in names
+    assert sorted(os.listdir(tmp_path)) == ["timeline.json", "timeline.json.1", "timeline.json.2"]
+
+
+def _horovod_names():
+    import shmcomm
+
+    assert not [k for k in os.environ if k.startswith("SHMCOMM_")]
+    shmcomm.init()
+    me = shmcomm.rank()
+    assert (shmcomm.size(), shmcomm.local_rank(), shmcomm.local_size()) == (2, me, 2)
+    assert (shmcomm.cross_rank(), shmcomm.cross_size()) == (0, 1)
+    assert shmcomm.allreduce(np.full(3, float(me + 1)), op=shmcomm.Sum).tolist() == [3.0] * 3
+    with pytest.raises(shmcomm.OutOfMemoryError, match="arena is full"):  # HOROVOD_SMB_BYTES=65536
+        shmcomm.SoftMemoryBox("big", shape=(1 << 17,), dtype=np.uint8)
+    return shmcomm.join()  # HOROVOD_ENGINE=1: the engine runs from init(), as join() needs
+
+
+def test_horovod_names_are_read():
+    """A job described only by HOROVOD_* variables: the identity and job token, and tuning names (the engine, the
+    Soft Memory Box room; the timeline, stall and timeout names in their own tests)."""
+    env = {"HOROVOD_ENGINE": "1", "HOROVOD_SMB_BYTES": "65536"}
+    last = multiproc.run(2, _horovod_names, env=env, prefix="HOROVOD_")
+    assert last[0] == last[1] in (0, 1)

@@ -6,7 +6,11 @@ import sys
 
 import pytest
 
+from report_gathered_weights import assert_same_on_every_rank
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Runs an example and prints each rank's digest of the weights it gathers (the example's own check uses shmcomm).
+REPORT = os.path.join(ROOT, "tests", "report_gathered_weights.py")
 
 
 def _launch(*args, timeout=300):
@@ -16,9 +20,10 @@ def _launch(*args, timeout=300):
 
 def test_train_synthetic_two_ranks():
     pytest.importorskip("torch")
-    run = _launch("-np", "2", sys.executable, "examples/train_synthetic.py", "--epochs", "15")
+    run = _launch("-np", "2", sys.executable, REPORT, "examples/train_synthetic.py", "--epochs", "15")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "weights identical on all ranks: True" in run.stdout
+    assert_same_on_every_rank(run.stdout, 2)
     accuracy = float(run.stdout.split("test accuracy ")[1].split("%")[0])
     assert accuracy > 90
 
@@ -32,10 +37,11 @@ def _accuracy(run):
 def test_torch_digits_two_ranks_match_one():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    args = [sys.executable, "examples/torch_digits.py", "--epochs", "8"]
+    args = [sys.executable, REPORT, "examples/torch_digits.py", "--epochs", "8"]
     one = _accuracy(_launch("-np", "1", *args))
     two_run = _launch("-np", "2", *args)
     two = _accuracy(two_run)
+    assert_same_on_every_rank(two_run.stdout, 2)
     assert one >= 95 and two >= 95 and abs(one - two) <= 1.0, (one, two)
     assert "training" in two_run.stderr  # rank 0's progress bar
 
@@ -64,5 +70,9 @@ def test_readme_commands_are_what_ci_runs():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     with open(os.path.join(ROOT, ".ci", "run")) as f:
-        ci = [line for line in f.read().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+        lines = [line for line in f.read().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    settings = [line for line in lines if line.startswith("export ")]
+    ci = [line for line in lines if not line.startswith("export ")]
     assert len(ci) == 1 and ci[0] in readme
+    # CI can run the simulated hosts and the sanitizers: there they must not be skipped.
+    assert settings == ["export SHMCOMM_REQUIRE_SIMHOSTS=1 SHMCOMM_REQUIRE_SANITIZERS=1"], settings

@@ -1,22 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A rank killed mid-collective under the launcher: the others name it, the job stops non-zero, /dev/shm is clean."""
+"""A rank killed mid-collective under the launcher: the others raise RankFailure naming it, the job stops non-zero,
+/dev/shm is clean."""
 import os
 import subprocess
 import sys
 import textwrap
 import time
 
+from shmcomm.testing import outcomes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 JOB = textwrap.dedent("""
-    import os, signal, threading, numpy as np, shmcomm
+    import os, signal, sys, threading, time, numpy as np, shmcomm
+    from shmcomm.testing import outcomes
+    # The launcher stops the other ranks with SIGTERM once one dies: ignored here, so that each rank says what it
+    # raised itself (SIGKILL would follow after the grace period).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     shmcomm.init()
+    me = shmcomm.rank()
     print("segment", os.environ["SHMCOMM_JOB_TOKEN"], flush=True)
-    if shmcomm.rank() == 1:
+    if me == 1:
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     x = np.ones(1 << 20, np.float32)
-    while True:
-        shmcomm.allreduce_(x)
+    started = time.monotonic()
+    try:
+        while True:
+            shmcomm.allreduce_(x)
+    except shmcomm.ShmCommError as error:
+        outcomes.record(sys.argv[1], me, error, started)
+        raise SystemExit(3)
 """)
 
 
@@ -24,11 +37,17 @@ def test_sigkill_mid_collective_stops_the_job(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(JOB)
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "shmcomm.runner", "-np", "3", sys.executable, str(script)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-m", "shmcomm.runner", "-np", "3", sys.executable, str(script),
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     took = time.monotonic() - start
     assert run.returncode != 0
     assert "rank 1" in run.stderr and ("signal 9" in run.stderr or "SIGKILL" in run.stderr), run.stderr
     assert took < 20
+    # Each survivor's own error: RankFailure naming rank 1.
+    raised = outcomes.read(tmp_path)
+    assert sorted(raised) == [0, 2], run.stdout + run.stderr
+    for outcome in raised.values():
+        assert outcome["type"] == "RankFailure" and outcome["rank"] == 1, outcome
+        assert "rank 1" in outcome["message"] and "died" in outcome["message"], outcome
     token = run.stdout.split("segment ")[1].split()[0]
     assert not [n for n in os.listdir("/dev/shm") if token in n]

@@ -21,12 +21,18 @@ TIMEOUT = 60  # for any one launcher run; the tests that measure stopping speed 
 IDENTITY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
 
 
-def launcher_env():
+def launcher_env(**changes):
+    """The test's environment less any shmcomm job's identity, with `changes` (None: unset)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     for name in list(env):  # a test run under shmcommrun must not leak its own identity into these checks
         if name.startswith(("SHMCOMM_", "HOROVOD_")):
             del env[name]
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 
@@ -39,9 +45,10 @@ def rank_program(source):
     return [sys.executable, "-c", textwrap.dedent(source)]
 
 
-def launch(*args, timeout=TIMEOUT):
-    return subprocess.run(launcher_args(*args), cwd=REPO, env=launcher_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def launch(*args, timeout=TIMEOUT, env=None):
+    """Runs the launcher; env: changes to its environment (launcher_env)."""
+    return subprocess.run(launcher_args(*args), cwd=REPO, env=launcher_env(**(env or {})), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def rank_lines(output, label="stdout"):
@@ -60,29 +67,29 @@ class LiveLauncher:
     def __init__(self, *args):
         self.process = subprocess.Popen(launcher_args(*args), cwd=REPO, env=launcher_env(), text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.lines = queue.Queue()
+        self.lines = {"stdout": queue.Queue(), "stderr": queue.Queue()}
         self.stdout = []
         self.stderr = []
-        threading.Thread(target=self._read, args=(self.process.stdout, self.stdout, True), daemon=True).start()
-        self.stderr_reader = threading.Thread(target=self._read, args=(self.process.stderr, self.stderr, False),
+        threading.Thread(target=self._read, args=(self.process.stdout, self.stdout, "stdout"), daemon=True).start()
+        self.stderr_reader = threading.Thread(target=self._read, args=(self.process.stderr, self.stderr, "stderr"),
                                               daemon=True)
         self.stderr_reader.start()
 
-    def _read(self, pipe, sink, notify):
+    def _read(self, pipe, sink, label):
         for line in pipe:
             sink.append(line)
-            if notify:
-                self.lines.put(line)
+            self.lines[label].put(line)
 
-    def wait_for_lines(self, containing, count, timeout=30):
+    def wait_for_lines(self, containing, count, timeout=30, stream="stdout"):
         deadline = time.monotonic() + timeout
         seen = 0
         while seen < count:
             try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+                line = self.lines[stream].get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
                 self.process.kill()
-                pytest.fail(f"only {seen} of {count} lines with {containing!r}; stdout: {''.join(self.stdout)}")
+                pytest.fail(f"only {seen} of {count} lines with {containing!r}; {stream}: "
+                            f"{''.join(getattr(self, stream))}")
             seen += containing in line
 
     def finish(self, timeout=TIMEOUT):
@@ -216,7 +223,7 @@ def test_second_ctrl_c_kills_at_once():
     launcher.wait_for_lines("ready", 2)
     started = time.monotonic()
     launcher.process.send_signal(signal.SIGINT)
-    time.sleep(0.5)
+    launcher.wait_for_lines("received SIGINT", 1, stream="stderr")  # the first one was taken as the first
     launcher.process.send_signal(signal.SIGINT)
     returncode, _, stderr = launcher.finish(timeout=15)
     assert time.monotonic() - started < 10
@@ -269,6 +276,50 @@ def test_job_segments_are_removed_and_other_jobs_are_left_alone(failing):
         decoy.unlink()
 
 
+def _has(module):
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def test_each_rank_gets_its_share_of_the_cores_as_math_threads():
+    cores = len(os.sched_getaffinity(0))
+    program = rank_program('import os; print(os.environ["OMP_NUM_THREADS"])')
+    for ranks in (1, 2, 3):
+        result = launch("-np", ranks, *program, env={"OMP_NUM_THREADS": None})
+        assert result.returncode == 0, result.stderr
+        assert rank_lines(result.stdout) == {r: [str(max(1, cores // ranks))] for r in range(ranks)}
+    result = launch("-np", 2, *program, env={"OMP_NUM_THREADS": "7"})  # set: left as it is
+    assert rank_lines(result.stdout) == {0: ["7"], 1: ["7"]}
+
+
+def test_a_single_host_job_never_loads_mpi():
+    """Every kind of collective, the engine, shmcomm.torch and a logical grid: mpi4py is never imported and no MPI
+    library is mapped."""
+    program = rank_program("""
+        import sys, numpy as np, shmcomm
+        shmcomm.init()
+        shmcomm.allreduce(np.ones(300_000, np.float32))
+        shmcomm.allgather(np.ones(3))
+        shmcomm.synchronize(shmcomm.allreduce_async(np.ones(3), name="async"))
+        shmcomm.barrier()
+        if sys.argv[1:] == ["torch"]:
+            import torch, shmcomm.torch as hvd
+            hvd.init()
+            hvd.allreduce(torch.ones(3))
+        with open("/proc/self/maps") as f:
+            libraries = f.read()
+        print("mpi4py" in sys.modules, "libmpi" in libraries, flush=True)
+    """)
+    for options, ranks, extra in ((["-np", 2], 2, ["torch"] if _has("torch") else []),
+                                  (["-np", 4, "--torus-grid", "2x2"], 4, [])):
+        result = launch(*options, *program, *extra)
+        assert result.returncode == 0, result.stderr
+        assert rank_lines(result.stdout) == {r: ["False False"] for r in range(ranks)}, (options, result.stdout)
+
+
 def test_bad_host_lists_are_refused_and_localhost_stays_local(tmp_path):
     # Other hosts go through mpiexec (tests/test_simhosts.py); malformed lists and too few slots are usage errors.
     result = launch("-np", 4, "-H", "localhost:1,some-other-host:1", "true")
@@ -276,8 +327,13 @@ def test_bad_host_lists_are_refused_and_localhost_stays_local(tmp_path):
     assert launch("-np", 2, "-H", "localhost:x", "true").returncode == 2
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# local only\nlocalhost slots=2\n")
-    assert launch("-np", 2, "--hostfile", hostfile, "true").returncode == 0
-    assert launch("-np", 2, "-H", "localhost:4", "true").returncode == 0
+    # This host's names start the ranks here, as without -H: no mpiexec, the local launcher's identity.
+    program = rank_program('import os; print(os.environ.get("SHMCOMM_LAUNCHER"), os.environ.get("SHMCOMM_RANK"))')
+    for hosts in (["--hostfile", hostfile], ["-H", "localhost:4"]):
+        result = launch("-np", 2, *hosts, *program)
+        assert result.returncode == 0, result.stderr
+        assert rank_lines(result.stdout) == {0: ["None 0"], 1: ["None 1"]}, result.stdout
+        assert "mpiexec" not in result.stderr
 
 
 def test_command_not_found_exits_127():
@@ -331,12 +387,12 @@ def test_orphaned_mpi_segments_are_removed_but_not_live_or_older_ones(tmp_path):
     (proc / "123").mkdir(parents=True)
     older = shm / "mpich_shm_old_0"
     older.write_bytes(b"x")
-    since = time.time() + 1  # the job started after `older` was made
-    os.utime(older, (since - 100, since - 100))
-    time.sleep(1.1)
+    since = time.time()
+    os.utime(older, (since - 100, since - 100))  # made before the job started
     orphan, live, other = shm / "mpich_shm_dead_0", shm / "mpich_shm_live_0", shm / "shmcomm-notmpi"
     for f in (orphan, live, other):
         f.write_bytes(b"x")
+        os.utime(f, (since + 1, since + 1))  # made during the job
     # A live process maps `live` (as /proc/PID/maps lists it); nothing maps `orphan`.
     (proc / "123" / "maps").write_text("7f0000000000-7f0000001000 rw-s 00000000 00:1a 42    %s\n"
                                        "7f0000002000-7f0000003000 rw-p 00000000 00:00 0 \n" % live)

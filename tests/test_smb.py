@@ -142,7 +142,7 @@ def test_versions_wake_waiters_and_locks_exclude():
     assert acquired >= held_until - 0.05
 
 
-def _dead_holder():
+def _dead_holder(locked):
     import os
     import signal
 
@@ -153,12 +153,13 @@ def _dead_holder():
     shmcomm.barrier()
     if shmcomm.rank() == 1:
         box.lock()
+        locked.set()
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.3)
+    assert locked.wait(60)  # rank 1 holds the lock, and dies holding it (or has died already)
     box.accumulate(np.ones(1, np.float32))  # the dead holder's lock passes on; no deadlock
     return box.read().tolist()
 
 
 def test_lock_of_a_dead_holder_is_recovered():
-    results = multiproc.run(2, _dead_holder, check=False)
+    results = multiproc.run(2, _dead_holder, multiproc.Event(), check=False)
     assert results[0] == ("ok", [1.0]) and results[1][0] == "died"

@@ -49,8 +49,7 @@ def _every_op():
     assert torch.equal(hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum, name="a")), total)
     y = x.clone()
     assert hvd.synchronize(hvd.allreduce_async_(y, op=hvd.Sum)) is y and torch.equal(y, total)
-    half = hvd.allreduce(x.float(), op=hvd.Sum, compression=hvd.Compression.fp16)
-    assert half.dtype == torch.float32 and torch.allclose(half, total.float())
+    _check_fp16_compression(hvd)
     leaf = torch.ones(3, requires_grad=True)  # a tensor requiring grad works in place, as in Horovod
     hvd.allreduce_(leaf, op=hvd.Sum)
     assert torch.equal(leaf.detach(), torch.full((3,), float(n)))
@@ -127,12 +126,49 @@ def test_every_op(size):
     assert multiproc.run(size, _every_op, timeout=90) == [True] * size
 
 
-def _poll_is_asynchronous():
+def _fp16_inputs(rank, shape):
+    """float32 values of either sign in [1/16, 4), few of them float16 values: compression rounds them, and their
+    float16 roundings add up exactly in float32 over up to 8 ranks."""
+    g = torch.Generator().manual_seed(500 + rank)
+    magnitude = torch.exp2(torch.rand(shape, generator=g) * 6 - 4)
+    return torch.where(torch.rand(shape, generator=g) < 0.5, -magnitude, magnitude)
+
+
+def _check_fp16_compression(hvd):
+    """Compression.fp16 sends float16: the inputs are rounded to float16, summed in float32, and the result (times
+    1/n for Average, a factor rounded to float32) is rounded once to float16, then returned as float32."""
+    n, me = hvd.size(), hvd.rank()
+    xs = [_fp16_inputs(r, (4 * n + 1, 3)) for r in range(n)]
+    total = sum(x.half().float() for x in xs)
+    shares = [(4 * n + 1) // n + (1 if r < (4 * n + 1) % n else 0) for r in range(n)]
+    mine = slice(sum(shares[:me]), sum(shares[:me + 1]))
+    for op, factor in ((hvd.Sum, 1.0), (hvd.Average, 1.0 / n)):
+        want = (total * torch.tensor(factor, dtype=torch.float32)).half().float()
+        assert not torch.equal(want, sum(xs) * factor)  # without the compression the result would differ
+        got = hvd.allreduce(xs[me], op=op, compression=hvd.Compression.fp16)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (op, (got - want).abs().max())
+        got = hvd.reducescatter(xs[me], op=op, compression=hvd.Compression.fp16)
+        assert got.dtype == torch.float32 and torch.equal(got, want[mine]), op
+    grouped = hvd.grouped_allreduce([xs[me], 2 * xs[me]], op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert torch.equal(grouped[0], total.half().float()) and torch.equal(grouped[1], (2 * total).half().float())
+
+
+def _fp16_compression():
+    _check_fp16_compression(_init())
+    return True
+
+
+def test_fp16_compression_rounds_the_inputs_and_the_result_once():
+    assert multiproc.run(4, _fp16_compression, timeout=60) == [True] * 4
+
+
+def _poll_is_asynchronous(polled):
     hvd = _init()
     if hvd.rank() == 1:
-        time.sleep(0.5)  # rank 0's request cannot finish before this rank submits
+        assert polled.wait(60)  # rank 0's request cannot finish before this rank submits
     handle = hvd.allreduce_async(torch.ones(1000), op=hvd.Sum, name="late")
     seen = [hvd.poll(handle)]
+    polled.set()
     deadline = time.monotonic() + 10
     while not seen[-1] and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -142,7 +178,7 @@ def _poll_is_asynchronous():
 
 
 def test_poll_false_then_true():
-    results = multiproc.run(2, _poll_is_asynchronous, timeout=60)
+    results = multiproc.run(2, _poll_is_asynchronous, multiproc.Event(), timeout=60)
     assert results[0] == (False, True) and results[1][1] is True
 
 
@@ -193,16 +229,17 @@ def test_gradients_numerically():
     assert multiproc.run(2, _gradients, timeout=90) == [True, True]
 
 
-def _errors():
+def _errors(tried):
     hvd = _init()
     me = hvd.rank()
-    for owner in range(hvd.size()):  # the owner's first request is surely in flight: the others submit later
+    for owner in range(hvd.size()):  # the owner's first request is surely in flight: the others submit after
         if me != owner:
-            time.sleep(0.2)
+            assert tried[owner].wait(60)
         first = hvd.allreduce_async(torch.ones(10), name="duplicate_name.%d" % owner)
         if me == owner:
             with pytest.raises(ValueError):
                 hvd.allreduce_async(torch.ones(10), name="duplicate_name.%d" % owner)
+            tried[owner].set()
         hvd.synchronize(first)
     raised = []
     for bad in (torch.ones(4 + me), torch.ones(4, dtype=torch.float32 if me else torch.float64)):
@@ -226,7 +263,7 @@ def _errors():
 
 
 def test_errors_on_every_rank_then_a_working_op():
-    results = multiproc.run(2, _errors, timeout=60)
+    results = multiproc.run(2, _errors, [multiproc.Event() for _ in range(2)], timeout=60)
     for messages in results:
         assert "mismatch" in messages[0] and len(messages) == 2
 
@@ -241,7 +278,9 @@ def _join():
     with pytest.raises(RuntimeError) as info:
         hvd.allgather(torch.ones(1), name="gather_while_joined")
     if me == 1:
-        time.sleep(0.5)  # join last
+        # Join last: this allreduce completes only once rank 0 has joined too (both others then give zeros).
+        alone = hvd.allreduce(torch.full((4,), 6.0), name="after_the_others_joined")
+        assert torch.equal(alone, torch.full((4,), 2.0))  # the divisor stays 3
     return hvd.join(), str(info.value)
 
 
@@ -251,7 +290,7 @@ def test_join():
     assert all("join" in message for _, message in results[:2])
 
 
-def _objects_and_sets():
+def _objects_and_sets(arrived, removing):
     import shmcomm.torch as hvd
 
     first = hvd.ProcessSet([0, 1])
@@ -262,8 +301,10 @@ def _objects_and_sets():
     assert obj["rank"] == 1 and obj["f"](1) == 2
     everyone = hvd.allgather_object("x" * (10 + 50 * me))  # sizes differ: offsets must add up
     assert everyone == ["x" * (10 + 50 * r) for r in range(3)]
-    if me == 1:
-        time.sleep(0.3)  # the rank outside the set registers it last: the others must not use it before
+    if me == 1:  # the rank outside the set registers it last: the others must not use it before
+        assert all(event.wait(60) for event in arrived)
+    else:
+        arrived[me // 2].set()
     ps = hvd.add_process_set([0, 2])
     assert ps.included() == (me != 1) and ps.size() == 2 and ps.rank() == {0: 0, 1: -1, 2: 1}[me]
     if ps.included():
@@ -276,17 +317,20 @@ def _objects_and_sets():
     if first.included():
         assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=first), torch.full((2,), 2.0))
     if me == 2:
-        time.sleep(0.3)  # still using the set while rank 1 removes it
+        assert removing.wait(60)  # still using the set while rank 1 removes it
         assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps), torch.full((1,), 2.0))
     elif me == 0:
         hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps)
+    else:
+        removing.set()
     assert hvd.remove_process_set(ps) is True
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), 3.0))
     return True
 
 
 def test_objects_and_process_sets():
-    assert multiproc.run(3, _objects_and_sets, timeout=60) == [True] * 3
+    events = [multiproc.Event() for _ in range(3)]
+    assert multiproc.run(3, _objects_and_sets, events[:2], events[2], timeout=60) == [True] * 3
 
 
 def _timeline(directory):
@@ -306,16 +350,22 @@ def test_timeline(tmp_path):
     assert multiproc.run(2, _timeline, str(tmp_path), timeout=60) == [True, True]
 
 
-def _stall():
+def _stall(warned):
     sys.stderr = captured = io.StringIO()  # before init: the engine's stall inspector writes here
     hvd = _init()
     if hvd.rank() == 1:
-        time.sleep(2.5)
-    total = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="slow_tensor")
-    assert torch.equal(total, torch.full((3,), 2.0))
+        assert warned.wait(60)  # submits only once rank 0 has warned about it
+    handle = hvd.allreduce_async(torch.ones(3), op=hvd.Sum, name="slow_tensor")
+    if hvd.rank() == 0:
+        deadline = time.monotonic() + 30
+        while "stall warning" not in captured.getvalue() and time.monotonic() < deadline:
+            hvd.poll(handle)  # a caller that waits keeps the engine cycling, and checking for stalls
+            time.sleep(0.01)
+        warned.set()
+    assert torch.equal(hvd.synchronize(handle), torch.full((3,), 2.0))
     return captured.getvalue()
 
 
 def test_stall_warning_names_tensor_and_rank():
-    text = multiproc.run(2, _stall, timeout=60, env={"SHMCOMM_STALL_CHECK_TIME_SECONDS": "1"})[0]
+    text = multiproc.run(2, _stall, multiproc.Event(), timeout=60, env={"SHMCOMM_STALL_CHECK_TIME_SECONDS": "1"})[0]
     assert "allreduce.slow_tensor" in text and "rank 1" in text, text

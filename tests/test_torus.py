@@ -2,10 +2,12 @@
 """The 2D-torus allreduce and the cross-host algorithms, on one machine: a logical grid on shared memory
 (SHMCOMM_TORUS_GRID), and MPI-launched jobs whose ranks pretend to sit on several hosts (SHMCOMM_RANKS_PER_HOST), so
 the cross-host steps really go through MPI."""
+import functools
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -13,37 +15,23 @@ import numpy as np
 import pytest
 
 import multiproc
+from shmcomm.testing import exact, outcomes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# Every collective with exact expectations computed outside the library (shmcomm/testing/exact.py), as the program
+# of an MPI-launched rank: it writes its report to the directory named by its first argument; "bf16" after it adds
+# bfloat16 (as torch tensors, which cost each rank the import of torch).
 CHECKS = textwrap.dedent("""
-    import numpy as np, shmcomm
-    def check_all():
-        shmcomm.init()
-        me, n = shmcomm.rank(), shmcomm.size()
-        for count in (0, 1, 7, 1001, 300_007):  # counts that do not divide by the row size take the remainder path
-            for dtype in (np.float32, np.float64, np.int32, np.int8, np.float16):
-                x = (np.arange(count) % 3 + me).astype(dtype)
-                for op, fold in ((shmcomm.Sum, np.sum), (shmcomm.Max, np.max), (shmcomm.Min, np.min)):
-                    if count > 1001 and op != shmcomm.Sum:
-                        continue
-                    want = fold(np.stack([(np.arange(count) % 3 + q).astype(dtype).astype(np.float64)
-                                          for q in range(n)]), axis=0) if count else np.zeros(0)
-                    got = shmcomm.allreduce(x, op=op)
-                    assert np.array_equal(got.astype(np.float64), want), (count, dtype, op)
-        avg = shmcomm.allreduce(np.full(5, float(me)), op=shmcomm.Average, prescale_factor=2.0, postscale_factor=0.5)
-        assert np.allclose(avg, (n - 1) / 2)
-        ints = shmcomm.allreduce(np.full(3, 4 * n, np.int64))  # Average of integers: exact division
-        assert ints.tolist() == [4 * n] * 3
-        assert shmcomm.allgather(np.full((me % 2 + 1, 2), me)).shape == (sum(r % 2 + 1 for r in range(n)), 2)
-        assert shmcomm.broadcast(np.array([me, me]), root_rank=n - 1).tolist() == [n - 1] * 2
-        rows = shmcomm.reducescatter(np.ones((2 * n + 1, 3)), op=shmcomm.Sum)
-        assert rows.shape[0] == 2 + (1 if me < 1 else 0) and (rows == n).all()
-        out, got = shmcomm.alltoall(np.arange(n) + 10 * me, splits=[1] * n)
-        assert out.tolist() == [10 * r + me for r in range(n)]
-        shmcomm.barrier()
-        return True
+    import sys
+    from shmcomm.testing import exact, outcomes
+    exact.run_checks(sys.argv[1], bf16=sys.argv[2:3] == ["bf16"])
 """)
+
+# A library bug the 16-bit checks find: README promises that 16-bit floats accumulate in float32 and round once.
+ROUNDS_AT_EVERY_STEP = ("the torus rounds 16-bit float sums to 16 bits after the row step and again after the "
+                        "column step, and the ring after every step, instead of accumulating in float32 and rounding "
+                        "once (the README's promise, which one host and MPI's allreduce keep)")
 
 
 MISMATCHES = textwrap.dedent("""
@@ -104,21 +92,37 @@ MISMATCHES = textwrap.dedent("""
 """)
 
 
-def _grid_body():
-    namespace = {}
-    exec(CHECKS, namespace)
-    return namespace["check_all"]()
+GRIDS = [("2x2", None), ("2x3", None), ("3x2", None), ("4x2", None), ("1x3", None), ("3x1", None), ("3x2", "0")]
 
 
-@pytest.mark.parametrize("grid,small", [("2x2", None), ("2x3", None), ("3x2", None), ("4x2", None), ("1x3", None),
-                                        ("3x1", None), ("3x2", "0")])
-def test_logical_grid_on_shared_memory(grid, small):
-    """small="0": every size takes the three-phase path, also the tiny counts that leave some ranks no slice."""
+@functools.lru_cache(maxsize=None)
+def _grid_reports(grid, small):
+    """Every rank's exact.run_checks report on a logical grid; run once for the tests that read it."""
     x, y = (int(v) for v in grid.split("x"))
     env = {"SHMCOMM_TORUS_GRID": grid}
     if small is not None:
         env["SHMCOMM_TORUS_SMALL_BYTES"] = small
-    assert multiproc.run(x * y, _grid_body, env=env, timeout=180) == [True] * (x * y)
+    return tuple(multiproc.run(x * y, exact.run_checks, env=env, timeout=180))
+
+
+@pytest.mark.parametrize("grid,small", GRIDS)
+def test_logical_grid_on_shared_memory(grid, small):
+    """small="0": every size takes the three-phase path, also the tiny counts that leave some ranks no slice."""
+    exact.assert_identical(_grid_reports(grid, small))
+
+
+def _rounds_at_every_step(grid):
+    x, y = (int(v) for v in grid.split("x"))
+    return x > 1 and y > 1  # a row step and a column step: 16-bit sums are rounded twice
+
+
+@pytest.mark.parametrize("grid,small", [
+    pytest.param(grid, small, marks=[pytest.mark.xfail(strict=True, reason=ROUNDS_AT_EVERY_STEP)]
+                 if _rounds_at_every_step(grid) else []) for grid, small in GRIDS])
+def test_16_bit_sums_round_once_on_a_logical_grid(grid, small):
+    x, y = (int(v) for v in grid.split("x"))
+    exact.assert_rounding_is_visible(x * y)
+    exact.assert_rounds_once(_grid_reports(grid, small))
 
 
 def test_mismatches_on_a_logical_grid():
@@ -192,17 +196,13 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 def _mpiexec(args, ranks, **env):
     """Runs `python args...` (a script and its arguments) on `ranks` MPI ranks."""
     mpiexec = MPIEXEC if os.path.exists(MPIEXEC) else shutil.which("mpiexec")
+    assert mpiexec, "no mpiexec beside Python or on PATH: the mpich wheel, a dependency, provides it"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
     args = [str(a) for a in (args if isinstance(args, list) else [args])]
     return subprocess.run([mpiexec, "-n", str(ranks), sys.executable] + args, env=env, capture_output=True,
                           text=True, timeout=240)
 
 
-needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC) and shutil.which("mpiexec") is None,
-                                   reason="no mpiexec")
-
-
-@needs_mpiexec
 @pytest.mark.parametrize("algo", ["torus", "ring", "mpi"])
 def test_mismatches_across_pretend_hosts(tmp_path, algo):
     script = tmp_path / "job.py"
@@ -212,7 +212,6 @@ def test_mismatches_across_pretend_hosts(tmp_path, algo):
     assert run.stdout.count("rank ok") == 4
 
 
-@needs_mpiexec
 def test_settings_that_choose_paths_must_agree_across_hosts(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
@@ -233,7 +232,6 @@ def test_settings_that_choose_paths_must_agree_across_hosts(tmp_path):
                 "rank 3: SHMCOMM_TORUS_SMALL_BYTES=1000)") in text, text
 
 
-@needs_mpiexec
 def test_negotiation_messages_of_every_length_across_pretend_hosts(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
@@ -251,59 +249,89 @@ def test_negotiation_messages_of_every_length_across_pretend_hosts(tmp_path):
     assert run.stdout.count("rank ok") == 4
 
 
-def _stuck_rank_job(call, sleep):
-    """Rank 2 of 4 stays away longer than the others' timeout; they make `call` and record what they raise."""
+def _stuck_rank_job(call):
+    """Rank 2 of 4 stays away until the others have made `call` and recorded what they raised (however long their
+    timeout takes); they record it in files (shmcomm/testing/outcomes.py): hydra may split stdout lines."""
     return textwrap.dedent("""
-        import os, sys, time, numpy as np, shmcomm
+        import sys, time, numpy as np, shmcomm
         from shmcomm import basics
+        from shmcomm.testing import outcomes
         shmcomm.init()
         me = shmcomm.rank()
         if me == 2:
-            time.sleep(%s)
+            outcomes.wait_for(sys.argv[1], [0, 1, 3], timeout=120)
             raise SystemExit(0)
         start = time.monotonic()
         try:
             %s
         except shmcomm.ShmCommError as error:
-            with open(os.path.join(sys.argv[1], "raised%%d" %% me), "w") as f:  # hydra may split stdout lines
-                f.write("%%s %%.1f %%s" %% (type(error).__name__, time.monotonic() - start, error))
-    """) % (sleep, call)
+            outcomes.record(sys.argv[1], me, error, start)
+    """) % call
 
 
-def _run_stuck_rank_job(tmp_path, call, sleep, timeout):
+def _run_stuck_rank_job(tmp_path, call, timeout):
     script = tmp_path / "job.py"
-    script.write_text(_stuck_rank_job(call, sleep))
+    script.write_text(_stuck_rank_job(call))
     run = _mpiexec([script, tmp_path], 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT=str(timeout))
     assert run.returncode == 0, run.stdout + run.stderr
-    return {int(f.name[6:]): f.read_text().split(None, 2) for f in tmp_path.glob("raised*")}, run
-
-
-@needs_mpiexec
-def test_negotiation_across_hosts_times_out_on_a_stuck_rank(tmp_path):
-    raised, run = _run_stuck_rank_job(tmp_path, "basics.communicator().allgather_bytes(b'x' * 10)", 5, 2)
+    raised = outcomes.read(tmp_path)
     assert sorted(raised) == [0, 1, 3], run.stdout + run.stderr
-    for kind, seconds, text in raised.values():
-        assert kind == "TimeoutError" and float(seconds) < 6 and "negotiation: timed out" in text, text
+    # Within SHMCOMM_TIMEOUT, with room for a loaded machine: rank 2 would have stayed away for minutes.
+    assert all(r["seconds"] < 4 * timeout for r in raised.values()), raised
+    return raised
 
 
-@needs_mpiexec
+def test_negotiation_across_hosts_times_out_on_a_stuck_rank(tmp_path):
+    raised = _run_stuck_rank_job(tmp_path, "basics.communicator().allgather_bytes(b'x' * 10)", 2)
+    for r in raised.values():
+        assert r["type"] == "TimeoutError" and r["seconds"] >= 2 and "negotiation: timed out" in r["message"], r
+
+
 def test_a_rank_that_does_not_come_times_the_others_out_by_name(tmp_path):
     """MPI waits have no deadline of their own: the column's watchdog gives them SHMCOMM_TIMEOUT's."""
-    raised, run = _run_stuck_rank_job(tmp_path, "shmcomm.allreduce(np.ones(10, np.float32))", 8, 3)
-    assert sorted(raised) == [0, 1, 3], run.stdout + run.stderr
-    assert all(float(seconds) < 8 for _, seconds, _ in raised.values()), raised
+    raised = _run_stuck_rank_job(tmp_path, "shmcomm.allreduce(np.ones(10, np.float32))", 3)
     # Rank 2's column partner and its row partner name it; rank 1 hears that its host's first rank failed.
-    assert raised[0][0] == "TimeoutError" and "waiting for rank 2" in raised[0][2], raised
-    assert raised[3][0] == "TimeoutError" and "waiting for rank 2" in raised[3][2], raised
-    assert "failed on rank 0" in raised[1][2], raised
+    assert raised[0]["type"] == "TimeoutError" and "waiting for rank 2" in raised[0]["message"], raised
+    assert raised[3]["type"] == "TimeoutError" and "waiting for rank 2" in raised[3]["message"], raised
+    assert "failed on rank 0" in raised[1]["message"], raised
 
 
-@needs_mpiexec
-@pytest.mark.parametrize("ranks,per_host,algo", [(4, 2, "torus"), (4, 2, "ring"), (4, 2, "mpi"), (6, 2, "auto"),
-                                                 (6, 3, "auto"), (5, 2, "auto")])
-def test_across_pretend_hosts_over_mpi(tmp_path, ranks, per_host, algo):
-    script = tmp_path / "job.py"
-    script.write_text(CHECKS + "\nassert check_all()\nprint('rank ok', flush=True)\n")
-    run = _mpiexec(script, ranks, SHMCOMM_RANKS_PER_HOST=str(per_host), SHMCOMM_ALLREDUCE_ALGO=algo)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("rank ok") == ranks
+PRETEND_HOSTS = [(4, 2, "torus"), (4, 2, "ring"), (4, 2, "mpi"), (6, 2, "auto"), (6, 3, "auto"), (5, 2, "auto")]
+
+
+def run_checks_job(launch, ranks, program=CHECKS):
+    """Writes `program` (CHECKS) and runs it with launch(script, out_dir), which returns the finished process;
+    returns every rank's report, read from out_dir, and the job's stdout."""
+    out = tempfile.mkdtemp(prefix="shmcomm-checks-")
+    try:
+        script = os.path.join(out, "job.py")
+        with open(script, "w") as f:
+            f.write(program)
+        run = launch(script, out)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return tuple(exact.read_reports(out, ranks)), run.stdout
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _pretend_host_reports(ranks, per_host, algo):
+    """Every rank's exact.run_checks report from an MPI job, run once for the tests that read them; bfloat16 on the
+    4-rank jobs that name the algorithm."""
+    return run_checks_job(lambda script, out: _mpiexec([script, out] + (["bf16"] if algo != "auto" else []), ranks,
+                                                        SHMCOMM_RANKS_PER_HOST=str(per_host),
+                                                        SHMCOMM_ALLREDUCE_ALGO=algo), ranks)[0]
+
+
+@pytest.mark.parametrize("ranks,per_host,algo", PRETEND_HOSTS)
+def test_across_pretend_hosts_over_mpi(ranks, per_host, algo):
+    exact.assert_identical(_pretend_host_reports(ranks, per_host, algo))
+
+
+@pytest.mark.parametrize("ranks,per_host,algo", [
+    pytest.param(ranks, per_host, algo, marks=[pytest.mark.xfail(strict=True, reason=ROUNDS_AT_EVERY_STEP)]
+                 if algo in ("torus", "ring") or (algo == "auto" and ranks % per_host == 0) else [])
+    for ranks, per_host, algo in PRETEND_HOSTS])  # auto: the torus when every host has as many ranks, else MPI's
+def test_16_bit_sums_round_once_across_pretend_hosts(ranks, per_host, algo):
+    exact.assert_rounding_is_visible(ranks)
+    exact.assert_rounds_once(_pretend_host_reports(ranks, per_host, algo))

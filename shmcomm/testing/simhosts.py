@@ -17,7 +17,8 @@ wheel's default) sees one machine and would move every byte through shared memor
 `MPI_ENVIRONMENT` limits it to TCP on the veth; libfabric (MPIR_CVAR_CH4_NETMOD=ofi) is pinned the same way.
 
 Needs root, iproute2 (`ip`, `tc`) and util-linux (`unshare`); otherwise entering raises
-SimulatedHostsUnavailable with the reason, so tests can skip.
+SimulatedHostsUnavailable with the reason (missing_prerequisite() says it beforehand), so tests can skip. Where
+they are all there, any failure to make the hosts raises too.
 """
 
 import ipaddress
@@ -70,12 +71,21 @@ def rate_bits_per_second(rate):
     return float(match.group(1)) * _RATE_UNITS[match.group(2)]
 
 
-def _check_available():
+def missing_prerequisite():
+    """Why this machine cannot make simulated hosts at all (not root; no `ip`, `tc` or `unshare`), or None. Where
+    this is None, a failure to make them is a fault to report, not a reason to skip."""
     if os.geteuid() != 0:
-        raise SimulatedHostsUnavailable("simulated hosts need root (network namespaces, a bridge, veth pairs)")
+        return "simulated hosts need root (network namespaces, a bridge, veth pairs)"
     for tool in ("ip", "tc", "unshare"):
         if shutil.which(tool) is None:
-            raise SimulatedHostsUnavailable(f"simulated hosts need the {tool!r} command, which is not on PATH")
+            return f"simulated hosts need the {tool!r} command, which is not on PATH"
+    return None
+
+
+def _check_available():
+    missing = missing_prerequisite()
+    if missing is not None:
+        raise SimulatedHostsUnavailable(missing)
 
 
 def _pid_alive(pid):
