@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import multiproc
-from test_torus import _mpiexec, needs_mpiexec
+from test_torus import _mpiexec
 
 SIZES = (16, 64 << 10, 1 << 20)  # bytes: a small message, the largest small-path one's neighbourhood, a large one
 
@@ -38,7 +38,6 @@ def _paths(stderr, pattern):
     return found
 
 
-@needs_mpiexec
 @pytest.mark.parametrize("min_bytes,expected", [
     (0, ["torus", "torus", "torus"]),
     (4096, ["mpi", "torus", "torus"]),     # SHMCOMM_TORUS_MIN_BYTES sends the smallest to MPI's own allreduce
@@ -57,7 +56,6 @@ def test_auto_across_pretend_hosts_takes_the_torus_and_its_small_path_up_to_the_
     assert torus == {r: small for r in range(4)}, run.stderr
 
 
-@needs_mpiexec
 def test_uneven_hosts_take_the_mpi_library(tmp_path):
     """5 ranks, 2 per host: the last host has one rank, no torus is possible, auto takes MPI's allreduce."""
     script = tmp_path / "job.py"
