@@ -14,6 +14,9 @@ from shmcomm._native import ffi
 from shmcomm.exceptions import InvalidArgumentError
 
 
+_EMPTY = ffi.new("char[1]")  # the address of empty tensors
+
+
 class Buffer:
     """A borrowed view of an array. Holds a reference to the array so its memory outlives the call."""
 
@@ -81,8 +84,10 @@ def wrap(x, what, writable=False):
             raise InvalidArgumentError("%s: tensor is required to be contiguous" % what)
         if x.is_sparse or x.is_quantized:
             raise InvalidArgumentError("%s: sparse and quantized tensors are not supported" % what)
-        return Buffer(x, ffi.cast("void *", x.data_ptr()), x.numel(), dtypes.torch_codes().get(x.dtype),
-                      x.element_size(), tuple(x.shape), True)
+        # An empty tensor's data pointer is NULL, which the core refuses for any buffer it may touch; numpy gives
+        # empty arrays a real address, and so does this (nothing is read or written through it).
+        ptr = ffi.cast("void *", x.data_ptr()) if x.numel() else _EMPTY
+        return Buffer(x, ptr, x.numel(), dtypes.torch_codes().get(x.dtype), x.element_size(), tuple(x.shape), True)
     raise InvalidArgumentError("%s: expected a numpy array or a torch tensor, got %s" % (what, type(x).__name__))
 
 

@@ -9,7 +9,7 @@ collectives, all raise instead of corrupting data or waiting in MPI."""
 import numpy as np
 
 from shmcomm import description, ops
-from shmcomm._native import ffi
+from shmcomm._native import ffi, lib
 from shmcomm.algorithms import choice
 from shmcomm.algorithms.agreement import MISMATCH, OK, Agreement, failure_text
 from shmcomm.algorithms.communicator import Communicator
@@ -57,6 +57,21 @@ class WorldComm(Communicator):
         c_op = ops.C_OP[op]
         algorithm = choice.allreduce(self.algorithm, count * esize, self.torus is not None, self.mpi is not None,
                                      self.torus_min_bytes)
+        if code in kernels.HALF and algorithm != "mpi":
+            # The torus and the ring reduce in steps, each of which would round to 16 bits: they carry float32, and
+            # the result is rounded once, as on one host (MPI's transport widens by itself).
+            raw = np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8)
+            wide = kernels.widened(np.frombuffer(ffi.buffer(ptr, count * esize), dtype=np.uint8), code)
+            wide_ptr = ffi.from_buffer(wide)
+            self._run_allreduce(algorithm, wide_ptr, wide_ptr, count, lib.SMC_FLOAT32, 4, c_op, prescale, postscale,
+                                divisor, what, collective)
+            kernels.narrow_into(raw, wide, code)
+            return
+        self._run_allreduce(algorithm, ptr, dst_ptr, count, code, esize, c_op, prescale, postscale, divisor, what,
+                            collective)
+
+    def _run_allreduce(self, algorithm, ptr, dst_ptr, count, code, esize, c_op, prescale, postscale, divisor, what,
+                       collective):
         try:
             if algorithm == "torus":
                 self.torus.allreduce(ptr, dst_ptr, count, code, esize, c_op, prescale, postscale, divisor, what,

@@ -1,7 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The core's reduction kernels on this process's own memory (csrc/reduce/): what a transport that moves bytes only
 (MPI) needs to reduce what it received, with the same rules and the same bits as the shared-memory steps."""
+import numpy as np
+
 from shmcomm._native import error_for, ffi, lib
+
+HALF = (lib.SMC_FLOAT16, lib.SMC_BFLOAT16)  # reduced in float32 and rounded once, wherever they travel
 
 
 def itemsize(dtype):
@@ -22,3 +26,24 @@ def scale(ptr, count, dtype, factor, divisor=1):
         rc = lib.smc_reduce(ptr, ffi.new("void *[1]", [ptr]), 1, count, dtype, lib.SMC_SUM, 1.0, factor, divisor)
         if rc != 0:
             raise error_for(rc, "scale")
+
+
+def widened(raw, dtype):
+    """A float32 copy of the 16-bit floats (float16 or bfloat16) held in the uint8 array `raw`."""
+    wide = np.empty(raw.nbytes // 2, dtype=np.float32)
+    if dtype == lib.SMC_FLOAT16:
+        wide[:] = raw.view(np.float16)
+    else:  # bfloat16: the top half of a float32
+        wide.view(np.uint32)[:] = raw.view(np.uint16).astype(np.uint32) << 16
+    return wide
+
+
+def narrow_into(raw, wide, dtype):
+    """Rounds the float32 array `wide` to nearest even, as the core does, into the 16-bit floats of `raw`."""
+    if dtype == lib.SMC_FLOAT16:
+        raw.view(np.float16)[:] = wide
+    else:
+        bits = wide.view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        nan = np.isnan(wide)
+        raw.view(np.uint16)[:] = np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)

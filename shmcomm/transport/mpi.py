@@ -10,7 +10,7 @@ Alltoallv, the ring's Sendrecv) are MPI's own blocking calls: every rank has arr
 there is caught by the launcher, which stops the job.
 
 MPI has no 16-bit float reductions, so float16 and bfloat16 are widened to float32 for MPI's allreduce and rounded
-back once. Scale factors use the core's kernels, so they follow the same rules as everywhere else."""
+back once (kernels.widened). Scale factors use the core's kernels, so they follow the same rules as everywhere else."""
 import itertools
 import time
 
@@ -27,26 +27,6 @@ _NUMPY_OF = {lib.SMC_FLOAT32: np.float32, lib.SMC_FLOAT64: np.float64, lib.SMC_I
 
 def _bytes(ptr, nbytes):
     return np.frombuffer(ffi.buffer(ptr, nbytes), dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
-
-
-def _widened(raw, dtype):
-    """float32 copy of 16-bit floats."""
-    wide = np.empty(raw.nbytes // 2, dtype=np.float32)
-    if dtype == lib.SMC_FLOAT16:
-        wide[:] = raw.view(np.float16)
-    else:  # bfloat16: the top half of a float32
-        wide.view(np.uint32)[:] = raw.view(np.uint16).astype(np.uint32) << 16
-    return wide
-
-
-def _narrow_into(raw, wide, dtype):
-    if dtype == lib.SMC_FLOAT16:
-        raw.view(np.float16)[:] = wide
-    else:  # round to nearest even, as the core does
-        bits = wide.view(np.uint32)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        nan = np.isnan(wide)
-        raw.view(np.uint16)[:] = np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
 
 
 class Mpi(Transport):
@@ -91,10 +71,10 @@ class Mpi(Transport):
             ffi.memmove(dst, src, count * esize)
         raw = _bytes(dst, count * esize)
         kernels.scale(dst, count, dtype, prescale)
-        if dtype in (lib.SMC_FLOAT16, lib.SMC_BFLOAT16):
-            wide = _widened(raw, dtype)
+        if dtype in kernels.HALF:
+            wide = kernels.widened(raw, dtype)
             self.comm.Allreduce(MPI.IN_PLACE, wide, op=self._ops[op])
-            _narrow_into(raw, wide, dtype)
+            kernels.narrow_into(raw, wide, dtype)
         else:
             self.comm.Allreduce(MPI.IN_PLACE, raw.view(_NUMPY_OF[dtype]), op=self._ops[op])
         kernels.scale(dst, count, dtype, postscale, divisor)
@@ -110,10 +90,10 @@ class Mpi(Transport):
         kernels.scale(work_ptr, total, dtype, prescale)
         mine = counts[self.rank]
         out = _bytes(dst, mine * esize)
-        if dtype in (lib.SMC_FLOAT16, lib.SMC_BFLOAT16):
+        if dtype in kernels.HALF:
             wide_out = np.empty(mine, dtype=np.float32)
-            self.comm.Reduce_scatter(_widened(work, dtype), wide_out, list(counts), op=self._ops[op])
-            _narrow_into(out, wide_out, dtype)
+            self.comm.Reduce_scatter(kernels.widened(work, dtype), wide_out, list(counts), op=self._ops[op])
+            kernels.narrow_into(out, wide_out, dtype)
         else:
             numpy_type = _NUMPY_OF[dtype]
             self.comm.Reduce_scatter(work.view(numpy_type), out.view(numpy_type), list(counts), op=self._ops[op])
