@@ -12,7 +12,7 @@ import pytest
 
 from report_gathered_weights import assert_same_on_every_rank
 from test_simhosts import job_env, open_hosts, rank_lines
-from test_torus import CHECKS, MISMATCHES, ROUNDS_AT_EVERY_STEP, run_checks_job
+from test_torus import CHECKS, MISMATCHES, run_checks_job
 
 from shmcomm.testing import exact, outcomes
 
@@ -58,8 +58,7 @@ def test_collectives_across_two_hosts(two_hosts, algo):
     assert seen == {("simhost0", "WorldComm", "2", "2"), ("simhost1", "WorldComm", "2", "2")}
 
 
-@pytest.mark.parametrize("algo", [pytest.param(algo, marks=pytest.mark.xfail(strict=True, reason=ROUNDS_AT_EVERY_STEP))
-                                  for algo in ("torus", "ring")] + ["mpi"])
+@pytest.mark.parametrize("algo", ["torus", "ring", "mpi"])
 def test_16_bit_sums_round_once_across_two_hosts(two_hosts, algo):
     exact.assert_rounds_once(_two_host_reports(two_hosts, algo)[0])
 

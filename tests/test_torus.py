@@ -28,12 +28,6 @@ CHECKS = textwrap.dedent("""
     exact.run_checks(sys.argv[1], bf16=sys.argv[2:3] == ["bf16"])
 """)
 
-# A library bug the 16-bit checks find: README promises that 16-bit floats accumulate in float32 and round once.
-ROUNDS_AT_EVERY_STEP = ("the torus rounds 16-bit float sums to 16 bits after the row step and again after the "
-                        "column step, and the ring after every step, instead of accumulating in float32 and rounding "
-                        "once (the README's promise, which one host and MPI's allreduce keep)")
-
-
 MISMATCHES = textwrap.dedent("""
     import time, numpy as np, shmcomm
     def check_mismatches():
@@ -111,14 +105,7 @@ def test_logical_grid_on_shared_memory(grid, small):
     exact.assert_identical(_grid_reports(grid, small))
 
 
-def _rounds_at_every_step(grid):
-    x, y = (int(v) for v in grid.split("x"))
-    return x > 1 and y > 1  # a row step and a column step: 16-bit sums are rounded twice
-
-
-@pytest.mark.parametrize("grid,small", [
-    pytest.param(grid, small, marks=[pytest.mark.xfail(strict=True, reason=ROUNDS_AT_EVERY_STEP)]
-                 if _rounds_at_every_step(grid) else []) for grid, small in GRIDS])
+@pytest.mark.parametrize("grid,small", GRIDS)
 def test_16_bit_sums_round_once_on_a_logical_grid(grid, small):
     x, y = (int(v) for v in grid.split("x"))
     exact.assert_rounding_is_visible(x * y)
@@ -327,10 +314,7 @@ def test_across_pretend_hosts_over_mpi(ranks, per_host, algo):
     exact.assert_identical(_pretend_host_reports(ranks, per_host, algo))
 
 
-@pytest.mark.parametrize("ranks,per_host,algo", [
-    pytest.param(ranks, per_host, algo, marks=[pytest.mark.xfail(strict=True, reason=ROUNDS_AT_EVERY_STEP)]
-                 if algo in ("torus", "ring") or (algo == "auto" and ranks % per_host == 0) else [])
-    for ranks, per_host, algo in PRETEND_HOSTS])  # auto: the torus when every host has as many ranks, else MPI's
+@pytest.mark.parametrize("ranks,per_host,algo", PRETEND_HOSTS)
 def test_16_bit_sums_round_once_across_pretend_hosts(ranks, per_host, algo):
     exact.assert_rounding_is_visible(ranks)
     exact.assert_rounds_once(_pretend_host_reports(ranks, per_host, algo))
