@@ -40,9 +40,6 @@ class Collective(NamedTuple):
     postscale: float = 1.0
     root: int = -1
 
-    def tag(self):
-        return tag(self.dtype, self.shape)
-
     def signature(self, *extra):
         """A 64-bit hash of the whole description (and `extra` numbers, such as the path taken), equal on every rank
         for equal descriptions. Numbers only: str hashes differ between processes."""
@@ -96,9 +93,9 @@ class Collective(NamedTuple):
 
 
 def tag(dtype, shape):
-    """The C core's tag: what its own descriptor (kind, dtype, count, op, root, scales) does not hold, the shape.
-    A function of its own because the smallest allreduce computes it without building a Collective."""
-    return hash((dtype,) + tuple(shape)) & MASK
+    """The C core's tag: what its own descriptor (kind, dtype, count, op, root, scales) does not hold, the shape
+    (a tuple). A function of its own because the smallest allreduce computes it without building a Collective."""
+    return hash((dtype,) + shape) & MASK
 
 
 def dtype_name(key, names=None):

@@ -48,15 +48,17 @@ class HostComm(Communicator):
         """`root` (an index in the communicator) sends `x`; everyone's result lands in `output` (may be `x`)."""
         src = wrap(x, what, writable=output is x)
         out, dst = (x, src) if output is x else output_for(src, output, src.shape, what)
-        tag = description.describe("broadcast", src.dtype_key(), src.shape).tag()
-        self._step(self.shm.broadcast, src, what, src.ptr, dst.ptr, src.nbytes, root, tag, what)
+        try:
+            self.shm.broadcast(src.ptr, dst.ptr, src.nbytes, root, description.tag(src.dtype_key(), src.shape), what)
+        except MismatchError as error:
+            raise self._explained(error, what, src) from None
         return out
 
     def allgather(self, x, what):
         """Concatenation along the first dimension, which may differ between ranks."""
         src = wrap(x, what)
         shape = tuple(src.shape) or (1,)
-        tag = description.describe("allgather", src.dtype_key(), shape).tag()
+        tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
         dims = self._first_dims(src, shape[0], tag, what)
         out = empty_like(src, (int(dims.sum()),) + shape[1:])
         dst = wrap(out, what, writable=True)
@@ -76,9 +78,12 @@ class HostComm(Communicator):
         shares = description.shares(rows, self.size)
         out = empty_like(src, (shares[self.rank],) + tuple(src.shape[1:]))
         dst = wrap(out, what, writable=True)
-        tag = description.describe("reducescatter", src.dtype_key(), src.shape).tag()
-        self._step(self.shm.reducescatter, src, what, src.ptr, dst.ptr, [s * per_row for s in shares], src.code,
-                   ops.C_OP[op], float(prescale), float(postscale), self.size if op == ops.Average else 1, tag, what)
+        try:
+            self.shm.reducescatter(src.ptr, dst.ptr, [s * per_row for s in shares], src.code, ops.C_OP[op],
+                                   float(prescale), float(postscale), self.size if op == ops.Average else 1,
+                                   description.tag(src.code, src.shape), what)
+        except MismatchError as error:
+            raise self._explained(error, what, src) from None
         return out
 
     def alltoall(self, x, splits, what):
@@ -86,7 +91,7 @@ class HostComm(Communicator):
         src = wrap(x, what)
         n = self.size
         shape = tuple(src.shape) or (1,)
-        tag = description.describe("alltoall", src.dtype_key(), shape).tag()
+        tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
         got = np.empty(n, dtype=np.int64)
         sent = np.array(splits, dtype=np.int64)
         self._step(self.shm.alltoallv, src, what, ffi.from_buffer(sent), [8] * n, ffi.from_buffer(got), [8] * n, tag,
