@@ -5,6 +5,7 @@ Every check that ranks agree reads this description: the C core's descriptor che
 header, through cffi) and its `tag`; the engine's negotiation compares descriptions; the cross-host agreement
 compares their `signature`. After a disagreement, ranks swap `words()` and every message that says what ranks passed
 is written by `disagreement()`."""
+import functools
 import struct
 from typing import NamedTuple
 
@@ -109,6 +110,7 @@ def listing(every):
     return "; ".join("rank %d: %s" % (r, c.summary()) for r, c in sorted(every.items()))
 
 
+@functools.lru_cache(maxsize=1024)  # a training loop describes the same calls every step
 def describe(kind, dtype=-1, shape=(), op=-1, prescale=1.0, postscale=1.0, root=-1):
     """The Collective for a call, keeping only what must agree for its kind."""
     if kind in _REDUCING:

@@ -55,6 +55,7 @@ class Agreement:
         self._send_words = self._send[:HEADER_BYTES].view(np.uint64)
         self._recv_words = self._recv[:HEADER_BYTES].view(np.uint64)
         self._send_ptr, self._recv_ptr = ffi.from_buffer(self._send), ffi.from_buffer(self._recv)
+        self._pair = ffi.new("void *[2]")
 
     def message(self, nbytes):
         """The message buffer: HEADER_BYTES of header, then room for `nbytes` (at most `capacity`) of data, where
@@ -81,12 +82,14 @@ class Agreement:
         return verdict
 
     def _run(self, sig, status, culprit, nbytes, code, op):
-        self.transport.usable(self.what)
+        transport = self.transport
+        if transport.broken:
+            transport.usable(self.what)  # raises
         words = self._send_words
         words[0], words[1], words[2], words[3] = sig, status, culprit, nbytes
         if self.size == 1:
             return status, culprit
-        deadline = self.transport.deadline()
+        deadline = transport.deadline()
         try:
             if self.fold_into is not None:  # hand everything to the partner; its next message is the verdict
                 self._exchange(self.fold_into, deadline, send=True, receive=True)
@@ -122,7 +125,7 @@ class Agreement:
             # The lower rank's data first, on both sides, so both compute the very same bits.
             first, second = (self._send_ptr, self._recv_ptr) if self.rank < peer else (self._recv_ptr, self._send_ptr)
             kernels.reduce_pair(self._send_ptr + HEADER_BYTES, first + HEADER_BYTES, second + HEADER_BYTES,
-                                nbytes // kernels.itemsize(code), code, op, self.what)
+                                nbytes // kernels.itemsize(code), code, op, self.what, self._pair)
 
     def _adopt(self, nbytes):
         """A folded rank takes its partner's final header, and the data with it."""

@@ -51,42 +51,38 @@ class WorldComm(Communicator):
                         description.describe("allreduce", code, (count,), op, prescale, postscale))
 
     def _allreduce(self, ptr, dst_ptr, count, code, esize, op, prescale, postscale, what, divisor, collective):
-        if self.mpi is not None:
-            self.mpi.usable(what)
+        if self.mpi is not None and self.mpi.broken:
+            self.mpi.usable(what)  # raises
         divisor = (self.size if op == ops.Average else 1) if divisor is None else divisor
         c_op = ops.C_OP[op]
         algorithm = choice.allreduce(self.algorithm, count * esize, self.torus is not None, self.mpi is not None,
                                      self.torus_min_bytes)
+        narrow = None
         if code in kernels.HALF and algorithm != "mpi":
             # The torus and the ring reduce in steps, each of which would round to 16 bits: they carry float32, and
             # the result is rounded once, as on one host (MPI's transport widens by itself).
-            raw = np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8)
+            narrow = (np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8), code)
             wide = kernels.widened(np.frombuffer(ffi.buffer(ptr, count * esize), dtype=np.uint8), code)
-            wide_ptr = ffi.from_buffer(wide)
-            self._run_allreduce(algorithm, wide_ptr, wide_ptr, count, lib.SMC_FLOAT32, 4, c_op, prescale, postscale,
-                                divisor, what, collective)
-            kernels.narrow_into(raw, wide, code)
-            return
-        self._run_allreduce(algorithm, ptr, dst_ptr, count, code, esize, c_op, prescale, postscale, divisor, what,
-                            collective)
-
-    def _run_allreduce(self, algorithm, ptr, dst_ptr, count, code, esize, c_op, prescale, postscale, divisor, what,
-                       collective):
+            ptr = dst_ptr = ffi.from_buffer(wide)
+            code, esize = lib.SMC_FLOAT32, 4
         try:
             if algorithm == "torus":
                 self.torus.allreduce(ptr, dst_ptr, count, code, esize, c_op, prescale, postscale, divisor, what,
                                      collective)
-                return
-            self._agree(collective.signature(count, divisor), what)
+            else:
+                self._agree(collective.signature(count, divisor), what)
         except MismatchError:
             raise self._disagreement(what, collective) from None
-        if dst_ptr != ptr:
-            ffi.memmove(dst_ptr, ptr, count * esize)
-        if algorithm == "ring":
-            raw = np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8)
-            ring_allreduce(self.mpi, raw, code, c_op, prescale, postscale, divisor)
-        else:
-            self.mpi.allreduce(dst_ptr, dst_ptr, count, code, c_op, prescale, postscale, divisor, 0, what)
+        if algorithm != "torus":
+            if dst_ptr != ptr:
+                ffi.memmove(dst_ptr, ptr, count * esize)
+            if algorithm == "ring":
+                raw = np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8)
+                ring_allreduce(self.mpi, raw, code, c_op, prescale, postscale, divisor)
+            else:
+                self.mpi.allreduce(dst_ptr, dst_ptr, count, code, c_op, prescale, postscale, divisor, 0, what)
+        if narrow is not None:
+            kernels.narrow_into(narrow[0], wide, narrow[1])
 
     def _agree(self, sig, what):
         """Across hosts, before MPI carries a collective: raises MismatchError on every rank if they disagree, and

@@ -12,10 +12,14 @@ def itemsize(dtype):
     return int(lib.smc_dtype_size(dtype))
 
 
-def reduce_pair(dst, first, second, count, dtype, op, what):
+def reduce_pair(dst, first, second, count, dtype, op, what, pair=None):
     """dst = op(first, second), element-wise over `count` elements; dst may be either source. Every rank that
-    reduces the same pair in the same order gets the same bits."""
-    rc = lib.smc_reduce(dst, ffi.new("void *[2]", [first, second]), 2, count, dtype, op, 1.0, 1.0, 1)
+    reduces the same pair in the same order gets the same bits. `pair`: a reusable ffi "void *[2]" (latency paths
+    allocate it once)."""
+    if pair is None:
+        pair = ffi.new("void *[2]")
+    pair[0], pair[1] = first, second
+    rc = lib.smc_reduce(dst, pair, 2, count, dtype, op, 1.0, 1.0, 1)
     if rc != 0:
         raise error_for(rc, what)
 
