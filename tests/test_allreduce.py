@@ -8,6 +8,7 @@ import pytest
 
 import multiproc
 from shmcomm.testing import exact
+from shmcomm.testing.expected import expected_allreduce
 
 DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64"]
 COUNTS = [0, 1, 7, 1000, 40_001, 1_200_003]  # 1.2 M float32 crosses many staging steps
@@ -32,7 +33,7 @@ def _all_ops_all_dtypes(size):
                     continue  # large counts: enough to cover the pipelined path per element size
                 x = _inputs(me, count, dtype)
                 # Integer products wrap like the C types.
-                expected = exact.expected_allreduce([_inputs(r, count, dtype) for r in range(size)], dtype, op)
+                expected = expected_allreduce([_inputs(r, count, dtype) for r in range(size)], dtype, op)
                 got = shmcomm.allreduce(x, op=getattr(shmcomm, op))
                 assert got.dtype == x.dtype and got.shape == x.shape
                 np.testing.assert_array_equal(got.astype(np.float64), np.asarray(expected, dtype).astype(np.float64),
