@@ -208,6 +208,17 @@ def pretend_ranks_per_host():
     return _number("RANKS_PER_HOST", 0, int)
 
 
+LOG_LEVELS = {"TRACE": 10, "DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "FATAL": 50,
+              "CRITICAL": 50}  # Horovod's names, as the logging module's numbers
+
+
 def log_level():
-    """SHMCOMM_LOG_LEVEL (Horovod's names: trace, debug, info, warning, error, fatal), or None when unset."""
-    return _get("LOG_LEVEL")
+    """SHMCOMM_LOG_LEVEL as a logging level (Horovod's names: trace, debug, info, warning, error, fatal), or None
+    when unset."""
+    text = _get("LOG_LEVEL")
+    if text is None:
+        return None
+    level = LOG_LEVELS.get(text.strip().upper())
+    if level is None:
+        raise ValueError("SHMCOMM_LOG_LEVEL=%r: choose one of trace, debug, info, warning, error, fatal" % text)
+    return level

@@ -8,9 +8,6 @@ info, warning, error, fatal. When it is set, records go to stderr with the rank,
 reach Python's last-resort handler)."""
 import logging
 
-_LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
-           "WARN": logging.WARNING, "ERROR": logging.ERROR, "FATAL": logging.CRITICAL, "CRITICAL": logging.CRITICAL}
-
 logger = logging.getLogger("shmcomm")
 
 
@@ -35,13 +32,10 @@ def joined(world):
                 topo.local_size, topo.cross_rank, topo.cross_size, type(world).__name__)
 
 
-def configure(level_text):
-    """Applies SHMCOMM_LOG_LEVEL (None: leave logging alone)."""
-    if level_text is None:
-        return
-    level = _LEVELS.get(level_text.strip().upper())
+def configure(level):
+    """Applies env.log_level(), a logging level (None: leave logging alone)."""
     if level is None:
-        raise ValueError("SHMCOMM_LOG_LEVEL=%r: choose one of trace, debug, info, warning, error, fatal" % level_text)
+        return
     logger.setLevel(level)
     if not logger.handlers:
         handler = logging.StreamHandler()
