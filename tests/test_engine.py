@@ -164,9 +164,10 @@ def _idle_engine():
 
 def test_engine_does_not_cycle_while_nobody_waits():
     # With a 1 ms cycle time a busy-cycling engine would negotiate hundreds of times in 0.5 s, on the cores the
-    # training needs; it sleeps on the doorbell instead (bounded by a 0.1 s timer).
+    # training needs; it sleeps on the doorbell instead (bounded by a 0.1 s timer: 5 cycles, 3x that for a busy
+    # machine).
     cycles = multiproc.run(2, _idle_engine)
-    assert all(c <= 12 for c in cycles), cycles
+    assert all(c <= 15 for c in cycles), cycles
 
 
 def _join(size):

@@ -140,3 +140,20 @@ def test_log_level_sets_the_shmcomm_logger_and_bad_values_are_refused():
     assert multiproc.run(1, _log_level, "x", env={"SHMCOMM_LOG_LEVEL": "error"}) == [logging.ERROR]
     with pytest.raises(multiproc.RankError, match="SHMCOMM_LOG_LEVEL='loud'"):
         multiproc.run(1, _log_level, "x", env={"SHMCOMM_LOG_LEVEL": "loud"})
+
+
+def _bucket(nbytes):
+    import shmcomm
+
+    records = _capture("shmcomm.engine")
+    shmcomm.init(engine=True)
+    handle = shmcomm.allreduce_async(np.ones(nbytes // 4, np.float32), name="grad", op=shmcomm.Sum)
+    assert shmcomm.synchronize(handle).tolist() == [2.0] * (nbytes // 4)
+    return [r.getMessage() for r in records if "negotiating now" in r.getMessage()]
+
+
+def test_a_full_bucket_starts_the_negotiation_without_a_waiting_caller():
+    """SHMCOMM_BUCKET_BYTES: the request that fills the bucket flushes it; below it, requests wait for a caller."""
+    full = "allreduce.grad: bucket full (SHMCOMM_BUCKET_BYTES=64), negotiating now"
+    assert multiproc.run(2, _bucket, 64, env={"SHMCOMM_BUCKET_BYTES": "64"}) == [[full]] * 2
+    assert multiproc.run(2, _bucket, 64, env={"SHMCOMM_BUCKET_BYTES": "65"}) == [[]] * 2

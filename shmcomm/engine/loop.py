@@ -99,6 +99,9 @@ class Engine:
             ring = self._unflushed_bytes >= self.bucket_bytes or self._someone_joined
         handle.wake = self.flush
         if ring:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s: %s, negotiating now", req.name, "a rank has joined" if self._someone_joined else
+                          "bucket full (SHMCOMM_BUCKET_BYTES=%d)" % self.bucket_bytes)
             self.flush(waiting=False)
         if self.timeline.active:
             self.timeline.begin([req.name], "NEGOTIATE_" + req.kind.upper())
