@@ -17,9 +17,9 @@ def build_world(generation):
         return _across_hosts(generation)
     topo = env.topology()
     tuning = env.tuning(topo.local_size)
-    paths = env.paths(topo.size)
-    host = HostComm(SharedMemory(topo, tuning, generation, arena=True))
-    return host if paths.grid is None else _logical_grid(topo, tuning, generation, host, paths)
+    if env.grid(topo.size) is None:  # the other path settings choose among cross-host paths: not read here
+        return HostComm(SharedMemory(topo, tuning, generation, arena=True))
+    return _logical_grid(topo, tuning, generation, env.paths(topo.size))
 
 
 def process_set(world, ranks, set_id, generation):
@@ -27,17 +27,28 @@ def process_set(world, ranks, set_id, generation):
     return HostComm(SharedMemory(world.topology, world.tuning, generation, ranks=ranks, suffix="_s%d" % set_id))
 
 
-def _logical_grid(topo, tuning, generation, host, paths):
+def _logical_grid(topo, tuning, generation, paths):
     from shmcomm.algorithms.torus2d import ShmColumn, Torus
     from shmcomm.algorithms.world import WorldComm
 
     x, y = paths.grid
     row_index, column_index = topo.rank // x, topo.rank % x
-    row = SharedMemory(topo, tuning, generation, ranks=[row_index * x + i for i in range(x)], suffix="_r%d" % row_index)
-    column = SharedMemory(topo, tuning, generation, ranks=[j * x + column_index for j in range(y)],
-                          suffix="_c%d" % column_index)
-    torus = Torus(row, ShmColumn(column), paths.torus_small_bytes, world_rank=topo.rank)
-    world = WorldComm(topo, tuning, host, torus, paths)
+    opened = []
+    try:  # whatever fails, the segments opened so far are left
+        host = HostComm(SharedMemory(topo, tuning, generation, arena=True))
+        opened.append(host)
+        row = SharedMemory(topo, tuning, generation, ranks=[row_index * x + i for i in range(x)],
+                           suffix="_r%d" % row_index)
+        opened.append(row)
+        column = SharedMemory(topo, tuning, generation, ranks=[j * x + column_index for j in range(y)],
+                              suffix="_c%d" % column_index)
+        opened.append(column)
+        world = WorldComm(topo, tuning, host, Torus(row, ShmColumn(column), paths.torus_small_bytes,
+                                                    world_rank=topo.rank), paths)
+    except BaseException:
+        for transport in opened:
+            transport.close()
+        raise
     world.closables = [row, column]
     return world
 
@@ -50,12 +61,12 @@ def _across_hosts(generation):
     topo, ctx = topology.from_mpi()
     _require_same_settings(ctx.world)
     tuning = env.tuning(topo.local_size)
-    paths = env.paths(topo.size)
     shm = SharedMemory(topo, tuning, generation, ranks=ctx.host_ranks, suffix="_h%d" % ctx.host_index, arena=True)
-    if ctx.hosts == 1 and paths.grid is None:
-        shm.ranks = list(range(topo.size))  # one host: the host communicator is the world
-        return HostComm(shm)
     try:
+        if ctx.hosts == 1 and env.grid(topo.size) is None:
+            shm.ranks = list(range(topo.size))  # one host: the host communicator is the world
+            return HostComm(shm)
+        paths = env.paths(topo.size)
         if paths.grid is not None and (paths.grid[0] != topo.local_size or not ctx.homogeneous):
             raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
                              % (paths.grid_text, topo.local_size))

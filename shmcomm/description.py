@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """What a collective is: its kind, dtype, shape, op, scale factors and root, described once.
 
-Every check that ranks agree reads this description: the C core's descriptor check takes its kind code (from the C
-header, through cffi) and its `tag`; the engine's negotiation compares descriptions; the cross-host agreement
-compares their `signature`. After a disagreement, ranks swap `words()` and every message that says what ranks passed
+Every check that ranks agree reads this description: its kind codes are the C core's own (smc_coll_kind_t, read
+through cffi), and the core's descriptor check takes its `tag` from here; the engine's negotiation compares
+descriptions; the cross-host agreement compares their `signature`. After a disagreement, ranks swap `words()` and every message that says what ranks passed
 is written by `disagreement()`."""
 import functools
 import struct

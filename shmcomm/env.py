@@ -176,6 +176,12 @@ class PathSettings:
     torus_min_bytes: int    # auto takes MPI's own allreduce below this size
 
 
+def grid(size):
+    """(x, y) of SHMCOMM_TORUS_GRID, or None: the one path setting a job on one host reads."""
+    text = _get("TORUS_GRID")
+    return parse_grid(text, size) if text else None
+
+
 def paths(size, environ=None):
     """The path settings of a job of `size` ranks."""
     algorithm = (_get("ALLREDUCE_ALGO", "auto", environ) or "auto").lower()

@@ -42,3 +42,4 @@ def configure(level):
         handler.addFilter(_rank_filter)
         handler.setFormatter(logging.Formatter("[%(rank)s] shmcomm %(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
+        logger.propagate = False  # once on stderr is enough, whatever the application's root logger does

@@ -75,7 +75,8 @@ typedef enum {
 /* A failure as data, so that callers never parse the text. */
 typedef struct {
   smc_result_t code; /* what failed; for SMC_ERR_BROKEN, the earlier failure that broke the communicator */
-  int rank;          /* job rank of the peer that died, left, is late, or differs; -1 if none */
+  int rank;          /* job rank of the peer that died, left or is late, or of the first rank whose call differs
+                      * from the communicator's rank 0 (rank 1 when rank 0 is the odd one out); -1 if none */
   smc_field_t field; /* mismatches: the first field that differs; SMC_FIELD_NONE otherwise */
 } smc_failure_t;
 

@@ -43,12 +43,12 @@ class WorldComm(Communicator):
         require_reducible(src, what)
         out, dst = (x, src) if inplace else output_for(src, output, src.shape, what)
         self._allreduce(src.ptr, dst.ptr, src.count, src.code, src.itemsize, op, prescale, postscale, what, None,
-                        description.describe("allreduce", src.code, src.shape, op, prescale, postscale))
+                        description.describe("allreduce", src.code, src.shape, op, float(prescale), float(postscale)))
         return out
 
     def allreduce_raw(self, ptr, count, code, op, prescale, postscale, what, divisor=None):
         self._allreduce(ptr, ptr, count, code, kernels.itemsize(code), op, prescale, postscale, what, divisor,
-                        description.describe("allreduce", code, (count,), op, prescale, postscale))
+                        description.describe("allreduce", code, (count,), op, float(prescale), float(postscale)))
 
     def _allreduce(self, ptr, dst_ptr, count, code, esize, op, prescale, postscale, what, divisor, collective):
         if self.mpi is not None and self.mpi.broken:
@@ -60,7 +60,7 @@ class WorldComm(Communicator):
         narrow = None
         if code in kernels.HALF and algorithm != "mpi":
             # The torus and the ring reduce in steps, each of which would round to 16 bits: they carry float32, and
-            # the result is rounded once, as on one host (MPI's transport widens by itself).
+            # the result is rounded once, as on one host (the MPI transport widens, scales and rounds by itself).
             narrow = (np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8), code)
             wide = kernels.widened(np.frombuffer(ffi.buffer(ptr, count * esize), dtype=np.uint8), code)
             ptr = dst_ptr = ffi.from_buffer(wide)
@@ -160,7 +160,7 @@ class WorldComm(Communicator):
         require_reducible(src, what)
         if len(src.shape) == 0:
             raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % what)
-        collective = description.describe("reducescatter", src.code, src.shape, op, prescale, postscale)
+        collective = description.describe("reducescatter", src.code, src.shape, op, float(prescale), float(postscale))
         share = description.shares(src.shape[0], self.size)
         divisor = self.size if op == ops.Average else 1
         if choice.allreduce(self.algorithm, src.nbytes, self.torus is not None, self.mpi is not None,

@@ -12,7 +12,8 @@ Two transports exist today:
 Both offer the interface below (`Transport`), in the units of the C core: pointers, element counts and dtype codes
 (shmcomm/dtypes.py), byte counts, a 64-bit `tag` that every rank must pass equal (a digest of the collective's
 description, shmcomm/description.py) and `what`, how errors name the call. Failures raise the exceptions of
-shmcomm.exceptions; a transport that can no longer be trusted raises BrokenCommunicatorError from then on.
+shmcomm.exceptions; a transport that can no longer be trusted raises BrokenCommunicatorError for every later
+collective.
 
     rank, size, ranks             this process's index, the member count, the members' job ranks
     allreduce(src, dst, count, dtype, op, prescale, postscale, divisor, tag, what)
@@ -22,13 +23,13 @@ shmcomm.exceptions; a transport that can no longer be trusted raises BrokenCommu
     alltoallv(src, send_sizes, dst, recv_sizes, tag, what)
     barrier(what)
     allgather_bytes(payload)      every rank's bytes object (the engine's negotiation, within the deadline)
-    failed_ranks()                job ranks known to be dead (liveness)
-    doorbell(), ring_doorbell(everyone), wait_doorbell(seen, timeout_s), doorbell_reaches_all
+    failed_ranks()                job ranks known to be dead (liveness; MPI knows none)
     set_spin(spin_us), close()
 
-`Mpi` adds point-to-point (`exchange`, `sendrecv`) for the agreement's recursive doubling and for rings; the shared
-memory needs none, since every rank reads its peers' slots directly. Its doorbell reaches no one
-(`doorbell_reaches_all` is False): the engine then cycles on its timer.
+`SharedMemory` adds the doorbells the engine sleeps on (doorbell(), ring_doorbell(everyone), wait_doorbell(seen,
+timeout_s)); other hosts are not in its segment, so across hosts the engine cycles on its timer. `Mpi` adds
+point-to-point (`exchange`, `sendrecv`) for the agreement's recursive doubling and for rings; the shared memory needs
+none, since every rank reads its peers' slots directly.
 
 A GPU transport (NCCL) fits the same interface: its communicator is built from an id that `allgather_bytes` of the
 host transport distributes; allreduce, reducescatter, broadcast, allgatherv (ncclAllGather, or grouped

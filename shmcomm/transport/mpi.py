@@ -3,14 +3,16 @@
 
 MPI checks no arguments and has no timeouts. The arguments are the algorithms' business: they run the agreement
 (algorithms/agreement.py) before they hand a collective to this transport, so `tag` is not checked here. The
-timeouts are this module's: every wait that can outlast a peer that stopped has the deadline of SHMCOMM_TIMEOUT
-(deadline.py), and a transport whose wait was abandoned refuses every later call (BrokenCommunicatorError), since its
-messages are out of step from then on. Data phases that start after a successful agreement (Bcast, Allgatherv,
-Alltoallv, the ring's Sendrecv) are MPI's own blocking calls: every rank has arrived by then, and a rank that dies
-there is caught by the launcher, which stops the job.
+timeouts are this module's: every wait that can outlast a peer that stopped (the agreement's exchanges, the
+engine's negotiation, a barrier) has the deadline of SHMCOMM_TIMEOUT (deadline.py), and a transport whose wait was
+abandoned refuses every later collective (BrokenCommunicatorError), since its messages are out of step from then
+on. Data phases that start after a successful agreement (Allreduce, Reduce_scatter, Bcast, Allgatherv, Alltoallv, the
+ring's Sendrecv) are MPI's own blocking calls: every rank has arrived by then, and a rank that dies there is caught by
+the launcher, which stops the job.
 
-MPI has no 16-bit float reductions, so float16 and bfloat16 are widened to float32 for MPI's allreduce and rounded
-back once (kernels.widened). Scale factors use the core's kernels, so they follow the same rules as everywhere else."""
+MPI has no 16-bit float reductions, so float16 and bfloat16 are widened to float32, scaled and reduced there, and
+rounded back once (kernels.widened). Scale factors use the core's kernels, so they follow the same rules as
+everywhere else."""
 import itertools
 import time
 
@@ -62,42 +64,42 @@ class Mpi(Transport):
 
     # ---- steps (after the agreement) ----
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
-        """MPI's own allreduce, in place on dst."""
+        """MPI's own allreduce, in place on dst. 16-bit floats are scaled, reduced and divided in float32 and rounded
+        once, as the core does."""
         from mpi4py import MPI
 
         self.usable(what)
         esize = kernels.itemsize(dtype)
-        if dst != src:
-            ffi.memmove(dst, src, count * esize)
-        raw = _bytes(dst, count * esize)
-        kernels.scale(dst, count, dtype, prescale)
+        raw = _bytes(src, count * esize)
         if dtype in kernels.HALF:
-            wide = kernels.widened(raw, dtype)
-            self.comm.Allreduce(MPI.IN_PLACE, wide, op=self._ops[op])
-            kernels.narrow_into(raw, wide, dtype)
+            work, work_dtype = kernels.widened(raw, dtype), lib.SMC_FLOAT32
         else:
-            self.comm.Allreduce(MPI.IN_PLACE, raw.view(_NUMPY_OF[dtype]), op=self._ops[op])
-        kernels.scale(dst, count, dtype, postscale, divisor)
+            if dst != src:
+                ffi.memmove(dst, src, count * esize)
+            work, work_dtype = _bytes(dst, count * esize).view(_NUMPY_OF[dtype]), dtype
+        work_ptr = ffi.from_buffer(work)
+        kernels.scale(work_ptr, count, work_dtype, prescale)
+        self.comm.Allreduce(MPI.IN_PLACE, work, op=self._ops[op])
+        kernels.scale(work_ptr, count, work_dtype, postscale, divisor)
+        if dtype in kernels.HALF:
+            kernels.narrow_into(_bytes(dst, count * esize), work, dtype)
 
     def reducescatter(self, src, dst, counts, dtype, op, prescale, postscale, divisor, tag, what):
-        """MPI_Reduce_scatter (widened for 16-bit floats like allreduce)."""
+        """MPI_Reduce_scatter, with allreduce's rules for 16-bit floats."""
         self.usable(what)
         esize = kernels.itemsize(dtype)
-        total = sum(counts)
-        work = np.empty(total * esize, dtype=np.uint8)
-        work_ptr = ffi.from_buffer(work)
-        ffi.memmove(work_ptr, src, total * esize)
-        kernels.scale(work_ptr, total, dtype, prescale)
-        mine = counts[self.rank]
-        out = _bytes(dst, mine * esize)
+        total, mine = sum(counts), counts[self.rank]
         if dtype in kernels.HALF:
-            wide_out = np.empty(mine, dtype=np.float32)
-            self.comm.Reduce_scatter(kernels.widened(work, dtype), wide_out, list(counts), op=self._ops[op])
-            kernels.narrow_into(out, wide_out, dtype)
+            work, out, work_dtype = (kernels.widened(_bytes(src, total * esize), dtype),
+                                     np.empty(mine, dtype=np.float32), lib.SMC_FLOAT32)
         else:
-            numpy_type = _NUMPY_OF[dtype]
-            self.comm.Reduce_scatter(work.view(numpy_type), out.view(numpy_type), list(counts), op=self._ops[op])
-        kernels.scale(dst, mine, dtype, postscale, divisor)
+            work = _bytes(src, total * esize).view(_NUMPY_OF[dtype]).copy()  # the input stays as it was
+            out, work_dtype = _bytes(dst, mine * esize).view(_NUMPY_OF[dtype]), dtype
+        kernels.scale(ffi.from_buffer(work), total, work_dtype, prescale)
+        self.comm.Reduce_scatter(work, out, list(counts), op=self._ops[op])
+        kernels.scale(ffi.from_buffer(out), mine, work_dtype, postscale, divisor)
+        if dtype in kernels.HALF:
+            kernels.narrow_into(_bytes(dst, mine * esize), out, dtype)
 
     def broadcast(self, src, dst, nbytes, root, tag, what):
         self.usable(what)
