@@ -79,10 +79,18 @@ class SoftMemoryBox:
         raw = self._handle().data(self.count * self.dtype.itemsize)
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape)
 
+    def _index(self, value, name, what):
+        """An offset or count as the core takes it: a non-negative integer (cffi would raise OverflowError)."""
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise InvalidArgumentError("box '%s' %s: %s must be a non-negative integer, got %r"
+                                       % (self.name, what, name, value))
+        return int(value)
+
     def read(self, out=None, offset=0, count=None):
         """A consistent copy of elements [offset, offset+count) (all by default), taken under the box lock."""
         box = self._handle()
-        count = self.count - offset if count is None else count
+        offset = self._index(offset, "offset", "read")
+        count = self._index(max(self.count - offset, 0) if count is None else count, "count", "read")
         if out is None:
             out = np.empty(self.shape if (offset, count) == (0, self.count) else (count,), dtype=self.dtype)
         buf = wrap(out, "box '%s' read" % self.name, writable=True)
@@ -96,13 +104,14 @@ class SoftMemoryBox:
         """Overwrites elements from `offset` with `data`; returns the new version."""
         box = self._handle()
         buf = self._source(data, offset, "write")
-        return box.write(offset, buf.count, buf.ptr)
+        return box.write(self._index(offset, "offset", "write"), buf.count, buf.ptr)
 
     def accumulate(self, data, alpha=1.0, beta=1.0, offset=0):
         """box = beta * box + alpha * data, atomically against every other writer; returns the new version."""
         box = self._handle()
         buf = self._source(data, offset, "accumulate")
-        return box.accumulate(offset, buf.count, buf.ptr, float(alpha), float(beta))
+        return box.accumulate(self._index(offset, "offset", "accumulate"), buf.count, buf.ptr, float(alpha),
+                              float(beta))
 
     def lock(self, timeout=None):
         self._handle().lock(self._timeout if timeout is None else float(timeout))

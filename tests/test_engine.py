@@ -354,3 +354,28 @@ def test_horovod_names_are_read():
     env = {"HOROVOD_ENGINE": "1", "HOROVOD_SMB_BYTES": "65536"}
     last = multiproc.run(2, _horovod_names, env=env, prefix="HOROVOD_")
     assert last[0] == last[1] in (0, 1)
+
+
+def _live_timeline(path):
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    shmcomm.allreduce(np.ones(4), op=shmcomm.Sum, name="watched")
+    # The job goes on (no shutdown): the file must show the operation within a second, as an unclosed JSON array,
+    # which the trace format allows. 3 s of polling: room for a busy machine.
+    deadline = time.monotonic() + 3.0
+    while True:
+        with open(path if shmcomm.rank() == 0 else "%s.%d" % (path, shmcomm.rank())) as f:
+            text = f.read().rstrip()
+        events = json.loads(text.rstrip(",") + "]") if text.endswith(",") else []
+        if any(e.get("args", {}).get("name") == "allreduce.watched" for e in events) and \
+                any(e["name"] == "ALLREDUCE" and e["ph"] == "E" for e in events):
+            return True
+        if time.monotonic() > deadline:
+            return text[-500:]
+        time.sleep(0.05)
+
+
+def test_the_timeline_is_readable_while_the_job_runs(tmp_path):
+    path = str(tmp_path / "live.json")
+    assert multiproc.run(2, _live_timeline, path, env={"SHMCOMM_TIMELINE": path}) == [True, True]

@@ -163,3 +163,34 @@ def _dead_holder(locked):
 def test_lock_of_a_dead_holder_is_recovered():
     results = multiproc.run(2, _dead_holder, multiproc.Event(), check=False)
     assert results[0] == ("ok", [1.0]) and results[1][0] == "died"
+
+
+def _bad_spans():
+    import shmcomm
+
+    shmcomm.init()
+    box = shmcomm.SoftMemoryBox("spans", shape=(8,), dtype=np.float32)
+    calls = {
+        "read offset": lambda: box.read(offset=-1),
+        "read count": lambda: box.read(count=-2),
+        "read offset type": lambda: box.read(offset=1.5),
+        "write offset": lambda: box.write(np.ones(2, np.float32), offset=-3),
+        "accumulate offset": lambda: box.accumulate(np.ones(2, np.float32), offset=-1),
+        "past the end": lambda: box.write(np.ones(2, np.float32), offset=7),
+    }
+    raised = {}
+    for name, call in calls.items():
+        with pytest.raises(shmcomm.InvalidArgumentError) as info:
+            call()
+        raised[name] = str(info.value)
+    assert box.read().tolist() == [0.0] * 8  # nothing was touched
+    return raised
+
+
+def test_negative_offsets_and_counts_are_invalid_arguments():
+    """Not cffi's OverflowError: the library's typed error, naming the box and the argument."""
+    raised = multiproc.run(1, _bad_spans)[0]
+    assert "offset must be a non-negative integer, got -1" in raised["read offset"]
+    assert "count must be a non-negative integer, got -2" in raised["read count"]
+    assert "got 1.5" in raised["read offset type"]
+    assert all("box 'spans'" in text for text in raised.values()), raised

@@ -3,10 +3,16 @@
 
 Each tensor is a trace "process" named after it; its phases are begin/end events: NEGOTIATE_<OP> from submission to
 agreement, then the op itself with MEMCPY_IN_FUSION_BUFFER, ALLREDUCE and MEMCPY_OUT_FUSION_BUFFER when fused.
-With mark_cycles, every engine cycle is an instant CYCLE_START event."""
+With mark_cycles, every engine cycle is an instant CYCLE_START event.
+
+The file is readable while the job runs, as Horovod's is: the trace format allows an array that is not closed yet,
+and the engine's cycles (which go on, at least every 0.1 s, while nobody waits) flush what was written within
+_FLUSH_S."""
 import json
 import threading
 import time
+
+_FLUSH_S = 0.25  # events reach the file at most this long after they happen (plus one idle engine cycle)
 
 
 class Timeline:
@@ -16,6 +22,8 @@ class Timeline:
         self._lock = threading.Lock()
         self._ids = {}
         self._t0 = 0.0
+        self._unflushed = False
+        self._flushed_at = 0.0
         self.mark_cycles = False
 
     @property
@@ -49,6 +57,7 @@ class Timeline:
 
     def _emit(self, event):
         self._file.write(json.dumps(event) + ",\n")
+        self._unflushed = True
 
     def _pid(self, name):
         pid = self._ids.get(name)
@@ -77,10 +86,18 @@ class Timeline:
         self._phase(names, phase, "E")
 
     def cycle(self):
-        if self._file is not None and self.mark_cycles:
-            with self._lock:
-                if self._file is not None:
-                    self._emit({"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0, "ts": self._now()})
+        """Once per engine cycle: the cycle's mark, and a flush once _FLUSH_S has passed since the last one."""
+        if self._file is None:
+            return
+        with self._lock:
+            if self._file is None:
+                return
+            if self.mark_cycles:
+                self._emit({"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0, "ts": self._now()})
+            now = time.monotonic()
+            if self._unflushed and now - self._flushed_at >= _FLUSH_S:
+                self._file.flush()
+                self._unflushed, self._flushed_at = False, now
 
 
 def started(rank, path, mark_cycles):
