@@ -76,7 +76,7 @@ static smc_result_t init_header(smc_comm_t* c, const smc_config_t* cfg, size_t c
 
 /* Rank 0 creates the segment: when it never appears, rank 0 is the one to name. */
 static smc_result_t open_segment(smc_comm_t* c, double timeout_s, void** base) {
-  smc_result_t rc = smc_segment_open(c->name, c->total_bytes, timeout_s, base);
+  smc_result_t rc = smc_segment_open(c->name, c->total_bytes, timeout_s, base, &c->fd);
   if (rc != SMC_ERR_TIMEOUT) return rc;
   return smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, 0), SMC_FIELD_NONE,
                             "segment %s did not appear within %.1f s: did rank %d start?", c->name, timeout_s,
@@ -133,6 +133,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   if (out == NULL) return smc_set_error(SMC_ERR_INVALID, "init: output pointer is NULL");
   smc_comm_t* c = calloc(1, sizeof(*c));
   if (c == NULL) return smc_set_error(SMC_ERR_NOMEM, "init: out of memory");
+  c->fd = -1;
   c->rank = cfg->rank;
   c->size = cfg->size;
   c->slot_bytes = round_up(cfg->slot_bytes, 2 * SMC_PAGE);
@@ -150,8 +151,8 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->total_bytes = arena_off + round_up(cfg->arena_bytes, SMC_PAGE);
 
   void* base = NULL;
-  if (c->rank == 0)
-    SMC_CHECK_GOTO(smc_segment_create(c->name, c->total_bytes, &base), res, fail);
+  if (c->rank == 0)  /* the header, the ranks' control blocks and slots are touched at once; boxes when created */
+    SMC_CHECK_GOTO(smc_segment_create(c->name, c->total_bytes, arena_off, &base, &c->fd), res, fail);
   else
     SMC_CHECK_GOTO(open_segment(c, cfg->start_timeout_s, &base), res, fail);
   c->base = base;
@@ -194,6 +195,7 @@ fail_unmap:
   if (c->rank == 0) smc_segment_unlink(c->name);
   smc_segment_unmap(c->base, c->total_bytes);
 fail:
+  smc_segment_close(c->fd);
   free(c);
   return res;
 }
@@ -206,6 +208,7 @@ void smc_comm_destroy(smc_comm_t* c) {
   }
   if (atomic_fetch_sub(&c->hdr->refcount, 1) == 1 && !atomic_load(&c->hdr->unlinked)) smc_segment_unlink(c->name);
   smc_segment_unmap(c->base, c->total_bytes);
+  smc_segment_close(c->fd);
   free(c);
 }
 

@@ -25,6 +25,7 @@ struct smc_comm {
   uint32_t seq;            /* the last value this rank posted */
   int parity;              /* the half the next step uses */
   int holds_alive;         /* this rank holds ctl[rank].alive */
+  int fd;                  /* the segment's file, kept open to reserve box memory (smc_segment_reserve) */
   double timeout_s;
   double liveness_s;
   int spin_us;

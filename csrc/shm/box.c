@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "coll/comm.h"
+#include "shm/segment.h"
 #include "core/clock.h"
 #include "core/error.h"
 
@@ -44,7 +45,9 @@ static smc_box_entry_t* find_live(smc_shm_header_t* h, const char* name) {
   return NULL;
 }
 
-/* A free entry whose old space fits, else a never-used entry with fresh space from the end of the arena. */
+/* A free entry whose old space fits, else a never-used entry with fresh space from the end of the arena. The
+ * space is reserved in /dev/shm before it is handed out (smc_segment_reserve), and fresh space is taken from the
+ * arena only once that has worked, so a full /dev/shm costs the arena nothing. */
 static smc_result_t allocate(smc_comm_t* c, size_t bytes, smc_box_entry_t** out) {
   smc_shm_header_t* h = c->hdr;
   smc_box_entry_t* blank = NULL;
@@ -52,6 +55,7 @@ static smc_result_t allocate(smc_comm_t* c, size_t bytes, smc_box_entry_t** out)
     smc_box_entry_t* e = &h->boxes[i];
     if (e->state != BOX_FREE) continue;
     if (e->offset != 0 && e->capacity_bytes >= bytes) {
+      SMC_CHECK(smc_segment_reserve(c->fd, e->offset, bytes, "box create"));
       *out = e;
       return SMC_SUCCESS;
     }
@@ -63,6 +67,7 @@ static smc_result_t allocate(smc_comm_t* c, size_t bytes, smc_box_entry_t** out)
   if (h->arena_used + need > h->arena_bytes)
     return smc_set_error(SMC_ERR_NOMEM, "box: the arena is full (%llu of %llu bytes used, %zu more needed); raise "
                          "SHMCOMM_SMB_BYTES", (unsigned long long)h->arena_used, (unsigned long long)h->arena_bytes, need);
+  SMC_CHECK(smc_segment_reserve(c->fd, h->arena_offset + h->arena_used, need, "box create"));
   blank->offset = h->arena_offset + h->arena_used;
   blank->capacity_bytes = need;
   h->arena_used += need;
@@ -109,6 +114,7 @@ smc_result_t smc_box_create(smc_comm_t* c, const char* name, size_t count, smc_d
     goto out;
   }
   size_t bytes = count * smc_dtype_size(dtype);
+  /* Reserved before the first touch (the memset): a full /dev/shm is an error here, not SIGBUS in whoever writes. */
   SMC_CHECK_GOTO(allocate(c, bytes, &e), rc, out);
   memset(c->base + e->offset, 0, bytes);
   pthread_mutexattr_t attr;

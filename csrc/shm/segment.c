@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "core/clock.h"
@@ -16,7 +17,31 @@ static smc_result_t map_fd(int fd, size_t bytes, const char* name, void** base) 
   return SMC_SUCCESS;
 }
 
-smc_result_t smc_segment_create(const char* name, size_t bytes, void** base) {
+smc_result_t smc_segment_reserve(int fd, size_t offset, size_t bytes, const char* what) {
+  if (bytes == 0) return SMC_SUCCESS;
+  int rc;
+  do {
+    rc = posix_fallocate(fd, (off_t)offset, (off_t)bytes);
+  } while (rc == EINTR);
+  if (rc == 0) return SMC_SUCCESS;
+  if (rc == ENOSPC || rc == EFBIG) {
+    struct statvfs fs;
+    unsigned long long free_bytes = statvfs("/dev/shm", &fs) == 0 ? (unsigned long long)fs.f_bavail * fs.f_frsize : 0;
+    return smc_set_error(SMC_ERR_NOMEM,
+                         "%s: /dev/shm is full: %zu bytes of shared memory asked for, %llu free; give the job more "
+                         "shared memory (docker run --shm-size, a larger /dev/shm), or ask for less (smaller boxes, "
+                         "SHMCOMM_SMB_BYTES, SHMCOMM_SLOT_BYTES)",
+                         what, bytes, free_bytes);
+  }
+  return smc_set_error(SMC_ERR_SYSTEM, "%s: reserving %zu bytes of shared memory failed: %s", what, bytes,
+                       strerror(rc));
+}
+
+void smc_segment_close(int fd) {
+  if (fd >= 0) close(fd);
+}
+
+smc_result_t smc_segment_create(const char* name, size_t bytes, size_t reserve_bytes, void** base, int* fd_out) {
   smc_result_t res = SMC_SUCCESS;
   int fd = -1;
   do {
@@ -28,8 +53,9 @@ smc_result_t smc_segment_create(const char* name, size_t bytes, void** base) {
   /* The umask may have narrowed the mode, never widened it; set it explicitly anyway. */
   SYS_CHECK_GOTO(fchmod(fd, 0600), "fchmod", res, fail_unlink);
   SYS_CHECK_GOTO(ftruncate(fd, (off_t)bytes), "ftruncate", res, fail_unlink);
+  SMC_CHECK_GOTO(smc_segment_reserve(fd, 0, reserve_bytes, "init"), res, fail_unlink);
   SMC_CHECK_GOTO(map_fd(fd, bytes, name, base), res, fail_unlink);
-  close(fd);
+  *fd_out = fd;
   return SMC_SUCCESS;
 fail_unlink:
   shm_unlink(name);
@@ -37,7 +63,7 @@ fail_unlink:
   return res;
 }
 
-smc_result_t smc_segment_open(const char* name, size_t bytes, double timeout_s, void** base) {
+smc_result_t smc_segment_open(const char* name, size_t bytes, double timeout_s, void** base, int* fd_out) {
   smc_result_t res = SMC_SUCCESS;
   double deadline = smc_now() + timeout_s;
   double pause = 0.0005;
@@ -72,7 +98,7 @@ smc_result_t smc_segment_open(const char* name, size_t bytes, double timeout_s, 
     if (pause < 0.01) pause *= 2;
   }
   SMC_CHECK_GOTO(map_fd(fd, bytes, name, base), res, fail);
-  close(fd);
+  *fd_out = fd;
   return SMC_SUCCESS;
 fail:
   if (fd >= 0) close(fd);

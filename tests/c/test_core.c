@@ -24,28 +24,35 @@ static void test_segment(void) {
   char name[128];
   snprintf(name, sizeof(name), "/shmcomm-segtest%d", (int)getpid());
   void* base = NULL;
-  EXPECT(smc_segment_create(name, 8192, &base) == SMC_SUCCESS, "create: %s", smc_last_error());
+  int fd = -1, other_fd = -1, again_fd = -1;
+  EXPECT(smc_segment_create(name, 8192, 4096, &base, &fd) == SMC_SUCCESS, "create: %s", smc_last_error());
   char path[256];
   snprintf(path, sizeof(path), "/dev/shm%s", name);
   struct stat st;
   EXPECT(stat(path, &st) == 0 && (st.st_mode & 0777) == 0600, "mode is %o", (unsigned)(st.st_mode & 0777));
+  EXPECT(st.st_blocks * 512 >= 4096 && st.st_blocks * 512 < 8192, "the first 4096 bytes are reserved, not the rest "
+         "(%lld bytes allocated)", (long long)st.st_blocks * 512);
+  EXPECT(smc_segment_reserve(fd, 4096, 4096, "test") == SMC_SUCCESS, "reserve: %s", smc_last_error());
+  EXPECT(stat(path, &st) == 0 && st.st_blocks * 512 >= 8192, "reserved on request");
   void* again = NULL;
-  EXPECT(smc_segment_create(name, 8192, &again) == SMC_ERR_SYSTEM && strstr(smc_last_error(), "exists"),
+  EXPECT(smc_segment_create(name, 8192, 0, &again, &again_fd) == SMC_ERR_SYSTEM && strstr(smc_last_error(), "exists"),
          "second create: %s", smc_last_error());
   void* other = NULL;
-  EXPECT(smc_segment_open(name, 8192, 1, &other) == SMC_SUCCESS, "open: %s", smc_last_error());
+  EXPECT(smc_segment_open(name, 8192, 1, &other, &other_fd) == SMC_SUCCESS, "open: %s", smc_last_error());
   ((char*)base)[100] = 42;
   EXPECT(((char*)other)[100] == 42, "both mappings see the same bytes");
-  EXPECT(smc_segment_open(name, 4096, 1, &again) == SMC_ERR_INVALID, "a size mismatch is refused");
+  EXPECT(smc_segment_open(name, 4096, 1, &again, &again_fd) == SMC_ERR_INVALID, "a size mismatch is refused");
   chmod(path, 0644);
-  EXPECT(smc_segment_open(name, 8192, 1, &again) == SMC_ERR_SYSTEM && strstr(smc_last_error(), "refusing"),
+  EXPECT(smc_segment_open(name, 8192, 1, &again, &again_fd) == SMC_ERR_SYSTEM && strstr(smc_last_error(), "refusing"),
          "a segment readable by others is refused: %s", smc_last_error());
   smc_segment_unmap(other, 8192);
   smc_segment_unmap(base, 8192);
+  smc_segment_close(other_fd);
+  smc_segment_close(fd);
   smc_segment_unlink(name);
   EXPECT(!shm_exists(name), "unlinked");
   double t0 = smc_now();
-  EXPECT(smc_segment_open(name, 8192, 0.1, &again) == SMC_ERR_TIMEOUT, "absent segment times out");
+  EXPECT(smc_segment_open(name, 8192, 0.1, &again, &again_fd) == SMC_ERR_TIMEOUT, "absent segment times out");
   EXPECT(smc_now() - t0 < 1.0, "and promptly");
 }
 
