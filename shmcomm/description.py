@@ -3,8 +3,9 @@
 
 Every check that ranks agree reads this description: its kind codes are the C core's own (smc_coll_kind_t, read
 through cffi), and the core's descriptor check takes its `tag` from here; the engine's negotiation compares
-descriptions; the cross-host agreement compares their `signature`. After a disagreement, ranks swap `words()` and every message that says what ranks passed
-is written by `disagreement()`."""
+descriptions; the cross-host agreement compares their `signature`. After a disagreement, ranks swap `words()`, and
+the messages that say what ranks passed are written here (`disagreement()` across hosts, `listing()` in the
+engine)."""
 import functools
 import struct
 from typing import NamedTuple

@@ -12,8 +12,6 @@ from shmcomm.algorithms.communicator import Communicator
 from shmcomm.buffers import empty_like, output_for, require_reducible, row_bytes, wrap
 from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
 
-_DESCRIBE_WORDS = 32  # dtype, ndim, then up to 30 dims: what a rank says about its tensor after a shape mismatch
-
 
 class HostComm(Communicator):
     """A shared-memory transport's ranks: a host's, or a process set's."""
@@ -127,11 +125,8 @@ class HostComm(Communicator):
         """A shape mismatch names every rank's tensor: every rank lands here together, so they swap descriptions."""
         if error.field != "shape":
             return error
-        mine = np.zeros(_DESCRIBE_WORDS, dtype=np.int64)
-        dims = list(buf.shape)[: _DESCRIBE_WORDS - 2]
-        mine[0], mine[1] = buf.dtype_key(), len(buf.shape)
-        mine[2: 2 + len(dims)] = dims
-        every = np.zeros((self.size, _DESCRIBE_WORDS), dtype=np.int64)
+        mine = description.Collective("allreduce", buf.dtype_key(), tuple(buf.shape)).words()
+        every = np.zeros((self.size, mine.size), dtype=np.int64)
         try:
             self.shm.allgatherv(ffi.from_buffer(mine), mine.nbytes, ffi.from_buffer(every),
                                 [mine.nbytes] * self.size, 0, what)
@@ -141,7 +136,7 @@ class HostComm(Communicator):
         names = {buf.dtype_key(): buf.type_name()}
         parts = []
         for r in range(self.size):
-            key, ndim = int(every[r, 0]), int(every[r, 1])
-            dtype = description.dtype_name(key, names)
-            parts.append("rank %d has %s%s" % (self.ranks[r], dtype, [int(d) for d in every[r, 2: 2 + min(ndim, 30)]]))
+            theirs = description.Collective.from_words(every[r])
+            parts.append("rank %d has %s%s" % (self.ranks[r], description.dtype_name(theirs.dtype, names),
+                                               list(theirs.shape)))
         return MismatchError("%s: ranks disagree on the tensor: %s" % (what, "; ".join(parts)), error.field)

@@ -54,10 +54,10 @@ class Mpi(Transport):
     def deadline(self):
         return time.monotonic() + self.timeout_s
 
-    def _bounded(self, request, what, late):
-        """Polls `request` to the deadline; a late one leaves the transport refused."""
+    def _bounded(self, request, deadline, late):
+        """Polls `request` to `deadline`; a late one is still pending, so the transport is refused from then on."""
         try:
-            poll([request], self.deadline(), late)
+            poll([request], deadline, late)
         except TimeoutError as error:
             self.broken = str(error)
             raise
@@ -119,7 +119,7 @@ class Mpi(Transport):
 
     def barrier(self, what="barrier"):
         self.usable(what)
-        self._bounded(self.comm.Ibarrier(), what, lambda: self._late_all(what))
+        self._bounded(self.comm.Ibarrier(), self.deadline(), lambda: self._late_all(what))
 
     def allgather_bytes(self, payload):
         """Every rank's bytes (the engine's negotiation), within SHMCOMM_TIMEOUT: MPI's own allgather would wait
@@ -134,11 +134,7 @@ class Mpi(Transport):
         def gatherv(mine, every, sizes):
             displacements = [0] + list(itertools.accumulate(sizes[:-1]))
             request = self.comm.Iallgatherv([mine, len(mine), self._byte], [every, (sizes, displacements), self._byte])
-            try:
-                poll([request], deadline, late)
-            except TimeoutError as error:
-                self.broken = str(error)  # its allgather is still pending
-                raise
+            self._bounded(request, deadline, late)
         return allgather_bytes_over(gatherv, self.size, payload)
 
     def allgather_rows(self, row):
