@@ -59,6 +59,18 @@ def probe_torch():
     return True, torch.__version__
 
 
+def probe_nccl():
+    """Which libnccl shmcomm would load at run time, and its version. NCCL stays unmarked until CUDA tensors go
+    through it; the detail still tells a user whether the library is there."""
+    try:
+        from shmcomm.transport import nccl_library
+        library = nccl_library.load()
+    except Exception as error:
+        return False, f"not supported by shmcomm yet; library: {_reason(error)}"
+    return False, (f"not supported by shmcomm yet; library: NCCL {library.version_text} at {library.path} "
+                   f"(from {library.found_by})")
+
+
 def _shmcomm_version():
     try:
         from importlib.metadata import version
@@ -77,18 +89,18 @@ def _mark(usable):
 
 def build_report():
     """The report as a list of lines."""
-    core, mpi, torch = probe_core(), probe_mpi(), probe_torch()
+    core, mpi, torch, nccl = probe_core(), probe_mpi(), probe_torch(), probe_nccl()
     rows = {
         "Available Frameworks:": [("PyTorch", torch), ("JAX", NOT_SUPPORTED)],
         "Available Controllers/Transports:": [("Shared memory", core), ("MPI", mpi)],
-        "Available Tensor Operations:": [("NCCL", NOT_SUPPORTED), ("CUDA", NOT_SUPPORTED), ("C core (CPU)", core)],
+        "Available Tensor Operations:": [("NCCL", nccl), ("CUDA", NOT_SUPPORTED), ("C core (CPU)", core)],
     }
     version = _shmcomm_version()
     lines = [f"shmcomm {'v' + version if version[0].isdigit() else version}:", ""]
     for heading, entries in rows.items():
         lines += [heading] + [f"    {_mark(usable)} {name}" for name, (usable, _) in entries] + [""]
     details = {"C core": core, "MPI": mpi, "PyTorch": torch, "JAX": NOT_SUPPORTED, "CUDA": NOT_SUPPORTED,
-               "NCCL": NOT_SUPPORTED}
+               "NCCL": nccl}
     return lines + ["Details:"] + [f"    {name}: {detail}" for name, (_, detail) in details.items()]
 
 
