@@ -7,13 +7,14 @@ from benchmarks.backends import Unsupported
 
 
 class MpiBackend:
-    name = "mpi"
+    """Whichever MPI mpi4py loaded: "mpi" (the MPICH wheel, mpi4py's default) or "openmpi" (benchmarks/openmpi.py)."""
     call_errors = ()
 
     def __init__(self, **_options):
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.library = " ".join(MPI.Get_library_version().splitlines()[0].split())
+        self.name = "openmpi" if self.library.startswith("Open MPI") else "mpi"
 
     def barrier(self):
         self.comm.Barrier()

