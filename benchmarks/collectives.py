@@ -179,7 +179,8 @@ def _list(allowed):
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.collectives", allow_abbrev=False,
-        description="Collective bandwidth and latency of shmcomm, MPICH, Open MPI, gloo and memcpy in nccl-tests' format.")
+        description="Collective bandwidth and latency of shmcomm, MPICH, Open MPI, gloo and memcpy, "
+                    "in nccl-tests' format.")
     parser.add_argument("-np", dest="nranks", type=int, default=2, metavar="N", help="ranks per job (default 2)")
     parser.add_argument("-b", "--minbytes", dest="min_bytes", type=parse_size, default=8, metavar="SIZE",
                         help="smallest message in bytes, K/M/G suffixes allowed (default 8)")
