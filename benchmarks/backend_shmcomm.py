@@ -33,14 +33,14 @@ class ShmcommBackend:
                 return lambda: shmcomm.broadcast_(recv, 0)
             return lambda: shmcomm.broadcast(send, 0, output=recv)
         if buffers.inplace:
-            raise Unsupported("shmcomm.%s returns a new array; it has no in-place form" % op)
-        # These three allocate their result, as an application calling them does.
+            raise Unsupported("shmcomm.%s has no in-place form" % op)
+        # Into preallocated results, as MPI's calls are measured.
         if op == "allgather":
-            return lambda: shmcomm.allgather(send)
+            return lambda: shmcomm.allgather(send, output=recv)
         if op == "reducescatter":
-            return lambda: shmcomm.reducescatter(send, op=shmcomm.Sum)
+            return lambda: shmcomm.reducescatter(send, op=shmcomm.Sum, output=recv)
         if op == "alltoall":
-            return lambda: shmcomm.alltoall(send)
+            return lambda: shmcomm.alltoall(send, output=recv)
         raise Unsupported("shmcomm has no %s" % op)
 
     def close(self):

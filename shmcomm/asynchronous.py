@@ -30,16 +30,17 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None):
     return _submit(broadcast_request(tensor, tensor, root_rank, name, process_set))
 
 
-def allgather_async(tensor, name=None, process_set=None):
-    return _submit(allgather_request(tensor, name, process_set))
+def allgather_async(tensor, name=None, process_set=None, output=None):
+    return _submit(allgather_request(tensor, name, process_set, output))
 
 
-def reducescatter_async(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None):
-    return _submit(reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set))
+def reducescatter_async(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None,
+                        output=None):
+    return _submit(reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set, output))
 
 
-def alltoall_async(tensor, splits=None, name=None, process_set=None):
-    req = alltoall_request(tensor, splits, name, process_set)
+def alltoall_async(tensor, splits=None, name=None, process_set=None, output=None):
+    req = alltoall_request(tensor, splits, name, process_set, output)
     req.want_splits = splits is not None
     return _submit(req)
 

@@ -119,6 +119,16 @@ def output_for(src, output, shape, what):
     return output, dst
 
 
+def output_or_scratch(src, output, shape, what):
+    """(out, dst, error): output_for's array and Buffer, or, when the caller's output does not fit, a new array and
+    the error. A collective whose peers are already on their way takes part with the new array and raises the
+    error afterwards, so that no peer is left waiting for this rank."""
+    try:
+        return output_for(src, output, shape, what) + (None,)
+    except InvalidArgumentError as error:
+        return output_for(src, None, shape, what) + (error,)
+
+
 def row_bytes(buf, shape):
     """Bytes per row along the first dimension of `shape` (shape[1:]'s elements times the item size)."""
     return math.prod(shape[1:]) * buf.itemsize

@@ -100,33 +100,36 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
     return run(broadcast_request(tensor, tensor, root_rank, name, process_set))
 
 
-def allgather_request(tensor, name, process_set):
+def allgather_request(tensor, name, process_set, output=None):
     comm, set_id = resolve_set(process_set)
-    return Request("allgather", _name("allgather", name), tensor, comm, set_id)
+    return Request("allgather", _name("allgather", name), tensor, comm, set_id, output=output)
 
 
-def allgather(tensor, name=None, process_set=None):
-    """Concatenation of every rank's `tensor` along the first dimension, which may differ between ranks."""
-    return run(allgather_request(tensor, name, process_set))
+def allgather(tensor, name=None, process_set=None, output=None):
+    """Concatenation of every rank's `tensor` along the first dimension, which may differ between ranks; in a new
+    array, or in `output` (which must have the concatenation's shape and the tensor's dtype)."""
+    return run(allgather_request(tensor, name, process_set, output))
 
 
-def reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set):
+def reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set, output=None):
     comm, set_id = resolve_set(process_set)
-    return Request("reducescatter", _name("reducescatter", name), tensor, comm, set_id, op=ops.resolve(op),
-                   prescale=prescale_factor, postscale=postscale_factor)
+    return Request("reducescatter", _name("reducescatter", name), tensor, comm, set_id, output=output,
+                   op=ops.resolve(op), prescale=prescale_factor, postscale=postscale_factor)
 
 
-def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None,
+                  output=None):
     """Rank r receives its share of the reduction of `tensor` along the first dimension; with rows that do not
-    divide evenly, the first (rows % size) ranks get one extra row (Horovod's rule)."""
-    return run(reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set))
+    divide evenly, the first (rows % size) ranks get one extra row (Horovod's rule). In a new array, or in
+    `output`."""
+    return run(reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set, output))
 
 
-def alltoall_request(tensor, splits, name, process_set):
+def alltoall_request(tensor, splits, name, process_set, output=None):
     comm, set_id = resolve_set(process_set)
     name = _name("alltoall", name)
     shape = tuple(wrap(tensor, name or "alltoall").shape) or (1,)
-    return Request("alltoall", name, tensor, comm, set_id,
+    return Request("alltoall", name, tensor, comm, set_id, output=output,
                    splits=splits_list(splits, shape[0], comm.size, name or "alltoall"))
 
 
@@ -140,10 +143,11 @@ def received_splits(tensor, got):
     return got
 
 
-def alltoall(tensor, splits=None, name=None, process_set=None):
-    """Sends splits[j] rows of `tensor` (in order) to rank j and returns the rows received, in rank order. With
-    `splits`, also returns how many rows came from each rank (as Horovod does)."""
-    out, got = run(alltoall_request(tensor, splits, name, process_set))
+def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
+    """Sends splits[j] rows of `tensor` (in order) to rank j and returns the rows received, in rank order, in a new
+    array or in `output` (which must have exactly the rows received). With `splits`, also returns how many rows came
+    from each rank (as Horovod does)."""
+    out, got = run(alltoall_request(tensor, splits, name, process_set, output))
     return out if splits is None else (out, received_splits(tensor, got))
 
 

@@ -1,10 +1,86 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Allgather with a contribution of its own size from every rank. Each step, every rank puts the next half-sized
- * window of its input into its half, and copies every other rank's window to its place in the output. */
+ * window of its input into its half, and copies every other rank's window to its place in the output.
+ *
+ * The first step also tells every rank what the others contribute: each publishes its row count in its descriptor
+ * (`own`, not compared), so a caller that does not know the other ranks' sizes learns them from the same
+ * synchronisation that carries the first window, instead of a step of its own before the data (smc_allgather_begin,
+ * then smc_allgather_finish once the caller has a place for the result). */
 #include <stdio.h>
 
 #include "coll/comm.h"
 #include "core/error.h"
+
+/* Step 0 up to its synchronisation: window 0 in this rank's half, `desc` (whose `own` is the row count) compared. */
+static smc_result_t begin_step(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, smc_desc_t* desc) {
+  uint64_t first = send_bytes < c->half_bytes ? send_bytes : c->half_bytes;
+  if (first > 0) memcpy(smc_half(c, c->rank), sendbuf, (size_t)first);
+  return smc_coll_begin(c, desc, "allgather");
+}
+
+static smc_result_t check_args(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, const void* rows) {
+  SMC_CHECK(smc_comm_usable(c, "allgather"));
+  if (rows == NULL) return smc_set_error(SMC_ERR_INVALID, "allgather: the row counts are NULL");
+  if (send_bytes > 0 && sendbuf == NULL) return smc_set_error(SMC_ERR_INVALID, "allgather: NULL buffer");
+  return SMC_SUCCESS;
+}
+
+smc_result_t smc_allgather_begin(smc_comm_t* c, const void* sendbuf, uint64_t send_rows, uint64_t row_bytes,
+                                 uint64_t tag, uint64_t* every_rows) {
+  uint64_t send_bytes = send_rows * row_bytes;
+  SMC_CHECK(check_args(c, sendbuf, send_bytes, every_rows));
+  if (row_bytes != 0 && send_bytes / row_bytes != send_rows)
+    return smc_set_error(SMC_ERR_INVALID, "allgather: %llu rows of %llu bytes overflow", (unsigned long long)send_rows,
+                         (unsigned long long)row_bytes);
+  if (c->size == 1) {
+    every_rows[0] = send_rows;
+    return SMC_SUCCESS;
+  }
+  smc_desc_t desc = {.prescale = 1, .postscale = 1, .tag = tag, .divisor = 1, .own = send_rows,
+                     .coll = SMC_COLL_ALLGATHERV, .root = -1};
+  SMC_CHECK(begin_step(c, sendbuf, send_bytes, &desc));
+  for (int j = 0; j < c->size; j++) every_rows[j] = smc_peer_desc(c, j)->own;
+  return SMC_SUCCESS;
+}
+
+smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recvbuf, uint64_t row_bytes,
+                                  const uint64_t* every_rows) {
+  SMC_CHECK(smc_comm_usable(c, "allgather"));
+  if (every_rows == NULL) return smc_set_error(SMC_ERR_INVALID, "allgather: the row counts are NULL");
+  const int me = c->rank;
+  uint64_t displ[SMC_MAX_RANKS], total = 0, longest = 0;
+  for (int j = 0; j < c->size; j++) {
+    uint64_t bytes = every_rows[j] * row_bytes;
+    displ[j] = total;
+    total += bytes;
+    longest = bytes > longest ? bytes : longest;
+  }
+  const uint64_t send_bytes = every_rows[me] * row_bytes;
+  uint8_t* out = recvbuf; /* NULL: take part in every step, keep nothing (the caller had no place for the result) */
+  if (c->size == 1) {
+    if (out != NULL && send_bytes > 0 && sendbuf != recvbuf) memmove(out, sendbuf, (size_t)send_bytes);
+    return SMC_SUCCESS;
+  }
+  const uint64_t half = c->half_bytes;
+  uint64_t steps = longest == 0 ? 1 : (longest + half - 1) / half;
+  for (uint64_t k = 0; k < steps; k++) {
+    uint64_t at = k * half;
+    if (k > 0) { /* window 0 went out with smc_allgather_begin */
+      if (at < send_bytes)
+        memcpy(smc_half(c, me), (const uint8_t*)sendbuf + at, (size_t)(send_bytes - at < half ? send_bytes - at : half));
+      SMC_CHECK(smc_sync(c, "allgather"));
+    }
+    for (int j = 0; out != NULL && j < c->size; j++) {
+      uint64_t bytes = every_rows[j] * row_bytes;
+      if (at >= bytes) continue;
+      size_t len = (size_t)(bytes - at < half ? bytes - at : half);
+      const uint8_t* from = j == me ? (const uint8_t*)sendbuf + at : smc_half(c, j);
+      if (from != out + displ[j] + at) memmove(out + displ[j] + at, from, len);
+    }
+    smc_flip(c);
+  }
+  return SMC_SUCCESS;
+}
 
 /* recv_bytes is the same on every rank (its digest is in the descriptor), so every rank reaches the same verdict. */
 static smc_result_t check_contributions(smc_comm_t* c, const uint64_t* recv_bytes) {
@@ -20,48 +96,22 @@ static smc_result_t check_contributions(smc_comm_t* c, const uint64_t* recv_byte
 
 smc_result_t smc_allgatherv(smc_comm_t* c, const void* sendbuf, size_t send_bytes, void* recvbuf,
                             const uint64_t* recv_bytes, uint64_t tag) {
-  SMC_CHECK(smc_comm_usable(c, "allgather"));
-  if (recv_bytes == NULL) return smc_set_error(SMC_ERR_INVALID, "allgather: recv_bytes is NULL");
-  uint64_t displ[SMC_MAX_RANKS], total = 0, longest = 0;
-  for (int j = 0; j < c->size; j++) {
-    displ[j] = total;
-    total += recv_bytes[j];
-    longest = recv_bytes[j] > longest ? recv_bytes[j] : longest;
-  }
-  if ((send_bytes > 0 && sendbuf == NULL) || (total > 0 && recvbuf == NULL))
-    return smc_set_error(SMC_ERR_INVALID, "allgather: NULL buffer");
-  const int me = c->rank;
-  uint8_t* out = recvbuf;
-  if (c->size == 1) {
-    if (send_bytes != recv_bytes[0])
-      return smc_set_error(SMC_ERR_INVALID, "allgather: sends %zu bytes but expects %llu", send_bytes,
-                           (unsigned long long)recv_bytes[0]);
-    if (send_bytes > 0 && sendbuf != recvbuf) memmove(recvbuf, sendbuf, send_bytes);
-    return SMC_SUCCESS;
-  }
-  smc_desc_t desc = {1, 1, 0, smc_digest(recv_bytes, c->size, tag), 1, send_bytes, SMC_COLL_ALLGATHERV, 0, 0, -1};
-  size_t half = c->half_bytes;
-  size_t steps = longest == 0 ? 1 : (size_t)((longest + half - 1) / half);
-  for (size_t k = 0; k < steps; k++) {
-    size_t at = k * half;
-    if (at < send_bytes) memcpy(smc_half(c, me), (const uint8_t*)sendbuf + at, send_bytes - at < half ? send_bytes - at : half);
-    if (k == 0) {
-      SMC_CHECK(smc_coll_begin(c, &desc, "allgather"));
-      smc_result_t rc = check_contributions(c, recv_bytes);
-      if (rc != SMC_SUCCESS) {
-        smc_flip(c);
-        return rc;
-      }
-    } else {
-      SMC_CHECK(smc_sync(c, "allgather"));
+  SMC_CHECK(check_args(c, sendbuf, send_bytes, recv_bytes));
+  uint64_t total = 0;
+  for (int j = 0; j < c->size; j++) total += recv_bytes[j];
+  if (total > 0 && recvbuf == NULL) return smc_set_error(SMC_ERR_INVALID, "allgather: NULL buffer");
+  if (c->size == 1 && send_bytes != recv_bytes[0])
+    return smc_set_error(SMC_ERR_INVALID, "allgather: sends %zu bytes but expects %llu", send_bytes,
+                         (unsigned long long)recv_bytes[0]);
+  if (c->size > 1) {
+    smc_desc_t desc = {.prescale = 1, .postscale = 1, .tag = smc_digest(recv_bytes, c->size, tag), .divisor = 1,
+                       .own = send_bytes, .coll = SMC_COLL_ALLGATHERV, .root = -1};
+    SMC_CHECK(begin_step(c, sendbuf, send_bytes, &desc));
+    smc_result_t rc = check_contributions(c, recv_bytes);
+    if (rc != SMC_SUCCESS) {
+      smc_flip(c);
+      return rc;
     }
-    for (int j = 0; j < c->size; j++) {
-      if (at >= recv_bytes[j]) continue;
-      size_t len = recv_bytes[j] - at < half ? (size_t)(recv_bytes[j] - at) : half;
-      const uint8_t* from = j == me ? (const uint8_t*)sendbuf + at : smc_half(c, j);
-      if (from != out + displ[j] + at) memmove(out + displ[j] + at, from, len);
-    }
-    smc_flip(c);
   }
-  return SMC_SUCCESS;
+  return smc_allgather_finish(c, sendbuf, recvbuf, 1, recv_bytes);
 }

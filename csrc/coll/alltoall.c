@@ -94,3 +94,90 @@ out:
   free(routes);
   return rc;
 }
+
+/* ---- Alltoall whose receive counts come with the data ----
+ * Step 0 carries, in each rank's half, its row counts to every rank followed by the first window of its data, so
+ * every rank learns the whole matrix of counts from the synchronisation that also brings the first data: a small
+ * alltoall is one synchronisation. Nothing can disagree on counts (each receiver takes what is sent to it); the
+ * descriptor still compares the tag (dtype and row shape). Later windows are whole halves. */
+
+/* Where window k of a sender's data starts in its buffer, and how much of its half it fills. */
+static uint64_t window_start(uint64_t k, uint64_t first, uint64_t half) { return k == 0 ? 0 : first + (k - 1) * half; }
+
+smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64_t* send_rows, uint64_t row_bytes,
+                                uint64_t tag, uint64_t* matrix) {
+  SMC_CHECK(smc_comm_usable(c, "alltoall"));
+  if (send_rows == NULL || matrix == NULL) return smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts");
+  const int n = c->size;
+  uint64_t my_total = 0;
+  for (int j = 0; j < n; j++) my_total += send_rows[j] * row_bytes;
+  if (my_total > 0 && sendbuf == NULL) return smc_set_error(SMC_ERR_INVALID, "alltoall: NULL buffer");
+  if (n == 1) {
+    matrix[0] = send_rows[0];
+    return SMC_SUCCESS;
+  }
+  const uint64_t counts_bytes = sizeof(uint64_t) * (uint64_t)n;
+  if (counts_bytes >= c->half_bytes)
+    return smc_set_error(SMC_ERR_INVALID, "alltoall: %d ranks' counts need %llu bytes, more than a staging half (%zu)",
+                         n, (unsigned long long)counts_bytes, c->half_bytes);
+  uint8_t* mine = smc_half(c, c->rank);
+  memcpy(mine, send_rows, (size_t)counts_bytes);
+  uint64_t first = c->half_bytes - counts_bytes;
+  if (my_total > 0) memcpy(mine + counts_bytes, sendbuf, (size_t)(my_total < first ? my_total : first));
+  smc_desc_t desc = {.prescale = 1, .postscale = 1, .tag = tag, .divisor = 1, .own = my_total,
+                     .coll = SMC_COLL_ALLTOALLV, .root = -1};
+  SMC_CHECK(smc_coll_begin(c, &desc, "alltoall"));
+  for (int j = 0; j < n; j++) memcpy(matrix + (size_t)j * n, smc_half(c, j), (size_t)counts_bytes);
+  return SMC_SUCCESS;
+}
+
+smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvbuf, uint64_t row_bytes,
+                                 const uint64_t* matrix) {
+  SMC_CHECK(smc_comm_usable(c, "alltoall"));
+  if (matrix == NULL) return smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts");
+  const int n = c->size, me = c->rank;
+  uint8_t* out = recvbuf; /* NULL: take part in every step, keep nothing */
+  if (n == 1) {
+    uint64_t bytes = matrix[0] * row_bytes;
+    if (out != NULL && bytes > 0 && sendbuf != recvbuf) memmove(out, sendbuf, (size_t)bytes);
+    return SMC_SUCCESS;
+  }
+  route_t* routes = malloc(sizeof(route_t) * (size_t)n);
+  if (routes == NULL) return smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory");
+  uint64_t longest = 0, to = 0, my_total = 0;
+  for (int j = 0; j < n; j++) {
+    const uint64_t* sent_by_j = matrix + (size_t)j * n;
+    route_t* r = &routes[j];
+    r->from = r->total = 0;
+    for (int m = 0; m < n; m++) {
+      if (m < me) r->from += sent_by_j[m] * row_bytes;
+      r->total += sent_by_j[m] * row_bytes;
+    }
+    r->len = sent_by_j[me] * row_bytes;
+    r->to = to;
+    to += r->len;
+    longest = r->total > longest ? r->total : longest;
+  }
+  my_total = routes[me].total;
+  const uint64_t half = c->half_bytes, counts_bytes = sizeof(uint64_t) * (uint64_t)n, first = half - counts_bytes;
+  smc_result_t rc = SMC_SUCCESS;
+  for (uint64_t k = 0; k == 0 || window_start(k, first, half) < longest; k++) {
+    uint64_t at = window_start(k, first, half), len = k == 0 ? first : half, skip = k == 0 ? counts_bytes : 0;
+    if (k > 0) { /* window 0 went out with smc_alltoall_begin */
+      if (at < my_total) memcpy(smc_half(c, me), (const uint8_t*)sendbuf + at, (size_t)(my_total - at < len ? my_total - at : len));
+      SMC_CHECK_GOTO(smc_sync(c, "alltoall"), rc, done);
+    }
+    for (int j = 0; out != NULL && j < n; j++) {
+      const route_t* r = &routes[j];
+      uint64_t lo = r->from > at ? r->from : at;
+      uint64_t hi = r->from + r->len < at + len ? r->from + r->len : at + len;
+      if (lo >= hi) continue;
+      const uint8_t* from = j == me ? (const uint8_t*)sendbuf + lo : smc_half(c, j) + skip + (lo - at);
+      memmove(out + r->to + (lo - r->from), from, (size_t)(hi - lo));
+    }
+    smc_flip(c);
+  }
+done:
+  free(routes);
+  return rc;
+}

@@ -142,6 +142,20 @@ smc_result_t smc_allgatherv(smc_comm_t* comm, const void* sendbuf, size_t send_b
  * order. recv_bytes[j] must equal rank j's send_bytes[me]. */
 smc_result_t smc_alltoallv(smc_comm_t* comm, const void* sendbuf, const uint64_t* send_bytes, void* recvbuf,
                            const uint64_t* recv_bytes, uint64_t tag);
+/* An allgather whose callers do not know each other's sizes: begin sends this rank's first window and returns every
+ * rank's row count (rows of `row_bytes` bytes, which the tag must make equal on all ranks) from the same
+ * synchronisation; finish, which every rank must call after a successful begin, moves the rest into recvbuf (rank
+ * order). recvbuf NULL takes part without keeping anything, for a rank that has no place for the result. */
+smc_result_t smc_allgather_begin(smc_comm_t* comm, const void* sendbuf, uint64_t send_rows, uint64_t row_bytes,
+                                 uint64_t tag, uint64_t* every_rows);
+smc_result_t smc_allgather_finish(smc_comm_t* comm, const void* sendbuf, void* recvbuf, uint64_t row_bytes,
+                                  const uint64_t* every_rows);
+/* The same for alltoall: begin sends send_rows[j] (rows to rank j) with the first window and fills matrix[j*size+i],
+ * the rows rank j sends rank i; finish moves the data, rows from rank j landing in rank order. */
+smc_result_t smc_alltoall_begin(smc_comm_t* comm, const void* sendbuf, const uint64_t* send_rows, uint64_t row_bytes,
+                                uint64_t tag, uint64_t* matrix);
+smc_result_t smc_alltoall_finish(smc_comm_t* comm, const void* sendbuf, void* recvbuf, uint64_t row_bytes,
+                                 const uint64_t* matrix);
 smc_result_t smc_barrier(smc_comm_t* comm);
 
 /* ---- Soft Memory Box (csrc/shm/box.c): named typed buffers in the job arena ---- */

@@ -9,7 +9,7 @@ import numpy as np
 from shmcomm import description, ops
 from shmcomm._native import ffi
 from shmcomm.algorithms.communicator import Communicator
-from shmcomm.buffers import empty_like, output_for, require_reducible, row_bytes, wrap
+from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
 from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
 
 
@@ -52,21 +52,21 @@ class HostComm(Communicator):
             raise self._explained(error, what, src) from None
         return out
 
-    def allgather(self, x, what):
-        """Concatenation along the first dimension, which may differ between ranks."""
+    def allgather(self, x, what, output=None):
+        """Concatenation along the first dimension, which may differ between ranks: every rank's row count travels
+        with the first window of data, so a small allgather is one synchronisation. Into `output` when given."""
         src = wrap(x, what)
         shape = tuple(src.shape) or (1,)
-        tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
-        dims = self._first_dims(src, shape[0], tag, what)
-        out = empty_like(src, (int(dims.sum()),) + shape[1:])
-        dst = wrap(out, what, writable=True)
         size = row_bytes(src, shape)
-        self._step(self.shm.allgatherv, src, what, src.ptr, src.nbytes, dst.ptr, [int(d) * size for d in dims], tag,
-                   what)
-        return out
+        every = np.empty(self.size, dtype=np.uint64)
+        rows = ffi.from_buffer("uint64_t[]", every)
+        tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
+        self._step(self.shm.allgather_begin, src, what, src.ptr, shape[0], size, rows, tag, what)
+        return self._finish(self.shm.allgather_finish, src, output, (int(every.sum()),) + shape[1:], what, size, rows)
 
-    def reducescatter(self, x, op, prescale, postscale, what):
-        """This rank's share of the reduction, split along the first dimension by Horovod's rule."""
+    def reducescatter(self, x, op, prescale, postscale, what, output=None):
+        """This rank's share of the reduction, split along the first dimension by Horovod's rule; into `output`
+        when given."""
         src = wrap(x, what)
         require_reducible(src, what)
         if len(src.shape) == 0:
@@ -74,46 +74,48 @@ class HostComm(Communicator):
         rows = src.shape[0]
         per_row = src.count // rows if rows else 0
         shares = description.shares(rows, self.size)
-        out = empty_like(src, (shares[self.rank],) + tuple(src.shape[1:]))
-        dst = wrap(out, what, writable=True)
+        out, dst, error = output_or_scratch(src, output, (shares[self.rank],) + tuple(src.shape[1:]), what)
         try:
             self.shm.reducescatter(src.ptr, dst.ptr, [s * per_row for s in shares], src.code, ops.C_OP[op],
                                    float(prescale), float(postscale), self.size if op == ops.Average else 1,
                                    description.tag(src.code, src.shape), what)
-        except MismatchError as error:
-            raise self._explained(error, what, src) from None
+        except MismatchError as mismatch:
+            raise self._explained(mismatch, what, src) from None
+        if error is not None:
+            raise error
         return out
 
-    def alltoall(self, x, splits, what):
-        """Sends splits[j] rows to rank j; returns (rows received in rank order, rows received from each rank)."""
+    def alltoall(self, x, splits, what, output=None):
+        """Sends splits[j] rows to rank j; returns (rows received in rank order, rows received from each rank). The
+        counts travel with the first window of data, so a small alltoall is one synchronisation."""
         src = wrap(x, what)
-        n = self.size
         shape = tuple(src.shape) or (1,)
-        tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
-        got = np.empty(n, dtype=np.int64)
-        sent = np.array(splits, dtype=np.int64)
-        self._step(self.shm.alltoallv, src, what, ffi.from_buffer(sent), [8] * n, ffi.from_buffer(got), [8] * n, tag,
-                   what)
         size = row_bytes(src, shape)
-        out = empty_like(src, (int(got.sum()),) + shape[1:])
-        dst = wrap(out, what, writable=True)
-        self._step(self.shm.alltoallv, src, what, src.ptr, [s * size for s in splits], dst.ptr,
-                   [int(g) * size for g in got], tag, what)
-        return out, got
+        sent = np.array(splits, dtype=np.uint64)
+        matrix = np.empty((self.size, self.size), dtype=np.uint64)  # [j, i]: rows rank j sends rank i
+        rows = ffi.from_buffer("uint64_t[]", matrix)
+        tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
+        self._step(self.shm.alltoall_begin, src, what, src.ptr, ffi.from_buffer("uint64_t[]", sent), size, rows, tag,
+                   what)
+        got = matrix[:, self.rank].astype(np.int64)
+        return self._finish(self.shm.alltoall_finish, src, output, (int(got.sum()),) + shape[1:], what, size,
+                            rows), got
+
+    @staticmethod
+    def _finish(finish, src, output, shape, what, *args):
+        """Ends a begun allgather or alltoall: into the caller's output (checked now that its shape is known) or a
+        new array; a rank whose output does not fit still takes part (output_or_scratch), then raises."""
+        out, dst, error = output_or_scratch(src, output, shape, what)
+        finish(src.ptr, dst.ptr, *args, what)
+        if error is not None:
+            raise error
+        return out
 
     def barrier(self, what="barrier"):
         self.shm.barrier(what)
 
     def allgather_bytes(self, payload):
         return self.shm.allgather_bytes(payload)
-
-    def _first_dims(self, src, first, tag, what):
-        """Every rank's first dimension, exchanged under the tag of the rest, so that the rest must agree."""
-        mine = np.array([first], dtype=np.int64)
-        every = np.empty(self.size, dtype=np.int64)
-        self._step(self.shm.allgatherv, src, what, ffi.from_buffer(mine), 8, ffi.from_buffer(every),
-                   [8] * self.size, tag, what)
-        return every
 
     def _step(self, step, src, what, *args):
         try:

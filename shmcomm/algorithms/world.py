@@ -15,7 +15,7 @@ from shmcomm.algorithms.agreement import MISMATCH, OK, Agreement, failure_text
 from shmcomm.algorithms.communicator import Communicator
 from shmcomm.algorithms.disagreement import disagreement_error
 from shmcomm.algorithms.ring import ring_allreduce
-from shmcomm.buffers import empty_like, output_for, require_reducible, row_bytes, wrap
+from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
 from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
 from shmcomm.transport import kernels
 
@@ -116,30 +116,37 @@ class WorldComm(Communicator):
         self.mpi.broadcast(src.ptr, dst.ptr, src.nbytes, root, 0, what)
         return out
 
-    def allgather(self, x, what):
+    def allgather(self, x, what, output=None):
         src = self._check_rows(x, "allgather", what)
         if self.mpi is None:
-            return self.host.allgather(x, what)
+            return self.host.allgather(x, what, output)
         shape = tuple(src.shape) or (1,)
         rows = self._first_dims(shape[0], what)
-        out = empty_like(src, (sum(rows),) + shape[1:])
         size = row_bytes(src, shape)
-        self.mpi.allgatherv(src.ptr, src.nbytes, wrap(out, what, True).ptr, [r * size for r in rows], 0, what)
-        return out
+        return self._into(src, output, (sum(rows),) + shape[1:], what, lambda dst: self.mpi.allgatherv(
+            src.ptr, src.nbytes, dst.ptr, [r * size for r in rows], 0, what))
 
-    def alltoall(self, x, splits, what):
+    def alltoall(self, x, splits, what, output=None):
         src = self._check_rows(x, "alltoall", what)
         if self.mpi is None:
-            return self.host.alltoall(x, splits, what)
+            return self.host.alltoall(x, splits, what, output)
         shape = tuple(src.shape) or (1,)
         got = np.empty(self.size, dtype=np.int64)
         self.mpi.alltoallv(ffi.from_buffer(np.array(splits, dtype=np.int64)), [8] * self.size, ffi.from_buffer(got),
                            [8] * self.size, 0, what)
         size = row_bytes(src, shape)
-        out = empty_like(src, (int(got.sum()),) + shape[1:])
-        self.mpi.alltoallv(src.ptr, [s * size for s in splits], wrap(out, what, True).ptr,
-                           [int(g) * size for g in got], 0, what)
-        return out, got
+        return self._into(src, output, (int(got.sum()),) + shape[1:], what, lambda dst: self.mpi.alltoallv(
+            src.ptr, [s * size for s in splits], dst.ptr, [int(g) * size for g in got], 0, what)), got
+
+    @staticmethod
+    def _into(src, output, shape, what, move):
+        """Runs move(dst) into the caller's output, checked now that the shape is known, or into a new array; a
+        rank whose output does not fit still takes part (output_or_scratch), then raises."""
+        out, dst, error = output_or_scratch(src, output, shape, what)
+        move(dst)
+        if error is not None:
+            raise error
+        return out
 
     def _check_rows(self, x, kind, what):
         """allgather and alltoall: the ranks' first dimensions may differ, the rest and the dtype may not."""
@@ -153,7 +160,7 @@ class WorldComm(Communicator):
         self.mpi.allgatherv(ffi.from_buffer(mine), 8, ffi.from_buffer(every), [8] * self.size, 0, what)
         return [int(d) for d in every]
 
-    def reducescatter(self, x, op, prescale, postscale, what):
+    def reducescatter(self, x, op, prescale, postscale, what, output=None):
         """This rank's rows of the reduction. MPI's own reduce-scatter where MPI's allreduce would be chosen; else
         the allreduce, then this rank's rows: twice the traffic of a true reduce-scatter, but the torus's."""
         src = wrap(x, what)
@@ -163,20 +170,22 @@ class WorldComm(Communicator):
         collective = description.describe("reducescatter", src.code, src.shape, op, float(prescale), float(postscale))
         share = description.shares(src.shape[0], self.size)
         divisor = self.size if op == ops.Average else 1
+        out, dst, error = output_or_scratch(src, output, (share[self.rank],) + tuple(src.shape[1:]), what)
         if choice.allreduce(self.algorithm, src.nbytes, self.torus is not None, self.mpi is not None,
                             self.torus_min_bytes) == "mpi":
             self._checked(what, collective, src, (src.count, divisor))
-            out = empty_like(src, (share[self.rank],) + tuple(src.shape[1:]))
             per_row = src.count // src.shape[0] if src.shape[0] else 0
-            self.mpi.reducescatter(src.ptr, wrap(out, what, True).ptr, [s * per_row for s in share], src.code,
-                                   ops.C_OP[op], prescale, postscale, divisor, 0, what)
-            return out
-        total, dst = output_for(src, None, src.shape, what)
-        self._allreduce(src.ptr, dst.ptr, src.count, src.code, src.itemsize, op, prescale, postscale, what, None,
-                        collective)
-        start = sum(share[:self.rank])
-        mine = total[start:start + share[self.rank]]
-        return mine.clone() if src.is_torch else mine.copy()
+            self.mpi.reducescatter(src.ptr, dst.ptr, [s * per_row for s in share], src.code, ops.C_OP[op], prescale,
+                                   postscale, divisor, 0, what)
+        else:
+            total, whole = output_for(src, None, src.shape, what)
+            self._allreduce(src.ptr, whole.ptr, src.count, src.code, src.itemsize, op, prescale, postscale, what,
+                            None, collective)
+            start = sum(share[:self.rank])
+            out[...] = total[start:start + share[self.rank]]
+        if error is not None:
+            raise error
+        return out
 
     def barrier(self, what="barrier"):
         self._checked(what, description.describe("barrier"))

@@ -43,11 +43,11 @@ def execute(req):
     if kind == "broadcast":
         return comm.broadcast(req.tensor, req.output, req.root, what)
     if kind == "allgather":
-        return comm.allgather(req.tensor, what)
+        return comm.allgather(req.tensor, what, req.output)
     if kind == "reducescatter":
-        return comm.reducescatter(req.tensor, req.op, req.prescale, req.postscale, what)
+        return comm.reducescatter(req.tensor, req.op, req.prescale, req.postscale, what, req.output)
     if kind == "alltoall":
-        return comm.alltoall(req.tensor, req.splits, what)
+        return comm.alltoall(req.tensor, req.splits, what, req.output)
     if kind == "barrier":
         return comm.barrier(what)
     raise ValueError("unknown collective %r" % kind)

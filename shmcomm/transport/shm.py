@@ -80,6 +80,29 @@ class SharedMemory(Transport):
         if rc != 0:
             raise _error(rc, what)
 
+    # Allgather and alltoall whose sizes travel with the first window (csrc/coll/allgather.c, alltoall.c): `*_begin`
+    # fills `every` (a uint64 array: rows per rank, or the size x size matrix of rows sent) and must be followed on
+    # every rank by `*_finish`; dst NULL takes part without keeping anything.
+    def allgather_begin(self, src, rows, row_bytes, every, tag, what):
+        rc = lib.smc_allgather_begin(self.handle, src, rows, row_bytes, tag, every)
+        if rc != 0:
+            raise _error(rc, what)
+
+    def allgather_finish(self, src, dst, row_bytes, every, what):
+        rc = lib.smc_allgather_finish(self.handle, src, dst, row_bytes, every)
+        if rc != 0:
+            raise _error(rc, what)
+
+    def alltoall_begin(self, src, send_rows, row_bytes, matrix, tag, what):
+        rc = lib.smc_alltoall_begin(self.handle, src, send_rows, row_bytes, tag, matrix)
+        if rc != 0:
+            raise _error(rc, what)
+
+    def alltoall_finish(self, src, dst, row_bytes, matrix, what):
+        rc = lib.smc_alltoall_finish(self.handle, src, dst, row_bytes, matrix)
+        if rc != 0:
+            raise _error(rc, what)
+
     def barrier(self, what="barrier"):
         rc = lib.smc_barrier(self.handle)
         if rc != 0:

@@ -1,0 +1,177 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`output=` for allgather, reducescatter and alltoall (blocking and asynchronous, numpy and torch), on one host and
+across pretend hosts over MPI; an output that does not fit raises on its rank only, after that rank took part, so the
+others get their results at once and the job goes on. Also the sizes that travel with the first window of data:
+rows of zero bytes, and alltoall windows around the staging half's edge."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import multiproc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST_TIMEOUT = {"SHMCOMM_TIMEOUT": "20"}  # a rank left waiting fails the test in seconds, not minutes
+
+BODY = r'''
+import numpy as np
+
+import shmcomm
+
+
+def expected(size, me):
+    rows = [r + 1 for r in range(size)]
+    gathered = np.concatenate([np.full((rows[r], 3), r, np.float32) for r in range(size)])
+    full = sum(np.arange(size * 4 * 3, dtype=np.float32).reshape(size * 4, 3) + r for r in range(size))
+    scattered = full[me * 4:(me + 1) * 4]
+    splits = [(j + me) % 3 for j in range(size)]
+    sent = np.concatenate([np.full((s, 2), 100 * me + j, np.int64) for j, s in enumerate(splits)])
+    received = np.concatenate([np.full(((me + j) % 3, 2), 100 * j + me, np.int64) for j in range(size)])
+    return (np.full((rows[me], 3), me, np.float32), gathered, np.arange(size * 4 * 3, dtype=np.float32).reshape(
+        size * 4, 3) + me, scattered, sent, splits, received)
+
+
+def check_outputs():
+    size, me = shmcomm.size(), shmcomm.rank()
+    mine, gathered, x, scattered, sent, splits, received = expected(size, me)
+    out = np.empty_like(gathered)
+    assert shmcomm.allgather(mine, output=out) is out
+    np.testing.assert_array_equal(out, gathered)
+    out = np.empty_like(scattered)
+    assert shmcomm.reducescatter(x, op=shmcomm.Sum, output=out) is out
+    np.testing.assert_array_equal(out, scattered)
+    out = np.empty_like(received)
+    got, counts = shmcomm.alltoall(sent, splits=splits, output=out)
+    assert got is out and list(counts) == [(me + j) % 3 for j in range(size)]
+    np.testing.assert_array_equal(out, received)
+    # Asynchronous forms write into the same buffers.
+    out = np.zeros_like(gathered)
+    assert shmcomm.synchronize(shmcomm.allgather_async(mine, output=out)) is out
+    np.testing.assert_array_equal(out, gathered)
+    out = np.zeros_like(scattered)
+    assert shmcomm.synchronize(shmcomm.reducescatter_async(x, op=shmcomm.Sum, output=out)) is out
+    np.testing.assert_array_equal(out, scattered)
+    out = np.zeros_like(received)
+    assert shmcomm.synchronize(shmcomm.alltoall_async(sent, splits=splits, output=out))[0] is out
+    np.testing.assert_array_equal(out, received)
+    return True
+
+
+def check_one_bad_output():
+    """Rank 1's output has the wrong shape: it raises, the others get their results, and the job goes on."""
+    size, me = shmcomm.size(), shmcomm.rank()
+    mine, gathered, x, scattered, sent, splits, received = expected(size, me)
+    cases = [("allgather", lambda out: shmcomm.allgather(mine, output=out), gathered),
+             ("reducescatter", lambda out: shmcomm.reducescatter(x, op=shmcomm.Sum, output=out), scattered),
+             ("alltoall", lambda out: shmcomm.alltoall(sent, splits=splits, output=out)[0], received)]
+    for name, call, want in cases:
+        if me == 1:
+            wrong = np.empty((want.shape[0] + 1,) + want.shape[1:], want.dtype)
+            try:
+                call(wrong)
+            except shmcomm.InvalidArgumentError as error:
+                assert "output is" in str(error), error
+            else:
+                raise AssertionError("%s accepted an output of the wrong shape" % name)
+        else:
+            out = np.empty_like(want)
+            assert call(out) is out
+            np.testing.assert_array_equal(out, want)
+        total = shmcomm.allreduce(np.ones(5, np.float32), op=shmcomm.Sum)
+        np.testing.assert_array_equal(total, np.full(5, size, np.float32))
+    return True
+'''
+
+
+def _outputs():
+    namespace = {}
+    exec(BODY, namespace)
+    import shmcomm
+
+    shmcomm.init()
+    return namespace["check_outputs"]()
+
+
+def _one_bad_output():
+    namespace = {}
+    exec(BODY, namespace)
+    import shmcomm
+
+    shmcomm.init()
+    return namespace["check_one_bad_output"]()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_outputs_on_one_host(size):
+    assert multiproc.run(size, _outputs, timeout=120, env=FAST_TIMEOUT) == [True] * size
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_one_rank_with_a_bad_output_does_not_hold_the_others(size):
+    assert multiproc.run(size, _one_bad_output, timeout=120, env=FAST_TIMEOUT) == [True] * size
+
+
+def test_outputs_across_pretend_hosts(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(BODY + "\nshmcomm.init()\nassert check_outputs() and check_one_bad_output()\n"
+                             "print('rank ok', flush=True)\n")
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               SHMCOMM_RANKS_PER_HOST="2", **FAST_TIMEOUT)
+    run = subprocess.run([mpiexec, "-n", "4", sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("rank ok") == 4
+
+
+def _torch_outputs(size):
+    import torch
+
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    out = torch.empty(size, 2, dtype=torch.float64)
+    assert shmcomm.allgather(torch.full((1, 2), float(me), dtype=torch.float64), output=out) is out
+    assert out[:, 0].tolist() == list(range(size))
+    out = torch.empty(2, dtype=torch.float32)
+    assert shmcomm.reducescatter(torch.ones(2 * size), op=shmcomm.Sum, output=out) is out
+    assert out.tolist() == [size] * 2
+    out = torch.empty(size, dtype=torch.int32)
+    got = shmcomm.alltoall(torch.full((size,), me, dtype=torch.int32), output=out)
+    assert got is out and out.tolist() == list(range(size))
+    return True
+
+
+def test_torch_outputs():
+    pytest.importorskip("torch")
+    assert multiproc.run(3, _torch_outputs, 3, timeout=120) == [True] * 3
+
+
+def _edges(size):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    # Rows of zero bytes: the row counts still travel, and the result has every rank's rows.
+    got = shmcomm.allgather(np.empty((me + 2, 0), np.float32))
+    assert got.shape == (sum(r + 2 for r in range(size)), 0)
+    sent, counts = shmcomm.alltoall(np.empty((2 * size, 0), np.int8), splits=[2] * size)
+    assert sent.shape == (2 * size, 0) and list(counts) == [2] * size
+    # Alltoall totals on both sides of the first window (the staging half less the counts) and of later windows.
+    for total in (1, 1000, 32_767, 32_768, 32_769, 65_535, 65_536, 65_537, 262_143, 262_145, 1_048_577):
+        splits = [(total + j + me) // size for j in range(size)]
+        x = np.concatenate([np.arange(s, dtype=np.uint8) + (me * 7 + j) for j, s in enumerate(splits)])
+        out, counts = shmcomm.alltoall(x, splits=splits)
+        from_each = [(total + me + j) // size for j in range(size)]
+        assert list(counts) == from_each
+        want = np.concatenate([np.arange(s, dtype=np.uint8) + (j * 7 + me) for j, s in enumerate(from_each)])
+        np.testing.assert_array_equal(out, want)
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_sizes_that_travel_with_the_data(size):
+    assert multiproc.run(size, _edges, size, timeout=120, env=FAST_TIMEOUT) == [True] * size
