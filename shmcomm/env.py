@@ -107,6 +107,24 @@ class Tuning:
     small_bytes: int       # one-step allreduce up to this size
     arena_bytes: int       # Soft Memory Box arena
     spin_us: int           # microseconds of polling before sleeping
+    single_copy_bytes: int  # allgather/alltoall/broadcast inputs from this size read peers' memory directly; 0: never
+
+
+def cache_bytes(level=2):
+    """The size of this core's level-`level` data or unified cache, as the kernel reports it; None if unknown."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(root)):
+            base = os.path.join(root, index)
+            with open(os.path.join(base, "level")) as f, open(os.path.join(base, "type")) as t:
+                if int(f.read()) != level or t.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(base, "size")) as f:
+                text = f.read().strip()
+            return int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]] if text[-1] in "KMG" else int(text)
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
 
 
 def tuning(local_size):
@@ -124,6 +142,7 @@ def tuning(local_size):
         small_bytes=_number("SMALL_BYTES", 64 << 10, int),
         arena_bytes=_number("SMB_BYTES", 256 << 20, int),
         spin_us=_number("SPIN_US", default_spin_us, int),
+        single_copy_bytes=_number("SINGLE_COPY_BYTES", cache_bytes(2) or (1 << 20), int),
     )
 
 

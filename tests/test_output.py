@@ -175,3 +175,16 @@ def _edges(size):
 @pytest.mark.parametrize("size", [2, 3])
 def test_sizes_that_travel_with_the_data(size):
     assert multiproc.run(size, _edges, size, timeout=120, env=FAST_TIMEOUT) == [True] * size
+
+
+@pytest.mark.parametrize("threshold", ["0", "1"])
+@pytest.mark.parametrize("case", ["broadcast", "allgather", "alltoall"])
+def test_staged_and_single_copy_paths_agree(case, threshold):
+    """SHMCOMM_SINGLE_COPY_BYTES=0 keeps every size on the staging halves; 1 sends every size by single copy where
+    the ranks may read each other's memory (the default sends only inputs of a cache's size or more)."""
+    import test_collectives
+
+    body = {"broadcast": test_collectives._broadcast, "allgather": test_collectives._allgather,
+            "alltoall": test_collectives._alltoall}[case]
+    env = dict(FAST_TIMEOUT, SHMCOMM_SINGLE_COPY_BYTES=threshold)
+    assert multiproc.run(3, body, 3, timeout=120, env=env) == [True] * 3

@@ -11,11 +11,32 @@
 #include "coll/comm.h"
 #include "core/error.h"
 
-/* Step 0 up to its synchronisation: window 0 in this rank's half, `desc` (whose `own` is the row count) compared. */
+/* Step 0 up to its synchronisation: window 0 in this rank's half, `desc` (whose `own` is the row count) compared.
+ * An input that will move by single copy stays where it is: the largest input is at least this one. */
 static smc_result_t begin_step(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, smc_desc_t* desc) {
   uint64_t first = send_bytes < c->half_bytes ? send_bytes : c->half_bytes;
-  if (first > 0) memcpy(smc_half(c, c->rank), sendbuf, (size_t)first);
+  if (first > 0 && !smc_single_copy(c, send_bytes)) memcpy(smc_half(c, c->rank), sendbuf, (size_t)first);
+  desc->addr = (uint64_t)(uintptr_t)sendbuf;
   return smc_coll_begin(c, desc, "allgather");
+}
+
+/* Every peer's input read straight from its memory; then one synchronisation, after which the owners may reuse
+ * their buffers. A failed read still synchronises, so the peers go on, and is reported by this rank alone. */
+static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out, const uint64_t* displ,
+                                const uint64_t* every_rows, uint64_t row_bytes) {
+  smc_result_t rc = SMC_SUCCESS;
+  for (int k = 1; k < c->size && out != NULL; k++) {
+    int j = (c->rank + k) % c->size; /* each rank starts at a different peer */
+    uint64_t bytes = every_rows[j] * row_bytes;
+    if (bytes > 0 && rc == SMC_SUCCESS) rc = smc_cma_read(c, j, out + displ[j], smc_peer_desc(c, j)->addr, bytes,
+                                                          "allgather");
+  }
+  uint64_t mine = every_rows[c->rank] * row_bytes;
+  if (out != NULL && mine > 0 && out + displ[c->rank] != (const uint8_t*)sendbuf)
+    memmove(out + displ[c->rank], sendbuf, (size_t)mine);
+  smc_result_t synced = smc_sync(c, "allgather");
+  smc_flip(c);
+  return synced != SMC_SUCCESS ? synced : rc;
 }
 
 static smc_result_t check_args(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, const void* rows) {
@@ -61,6 +82,7 @@ smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recv
     if (out != NULL && send_bytes > 0 && sendbuf != recvbuf) memmove(out, sendbuf, (size_t)send_bytes);
     return SMC_SUCCESS;
   }
+  if (smc_single_copy(c, longest)) return single_copy(c, sendbuf, out, displ, every_rows, row_bytes);
   const uint64_t half = c->half_bytes;
   uint64_t steps = longest == 0 ? 1 : (longest + half - 1) / half;
   for (uint64_t k = 0; k < steps; k++) {

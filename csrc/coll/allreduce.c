@@ -109,7 +109,8 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), NULL, NULL, 1};
   if (c->size == 1)
     return count ? smc_reduce(recvbuf, &sendbuf, 1, count, dtype, op, prescale, postscale, divisor) : SMC_SUCCESS;
-  smc_desc_t desc = {prescale, postscale, count, tag, divisor, 0, SMC_COLL_ALLREDUCE, dtype, op, -1};
+  smc_desc_t desc = {.prescale = prescale, .postscale = postscale, .count = count, .tag = tag, .divisor = divisor,
+                     .coll = SMC_COLL_ALLREDUCE, .dtype = dtype, .op = op, .root = -1};
   if (count * p.esize <= c->small_bytes) return one_step(c, &p, count, &desc);
 
   /* Equal ranges, each a whole number of cache lines, so that no two ranks write the same line of the output. */
@@ -138,7 +139,8 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
   plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), start, counts, 0};
   if (c->size == 1)
     return total ? smc_reduce(recvbuf, &sendbuf, 1, total, dtype, op, prescale, postscale, divisor) : SMC_SUCCESS;
-  smc_desc_t desc = {prescale, postscale, total, smc_digest(counts, c->size, tag), divisor, 0, SMC_COLL_REDUCESCATTER,
-                     dtype, op, -1};
+  smc_desc_t desc = {.prescale = prescale, .postscale = postscale, .count = total,
+                     .tag = smc_digest(counts, c->size, tag), .divisor = divisor, .coll = SMC_COLL_REDUCESCATTER,
+                     .dtype = dtype, .op = op, .root = -1};
   return pipelined(c, &p, &desc, "reducescatter");
 }

@@ -70,7 +70,7 @@ smc_result_t smc_alltoallv(smc_comm_t* c, const void* sendbuf, const uint64_t* s
   uint64_t* counts = (uint64_t*)smc_half(c, me);
   memcpy(counts, send_bytes, sizeof(uint64_t) * (size_t)n);
   memcpy(counts + n, recv_bytes, sizeof(uint64_t) * (size_t)n);
-  smc_desc_t desc = {1, 1, 0, tag, 1, 0, SMC_COLL_ALLTOALLV, 0, 0, -1};
+  smc_desc_t desc = {.prescale = 1, .postscale = 1, .tag = tag, .divisor = 1, .coll = SMC_COLL_ALLTOALLV, .root = -1};
   SMC_CHECK_GOTO(smc_coll_begin(c, &desc, "alltoall"), rc, out);
   rc = plan_routes(c, routes, &longest);
   smc_flip(c);
@@ -123,9 +123,11 @@ smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64
   uint8_t* mine = smc_half(c, c->rank);
   memcpy(mine, send_rows, (size_t)counts_bytes);
   uint64_t first = c->half_bytes - counts_bytes;
-  if (my_total > 0) memcpy(mine + counts_bytes, sendbuf, (size_t)(my_total < first ? my_total : first));
+  /* An input that will move by single copy stays where it is: the largest input is at least this one. */
+  if (my_total > 0 && !smc_single_copy(c, my_total))
+    memcpy(mine + counts_bytes, sendbuf, (size_t)(my_total < first ? my_total : first));
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .tag = tag, .divisor = 1, .own = my_total,
-                     .coll = SMC_COLL_ALLTOALLV, .root = -1};
+                     .addr = (uint64_t)(uintptr_t)sendbuf, .coll = SMC_COLL_ALLTOALLV, .root = -1};
   SMC_CHECK(smc_coll_begin(c, &desc, "alltoall"));
   for (int j = 0; j < n; j++) memcpy(matrix + (size_t)j * n, smc_half(c, j), (size_t)counts_bytes);
   return SMC_SUCCESS;
@@ -157,10 +159,24 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
     r->to = to;
     to += r->len;
     longest = r->total > longest ? r->total : longest;
+    if (j == me) my_total = r->total;
   }
-  my_total = routes[me].total;
-  const uint64_t half = c->half_bytes, counts_bytes = sizeof(uint64_t) * (uint64_t)n, first = half - counts_bytes;
   smc_result_t rc = SMC_SUCCESS;
+  if (smc_single_copy(c, longest)) { /* each rank reads its part of every peer's buffer (see coll/comm.h) */
+    for (int k = 1; k < n && out != NULL; k++) {
+      int j = (me + k) % n;
+      const route_t* r = &routes[j];
+      if (r->len > 0 && rc == SMC_SUCCESS)
+        rc = smc_cma_read(c, j, out + r->to, smc_peer_desc(c, j)->addr + r->from, r->len, "alltoall");
+    }
+    const route_t* own = &routes[me];
+    if (out != NULL && own->len > 0) memmove(out + own->to, (const uint8_t*)sendbuf + own->from, (size_t)own->len);
+    smc_result_t synced = smc_sync(c, "alltoall");
+    smc_flip(c);
+    free(routes);
+    return synced != SMC_SUCCESS ? synced : rc;
+  }
+  const uint64_t half = c->half_bytes, counts_bytes = sizeof(uint64_t) * (uint64_t)n, first = half - counts_bytes;
   for (uint64_t k = 0; k == 0 || window_start(k, first, half) < longest; k++) {
     uint64_t at = window_start(k, first, half), len = k == 0 ? first : half, skip = k == 0 ? counts_bytes : 0;
     if (k > 0) { /* window 0 went out with smc_alltoall_begin */

@@ -11,7 +11,17 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   const int me = c->rank;
   if (bytes > 0 && ((me == root && sendbuf == NULL) || recvbuf == NULL))
     return smc_set_error(SMC_ERR_INVALID, "broadcast: NULL buffer");
-  smc_desc_t desc = {1, 1, bytes, tag, 1, 0, SMC_COLL_BROADCAST, 0, 0, root};
+  smc_desc_t desc = {.prescale = 1, .postscale = 1, .count = bytes, .tag = tag, .divisor = 1,
+                     .addr = (uint64_t)(uintptr_t)sendbuf, .coll = SMC_COLL_BROADCAST, .root = root};
+  if (c->size > 1 && smc_single_copy(c, bytes)) { /* every rank reads the root's buffer at once */
+    SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
+    smc_result_t rc = me == root ? SMC_SUCCESS : smc_cma_read(c, root, recvbuf, smc_peer_desc(c, root)->addr, bytes,
+                                                              "broadcast");
+    smc_result_t synced = smc_sync(c, "broadcast"); /* the root keeps its buffer until everyone has read it */
+    smc_flip(c);
+    if (me == root && sendbuf != recvbuf) memmove(recvbuf, sendbuf, bytes);
+    return synced != SMC_SUCCESS ? synced : rc;
+  }
   size_t steps = bytes == 0 ? 1 : (bytes + c->half_bytes - 1) / c->half_bytes;
   for (size_t k = 0; c->size > 1 && k < steps; k++) {
     size_t at = k * c->half_bytes;

@@ -142,6 +142,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->timeout_s = cfg->timeout_s;
   c->liveness_s = cfg->liveness_s;
   c->spin_us = cfg->spin_us < 0 ? 0 : cfg->spin_us;
+  c->single_copy_bytes = cfg->single_copy_bytes;
   for (int r = 0; r < c->size; r++) c->job_ranks[r] = cfg->job_ranks != NULL ? cfg->job_ranks[r] : r;
   snprintf(c->name, sizeof(c->name), "/shmcomm-%s-%d", cfg->token, cfg->generation);
 
@@ -181,6 +182,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   atomic_fetch_add(&c->hdr->attached, 1);
   smc_futex_wake_all(&c->hdr->attached);
   SMC_CHECK_GOTO(wait_all_attached(c, cfg->start_timeout_s), res, fail_leave);
+  SMC_CHECK_GOTO(smc_cma_probe(c, cfg->start_timeout_s), res, fail_leave);
   if (c->rank == 0) {
     smc_segment_unlink(c->name);
     atomic_store(&c->hdr->unlinked, 1);
@@ -236,6 +238,8 @@ uint32_t smc_comm_doorbell_wait(smc_comm_t* c, uint32_t seen, double timeout_s) 
 }
 
 void smc_comm_set_spin(smc_comm_t* c, int spin_us) { c->spin_us = spin_us < 0 ? 0 : spin_us; }
+
+int smc_comm_single_copy(smc_comm_t* c) { return c->cma; }
 
 uint64_t smc_comm_failed_ranks(smc_comm_t* c) {
   uint64_t mask = 0;

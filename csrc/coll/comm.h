@@ -33,6 +33,9 @@ struct smc_comm {
   char broken_msg[512];
   smc_failure_t broken_failure; /* the failure data of that failure, repeated by every later refusal */
   int job_ranks[SMC_MAX_RANKS]; /* a copy of smc_config_t.job_ranks: nothing points into the caller's memory */
+  uint64_t single_copy_bytes; /* inputs of at least this size move by single copy (coll/cma.c); 0: never */
+  int cma;                    /* every rank can read its peers' memory (decided together at init) */
+  uint64_t cma_probe;         /* the value a neighbour reads at init to prove it reads this process */
 };
 
 /* How messages and failure data name rank r of this communicator. */
@@ -61,5 +64,18 @@ const smc_desc_t* smc_peer_desc(smc_comm_t* c, int r); /* valid between begin an
 /* Entry check of every public call: a broken communicator refuses work. */
 smc_result_t smc_comm_usable(smc_comm_t* c, const char* what);
 uint64_t smc_digest(const uint64_t* values, int n, uint64_t seed);
+
+/* cma.c: single copy through Linux cross-memory attach (process_vm_readv): a reader copies straight from the
+ * owner's buffer, whose address the owner published in its descriptor (`addr`), instead of the owner copying into
+ * its staging half and the reader copying out. smc_cma_probe runs once at init, after every rank attached: each
+ * rank reads a value from its neighbour's memory and all ranks adopt single copy only if every rank could (a
+ * container without ptrace rights, or ranks in different pid namespaces, keep the staging path).
+ * smc_single_copy: whether a collective whose largest input is `bytes` takes it; the same answer on every rank.
+ * smc_cma_read: copies `bytes` from rank r's address `remote` into `local`. */
+smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s);
+static inline int smc_single_copy(const smc_comm_t* c, uint64_t bytes) {
+  return c->cma && c->single_copy_bytes > 0 && bytes >= c->single_copy_bytes;
+}
+smc_result_t smc_cma_read(smc_comm_t* c, int r, void* local, uint64_t remote, uint64_t bytes, const char* what);
 
 #endif

@@ -93,6 +93,8 @@ typedef struct {
   size_t small_bytes;     /* allreduce up to this many bytes takes the one-step path */
   size_t arena_bytes;     /* room for Soft Memory Boxes */
   int spin_us;            /* microseconds a waiter polls before it sleeps on a futex */
+  size_t single_copy_bytes; /* allgather, alltoall and broadcast inputs of at least this size move by single copy
+                             * (process_vm_readv) where every rank may read its peers' memory; 0: never */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL
                            * means rank r is job rank r. Copied by smc_comm_create. */
 } smc_config_t;
@@ -118,6 +120,9 @@ uint32_t smc_comm_doorbell_value(smc_comm_t* comm);
 uint32_t smc_comm_doorbell_wait(smc_comm_t* comm, uint32_t seen, double timeout_s);
 /* Changes how long waits poll before sleeping (the engine polls briefly while negotiating). */
 void smc_comm_set_spin(smc_comm_t* comm, int spin_us);
+/* 1 when large allgather, alltoall and broadcast inputs move by single copy (every rank could read its neighbour's
+ * memory at init, and single_copy_bytes is not 0). */
+int smc_comm_single_copy(smc_comm_t* comm);
 /* Ranks whose process is gone, as a bit mask (bit i = the communicator's i-th rank, job_ranks[i]; the first 64
  * only); for error reports and tests. Overwrites this thread's last failure. */
 uint64_t smc_comm_failed_ranks(smc_comm_t* comm);

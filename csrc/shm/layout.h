@@ -45,6 +45,7 @@ typedef struct {
   uint64_t tag;   /* caller's digest (shapes) mixed with a digest of per-rank count arrays */
   int64_t divisor;
   uint64_t own;  /* a per-rank value that is not compared (what this rank contributes to an allgatherv) */
+  uint64_t addr; /* not compared: where peers may read this rank's input by single copy (coll/cma.c), or 0 */
   uint32_t coll; /* smc_coll_kind_t */
   uint32_t dtype;
   uint32_t op;
@@ -66,6 +67,12 @@ typedef struct {
   _Atomic uint32_t bell_sleepers;
   /* Line 4+: the descriptor of the collective in flight, one per staging half. */
   smc_desc_t desc[2] __attribute__((aligned(SMC_CACHE_LINE)));
+  /* Written once at init (coll/cma.c): where a peer can read this rank's probe value with process_vm_readv, and
+   * this rank's verdict on reading its neighbour's (1 published, 2 could not, 3 could). */
+  uint64_t cma_addr __attribute__((aligned(SMC_CACHE_LINE)));
+  uint64_t cma_value;
+  _Atomic uint32_t cma_state;
+  _Atomic uint32_t cma_sleepers;
 } smc_rank_ctl_t;
 
 typedef struct {

@@ -4,6 +4,7 @@
 Each call is one C call; this module only converts sizes to C arrays and failures to exceptions. It is on the
 latency path of everything (a small allreduce costs a few microseconds): keep it free of avoidable work."""
 from shmcomm._native import error_for, ffi, lib
+from shmcomm.log import logger as log
 from shmcomm.exceptions import RankFailure
 from shmcomm.transport import Transport, allgather_bytes_over
 
@@ -43,6 +44,7 @@ class SharedMemory(Transport):
         cfg.small_bytes = tuning.small_bytes
         cfg.arena_bytes = tuning.arena_bytes if arena else 0
         cfg.spin_us = tuning.spin_us
+        cfg.single_copy_bytes = tuning.single_copy_bytes
         job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
         cfg.job_ranks = job_ranks
         out = ffi.new("smc_comm_t **")
@@ -50,6 +52,10 @@ class SharedMemory(Transport):
         if rc != 0:
             raise _error(rc, "init")
         self.handle = out[0]
+        # Single copy is a speed path with a silent fallback: say which one this machine took.
+        log.debug("shared memory of %d ranks: inputs from %d bytes move by %s", self.size, tuning.single_copy_bytes,
+                  "single copy (process_vm_readv)" if lib.smc_comm_single_copy(self.handle)
+                  else "the staging halves (single copy is off or not allowed here)")
 
     # ---- steps ----
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
