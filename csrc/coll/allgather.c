@@ -21,7 +21,8 @@ static smc_result_t check_contributions(smc_comm_t* c, const uint64_t* recv_byte
 smc_result_t smc_allgatherv(smc_comm_t* c, const void* sendbuf, size_t send_bytes, void* recvbuf,
                             const uint64_t* recv_bytes, uint64_t tag) {
   SMC_CHECK(smc_comm_usable(c, "allgather"));
-  if (recv_bytes == NULL) return smc_set_error(SMC_ERR_INVALID, "allgather: recv_bytes is NULL");
+  if (recv_bytes == NULL)
+    return smc_refuse_here(c, SMC_COLL_ALLGATHERV, smc_set_error(SMC_ERR_INVALID, "allgather: recv_bytes is NULL"));
   uint64_t displ[SMC_MAX_RANKS], total = 0, longest = 0;
   for (int j = 0; j < c->size; j++) {
     displ[j] = total;
@@ -29,7 +30,7 @@ smc_result_t smc_allgatherv(smc_comm_t* c, const void* sendbuf, size_t send_byte
     longest = recv_bytes[j] > longest ? recv_bytes[j] : longest;
   }
   if ((send_bytes > 0 && sendbuf == NULL) || (total > 0 && recvbuf == NULL))
-    return smc_set_error(SMC_ERR_INVALID, "allgather: NULL buffer");
+    return smc_refuse_here(c, SMC_COLL_ALLGATHERV, smc_set_error(SMC_ERR_INVALID, "allgather: NULL buffer"));
   const int me = c->rank;
   uint8_t* out = recvbuf;
   if (c->size == 1) {
@@ -39,7 +40,7 @@ smc_result_t smc_allgatherv(smc_comm_t* c, const void* sendbuf, size_t send_byte
     if (send_bytes > 0 && sendbuf != recvbuf) memmove(recvbuf, sendbuf, send_bytes);
     return SMC_SUCCESS;
   }
-  smc_desc_t desc = {1, 1, 0, smc_digest(recv_bytes, c->size, tag), 1, send_bytes, SMC_COLL_ALLGATHERV, 0, 0, -1};
+  smc_desc_t desc = {1, 1, 0, smc_digest(recv_bytes, c->size, tag), 1, send_bytes, SMC_COLL_ALLGATHERV, 0, 0, -1, 0};
   size_t half = c->half_bytes;
   size_t steps = longest == 0 ? 1 : (size_t)((longest + half - 1) / half);
   for (size_t k = 0; k < steps; k++) {

@@ -105,11 +105,12 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
 
 smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t count, smc_datatype_t dtype,
                            smc_redop_t op, double prescale, double postscale, int64_t divisor, uint64_t tag) {
-  SMC_CHECK(check_args(c, sendbuf, recvbuf, count, dtype, op, divisor, "allreduce"));
+  SMC_CHECK(smc_refuse_here(c, SMC_COLL_ALLREDUCE,
+                            check_args(c, sendbuf, recvbuf, count, dtype, op, divisor, "allreduce")));
   plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), NULL, NULL, 1};
   if (c->size == 1)
     return count ? smc_reduce(recvbuf, &sendbuf, 1, count, dtype, op, prescale, postscale, divisor) : SMC_SUCCESS;
-  smc_desc_t desc = {prescale, postscale, count, tag, divisor, 0, SMC_COLL_ALLREDUCE, dtype, op, -1};
+  smc_desc_t desc = {prescale, postscale, count, tag, divisor, 0, SMC_COLL_ALLREDUCE, dtype, op, -1, 0};
   if (count * p.esize <= c->small_bytes) return one_step(c, &p, count, &desc);
 
   /* Equal ranges, each a whole number of cache lines, so that no two ranks write the same line of the output. */
@@ -128,17 +129,19 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
 smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf, const uint64_t* counts,
                                smc_datatype_t dtype, smc_redop_t op, double prescale, double postscale,
                                int64_t divisor, uint64_t tag) {
-  if (counts == NULL) return smc_set_error(SMC_ERR_INVALID, "reducescatter: counts is NULL");
+  if (counts == NULL)
+    return smc_refuse_here(c, SMC_COLL_REDUCESCATTER, smc_set_error(SMC_ERR_INVALID, "reducescatter: counts is NULL"));
   uint64_t start[SMC_MAX_RANKS], total = 0;
   for (int j = 0; c != NULL && j < c->size; j++) {
     start[j] = total;
     total += counts[j];
   }
-  SMC_CHECK(check_args(c, sendbuf, total ? recvbuf : sendbuf, (size_t)total, dtype, op, divisor, "reducescatter"));
+  SMC_CHECK(smc_refuse_here(c, SMC_COLL_REDUCESCATTER, check_args(c, sendbuf, total ? recvbuf : sendbuf, (size_t)total,
+                                                                  dtype, op, divisor, "reducescatter")));
   plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), start, counts, 0};
   if (c->size == 1)
     return total ? smc_reduce(recvbuf, &sendbuf, 1, total, dtype, op, prescale, postscale, divisor) : SMC_SUCCESS;
   smc_desc_t desc = {prescale, postscale, total, smc_digest(counts, c->size, tag), divisor, 0, SMC_COLL_REDUCESCATTER,
-                     dtype, op, -1};
+                     dtype, op, -1, 0};
   return pipelined(c, &p, &desc, "reducescatter");
 }

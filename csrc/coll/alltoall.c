@@ -49,7 +49,8 @@ static smc_result_t plan_routes(smc_comm_t* c, route_t* routes, uint64_t* longes
 smc_result_t smc_alltoallv(smc_comm_t* c, const void* sendbuf, const uint64_t* send_bytes, void* recvbuf,
                            const uint64_t* recv_bytes, uint64_t tag) {
   SMC_CHECK(smc_comm_usable(c, "alltoall"));
-  if (send_bytes == NULL || recv_bytes == NULL) return smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts");
+  if (send_bytes == NULL || recv_bytes == NULL)
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts"));
   const int n = c->size, me = c->rank;
   uint64_t my_total = 0, my_recv = 0;
   for (int j = 0; j < n; j++) {
@@ -57,20 +58,22 @@ smc_result_t smc_alltoallv(smc_comm_t* c, const void* sendbuf, const uint64_t* s
     my_recv += recv_bytes[j];
   }
   if ((my_total > 0 && sendbuf == NULL) || (my_recv > 0 && recvbuf == NULL))
-    return smc_set_error(SMC_ERR_INVALID, "alltoall: NULL buffer");
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV,
+                           smc_set_error(SMC_ERR_INVALID, "alltoall: NULL buffer"));
   if (n == 1) {
     if (send_bytes[0] != recv_bytes[0]) return smc_set_error(SMC_ERR_INVALID, "alltoall: send and receive counts differ");
     if (my_total > 0 && sendbuf != recvbuf) memmove(recvbuf, sendbuf, my_total);
     return SMC_SUCCESS;
   }
   route_t* routes = malloc(sizeof(route_t) * (size_t)n);
-  if (routes == NULL) return smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory");
+  if (routes == NULL)
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory"));
   smc_result_t rc = SMC_SUCCESS;
   uint64_t longest = 0;
   uint64_t* counts = (uint64_t*)smc_half(c, me);
   memcpy(counts, send_bytes, sizeof(uint64_t) * (size_t)n);
   memcpy(counts + n, recv_bytes, sizeof(uint64_t) * (size_t)n);
-  smc_desc_t desc = {1, 1, 0, tag, 1, 0, SMC_COLL_ALLTOALLV, 0, 0, -1};
+  smc_desc_t desc = {1, 1, 0, tag, 1, 0, SMC_COLL_ALLTOALLV, 0, 0, -1, 0};
   SMC_CHECK_GOTO(smc_coll_begin(c, &desc, "alltoall"), rc, out);
   rc = plan_routes(c, routes, &longest);
   smc_flip(c);

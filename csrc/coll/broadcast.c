@@ -7,11 +7,12 @@
 smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t bytes, int root, uint64_t tag) {
   SMC_CHECK(smc_comm_usable(c, "broadcast"));
   if (root < 0 || root >= c->size)
-    return smc_set_error(SMC_ERR_INVALID, "broadcast: root %d is outside 0..%d", root, c->size - 1);
+    return smc_refuse_here(c, SMC_COLL_BROADCAST,
+                           smc_set_error(SMC_ERR_INVALID, "broadcast: root %d is outside 0..%d", root, c->size - 1));
   const int me = c->rank;
   if (bytes > 0 && ((me == root && sendbuf == NULL) || recvbuf == NULL))
-    return smc_set_error(SMC_ERR_INVALID, "broadcast: NULL buffer");
-  smc_desc_t desc = {1, 1, bytes, tag, 1, 0, SMC_COLL_BROADCAST, 0, 0, root};
+    return smc_refuse_here(c, SMC_COLL_BROADCAST, smc_set_error(SMC_ERR_INVALID, "broadcast: NULL buffer"));
+  smc_desc_t desc = {1, 1, bytes, tag, 1, 0, SMC_COLL_BROADCAST, 0, 0, root, 0};
   size_t steps = bytes == 0 ? 1 : (bytes + c->half_bytes - 1) / c->half_bytes;
   for (size_t k = 0; c->size > 1 && k < steps; k++) {
     size_t at = k * c->half_bytes;

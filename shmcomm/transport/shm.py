@@ -7,13 +7,17 @@ from shmcomm._native import error_for, ffi, lib
 from shmcomm.exceptions import RankFailure
 from shmcomm.transport import Transport, allgather_bytes_over
 
+SMC_REASON_BYTES = 479  # what peers read of a refusal's reason (SMC_REASON_MAX in csrc/coll/comm.h, less the NUL)
+
 
 def _error(rc, what):
     """The exception for a failed step: the core's (built from its failure data), its text prefixed with the
-    caller's name for the call where the core's own does not mention it. A dead rank's text stands as it is."""
+    caller's name for the call where the core's own does not mention it. A dead rank's text stands as it is. The
+    core has told the peers of every failure of its own checks (smc_coll_refuse): `told_peers` says so."""
     error = error_for(rc)
     if what not in str(error) and not isinstance(error, RankFailure):
         error.args = ("%s: %s" % (what, error),) + error.args[1:]
+    error.told_peers = True
     return error
 
 
@@ -82,6 +86,13 @@ class SharedMemory(Transport):
 
     def barrier(self, what="barrier"):
         rc = lib.smc_barrier(self.handle)
+        if rc != 0:
+            raise _error(rc, what)
+
+    def refuse(self, kind, reason, what):
+        """Takes the first step of collective `kind` (lib.SMC_COLL_*) as a refusal: every peer's call fails at once
+        with PeerArgumentError naming this rank and `reason`."""
+        rc = lib.smc_coll_refuse(self.handle, kind, reason.encode("utf-8", "replace")[:SMC_REASON_BYTES])
         if rc != 0:
             raise _error(rc, what)
 
