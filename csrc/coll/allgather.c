@@ -26,9 +26,11 @@ smc_result_t smc_allgatherv(smc_comm_t* c, const void* sendbuf, size_t send_byte
   uint64_t displ[SMC_MAX_RANKS], total = 0, longest = 0;
   for (int j = 0; j < c->size; j++) {
     displ[j] = total;
-    total += recv_bytes[j];
+    total = smc_add_bytes(total, recv_bytes[j]);
     longest = recv_bytes[j] > longest ? recv_bytes[j] : longest;
   }
+  if (total > SMC_MAX_BYTES || send_bytes > SMC_MAX_BYTES)
+    return smc_refuse_here(c, SMC_COLL_ALLGATHERV, smc_set_error(SMC_ERR_INVALID, "allgather: too many bytes"));
   if ((send_bytes > 0 && sendbuf == NULL) || (total > 0 && recvbuf == NULL))
     return smc_refuse_here(c, SMC_COLL_ALLGATHERV, smc_set_error(SMC_ERR_INVALID, "allgather: NULL buffer"));
   const int me = c->rank;

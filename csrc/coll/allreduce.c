@@ -39,7 +39,8 @@ static smc_result_t check_args(smc_comm_t* c, const void* send, const void* recv
   if ((unsigned)dtype >= SMC_NUM_DTYPES) return smc_set_error(SMC_ERR_INVALID, "%s: unknown dtype %d", what, dtype);
   if ((unsigned)op >= SMC_NUM_OPS) return smc_set_error(SMC_ERR_INVALID, "%s: unknown op %d", what, op);
   if (divisor < 1) return smc_set_error(SMC_ERR_INVALID, "%s: divisor %lld < 1", what, (long long)divisor);
-  if (count > SIZE_MAX / 8) return smc_set_error(SMC_ERR_INVALID, "%s: count %zu is too large", what, count);
+  if (count > SMC_MAX_BYTES / smc_dtype_size(dtype))
+    return smc_set_error(SMC_ERR_INVALID, "%s: count %zu is too large", what, count);
   if (count > 0 && (send == NULL || recv == NULL)) return smc_set_error(SMC_ERR_INVALID, "%s: NULL buffer", what);
   return SMC_SUCCESS;
 }
@@ -134,7 +135,7 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
   uint64_t start[SMC_MAX_RANKS], total = 0;
   for (int j = 0; c != NULL && j < c->size; j++) {
     start[j] = total;
-    total += counts[j];
+    total = smc_add_bytes(total, counts[j]); /* a total this large is refused below */
   }
   SMC_CHECK(smc_refuse_here(c, SMC_COLL_REDUCESCATTER, check_args(c, sendbuf, total ? recvbuf : sendbuf, (size_t)total,
                                                                   dtype, op, divisor, "reducescatter")));

@@ -54,9 +54,11 @@ smc_result_t smc_alltoallv(smc_comm_t* c, const void* sendbuf, const uint64_t* s
   const int n = c->size, me = c->rank;
   uint64_t my_total = 0, my_recv = 0;
   for (int j = 0; j < n; j++) {
-    my_total += send_bytes[j];
-    my_recv += recv_bytes[j];
+    my_total = smc_add_bytes(my_total, send_bytes[j]);
+    my_recv = smc_add_bytes(my_recv, recv_bytes[j]);
   }
+  if (my_total > SMC_MAX_BYTES || my_recv > SMC_MAX_BYTES)
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_INVALID, "alltoall: too many bytes"));
   if ((my_total > 0 && sendbuf == NULL) || (my_recv > 0 && recvbuf == NULL))
     return smc_refuse_here(c, SMC_COLL_ALLTOALLV,
                            smc_set_error(SMC_ERR_INVALID, "alltoall: NULL buffer"));

@@ -10,6 +10,8 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
     return smc_refuse_here(c, SMC_COLL_BROADCAST,
                            smc_set_error(SMC_ERR_INVALID, "broadcast: root %d is outside 0..%d", root, c->size - 1));
   const int me = c->rank;
+  if (bytes > SMC_MAX_BYTES)
+    return smc_refuse_here(c, SMC_COLL_BROADCAST, smc_set_error(SMC_ERR_INVALID, "broadcast: %zu bytes", bytes));
   if (bytes > 0 && ((me == root && sendbuf == NULL) || recvbuf == NULL))
     return smc_refuse_here(c, SMC_COLL_BROADCAST, smc_set_error(SMC_ERR_INVALID, "broadcast: NULL buffer"));
   smc_desc_t desc = {1, 1, bytes, tag, 1, 0, SMC_COLL_BROADCAST, 0, 0, root, 0};

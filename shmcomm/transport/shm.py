@@ -104,7 +104,7 @@ class SharedMemory(Transport):
 
     # ---- liveness, doorbells, waiting ----
     def failed_ranks(self):
-        mask = lib.smc_comm_failed_ranks(self.handle) if self.handle is not None else 0
+        mask = lib.smc_comm_failed_ranks(self.handle)  # 0 once closed (NULL)
         return [self.ranks[r] for r in range(self.size) if mask >> r & 1]
 
     def set_spin(self, spin_us):
@@ -120,6 +120,6 @@ class SharedMemory(Transport):
         return lib.smc_comm_doorbell_wait(self.handle, seen, timeout_s)
 
     def close(self):
-        if self.handle is not None:
+        if self.handle != ffi.NULL:
             lib.smc_comm_destroy(self.handle)
-            self.handle = None
+            self.handle = ffi.NULL  # calls after close are refused by the core (a NULL communicator)
