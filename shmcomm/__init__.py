@@ -24,7 +24,7 @@ _EXPORTS = {
     "shmcomm.ops": ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product"],
     "shmcomm.exceptions": ["ShmCommError", "NotInitializedError", "InvalidArgumentError", "MismatchError",
                            "TimeoutError", "RankFailure", "BrokenCommunicatorError", "OutOfMemoryError",
-                           "BoxExistsError", "BoxNotFoundError"],
+                           "BoxExistsError", "BoxNotFoundError", "PeerArgumentError", "NotSupportedError"],
     "shmcomm.torch.optimizer": ["DistributedOptimizer"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

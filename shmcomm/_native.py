@@ -19,6 +19,7 @@ _ERRORS = {
     lib.SMC_ERR_EXISTS: exc.BoxExistsError,
     lib.SMC_ERR_NOT_FOUND: exc.BoxNotFoundError,
     lib.SMC_ERR_BROKEN: exc.BrokenCommunicatorError,
+    lib.SMC_ERR_REFUSED: exc.PeerArgumentError,
 }
 # MismatchError.field for the core's smc_field_t. The tag digests the shapes and the per-rank counts.
 _FIELDS = {
@@ -54,6 +55,8 @@ def error_for(rc, prefix=None):
     # A rank died or shut down: in this call, or in the one that broke the communicator.
     if cls is exc.RankFailure or (cls is exc.BrokenCommunicatorError and failure.code == lib.SMC_ERR_RANK_FAILED):
         return exc.RankFailure(text, failure.rank if failure.rank >= 0 else None)
+    if cls is exc.PeerArgumentError:
+        return exc.PeerArgumentError(text, failure.rank if failure.rank >= 0 else None)
     if cls is exc.MismatchError:
         return exc.MismatchError(text, _FIELDS.get(failure.field))
     return cls(text)

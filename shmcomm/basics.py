@@ -12,6 +12,7 @@ def init(engine=None):
     Without it, blocking calls go straight to the shared memory (the lowest latency) and the engine starts with the
     first asynchronous call, which every rank makes at the same point of the program. join() needs the engine from
     the start, since the ranks that call it and the ones that go on differ. SHMCOMM_ENGINE=1 sets the default."""
+    env.validate()
     if engine is None:
         engine = env.engine_requested()
     state = session.state

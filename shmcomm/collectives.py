@@ -29,7 +29,7 @@ def run(req):
     """Runs a request now, or through the engine if it is running."""
     engine = current_engine()
     if engine is not None and not engine.in_engine_thread():
-        return engine.submit(req).wait()
+        return engine.submit(req, settle=True).wait()
     return execute(req)
 
 
@@ -62,32 +62,42 @@ def splits_list(splits, rows, n, what):
 
 def allreduce_request(tensor, output, op, average, prescale_factor, postscale_factor, name, process_set):
     comm, set_id = resolve_set(process_set)
-    return Request("allreduce", _name("allreduce", name), tensor, comm, set_id, output=output,
-                   op=ops.resolve(op, average), prescale=prescale_factor, postscale=postscale_factor)
+    req = Request("allreduce", _name("allreduce", name), tensor, comm, set_id, output=output,
+                  prescale=prescale_factor, postscale=postscale_factor)
+    req.op = req.checked(ops.resolve, op, average, default=ops.Sum)
+    return req
+
+
+def _latency_path(tensor, output, op, prescale_factor, postscale_factor, name):
+    """A blocking allreduce on the global set without the engine: straight to the communicator, no Request."""
+    comm = session.communicator()
+    what = "allreduce" if name is None else "allreduce." + name
+    try:
+        return comm.allreduce(tensor, output, ops.resolve(op), prescale_factor, postscale_factor, what)
+    except InvalidArgumentError as error:
+        raise comm.refused("allreduce", error, what) from None
 
 
 def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None,
               process_set=None):
     """The reduction of `tensor` over all ranks (default op: Average), in a new tensor or in `output`."""
-    if process_set is None and average is None and current_engine() is None:  # the latency path: no Request
-        return session.communicator().allreduce(tensor, output, ops.resolve(op), prescale_factor,
-                                  postscale_factor, "allreduce" if name is None else "allreduce." + name)
+    if process_set is None and average is None and current_engine() is None:
+        return _latency_path(tensor, output, op, prescale_factor, postscale_factor, name)
     return run(allreduce_request(tensor, output, op, average, prescale_factor, postscale_factor, name, process_set))
 
 
 def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=None):
     """Reduces `tensor` over all ranks in place and returns it."""
-    if process_set is None and average is None and current_engine() is None:  # the latency path: no Request
-        return session.communicator().allreduce(tensor, tensor, ops.resolve(op), prescale_factor,
-                                  postscale_factor, "allreduce" if name is None else "allreduce." + name)
+    if process_set is None and average is None and current_engine() is None:
+        return _latency_path(tensor, tensor, op, prescale_factor, postscale_factor, name)
     return run(allreduce_request(tensor, tensor, op, average, prescale_factor, postscale_factor, name, process_set))
 
 
 def broadcast_request(tensor, output, root_rank, name, process_set):
     comm, set_id = resolve_set(process_set)
-    name = _name("broadcast", name)
-    return Request("broadcast", name, tensor, comm, set_id, output=output,
-                   root=root_index(comm, root_rank, name or "broadcast"))
+    req = Request("broadcast", _name("broadcast", name), tensor, comm, set_id, output=output)
+    req.root = req.checked(root_index, comm, root_rank, req.what, default=0)
+    return req
 
 
 def broadcast(tensor, root_rank, name=None, output=None, process_set=None):
@@ -113,8 +123,10 @@ def allgather(tensor, name=None, process_set=None, output=None):
 
 def reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set, output=None):
     comm, set_id = resolve_set(process_set)
-    return Request("reducescatter", _name("reducescatter", name), tensor, comm, set_id, output=output,
-                   op=ops.resolve(op), prescale=prescale_factor, postscale=postscale_factor)
+    req = Request("reducescatter", _name("reducescatter", name), tensor, comm, set_id, output=output,
+                  prescale=prescale_factor, postscale=postscale_factor)
+    req.op = req.checked(ops.resolve, op, default=ops.Sum)
+    return req
 
 
 def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None,
@@ -127,10 +139,11 @@ def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postsc
 
 def alltoall_request(tensor, splits, name, process_set, output=None):
     comm, set_id = resolve_set(process_set)
-    name = _name("alltoall", name)
-    shape = tuple(wrap(tensor, name or "alltoall").shape) or (1,)
-    return Request("alltoall", name, tensor, comm, set_id, output=output,
-                   splits=splits_list(splits, shape[0], comm.size, name or "alltoall"))
+    req = Request("alltoall", _name("alltoall", name), tensor, comm, set_id, output=output)
+    buf = req.checked(wrap, tensor, req.what)
+    if buf is not None:
+        req.splits = req.checked(splits_list, splits, (tuple(buf.shape) or (1,))[0], comm.size, req.what)
+    return req
 
 
 def received_splits(tensor, got):

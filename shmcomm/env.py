@@ -26,14 +26,50 @@ def _get(name, default=None, environ=None):
     return default
 
 
-def _number(name, default, kind=float, environ=None):
+MAX_BYTES = 1 << 57      # the C core's SMC_MAX_BYTES: no buffer is larger than the address space
+MAX_SECONDS = 1e9        # the C core's longest wait (smc_timeout_ok)
+
+
+def _number(name, default, kind=float, environ=None, low=None, high=None, positive=False):
+    """The setting as a number of `kind`, at least `low` (above 0 if `positive`) and at most `high`; a value
+    that is not such a number (NaN, infinite, negative where that means nothing) raises ValueError naming it."""
     value = _get(name, environ=environ)
     if value is None:
         return default
     try:
-        return kind(value)
+        number = kind(value)
     except ValueError:
         raise ValueError("environment variable SHMCOMM_%s=%r is not a valid %s" % (name, value, kind.__name__))
+    if number != number or (low is not None and number < low) or (high is not None and number > high) or \
+            (positive and not number > 0):
+        raise ValueError("environment variable SHMCOMM_%s=%r is out of range: expected %s" % (
+            name, value, _range_text(kind, low, high, positive)))
+    return number
+
+
+def _range_text(kind, low, high, positive):
+    what = "an integer" if kind is int else "a number"
+    if positive:
+        what += " above 0"
+    elif low is not None:
+        what += " of at least %s" % low
+    return what + (" and at most %g" % high if high is not None else "")
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _flag(name, default=False, environ=None):
+    """A yes/no setting: 1/true/yes/on or 0/false/no/off (any case); anything else raises ValueError naming it."""
+    value = _get(name, environ=environ)
+    if value is None:
+        return default
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise ValueError("environment variable SHMCOMM_%s=%r: expected 1 or 0 (true/false, yes/no, on/off)"
+                     % (name, value))
 
 
 @dataclass(frozen=True)
@@ -46,6 +82,19 @@ class Topology:
     cross_size: int
     token: str
     launched: bool  # False: a world of one started without a launcher
+
+
+def validate():
+    """Reads every setting this rank could read later, so that a bad value is refused at init, naming it, not when
+    the engine starts or a path is first taken. (Path settings are compared across ranks before they are parsed:
+    bootstrap does that.)"""
+    tuning(1)
+    engine()
+    timeline()
+    log_level()
+    elastic()
+    engine_requested()
+    pretend_ranks_per_host()
 
 
 def topology():
@@ -91,11 +140,11 @@ def job_token():
 def elastic():
     """HOROVOD_ELASTIC=1 (Horovod's elastic mode): a world of one still installs the optimizer's hooks, since ranks
     may join later."""
-    return _get("ELASTIC", "0") == "1"
+    return _flag("ELASTIC")
 
 
 def engine_requested():
-    return _get("ENGINE", "0") not in ("0", "false", "False", "")
+    return _flag("ENGINE")
 
 
 @dataclass(frozen=True)
@@ -134,15 +183,17 @@ def tuning(local_size):
     # otherwise turn a 70 us allreduce into a futex wake-up chain ten times slower.
     default_spin_us = 1000 if local_size <= cores else 2
     return Tuning(
-        timeout_s=_number("TIMEOUT", 300.0),
-        start_timeout_s=_number("START_TIMEOUT", 60.0),
-        liveness_s=_number("LIVENESS_INTERVAL", 0.1),
-        # More ranks than cores: every synchronisation costs context switches, so take fewer, larger steps.
-        slot_bytes=_number("SLOT_BYTES", (4 << 20) if local_size <= cores else (8 << 20), int),
-        small_bytes=_number("SMALL_BYTES", 64 << 10, int),
-        arena_bytes=_number("SMB_BYTES", 256 << 20, int),
-        spin_us=_number("SPIN_US", default_spin_us, int),
-        single_copy_bytes=_number("SINGLE_COPY_BYTES", cache_bytes(2) or (1 << 20), int),
+        timeout_s=_number("TIMEOUT", 300.0, positive=True, high=MAX_SECONDS),
+        start_timeout_s=_number("START_TIMEOUT", 60.0, positive=True, high=MAX_SECONDS),
+        liveness_s=_number("LIVENESS_INTERVAL", 0.1, positive=True, high=MAX_SECONDS),
+        # More ranks than cores: every synchronisation costs context switches, so take fewer, larger steps. The
+        # core needs two pages, and a cache line per rank in each half.
+        slot_bytes=_number("SLOT_BYTES", (4 << 20) if local_size <= cores else (8 << 20), int,
+                           low=max(8192, 128 * local_size), high=MAX_BYTES // max(local_size, 1)),
+        small_bytes=_number("SMALL_BYTES", 64 << 10, int, low=0, high=MAX_BYTES),
+        arena_bytes=_number("SMB_BYTES", 256 << 20, int, low=0, high=MAX_BYTES),
+        spin_us=_number("SPIN_US", default_spin_us, int, low=0, high=(1 << 31) - 1),
+        single_copy_bytes=_number("SINGLE_COPY_BYTES", cache_bytes(2) or (1 << 20), int, low=0, high=MAX_BYTES),
     )
 
 
@@ -159,19 +210,19 @@ class EngineSettings:
 
 def engine():
     return EngineSettings(
-        cycle_s=_number("CYCLE_TIME", 1.0) / 1000.0,
-        fusion_threshold=_number("FUSION_THRESHOLD", 64 << 20, int),
-        bucket_bytes=_number("BUCKET_BYTES", 25 << 20, int),
-        cache_capacity=_number("CACHE_CAPACITY", 1024, int),
-        stall_check_s=_number("STALL_CHECK_TIME_SECONDS", 60.0),
-        stall_shutdown_s=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0),
-        stall_check=not _number("STALL_CHECK_DISABLE", 0, int),
+        cycle_s=_number("CYCLE_TIME", 1.0, positive=True, high=MAX_SECONDS) / 1000.0,
+        fusion_threshold=_number("FUSION_THRESHOLD", 64 << 20, int, low=0, high=MAX_BYTES),
+        bucket_bytes=_number("BUCKET_BYTES", 25 << 20, int, low=0, high=MAX_BYTES),
+        cache_capacity=_number("CACHE_CAPACITY", 1024, int, low=0),
+        stall_check_s=_number("STALL_CHECK_TIME_SECONDS", 60.0, low=0, high=MAX_SECONDS),
+        stall_shutdown_s=_number("STALL_SHUTDOWN_TIME_SECONDS", 0.0, low=0, high=MAX_SECONDS),
+        stall_check=not _flag("STALL_CHECK_DISABLE"),
     )
 
 
 def timeline():
     """(file, mark_cycles) of the Chrome-trace timeline; file is None when none is asked for."""
-    return _get("TIMELINE"), _get("TIMELINE_MARK_CYCLES", "0") != "0"
+    return _get("TIMELINE"), _flag("TIMELINE_MARK_CYCLES")
 
 
 ALGORITHMS = ("auto", "torus", "ring", "mpi")
@@ -208,12 +259,11 @@ def paths(size, environ=None):
         raise ValueError("SHMCOMM_ALLREDUCE_ALGO=%r: choose one of %s" % (algorithm, ", ".join(ALGORITHMS)))
     grid_text = _get("TORUS_GRID", environ=environ)
     return PathSettings(algorithm, parse_grid(grid_text, size) if grid_text else None, grid_text,
-                        _number("TORUS_SMALL_BYTES", TORUS_SMALL_BYTES, int, environ),
-                        _number("TORUS_MIN_BYTES", 0, int, environ))
+                        torus_small_bytes(environ), _number("TORUS_MIN_BYTES", 0, int, environ, low=0, high=MAX_BYTES))
 
 
 def torus_small_bytes(environ=None):
-    return _number("TORUS_SMALL_BYTES", TORUS_SMALL_BYTES, int, environ)
+    return _number("TORUS_SMALL_BYTES", TORUS_SMALL_BYTES, int, environ, low=0, high=MAX_BYTES)
 
 
 def parse_grid(text, size):
@@ -230,7 +280,7 @@ def parse_grid(text, size):
 
 def pretend_ranks_per_host():
     """Testing aid: consecutive groups of this many ranks act as hosts (MPI still carries the cross-host steps)."""
-    return _number("RANKS_PER_HOST", 0, int)
+    return _number("RANKS_PER_HOST", 0, int, low=0)
 
 
 LOG_LEVELS = {"TRACE": 10, "DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "FATAL": 50,

@@ -28,6 +28,23 @@ class MismatchError(ShmCommError, builtins.ValueError):
         return (type(self), (self.args[0], self.field))
 
 
+class NotSupportedError(InvalidArgumentError, builtins.NotImplementedError):
+    """A feature shmcomm does not offer (Adasum)."""
+
+
+class PeerArgumentError(ShmCommError, builtins.ValueError):
+    """Another rank's call of the same collective failed its own checks (a bad argument there), so no rank ran it.
+    Raised at once on every other rank, naming that rank (``rank``) and its error; that rank raises its own error.
+    The job goes on: the next collectives work."""
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.rank))
+
+
 class TimeoutError(ShmCommError, builtins.TimeoutError):
     """A wait ran past its limit while every peer was alive."""
 

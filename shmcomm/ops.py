@@ -3,6 +3,7 @@
 import enum
 
 from shmcomm._native import lib
+from shmcomm.exceptions import InvalidArgumentError, NotSupportedError
 
 
 class ReduceOp(enum.IntEnum):
@@ -36,14 +37,14 @@ def resolve(op, average=None):
         return _SUPPORTED[op]  # the common case, without the enum's slower constructor
     if average is not None:
         if op is not None:
-            raise ValueError("op and average cannot both be given; average is deprecated, use op=")
+            raise InvalidArgumentError("op and average cannot both be given; average is deprecated, use op=")
         return ReduceOp.Average if average else ReduceOp.Sum
     if op is None:
         return ReduceOp.Average
     try:
         op = ReduceOp(op)
     except ValueError:
-        raise ValueError("unknown reduction op %r" % (op,)) from None
+        raise InvalidArgumentError("unknown reduction op %r" % (op,)) from None
     if op == ReduceOp.Adasum:
-        raise NotImplementedError("Adasum is not supported by shmcomm")
+        raise NotSupportedError("Adasum is not supported by shmcomm")
     return op

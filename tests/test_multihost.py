@@ -158,3 +158,24 @@ def test_survivors_of_a_rank_killed_on_another_host_name_it(two_hosts, tmp_path)
     assert raised[0]["type"] == "ShmCommError" and "failed on rank 2" in raised[0]["message"], raised
     assert all(r["seconds"] < 3 * 3 for r in raised.values()), raised  # the deadline, with room for a busy machine
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith(("shmcomm-", "mpich_shm_"))]
+
+
+@pytest.mark.parametrize("engine", ["0", "1"])
+def test_a_bad_argument_on_one_host_fails_every_rank_across_hosts(two_hosts, tmp_path, engine):
+    """One rank's bad argument: it raises its own error, every other rank, on its host and the other, raises
+    PeerArgumentError naming it at once (SHMCOMM_TIMEOUT=5 makes a regression a TimeoutError), and the job goes on."""
+    from test_refusals import REFUSALS
+
+    script = tmp_path / "job.py"
+    script.write_text(REFUSALS + textwrap.dedent("""
+        import os, sys
+        shmcomm.init()
+        seen = check_refusals(numpy_cases(shmcomm.size()), [3, 0])
+        with open(os.path.join(sys.argv[1], "rank%d" % shmcomm.rank()), "w") as f:
+            f.write("".join(o[2][0] for o in seen))
+    """))
+    run = _shmcommrun(two_hosts, 2, [sys.executable, str(script), str(tmp_path)], SHMCOMM_TIMEOUT="5",
+                      SHMCOMM_ENGINE=engine)
+    assert run.returncode == 0, run.stdout + run.stderr
+    expected = {3: "o" * 10 + "p" * 10, 0: "p" * 10 + "o" * 10, 1: "p" * 20, 2: "p" * 20}
+    assert {r: (tmp_path / ("rank%d" % r)).read_text() for r in range(4)} == expected

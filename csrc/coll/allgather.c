@@ -39,20 +39,24 @@ static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out
   return synced != SMC_SUCCESS ? synced : rc;
 }
 
+/* A call that fails its own checks still takes the first step, as a refusal, so that the peers fail at once. */
+static smc_result_t refuse(smc_comm_t* c, const char* why) {
+  return smc_refuse_here(c, SMC_COLL_ALLGATHERV, smc_set_error(SMC_ERR_INVALID, "allgather: %s", why));
+}
+
 static smc_result_t check_args(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, const void* rows) {
   SMC_CHECK(smc_comm_usable(c, "allgather"));
-  if (rows == NULL) return smc_set_error(SMC_ERR_INVALID, "allgather: the row counts are NULL");
-  if (send_bytes > 0 && sendbuf == NULL) return smc_set_error(SMC_ERR_INVALID, "allgather: NULL buffer");
+  if (rows == NULL) return refuse(c, "the row counts are NULL");
+  if (send_bytes > SMC_MAX_BYTES) return refuse(c, "too many bytes");
+  if (send_bytes > 0 && sendbuf == NULL) return refuse(c, "NULL buffer");
   return SMC_SUCCESS;
 }
 
 smc_result_t smc_allgather_begin(smc_comm_t* c, const void* sendbuf, uint64_t send_rows, uint64_t row_bytes,
                                  uint64_t tag, uint64_t* every_rows) {
   uint64_t send_bytes = send_rows * row_bytes;
+  if (row_bytes != 0 && send_bytes / row_bytes != send_rows) send_bytes = SMC_MAX_BYTES + 1; /* wrapped */
   SMC_CHECK(check_args(c, sendbuf, send_bytes, every_rows));
-  if (row_bytes != 0 && send_bytes / row_bytes != send_rows)
-    return smc_set_error(SMC_ERR_INVALID, "allgather: %llu rows of %llu bytes overflow", (unsigned long long)send_rows,
-                         (unsigned long long)row_bytes);
   if (c->size == 1) {
     every_rows[0] = send_rows;
     return SMC_SUCCESS;
@@ -71,10 +75,15 @@ smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recv
   const int me = c->rank;
   uint64_t displ[SMC_MAX_RANKS], total = 0, longest = 0;
   for (int j = 0; j < c->size; j++) {
-    uint64_t bytes = every_rows[j] * row_bytes;
+    uint64_t bytes = every_rows[j] * row_bytes; /* each passed its rank's check_args: no product wraps */
     displ[j] = total;
-    total += bytes;
+    total = smc_add_bytes(total, bytes);
     longest = bytes > longest ? bytes : longest;
+  }
+  if (total > SMC_MAX_BYTES) { /* every rank sees the same counts and stops here alike */
+    smc_flip(c);
+    return smc_set_error(SMC_ERR_INVALID, "allgather: the ranks' contributions add up to more than %llu bytes",
+                         (unsigned long long)SMC_MAX_BYTES);
   }
   const uint64_t send_bytes = every_rows[me] * row_bytes;
   uint8_t* out = recvbuf; /* NULL: take part in every step, keep nothing (the caller had no place for the result) */
@@ -120,8 +129,9 @@ smc_result_t smc_allgatherv(smc_comm_t* c, const void* sendbuf, size_t send_byte
                             const uint64_t* recv_bytes, uint64_t tag) {
   SMC_CHECK(check_args(c, sendbuf, send_bytes, recv_bytes));
   uint64_t total = 0;
-  for (int j = 0; j < c->size; j++) total += recv_bytes[j];
-  if (total > 0 && recvbuf == NULL) return smc_set_error(SMC_ERR_INVALID, "allgather: NULL buffer");
+  for (int j = 0; j < c->size; j++) total = smc_add_bytes(total, recv_bytes[j]);
+  if (total > SMC_MAX_BYTES) return refuse(c, "too many bytes");
+  if (total > 0 && recvbuf == NULL) return refuse(c, "NULL buffer");
   if (c->size == 1 && send_bytes != recv_bytes[0])
     return smc_set_error(SMC_ERR_INVALID, "allgather: sends %zu bytes but expects %llu", send_bytes,
                          (unsigned long long)recv_bytes[0]);

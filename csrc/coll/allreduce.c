@@ -39,7 +39,8 @@ static smc_result_t check_args(smc_comm_t* c, const void* send, const void* recv
   if ((unsigned)dtype >= SMC_NUM_DTYPES) return smc_set_error(SMC_ERR_INVALID, "%s: unknown dtype %d", what, dtype);
   if ((unsigned)op >= SMC_NUM_OPS) return smc_set_error(SMC_ERR_INVALID, "%s: unknown op %d", what, op);
   if (divisor < 1) return smc_set_error(SMC_ERR_INVALID, "%s: divisor %lld < 1", what, (long long)divisor);
-  if (count > SIZE_MAX / 8) return smc_set_error(SMC_ERR_INVALID, "%s: count %zu is too large", what, count);
+  if (count > SMC_MAX_BYTES / smc_dtype_size(dtype))
+    return smc_set_error(SMC_ERR_INVALID, "%s: count %zu is too large", what, count);
   if (count > 0 && (send == NULL || recv == NULL)) return smc_set_error(SMC_ERR_INVALID, "%s: NULL buffer", what);
   return SMC_SUCCESS;
 }
@@ -105,7 +106,8 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
 
 smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t count, smc_datatype_t dtype,
                            smc_redop_t op, double prescale, double postscale, int64_t divisor, uint64_t tag) {
-  SMC_CHECK(check_args(c, sendbuf, recvbuf, count, dtype, op, divisor, "allreduce"));
+  SMC_CHECK(smc_refuse_here(c, SMC_COLL_ALLREDUCE,
+                            check_args(c, sendbuf, recvbuf, count, dtype, op, divisor, "allreduce")));
   plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), NULL, NULL, 1};
   if (c->size == 1)
     return count ? smc_reduce(recvbuf, &sendbuf, 1, count, dtype, op, prescale, postscale, divisor) : SMC_SUCCESS;
@@ -129,13 +131,15 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
 smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf, const uint64_t* counts,
                                smc_datatype_t dtype, smc_redop_t op, double prescale, double postscale,
                                int64_t divisor, uint64_t tag) {
-  if (counts == NULL) return smc_set_error(SMC_ERR_INVALID, "reducescatter: counts is NULL");
+  if (counts == NULL)
+    return smc_refuse_here(c, SMC_COLL_REDUCESCATTER, smc_set_error(SMC_ERR_INVALID, "reducescatter: counts is NULL"));
   uint64_t start[SMC_MAX_RANKS], total = 0;
   for (int j = 0; c != NULL && j < c->size; j++) {
     start[j] = total;
-    total += counts[j];
+    total = smc_add_bytes(total, counts[j]); /* a total this large is refused below */
   }
-  SMC_CHECK(check_args(c, sendbuf, total ? recvbuf : sendbuf, (size_t)total, dtype, op, divisor, "reducescatter"));
+  SMC_CHECK(smc_refuse_here(c, SMC_COLL_REDUCESCATTER, check_args(c, sendbuf, total ? recvbuf : sendbuf, (size_t)total,
+                                                                  dtype, op, divisor, "reducescatter")));
   plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), start, counts, 0};
   if (c->size == 1)
     return total ? smc_reduce(recvbuf, &sendbuf, 1, total, dtype, op, prescale, postscale, divisor) : SMC_SUCCESS;

@@ -49,22 +49,27 @@ static smc_result_t plan_routes(smc_comm_t* c, route_t* routes, uint64_t* longes
 smc_result_t smc_alltoallv(smc_comm_t* c, const void* sendbuf, const uint64_t* send_bytes, void* recvbuf,
                            const uint64_t* recv_bytes, uint64_t tag) {
   SMC_CHECK(smc_comm_usable(c, "alltoall"));
-  if (send_bytes == NULL || recv_bytes == NULL) return smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts");
+  if (send_bytes == NULL || recv_bytes == NULL)
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts"));
   const int n = c->size, me = c->rank;
   uint64_t my_total = 0, my_recv = 0;
   for (int j = 0; j < n; j++) {
-    my_total += send_bytes[j];
-    my_recv += recv_bytes[j];
+    my_total = smc_add_bytes(my_total, send_bytes[j]);
+    my_recv = smc_add_bytes(my_recv, recv_bytes[j]);
   }
+  if (my_total > SMC_MAX_BYTES || my_recv > SMC_MAX_BYTES)
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_INVALID, "alltoall: too many bytes"));
   if ((my_total > 0 && sendbuf == NULL) || (my_recv > 0 && recvbuf == NULL))
-    return smc_set_error(SMC_ERR_INVALID, "alltoall: NULL buffer");
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV,
+                           smc_set_error(SMC_ERR_INVALID, "alltoall: NULL buffer"));
   if (n == 1) {
     if (send_bytes[0] != recv_bytes[0]) return smc_set_error(SMC_ERR_INVALID, "alltoall: send and receive counts differ");
     if (my_total > 0 && sendbuf != recvbuf) memmove(recvbuf, sendbuf, my_total);
     return SMC_SUCCESS;
   }
   route_t* routes = malloc(sizeof(route_t) * (size_t)n);
-  if (routes == NULL) return smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory");
+  if (routes == NULL)
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory"));
   smc_result_t rc = SMC_SUCCESS;
   uint64_t longest = 0;
   uint64_t* counts = (uint64_t*)smc_half(c, me);
@@ -107,17 +112,24 @@ static uint64_t window_start(uint64_t k, uint64_t first, uint64_t half) { return
 smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64_t* send_rows, uint64_t row_bytes,
                                 uint64_t tag, uint64_t* matrix) {
   SMC_CHECK(smc_comm_usable(c, "alltoall"));
-  if (send_rows == NULL || matrix == NULL) return smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts");
+  if (send_rows == NULL || matrix == NULL)
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts"));
   const int n = c->size;
   uint64_t my_total = 0;
-  for (int j = 0; j < n; j++) my_total += send_rows[j] * row_bytes;
-  if (my_total > 0 && sendbuf == NULL) return smc_set_error(SMC_ERR_INVALID, "alltoall: NULL buffer");
+  for (int j = 0; j < n; j++) {
+    uint64_t bytes = send_rows[j] * row_bytes;
+    my_total = smc_add_bytes(my_total, row_bytes != 0 && bytes / row_bytes != send_rows[j] ? SMC_MAX_BYTES + 1 : bytes);
+  }
+  if (my_total > SMC_MAX_BYTES)
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_INVALID, "alltoall: too many bytes"));
+  if (my_total > 0 && sendbuf == NULL)
+    return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_INVALID, "alltoall: NULL buffer"));
   if (n == 1) {
     matrix[0] = send_rows[0];
     return SMC_SUCCESS;
   }
   const uint64_t counts_bytes = sizeof(uint64_t) * (uint64_t)n;
-  if (counts_bytes >= c->half_bytes)
+  if (counts_bytes >= c->half_bytes) /* the same on every rank: all fail alike, no step taken */
     return smc_set_error(SMC_ERR_INVALID, "alltoall: %d ranks' counts need %llu bytes, more than a staging half (%zu)",
                          n, (unsigned long long)counts_bytes, c->half_bytes);
   uint8_t* mine = smc_half(c, c->rank);
@@ -147,7 +159,7 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
   route_t* routes = malloc(sizeof(route_t) * (size_t)n);
   if (routes == NULL) return smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory");
   uint64_t longest = 0, to = 0, my_total = 0;
-  for (int j = 0; j < n; j++) {
+  for (int j = 0; j < n; j++) { /* each sender's total passed its own check: no sum within a row wraps */
     const uint64_t* sent_by_j = matrix + (size_t)j * n;
     route_t* r = &routes[j];
     r->from = r->total = 0;
@@ -157,7 +169,7 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
     }
     r->len = sent_by_j[me] * row_bytes;
     r->to = to;
-    to += r->len;
+    to = smc_add_bytes(to, r->len);
     longest = r->total > longest ? r->total : longest;
     if (j == me) my_total = r->total;
   }

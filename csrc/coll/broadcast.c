@@ -7,10 +7,13 @@
 smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t bytes, int root, uint64_t tag) {
   SMC_CHECK(smc_comm_usable(c, "broadcast"));
   if (root < 0 || root >= c->size)
-    return smc_set_error(SMC_ERR_INVALID, "broadcast: root %d is outside 0..%d", root, c->size - 1);
+    return smc_refuse_here(c, SMC_COLL_BROADCAST,
+                           smc_set_error(SMC_ERR_INVALID, "broadcast: root %d is outside 0..%d", root, c->size - 1));
   const int me = c->rank;
+  if (bytes > SMC_MAX_BYTES)
+    return smc_refuse_here(c, SMC_COLL_BROADCAST, smc_set_error(SMC_ERR_INVALID, "broadcast: %zu bytes", bytes));
   if (bytes > 0 && ((me == root && sendbuf == NULL) || recvbuf == NULL))
-    return smc_set_error(SMC_ERR_INVALID, "broadcast: NULL buffer");
+    return smc_refuse_here(c, SMC_COLL_BROADCAST, smc_set_error(SMC_ERR_INVALID, "broadcast: NULL buffer"));
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .count = bytes, .tag = tag, .divisor = 1,
                      .addr = (uint64_t)(uintptr_t)sendbuf, .coll = SMC_COLL_BROADCAST, .root = root};
   if (c->size > 1 && smc_single_copy(c, bytes)) { /* every rank reads the root's buffer at once */

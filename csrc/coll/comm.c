@@ -33,8 +33,13 @@ static smc_result_t validate(const smc_config_t* cfg) {
   if (cfg->slot_bytes < (size_t)2 * SMC_CACHE_LINE * (size_t)cfg->size || cfg->slot_bytes < 2 * SMC_PAGE)
     return smc_set_error(SMC_ERR_INVALID, "init: slot_bytes %zu is too small for %d ranks", cfg->slot_bytes,
                          cfg->size);
-  if (!(cfg->timeout_s > 0) || !(cfg->start_timeout_s > 0) || !(cfg->liveness_s > 0))
-    return smc_set_error(SMC_ERR_INVALID, "init: timeouts must be positive");
+  if (cfg->slot_bytes > SMC_MAX_BYTES / (size_t)cfg->size || cfg->arena_bytes > SMC_MAX_BYTES ||
+      cfg->small_bytes > SMC_MAX_BYTES)
+    return smc_set_error(SMC_ERR_INVALID, "init: slot_bytes %zu, small_bytes %zu or arena_bytes %zu is too large",
+                         cfg->slot_bytes, cfg->small_bytes, cfg->arena_bytes);
+  if (!(cfg->timeout_s > 0) || !(cfg->start_timeout_s > 0) || !(cfg->liveness_s > 0) ||
+      !smc_timeout_ok(cfg->timeout_s) || !smc_timeout_ok(cfg->start_timeout_s) || !smc_timeout_ok(cfg->liveness_s))
+    return smc_set_error(SMC_ERR_INVALID, "init: timeouts must be positive and finite");
   for (int r = 0; cfg->job_ranks != NULL && r < cfg->size; r++)
     if (cfg->job_ranks[r] < 0) /* -1 means "no rank" in the failure data */
       return smc_set_error(SMC_ERR_INVALID, "init: job_ranks[%d] is %d; job ranks are not negative", r,
@@ -219,7 +224,9 @@ static void ring_one(smc_rank_ctl_t* r) {
   if (atomic_load(&r->bell_sleepers) != 0) smc_futex_wake_all(&r->bell);
 }
 
+/* The doorbell and status calls below are safe on NULL (they do nothing, and read 0). */
 void smc_comm_doorbell_ring(smc_comm_t* c, int rank) {
+  if (c == NULL) return;
   if (rank >= 0 && rank < c->size) {
     ring_one(&c->ctl[rank]);
     return;
@@ -227,9 +234,11 @@ void smc_comm_doorbell_ring(smc_comm_t* c, int rank) {
   for (int r = 0; r < c->size; r++) ring_one(&c->ctl[r]);
 }
 
-uint32_t smc_comm_doorbell_value(smc_comm_t* c) { return atomic_load(&c->ctl[c->rank].bell); }
+uint32_t smc_comm_doorbell_value(smc_comm_t* c) { return c != NULL ? atomic_load(&c->ctl[c->rank].bell) : 0; }
 
 uint32_t smc_comm_doorbell_wait(smc_comm_t* c, uint32_t seen, double timeout_s) {
+  if (c == NULL) return seen;
+  if (!smc_timeout_ok(timeout_s)) timeout_s = timeout_s > 0 ? 1e9 : 0; /* NaN and negatives: do not sleep */
   smc_rank_ctl_t* me = &c->ctl[c->rank];
   atomic_fetch_add(&me->bell_sleepers, 1);
   if (atomic_load(&me->bell) == seen) smc_futex_sleep(&me->bell, seen, timeout_s);
@@ -237,12 +246,15 @@ uint32_t smc_comm_doorbell_wait(smc_comm_t* c, uint32_t seen, double timeout_s) 
   return atomic_load(&me->bell);
 }
 
-void smc_comm_set_spin(smc_comm_t* c, int spin_us) { c->spin_us = spin_us < 0 ? 0 : spin_us; }
+void smc_comm_set_spin(smc_comm_t* c, int spin_us) {
+  if (c != NULL) c->spin_us = spin_us < 0 ? 0 : spin_us;
+}
 
 int smc_comm_single_copy(smc_comm_t* c) { return c->cma; }
 
 uint64_t smc_comm_failed_ranks(smc_comm_t* c) {
   uint64_t mask = 0;
+  if (c == NULL) return 0;
   for (int r = 0; r < c->size && r < 64; r++)
     if (r != c->rank && smc_peer_check(c, r, "status") == SMC_ERR_RANK_FAILED && !atomic_load(&c->ctl[r].departed))
       mask |= 1ULL << r;

@@ -63,6 +63,12 @@ static inline void smc_flip(smc_comm_t* c) { c->parity ^= 1; }
 const smc_desc_t* smc_peer_desc(smc_comm_t* c, int r); /* valid between begin and the next step */
 /* Entry check of every public call: a broken communicator refuses work. */
 smc_result_t smc_comm_usable(smc_comm_t* c, const char* what);
+/* A collective whose own argument check failed with rc (SMC_ERR_INVALID or SMC_ERR_NOMEM, this thread's error text
+ * saying why) still takes its first step as a refusal (smc_coll_refuse), so that the peers fail at once instead of
+ * waiting; returns rc with its text and failure data as they were. Other codes (a broken or NULL communicator) come
+ * back untouched: no step can be taken then. */
+smc_result_t smc_refuse_here(smc_comm_t* c, smc_coll_kind_t kind, smc_result_t rc);
+#define SMC_REASON_MAX 480 /* bytes of a refusal's reason that peers read */
 uint64_t smc_digest(const uint64_t* values, int n, uint64_t seed);
 
 /* cma.c: single copy through Linux cross-memory attach (process_vm_readv): a reader copies straight from the

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Steps, synchronisation and the descriptor check shared by every collective (see coll/comm.h). */
 #include <stdio.h>
+#include <string.h>
 
 #include "coll/comm.h"
 #include "core/error.h"
@@ -104,9 +105,37 @@ static smc_field_t describe_difference(char* out, size_t len, int first, int oth
   return SMC_FIELD_NONE;
 }
 
+/* The reasons of the ranks whose call failed its own checks (smc_coll_refuse), read from their halves: every rank
+ * returns SMC_ERR_REFUSED naming the first of them, except the refusing ranks, whose own error stands. */
+static smc_result_t refusals(smc_comm_t* c, const char* what) {
+  char msg[1024] = "";
+  size_t used = 0;
+  int first = -1, count = 0;
+  for (int r = 0; r < c->size; r++) {
+    if (!smc_peer_desc(c, r)->refused) continue;
+    count++;
+    if (first < 0) first = r;
+    if (used < sizeof(msg) - 1) {
+      size_t room = c->half_bytes < SMC_REASON_MAX ? c->half_bytes : SMC_REASON_MAX;
+      used += (size_t)snprintf(msg + used, sizeof(msg) - used, "%srank %d: %.*s", used ? "; " : "",
+                               smc_job_rank(c, r), (int)strnlen((const char*)smc_half(c, r), room - 1),
+                               (const char*)smc_half(c, r));
+    }
+  }
+  if (first < 0) return SMC_SUCCESS;
+  return smc_set_peer_error(SMC_ERR_REFUSED, smc_job_rank(c, first), SMC_FIELD_NONE,
+                            "%s: rank %d's call failed its own checks%s, so no rank ran it; %s", what,
+                            smc_job_rank(c, first), count > 1 ? " (and other ranks' too)" : "", msg);
+}
+
 smc_result_t smc_coll_begin(smc_comm_t* c, smc_desc_t* desc, const char* what) {
   c->ctl[c->rank].desc[c->parity] = *desc;
   SMC_CHECK(smc_sync(c, what));
+  smc_result_t refused = refusals(c, what);
+  if (refused != SMC_SUCCESS) {
+    smc_flip(c);
+    return desc->refused ? SMC_SUCCESS : refused;
+  }
   const smc_desc_t* first = smc_peer_desc(c, 0);
   char msg[768] = "";
   size_t used = 0;
@@ -146,4 +175,24 @@ smc_result_t smc_barrier(smc_comm_t* c) {
   SMC_CHECK(smc_coll_begin(c, &desc, "barrier"));
   smc_flip(c);
   return SMC_SUCCESS;
+}
+
+smc_result_t smc_coll_refuse(smc_comm_t* c, smc_coll_kind_t kind, const char* reason) {
+  SMC_CHECK(smc_comm_usable(c, "refused collective"));
+  if (c->size == 1) return SMC_SUCCESS;
+  size_t room = c->half_bytes < SMC_REASON_MAX ? c->half_bytes : SMC_REASON_MAX;
+  snprintf((char*)smc_half(c, c->rank), room, "%s", reason != NULL ? reason : "(no reason given)");
+  smc_desc_t desc = {.prescale = 1, .postscale = 1, .divisor = 1, .coll = (uint32_t)kind, .root = -1, .refused = 1};
+  return smc_coll_begin(c, &desc, coll_name((uint32_t)kind));
+}
+
+smc_result_t smc_refuse_here(smc_comm_t* c, smc_coll_kind_t kind, smc_result_t rc) {
+  if ((rc != SMC_ERR_INVALID && rc != SMC_ERR_NOMEM) || c == NULL || c->broken != SMC_SUCCESS || c->size == 1)
+    return rc;
+  char text[SMC_REASON_MAX];
+  smc_failure_t failure;
+  snprintf(text, sizeof(text), "%s", smc_last_error());
+  smc_last_failure(&failure);
+  smc_coll_refuse(c, kind, text); /* if that fails too, the communicator says so from now on; the error is ours */
+  return smc_set_failure(rc, &failure, "%s", text);
 }

@@ -24,7 +24,10 @@ typedef enum {
   SMC_ERR_NOMEM = 6,       /* out of memory, or the box arena is full */
   SMC_ERR_EXISTS = 7,      /* a box of that name exists already */
   SMC_ERR_NOT_FOUND = 8,   /* no box of that name */
-  SMC_ERR_BROKEN = 9       /* an earlier failure left the communicator unusable */
+  SMC_ERR_BROKEN = 9,      /* an earlier failure left the communicator unusable */
+  SMC_ERR_REFUSED = 10     /* a peer's call of the same collective failed its own checks (smc_coll_refuse); every
+                            * other rank gets it at once, naming that rank and its error; the communicator stays
+                            * usable */
 } smc_result_t;
 
 typedef enum {
@@ -162,6 +165,12 @@ smc_result_t smc_alltoall_begin(smc_comm_t* comm, const void* sendbuf, const uin
 smc_result_t smc_alltoall_finish(smc_comm_t* comm, const void* sendbuf, void* recvbuf, uint64_t row_bytes,
                                  const uint64_t* matrix);
 smc_result_t smc_barrier(smc_comm_t* comm);
+/* A call that failed this rank's own checks (a bad argument) still takes the collective's first step, announcing
+ * `reason` instead of data, so that every peer's call fails at once with SMC_ERR_REFUSED, naming this rank and
+ * `reason`, instead of waiting for it until the timeout. `kind` is the collective the caller meant to run. The
+ * collectives above do this themselves when their own argument checks fail. Returns SMC_SUCCESS once every rank has
+ * taken the step (the caller then reports its own error), or the failure of that step. */
+smc_result_t smc_coll_refuse(smc_comm_t* comm, smc_coll_kind_t kind, const char* reason);
 
 /* ---- Soft Memory Box (csrc/shm/box.c): named typed buffers in the job arena ---- */
 /* Creates a box of `count` elements, zero-filled. exist_ok: attach instead when one of that name, dtype and count

@@ -311,6 +311,8 @@ smc_result_t smc_reduce(void* dst, const void* const* srcs, int nsrcs, size_t co
     return smc_set_error(SMC_ERR_INVALID, "reduce: divisor is %lld, must be at least 1", (long long)divisor);
   }
   if (count == 0) return SMC_SUCCESS;
+  if (count > SMC_MAX_BYTES / dtypes[dtype].size)
+    return smc_set_error(SMC_ERR_INVALID, "reduce: count %zu is too large", count);
   if (!dst || !srcs) {
     return smc_set_error(SMC_ERR_INVALID, "reduce: %s is NULL with count %zu", dst ? "srcs" : "dst", count);
   }
@@ -324,6 +326,8 @@ smc_result_t smc_reduce(void* dst, const void* const* srcs, int nsrcs, size_t co
 smc_result_t smc_axpby(void* dst, const void* src, size_t count, smc_datatype_t dtype, double alpha, double beta) {
   if (!dtype_ok(dtype)) return smc_set_error(SMC_ERR_INVALID, "axpby: unknown dtype %d", (int)dtype);
   if (count == 0) return SMC_SUCCESS;
+  if (count > SMC_MAX_BYTES / dtypes[dtype].size)
+    return smc_set_error(SMC_ERR_INVALID, "axpby: count %zu is too large", count);
   if (!dst || !src) {
     return smc_set_error(SMC_ERR_INVALID, "axpby: %s is NULL with count %zu", dst ? "src" : "dst", count);
   }

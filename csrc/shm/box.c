@@ -99,7 +99,8 @@ smc_result_t smc_box_create(smc_comm_t* c, const char* name, size_t count, smc_d
   SMC_CHECK(smc_comm_usable(c, "box create"));
   SMC_CHECK(check_name(name));
   if ((unsigned)dtype >= SMC_NUM_DTYPES) return smc_set_error(SMC_ERR_INVALID, "box: unknown dtype %d", dtype);
-  if (count > SIZE_MAX / 16) return smc_set_error(SMC_ERR_INVALID, "box: count %zu is too large", count);
+  if (box == NULL) return smc_set_error(SMC_ERR_INVALID, "box create: output pointer is NULL");
+  if (count > SMC_MAX_BYTES / 16) return smc_set_error(SMC_ERR_INVALID, "box: count %zu is too large", count);
   SMC_CHECK(lock_robust(&c->hdr->registry_lock, c->timeout_s, "box registry"));
   smc_result_t rc = SMC_SUCCESS;
   smc_box_entry_t* e = find_live(c->hdr, name);
@@ -141,6 +142,8 @@ out:
 smc_result_t smc_box_attach(smc_comm_t* c, const char* name, double timeout_s, smc_box_t** box) {
   SMC_CHECK(smc_comm_usable(c, "box attach"));
   SMC_CHECK(check_name(name));
+  if (!smc_timeout_ok(timeout_s)) return smc_set_error(SMC_ERR_INVALID, "box attach: timeout %g s", timeout_s);
+  if (box == NULL) return smc_set_error(SMC_ERR_INVALID, "box attach: output pointer is NULL");
   double deadline = smc_now() + timeout_s, pause = 0.0005;
   for (;;) {
     SMC_CHECK(lock_robust(&c->hdr->registry_lock, c->timeout_s, "box registry"));
@@ -175,10 +178,11 @@ smc_result_t smc_box_destroy(smc_comm_t* c, const char* name) {
   return e != NULL ? SMC_SUCCESS : smc_set_error(SMC_ERR_NOT_FOUND, "box '%s' does not exist", name);
 }
 
-void* smc_box_data(smc_box_t* b) { return b->data; }
-size_t smc_box_count(smc_box_t* b) { return (size_t)b->entry->count; }
-smc_datatype_t smc_box_dtype(smc_box_t* b) { return (smc_datatype_t)b->entry->dtype; }
-uint64_t smc_box_version(smc_box_t* b) { return atomic_load(&b->entry->version); }
+/* Safe on NULL: NULL, 0 elements, SMC_NUM_DTYPES (no dtype), version 0. */
+void* smc_box_data(smc_box_t* b) { return b != NULL ? b->data : NULL; }
+size_t smc_box_count(smc_box_t* b) { return b != NULL ? (size_t)b->entry->count : 0; }
+smc_datatype_t smc_box_dtype(smc_box_t* b) { return b != NULL ? (smc_datatype_t)b->entry->dtype : SMC_NUM_DTYPES; }
+uint64_t smc_box_version(smc_box_t* b) { return b != NULL ? atomic_load(&b->entry->version) : 0; }
 
 static smc_result_t check_range(smc_box_t* b, size_t offset, size_t count, const void* buf, const char* what) {
   if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "%s: box is NULL", what);
@@ -191,6 +195,7 @@ static smc_result_t check_range(smc_box_t* b, size_t offset, size_t count, const
 
 smc_result_t smc_box_lock(smc_box_t* b, double timeout_s) {
   if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box lock: box is NULL");
+  if (!smc_timeout_ok(timeout_s)) return smc_set_error(SMC_ERR_INVALID, "box lock: timeout %g s", timeout_s);
   return lock_robust(&b->entry->lock, timeout_s, b->entry->name);
 }
 
@@ -240,6 +245,7 @@ smc_result_t smc_box_accumulate(smc_box_t* b, size_t offset, size_t count, const
 
 smc_result_t smc_box_wait_version(smc_box_t* b, uint64_t min_version, double timeout_s, uint64_t* version) {
   if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box wait: box is NULL");
+  if (!smc_timeout_ok(timeout_s)) return smc_set_error(SMC_ERR_INVALID, "box wait: timeout %g s", timeout_s);
   smc_box_entry_t* e = b->entry;
   /* The same spin-then-sleep wait as the collectives, on the low 32 bits of the version (the futex word); a wait
    * more than 2^31 versions ahead is not a meaningful request. */

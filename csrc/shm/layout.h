@@ -16,7 +16,7 @@
 #define SMC_CACHE_LINE 64
 #define SMC_PAGE 4096
 #define SMC_MAGIC 0x31474553434d53ULL /* "SMCSEG1" */
-#define SMC_LAYOUT_VERSION 2
+#define SMC_LAYOUT_VERSION 3
 #define SMC_MAX_RANKS 1024
 #define SMC_MAX_BOXES 256
 #define SMC_BOX_NAME_MAX 64
@@ -50,6 +50,7 @@ typedef struct {
   uint32_t dtype;
   uint32_t op;
   int32_t root;
+  int32_t refused; /* non-zero: this rank's call failed its own checks; its half holds the reason (smc_coll_refuse) */
 } smc_desc_t;
 
 typedef struct {

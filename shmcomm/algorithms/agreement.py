@@ -16,11 +16,14 @@ import numpy as np
 
 from shmcomm import description
 from shmcomm._native import ffi
-from shmcomm.exceptions import TimeoutError
+from shmcomm.exceptions import PeerArgumentError, TimeoutError
 from shmcomm.transport import kernels
 
-OK, MISMATCH, FAILED = 0, 1, 2
+# Statuses, the worse the higher: REFUSED is a call that failed a rank's own checks (a bad argument there): every
+# rank is in step and hears why (refusal_error); FAILED is a failed step, after which nothing more is exchanged.
+OK, MISMATCH, REFUSED, FAILED = 0, 1, 2, 3
 HEADER_BYTES = 32     # uint64 words: signature, status, lowest failed rank + 1 (0: none), data bytes that follow
+_REASON_WORDS = 64    # a refusal's reason as int64 words (512 bytes of UTF-8)
 _TAG = 0x5AC          # apart from the tags of the ring's messages on the same communicator
 
 
@@ -31,6 +34,41 @@ def combine(sig, status, culprit, other_sig, other_status, other_culprit):
         worst = MISMATCH
     culprits = [c for c in (culprit, other_culprit) if c]
     return sig, worst, min(culprits) if culprits else 0
+
+
+class Refused(Exception):
+    """The verdict was REFUSED (`culprit`: the first refusing rank + 1): the communicator that started the
+    agreement now has every rank swap reasons (refusal_error) and raises what that returns."""
+
+    def __init__(self, culprit):
+        super().__init__("rank %d's own checks failed" % (culprit - 1))
+        self.culprit = culprit
+
+
+def refusal_error(what, own, mpi, shm):
+    """After a REFUSED verdict, every rank swaps the reason of its own refusal (`own`: this rank's error, or None)
+    over the MPI transport, or the host's shared memory; returns `own` on a refusing rank, and on the others the
+    PeerArgumentError naming the refusing ranks and their errors."""
+    from shmcomm.algorithms.disagreement import gather_rows  # (disagreement imports this module)
+
+    mine = np.zeros(_REASON_WORDS, dtype=np.int64)
+    if own is not None:
+        text = str(own).encode("utf-8", "replace")[:mine.nbytes - 1]
+        mine.view(np.uint8)[:len(text)] = np.frombuffer(text, dtype=np.uint8)
+    every = gather_rows(mine, mpi, shm)
+    if own is not None:
+        return own
+    if every is None:
+        return PeerArgumentError("%s: another rank's call failed its own checks, so no rank ran it (its reason could "
+                                 "not be collected)" % what)
+    ranks = mpi.ranks if mpi is not None else shm.ranks
+    reasons = [(ranks[r], bytes(row.view(np.uint8)).rstrip(b"\0").decode("utf-8", "replace"))
+               for r, row in enumerate(every) if row.any()]
+    if not reasons:
+        return PeerArgumentError("%s: another rank's call failed its own checks, so no rank ran it" % what)
+    return PeerArgumentError("%s: rank %d's call failed its own checks%s, so no rank ran it; %s" % (
+        what, reasons[0][0], " (and other ranks' too)" if len(reasons) > 1 else "",
+        "; ".join("rank %d: %s" % reason for reason in reasons)), reasons[0][0])
 
 
 def failure_text(what, culprit):

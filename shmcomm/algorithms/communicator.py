@@ -5,6 +5,8 @@ holds the Soft Memory Box arena and the doorbells the engine sleeps on.
 Two kinds exist: host.HostComm (the ranks of one host, or a process set of them) and world.WorldComm (a job across
 hosts, or a logical grid on one). Both offer allreduce, allreduce_raw, broadcast, allgather, reducescatter,
 alltoall, barrier and allgather_bytes on numpy arrays and torch tensors."""
+from shmcomm import description
+from shmcomm.exceptions import ShmCommError
 
 
 class Communicator:
@@ -38,6 +40,24 @@ class Communicator:
 
     def failed_ranks(self):
         return self.shm.failed_ranks()
+
+    def refused(self, kind, error, what):
+        """`error`, after telling the peers: this rank's call of collective `kind` failed its own checks (a bad
+        argument), and their calls of it must fail at once too (PeerArgumentError, naming this rank and `error`)
+        instead of waiting for this rank until the timeout. Errors from a transport's steps have told them already
+        (`told_peers`). If the peers cannot be told (one died), this rank's own error still stands; the
+        communicator says what happened at the next call."""
+        if not getattr(error, "told_peers", False):
+            error.told_peers = True
+            try:
+                self.refuse(kind, str(error), what)
+            except ShmCommError:
+                pass
+        return error
+
+    def refuse(self, kind, reason, what):
+        """Takes the first step of collective `kind` as a refusal carrying `reason` (see refused())."""
+        self.shm.refuse(description.KIND[kind], reason, what)
 
     def close(self):
         for transport in self.closables:

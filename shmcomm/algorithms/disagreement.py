@@ -14,7 +14,7 @@ from shmcomm.exceptions import MismatchError, ShmCommError
 def disagreement_error(what, collective, mpi, shm, names=None):
     """The MismatchError every rank raises, naming what each rank passed (`names`: dtype keys of types the core does
     not reduce, in words)."""
-    every = _gather(collective.words(), mpi, shm)
+    every = gather_rows(collective.words(), mpi, shm)
     if every is None:
         return MismatchError("%s: ranks disagree on the tensor or the collective (their descriptions could not be "
                              "collected)" % what)
@@ -24,8 +24,8 @@ def disagreement_error(what, collective, mpi, shm, names=None):
     return MismatchError("%s: ranks disagree: %s" % (what, text))
 
 
-def _gather(mine, mpi, shm):
-    """Every rank's row, or None if that fails."""
+def gather_rows(mine, mpi, shm):
+    """Every rank's row (int64), or None if that fails."""
     if mpi is not None:
         return mpi.allgather_rows(mine)
     every = np.zeros((shm.size, mine.size), dtype=np.int64)

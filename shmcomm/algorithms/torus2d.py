@@ -20,10 +20,11 @@ import numpy as np
 
 from shmcomm import description
 from shmcomm._native import ffi, lib
-from shmcomm.algorithms.agreement import FAILED, HEADER_BYTES, MISMATCH, OK, Agreement, ShmAgreement, failure_text
+from shmcomm.algorithms.agreement import (FAILED, HEADER_BYTES, MISMATCH, OK, REFUSED, Agreement, Refused,
+                                          ShmAgreement, failure_text)
 from shmcomm.algorithms.ring import ring_allreduce
 from shmcomm.description import shares
-from shmcomm.exceptions import MismatchError, ShmCommError
+from shmcomm.exceptions import InvalidArgumentError, MismatchError, PeerArgumentError, ShmCommError
 from shmcomm.transport import kernels
 
 log = logging.getLogger("shmcomm.algorithms")
@@ -64,13 +65,15 @@ class Torus:
         if verdict[0] != OK:
             raise _verdict_error(what, verdict)
 
-    def agree(self, sig, what):
+    def agree(self, sig, what, refusal=None):
         """The verdict (status, culprit) of every rank on `sig`, by the small path's route with no data: a collective
         other than allreduce checks its arguments this way, so that ranks calling different collectives find out
-        as surely as ranks passing different tensors."""
-        return self._small(ffi.NULL, ffi.NULL, 0, lib.SMC_UINT8, 0, lib.SMC_SUM, 1.0, 1.0, 1, sig, what)
+        as surely as ranks passing different tensors. `refusal`: this rank's own checks failed with this error,
+        which the row hears from the core and the columns as REFUSED."""
+        return self._small(ffi.NULL, ffi.NULL, 0, lib.SMC_UINT8, 0, lib.SMC_SUM, 1.0, 1.0, 1, sig, what, refusal)
 
-    def _small(self, src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig, what):
+    def _small(self, src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig, what,
+               refusal=None):
         # Latency-bound: straight to the core, every Python layer here costs microseconds. The row's sum goes to a
         # message buffer (a header, then the data); the output is written only once the verdict is OK everywhere.
         row, column = self.row, self.column
@@ -78,8 +81,12 @@ class Torus:
         message = column.message(nbytes) if leader else self._scratch_ptr(HEADER_BYTES + nbytes)
         data = message + HEADER_BYTES
         try:  # the row step's outcome, inline: a helper call is a measurable share of this path
-            row.allreduce(src_ptr, data, count, code, op, prescale, 1.0, 1, sig, what)
-            status, culprit, error = OK, 0, None
+            if refusal is None:
+                row.allreduce(src_ptr, data, count, code, op, prescale, 1.0, 1, sig, what)
+                status, culprit, error = OK, 0, None
+            else:
+                row.refuse(lib.SMC_COLL_ALLREDUCE, str(refusal), what)
+                status, culprit, error = REFUSED, self.world_rank + 1, None
         except ShmCommError as failure:
             status, culprit, error = _row_status(failure, self.world_rank)
         if leader:
@@ -108,7 +115,7 @@ class Torus:
             # A host that had other counts may have taken the three-phase path, whose every column agrees: this
             # rank's column does too, with the verdict it has.
             verdict = column.agree(sig, status, culprit)
-        if error is not None and verdict[0] != MISMATCH:
+        if error is not None and verdict[0] not in (MISMATCH, REFUSED):
             raise error
         return verdict
 
@@ -125,7 +132,7 @@ class Torus:
             status, culprit, error = _row_status(failure, self.world_rank)
         verdict = self.column.agree(sig, status, culprit)
         if verdict[0] != OK:
-            if error is not None and verdict[0] != MISMATCH:
+            if error is not None and verdict[0] not in (MISMATCH, REFUSED):
                 raise error
             return verdict
         failure = _attempt(self.column.allreduce_slice, piece, code, op, postscale, divisor)
@@ -160,10 +167,15 @@ _FAILED = 1 << 63
 
 
 def _row_status(failure, world_rank):
-    """(status, culprit, error) after the row's first step failed: a mismatch is everyone's to report; another
-    failure is this rank's own error, which the columns hear about as FAILED."""
+    """(status, culprit, error) after the row's first step failed: a mismatch is everyone's to report; a refusal
+    (a rank's own checks failed, the core told the row) is REFUSED, everyone's to report too; another failure is
+    this rank's own error, which the columns hear about as FAILED."""
     if isinstance(failure, MismatchError):
         return MISMATCH, 0, None
+    if isinstance(failure, PeerArgumentError):
+        return REFUSED, (failure.rank if failure.rank is not None else world_rank) + 1, None
+    if isinstance(failure, InvalidArgumentError):
+        return REFUSED, world_rank + 1, None
     return FAILED, world_rank + 1, failure
 
 
@@ -178,6 +190,8 @@ def _attempt(fn, *args):
 
 def _verdict_error(what, verdict):
     status, culprit = verdict
+    if status == REFUSED:
+        return Refused(culprit)
     if status == MISMATCH:
         return MismatchError("%s: ranks disagree on the tensor (count, dtype, shape, op or scale factors)" % what)
     return ShmCommError(failure_text(what, culprit))

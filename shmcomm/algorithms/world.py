@@ -11,7 +11,7 @@ import numpy as np
 from shmcomm import description, ops
 from shmcomm._native import ffi, lib
 from shmcomm.algorithms import choice
-from shmcomm.algorithms.agreement import MISMATCH, OK, Agreement, failure_text
+from shmcomm.algorithms.agreement import MISMATCH, OK, REFUSED, Agreement, Refused, failure_text, refusal_error
 from shmcomm.algorithms.communicator import Communicator
 from shmcomm.algorithms.disagreement import disagreement_error
 from shmcomm.algorithms.ring import ring_allreduce
@@ -73,6 +73,8 @@ class WorldComm(Communicator):
                 self._agree(collective.signature(count, divisor), what)
         except MismatchError:
             raise self._disagreement(what, collective) from None
+        except Refused:  # a rank's own checks failed: every rank now hears why
+            raise refusal_error(what, None, self.mpi, self.host.shm) from None
         if algorithm != "torus":
             if dst_ptr != ptr:
                 ffi.memmove(dst_ptr, ptr, count * esize)
@@ -91,7 +93,21 @@ class WorldComm(Communicator):
             self.mpi.usable(what)
         status, culprit = self.torus.agree(sig, what) if self.torus is not None else self.agreement.agree(sig)
         if status != OK:
+            if status == REFUSED:
+                raise Refused(culprit)
             raise MismatchError(what) if status == MISMATCH else ShmCommError(failure_text(what, culprit))
+
+    def refuse(self, kind, reason, what):
+        """This rank's call failed its own checks: the agreement every collective starts with carries REFUSED
+        instead of a signature, then the ranks swap reasons (Communicator.refused)."""
+        if self.mpi is not None:
+            self.mpi.usable(what)
+        if self.torus is not None:
+            status, _ = self.torus.agree(0, what, refusal=reason)
+        else:
+            status, _ = self.agreement.agree(0, REFUSED, self.rank + 1)
+        if status == REFUSED:
+            refusal_error(what, reason, self.mpi, self.host.shm)
 
     def _disagreement(self, what, collective, buf=None):
         """The error every rank raises after a mismatch, naming what each rank passed."""
@@ -104,6 +120,8 @@ class WorldComm(Communicator):
             self._agree(collective.signature(*extra), what)
         except MismatchError:
             raise self._disagreement(what, collective, buf) from None
+        except Refused:
+            raise refusal_error(what, None, self.mpi, self.host.shm) from None
 
     # ---- the rest: MPI across hosts, shared memory on one host. Each starts with the agreement, so that ranks
     # calling different collectives find out as surely as ranks passing different tensors. ----

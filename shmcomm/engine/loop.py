@@ -13,12 +13,13 @@ import threading
 import time
 
 from shmcomm import env
-from shmcomm.buffers import wrap
+from shmcomm.buffers import output_for, require_reducible, wrap
 from shmcomm.engine import fusion, timeline
-from shmcomm.engine.negotiate import Negotiator, members_of, signature
+from shmcomm.engine.negotiate import Negotiator, members_of, refusal, signature
 from shmcomm.engine.request import Handle, execute, finish
 from shmcomm.engine.stall import StallInspector
-from shmcomm.exceptions import BrokenCommunicatorError, MismatchError, RankFailure, ShmCommError, TimeoutError
+from shmcomm.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, PeerArgumentError,
+                                RankFailure, ShmCommError, TimeoutError)
 from shmcomm.transport import kernels
 
 log = logging.getLogger("shmcomm.engine")
@@ -72,18 +73,22 @@ class Engine:
     def in_engine_thread(self):
         return threading.current_thread() is self._thread
 
-    def submit(self, req):
-        """Queues a request and returns its Handle. Checks the tensor now, so bad input raises in the caller."""
+    def submit(self, req, settle=False):
+        """Queues a request and returns its Handle. Checks the arguments now, so bad input raises in the caller; the
+        request is still negotiated, as a refusal (negotiate.refusal), so that the other ranks' requests of that
+        name fail at once, naming this rank and its error. `settle`: a blocking caller's, whose error is raised
+        once the other ranks have heard of it (so that it may submit the same name again at once)."""
         if req.name is None:
             # Counted per process set: only the members submit to a set, and they must all count alike.
             req.name = "%s.noname.%d" % (req.kind, next(self._noname[req.set_id]))
         if req.set_id:
             req.name = "%s[set %d]" % (req.name, req.set_id)  # each process set has a namespace of its own
-        if req.kind == "barrier":
-            sig = signature(req, None, ())
-        else:
-            buf = req.buffer = wrap(req.tensor, req.what, writable=req.output is req.tensor)
-            sig = signature(req, buf.dtype_key(), tuple(buf.shape) or (1,))
+        refused = None
+        try:
+            sig = self._checked_signature(req)
+        except InvalidArgumentError as error:
+            refused, req.buffer = error, None
+            sig = refusal(req, str(error))
         handle = Handle(req)
         req.handle = handle
         with self._cond:
@@ -105,7 +110,34 @@ class Engine:
             self.flush(waiting=False)
         if self.timeline.active:
             self.timeline.begin([req.name], "NEGOTIATE_" + req.kind.upper())
+        if refused is not None:
+            refused.told_peers = True
+            self.flush(waiting=settle)
+            if settle:
+                try:
+                    handle.wait(self.comm.tuning.timeout_s)
+                except ShmCommError:
+                    pass  # the verdict on this rank's own refusal, or the engine's end: its own error says more
+            raise refused
         return handle
+
+    @staticmethod
+    def _checked_signature(req):
+        """The request's signature, after the checks a communicator would make when running it."""
+        if req.error is not None:
+            raise req.error
+        if req.kind == "barrier":
+            return signature(req, None, ())
+        buf = req.buffer = wrap(req.tensor, req.what, writable=req.output is req.tensor)
+        if req.kind in ("allreduce", "reducescatter"):
+            require_reducible(buf, req.what)
+        if req.kind == "reducescatter" and not buf.shape:
+            raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % req.what)
+        # An allgather's or alltoall's result shape is known only once the ranks meet; a reduce-scatter's share is
+        # checked when it runs; those ranks take part with a scratch array and raise then (output_or_scratch).
+        if req.output is not None and req.output is not req.tensor and req.kind in ("allreduce", "broadcast"):
+            output_for(buf, req.output, buf.shape, req.what)
+        return signature(req, buf.dtype_key(), tuple(buf.shape) or (1,))
 
     def flush(self, waiting=True):
         """Someone waits for a result (or a bucket is full): negotiate now. Wakes this rank's engine only (the others
@@ -216,7 +248,8 @@ class Engine:
             elif me not in members_of(item.sig.set_key, self.comm.size):
                 continue
             elif kind == "error":
-                self._complete(item.name, error=MismatchError(item.error))
+                self._complete(item.name, error=MismatchError(item.error) if item.refused_by is None else
+                               PeerArgumentError(item.error, item.refused_by))
             else:
                 self._run_one(item.name)
 

@@ -17,9 +17,11 @@ from shmcomm import description
 
 
 class Signature(NamedTuple):
-    """What all ranks must agree on for a request: its process set and what it is (description.Collective)."""
+    """What all ranks must agree on for a request: its process set and what it is (description.Collective).
+    `refused`: the error of this rank's own checks, which fails the request on every rank."""
     set_key: object
     collective: description.Collective
+    refused: str = None
 
 
 def set_key(req):
@@ -37,14 +39,21 @@ def signature(req, buf_key, shape):
                                                         req.postscale, req.root))
 
 
-class Response:
-    __slots__ = ("name", "sig", "error", "joined")
+def refusal(req, reason):
+    """The signature of a request whose arguments failed this rank's checks: it is negotiated like any other, and
+    fails on every rank, naming this one and `reason`."""
+    return Signature(set_key(req), description.describe(req.kind), reason)
 
-    def __init__(self, name, sig, error=None, joined=()):
+
+class Response:
+    __slots__ = ("name", "sig", "error", "joined", "refused_by")
+
+    def __init__(self, name, sig, error=None, joined=(), refused_by=None):
         self.name = name
         self.sig = sig
         self.error = error        # text: this request fails on every rank
         self.joined = joined      # ranks that contribute zeros (they called join())
+        self.refused_by = refused_by  # the first rank whose own checks refused it (then `error` says why)
 
 
 def _split(blob):
@@ -120,7 +129,11 @@ class Negotiator:
                 waiting[name] = (sorted(by_rank), missing)
                 continue
             zeros = tuple(r for r in members if r not in by_rank)
-            responses.append(Response(name, sig, self._disagreement(name, by_rank, zeros), zeros))
+            refused = sorted(r for r, s in by_rank.items() if s.refused is not None)
+            if refused:
+                responses.append(Response(name, sig, _refusal_text(name, by_rank, refused), zeros, refused[0]))
+            else:
+                responses.append(Response(name, sig, self._disagreement(name, by_rank, zeros), zeros))
         for resp in responses:
             if resp.error is None:
                 self._remember(resp.name, resp.sig)
@@ -143,3 +156,11 @@ class Negotiator:
         if key not in self.ids and len(self.entries) < self.capacity:
             self.ids[key] = len(self.entries)
             self.entries.append(key)
+
+
+def _refusal_text(name, by_rank, refused):
+    """What every rank says of a request that failed the checks of the ranks `refused`: the words of the core's
+    own refusals (csrc/coll/step.c)."""
+    return "%s: rank %d's call failed its own checks%s, so no rank ran it; %s" % (
+        name, refused[0], " (and other ranks' too)" if len(refused) > 1 else "",
+        "; ".join("rank %d: %s" % (r, by_rank[r].refused) for r in refused))

@@ -3,13 +3,14 @@
 import threading
 import time
 
+from shmcomm.exceptions import InvalidArgumentError
 
 
 class Request:
     """One collective on one tensor. `root` is an index in `comm`; `splits` is a list of rows per rank."""
 
     __slots__ = ("kind", "name", "tensor", "output", "op", "prescale", "postscale", "root", "splits", "comm",
-                 "set_id", "handle", "submitted", "want_splits", "buffer")
+                 "set_id", "handle", "submitted", "want_splits", "buffer", "error")
 
     def __init__(self, kind, name, tensor, comm, set_id=0, output=None, op=None, prescale=1.0, postscale=1.0, root=0,
                  splits=None):
@@ -28,6 +29,18 @@ class Request:
         self.submitted = 0.0
         self.buffer = None  # the engine's view of `tensor`, made once at submission
         self.want_splits = False  # alltoall: return the received splits too (Horovod does when splits were given)
+        self.error = None  # a check of the arguments that failed on this rank (checked())
+
+    def checked(self, check, *args, default=None):
+        """check(*args), or `default` if it raises InvalidArgumentError: the error then travels with the request
+        (`error`), so that it is raised where the other ranks can be told of it (execute(), the engine's submit)
+        instead of leaving them waiting in the collective for this rank."""
+        try:
+            return check(*args)
+        except InvalidArgumentError as error:
+            if self.error is None:
+                self.error = error
+            return default
 
     @property
     def what(self):
@@ -36,7 +49,17 @@ class Request:
 
 
 def execute(req):
-    """Runs `req` on its communicator, now, in this thread."""
+    """Runs `req` on its communicator, now, in this thread. A failure of this rank's own checks fails the
+    collective on every rank at once (Communicator.refused)."""
+    try:
+        if req.error is not None:
+            raise req.error
+        return _dispatch(req)
+    except InvalidArgumentError as error:
+        raise req.comm.refused(req.kind, error, req.what) from None
+
+
+def _dispatch(req):
     kind, comm, what = req.kind, req.comm, req.what
     if kind == "allreduce":
         return comm.allreduce(req.tensor, req.output, req.op, req.prescale, req.postscale, what)

@@ -12,8 +12,8 @@ import itertools
 import torch
 
 from shmcomm import asynchronous as _async, basics
-from shmcomm.collectives import splits_list
-from shmcomm.exceptions import ShmCommError
+from shmcomm.collectives import alltoall_request
+from shmcomm.exceptions import InvalidArgumentError, ShmCommError
 from shmcomm.ops import Adasum, Average, Max, Min, Product, Sum, resolve  # noqa: F401
 from shmcomm.process_sets import global_process_set
 from shmcomm.torch.compression import Compression
@@ -46,6 +46,17 @@ def _names(name, count):
     return [None] * count if name is None else ["%s.%d" % (name, i) for i in range(count)]
 
 
+def _resolved(op, average=None):
+    """The op Horovod's arguments mean; an unknown op is passed on as given, so that the request carries its error
+    to the other ranks instead of raising here, before they could hear of it (Request.checked)."""
+    try:
+        return resolve(op, average)
+    except InvalidArgumentError:
+        if average is not None:
+            raise
+        return op
+
+
 def is_homogeneous():
     """True when every host runs the same number of ranks, as in Horovod (always, on one host)."""
     return len({len(host) for host in basics.communicator().host_groups}) == 1
@@ -76,7 +87,7 @@ def _apply(function, compression, tensors, *args):
 def _reduction(submit, combine, tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
     """Horovod's allreduce arguments, resolved, for one tensor (combine=_single) or a list (_group)."""
-    return combine(submit, tensors, name, op=resolve(op, average), prescale_factor=prescale_factor,
+    return combine(submit, tensors, name, op=_resolved(op, average), prescale_factor=prescale_factor,
                    postscale_factor=postscale_factor, process_set=process_set)
 
 
@@ -137,7 +148,7 @@ HorovodGroupedAllreduce = HorovodAllreduce
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set):
     """The reduction of `tensor` over the ranks (default: Average), in a new tensor; differentiable."""
-    return _apply(HorovodAllreduce, compression, [tensor], [name], resolve(op, average), prescale_factor,
+    return _apply(HorovodAllreduce, compression, [tensor], [name], _resolved(op, average), prescale_factor,
                   postscale_factor, process_set)[0]
 
 
@@ -146,7 +157,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     """allreduce of every tensor of the list, started together; returns a list; differentiable."""
     if not tensors:
         return []
-    return _apply(HorovodAllreduce, compression, tensors, _names(name, len(tensors)), resolve(op, average),
+    return _apply(HorovodAllreduce, compression, tensors, _names(name, len(tensors)), _resolved(op, average),
                   prescale_factor, postscale_factor, process_set)
 
 
@@ -229,10 +240,11 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 # ---- alltoall ----
 
 def _alltoall_async(tensor, splits, name, process_set):
-    # Always exchange explicit splits, so that the received ones are known (the gradient travels back along them).
-    rows = tensor.shape[0] if tensor.dim() else 1
-    sent = splits_list(splits, rows, _set(process_set).size(), "alltoall" if name is None else "alltoall." + name)
-    return _async.alltoall_async(tensor, splits=sent, name=name, process_set=process_set)
+    # Always return the received splits, so that the gradient can travel back along them. A bad `splits` travels
+    # with the request, so that the other ranks hear of it (Request.checked).
+    req = alltoall_request(tensor, splits, name, process_set)
+    req.want_splits = True
+    return basics.start_engine().submit(req)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
@@ -269,13 +281,13 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
                         postscale_factor=1.0):
     """Starts reducing `tensor`; this rank gets its share of the first dimension (the first rows % size ranks get a
     row more)."""
-    return _single(_async.reducescatter_async, tensor, name, op=resolve(op), prescale_factor=prescale_factor,
+    return _single(_async.reducescatter_async, tensor, name, op=_resolved(op), prescale_factor=prescale_factor,
                    postscale_factor=postscale_factor, process_set=process_set)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0):
-    return _group(_async.reducescatter_async, tensors, name, op=resolve(op), prescale_factor=prescale_factor,
+    return _group(_async.reducescatter_async, tensors, name, op=_resolved(op), prescale_factor=prescale_factor,
                   postscale_factor=postscale_factor, process_set=process_set)
 
 
@@ -302,7 +314,7 @@ HorovodGroupedReducescatter = HorovodReducescatter
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0):
     """This rank's share of the reduction of `tensor` (default: Average); differentiable."""
-    return _apply(HorovodReducescatter, compression, [tensor], [name], resolve(op), process_set, prescale_factor,
+    return _apply(HorovodReducescatter, compression, [tensor], [name], _resolved(op), process_set, prescale_factor,
                   postscale_factor)[0]
 
 
@@ -310,7 +322,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     if not tensors:
         return []
-    return _apply(HorovodReducescatter, compression, tensors, _names(name, len(tensors)), resolve(op), process_set,
+    return _apply(HorovodReducescatter, compression, tensors, _names(name, len(tensors)), _resolved(op), process_set,
                   prescale_factor, postscale_factor)
 
 

@@ -29,7 +29,7 @@ class BoxHandle:
     @property
     def detached(self):
         """The transport was shut down: the arena is gone."""
-        return self._shm.handle is None
+        return self._shm.handle == ffi.NULL
 
     def version(self):
         return int(lib.smc_box_version(self._box))
@@ -64,7 +64,7 @@ class BoxHandle:
 
     def close(self):
         if self._box is not None:
-            if self._shm.handle is not None:
+            if self._shm.handle != ffi.NULL:
                 lib.smc_box_close(self._box)
             self._box = None
 

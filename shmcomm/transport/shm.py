@@ -8,13 +8,17 @@ from shmcomm.log import logger as log
 from shmcomm.exceptions import RankFailure
 from shmcomm.transport import Transport, allgather_bytes_over
 
+SMC_REASON_BYTES = 479  # what peers read of a refusal's reason (SMC_REASON_MAX in csrc/coll/comm.h, less the NUL)
+
 
 def _error(rc, what):
     """The exception for a failed step: the core's (built from its failure data), its text prefixed with the
-    caller's name for the call where the core's own does not mention it. A dead rank's text stands as it is."""
+    caller's name for the call where the core's own does not mention it. A dead rank's text stands as it is. The
+    core has told the peers of every failure of its own checks (smc_coll_refuse): `told_peers` says so."""
     error = error_for(rc)
     if what not in str(error) and not isinstance(error, RankFailure):
         error.args = ("%s: %s" % (what, error),) + error.args[1:]
+    error.told_peers = True
     return error
 
 
@@ -114,6 +118,13 @@ class SharedMemory(Transport):
         if rc != 0:
             raise _error(rc, what)
 
+    def refuse(self, kind, reason, what):
+        """Takes the first step of collective `kind` (lib.SMC_COLL_*) as a refusal: every peer's call fails at once
+        with PeerArgumentError naming this rank and `reason`."""
+        rc = lib.smc_coll_refuse(self.handle, kind, reason.encode("utf-8", "replace")[:SMC_REASON_BYTES])
+        if rc != 0:
+            raise _error(rc, what)
+
     def allgather_bytes(self, payload):
         def gatherv(mine, every, sizes):
             self.allgatherv(ffi.from_buffer(mine) if mine else ffi.NULL, len(mine),
@@ -122,7 +133,7 @@ class SharedMemory(Transport):
 
     # ---- liveness, doorbells, waiting ----
     def failed_ranks(self):
-        mask = lib.smc_comm_failed_ranks(self.handle) if self.handle is not None else 0
+        mask = lib.smc_comm_failed_ranks(self.handle)  # 0 once closed (NULL)
         return [self.ranks[r] for r in range(self.size) if mask >> r & 1]
 
     def set_spin(self, spin_us):
@@ -138,6 +149,6 @@ class SharedMemory(Transport):
         return lib.smc_comm_doorbell_wait(self.handle, seen, timeout_s)
 
     def close(self):
-        if self.handle is not None:
+        if self.handle != ffi.NULL:
             lib.smc_comm_destroy(self.handle)
-            self.handle = None
+            self.handle = ffi.NULL  # calls after close are refused by the core (a NULL communicator)
