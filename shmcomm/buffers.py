@@ -126,7 +126,7 @@ def output_or_scratch(src, output, shape, what):
     try:
         return output_for(src, output, shape, what) + (None,)
     except InvalidArgumentError as error:
-        error.told_peers = True  # this rank takes part after all: no refusal is owed to the peers (Communicator.refused)
+        error.told_peers = True  # this rank takes part after all: it owes the peers no refusal (Communicator.refused)
         return output_for(src, None, shape, what) + (error,)
 
 
