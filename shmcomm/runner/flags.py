@@ -144,7 +144,9 @@ SWITCHES = (
      "log records without a timestamp (the default); --log-with-timestamp adds one"),
 )
 
-ELASTIC_DESTS = ("min_num_proc", "max_num_proc", "slots", "elastic_timeout", "reset_limit", "cooldown_range")
+ELASTIC_FLAGS = (("min_num_proc", "--min-np"), ("max_num_proc", "--max-np"), ("slots", "--slots-per-host"),
+                 ("elastic_timeout", "--elastic-timeout"), ("reset_limit", "--reset-limit"),
+                 ("cooldown_range", "--blacklist-cooldown-range"))
 
 
 def dest(flag):
@@ -266,10 +268,11 @@ def env_from_flags(args):
 
 def check(parser, args):
     """Usage errors of values argparse cannot judge alone."""
-    for name in ("min_num_proc", "max_num_proc", "slots", "reset_limit"):
+    for name, flag in (("min_num_proc", "--min-np"), ("max_num_proc", "--max-np"), ("slots", "--slots-per-host"),
+                       ("reset_limit", "--reset-limit")):
         value = getattr(args, name)
         if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-').replace('num-proc', 'np')} must be at least 1, got {value}")
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.elastic_timeout is not None and args.elastic_timeout < 0:
         parser.error(f"--elastic-timeout must be >= 0, got {args.elastic_timeout}")
     if args.cooldown_range and not 0 <= args.cooldown_range[0] <= args.cooldown_range[1]:
@@ -299,7 +302,7 @@ def notes(args, across_hosts):
     if args.hierarchical_allgather is not None:
         lines.append("--[no-]hierarchical-allgather: allgather inside a host is shared memory and across hosts "
                      "MPI's own; there is no other to choose")
-    given = [f"--{name.replace('_', '-')}" for name in ELASTIC_DESTS if getattr(args, name) is not None]
+    given = [flag for name, flag in ELASTIC_FLAGS if getattr(args, name) is not None]
     if args.host_discovery_script:
         given.append("--host-discovery-script")
     if given:
