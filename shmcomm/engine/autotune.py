@@ -61,8 +61,9 @@ class Autotuner:
     can switch to (empty on one host); `model`: (probe timings, step sizes, step seconds, settings) -> a
     shmcomm.sim.step.StepModel, or None."""
 
-    def __init__(self, rank, settings, start, algorithms, model=None):
+    def __init__(self, rank, settings, start, algorithms, model=None, clock=time.monotonic):
         self.root = rank == 0
+        self.clock = clock
         self.settings = settings
         self.current = dict(start)
         self.free = [name for name in RANGES if name not in settings.pinned]
@@ -101,7 +102,7 @@ class Autotuner:
         """One allreduce (of a fused group) this rank ran: [(name, bytes)], how long it took."""
         if not self.root or self.done or self.waiting:
             return
-        now = time.monotonic()
+        now = self.clock()
         names = [name for name, _ in sizes]
         if self.ref is None:
             self.ref, self.started, self.seen = names[0], now - seconds, 0

@@ -75,6 +75,7 @@ class Engine:
             raise ValueError("SHMCOMM_THREAD_AFFINITY: core %d is not one this rank may run on (%s)"
                              % (self.core, sorted(os.sched_getaffinity(0))))
         self.tuner = self._autotuner(env.autotune())
+        self.tuning_applied = []
         self._thread = threading.Thread(target=self._run, name="shmcomm-engine", daemon=True)
         self._thread.start()
 
@@ -168,6 +169,7 @@ class Engine:
 
     def _apply_tuning(self, decision):
         """Rank 0's decision, applied by every rank in the same cycle, before its plan."""
+        self.tuning_applied.append((self._cycle, decision))  # the same list on every rank
         if "probe" in decision:
             timings = self._probe(decision["probe"])
             self.tuner.probed(timings)
