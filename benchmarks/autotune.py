@@ -14,24 +14,13 @@ import csv
 import os
 import re
 import shlex
-import subprocess
 import sys
 import tempfile
 
-from benchmarks.training import EXAMPLE, ROOT, _img_per_sec, _median
+from benchmarks.training import EXAMPLE, _img_per_sec, _launch, _median
 
 CHOSEN = re.compile(r"autotune: (?:done after (\d+) samples.*?chosen|stopped before the end after (\d+) samples; "
                     r"best so far): (--fusion-threshold-mb \S+ --cycle-time-ms \S+) SHMCOMM_BUCKET_BYTES=(\d+)")
-
-
-def _launch(np_, args, timeout):
-    """Both streams of a shmcommrun job: the autotuner reports on stderr."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "shmcomm.runner", "-np", str(np_)] + args
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if run.returncode != 0:
-        raise SystemExit("benchmark job failed: %s\n%s%s" % (shlex.join(cmd), run.stdout, run.stderr))
-    return run.stdout + run.stderr
 
 
 def _example(args, iters):
@@ -57,7 +46,7 @@ def _autotune(args, prior, log_file):
     os.environ["HOROVOD_AUTOTUNE_PRIOR"] = prior
     try:
         output = _launch(args.np, ["--autotune", "--autotune-log-file", log_file] + _example(args, args.tune_iters),
-                         args.timeout)
+                         args.timeout, with_stderr=True)  # the autotuner reports on stderr
     finally:
         del os.environ["HOROVOD_AUTOTUNE_PRIOR"]
     match = CHOSEN.search(output)
@@ -117,7 +106,8 @@ def main():
         name = f"tuned {prior}"
         print(f"  autotuned, prior {prior}: {_median(figures[name]):.0f} img/s = {_median(ratios[name]):.2f}x default "
               f"(rounds {', '.join('%.2f' % r for r in ratios[name])}); samples taken {samples[prior]}, "
-              f"to 95% of the best {converge[prior]}; chose {[' '.join(f) + ' bucket=%d' % b for f, b in chosen[prior]]}")
+              f"to 95% of the best {converge[prior]}; chose "
+              f"{[' '.join(f) + ' bucket=%d' % b for f, b in chosen[prior]]}")
 
 
 if __name__ == "__main__":

@@ -68,12 +68,12 @@ def step_seconds(current):
             / 7 + 0.001 * current["cycle"])
 
 
-def drive(tuner, steps=400, algorithm_factor=None):
+def drive(tuner, steps=400, algorithm_factor=None, objective=step_seconds):
     """Runs `steps` training steps of SIZES through the tuner's measurements; returns the decisions, in order."""
     clock = tuner.clock
     decisions = []
     for _ in range(steps):
-        seconds = step_seconds(tuner.current)
+        seconds = objective(tuner.current)
         if algorithm_factor:
             seconds *= algorithm_factor[tuner.current["algorithm"]]
         for name, size in SIZES:
@@ -98,10 +98,22 @@ def test_search_beats_the_starting_settings_and_logs_like_horovod(tmp_path, caps
     assert step_seconds(tuner.current) < 0.8 * step_seconds(START)
     rows = list(csv.reader(open(log)))
     assert rows[0] == list(autotune.HEADER)
-    assert len(rows) == 1 + 8 + 1  # header, a row per search sample, the best last
+    assert len(rows) == 1 + 8 + 6 + 1  # header, a row per search sample and confirmation sample, the best last
     assert float(rows[-1][3]) * MB == pytest.approx(tuner.current["fusion"], rel=1e-3)
     said = capsys.readouterr().err
-    assert "autotune: done after 9 samples (1 warm-up)" in said and "--fusion-threshold-mb" in said
+    assert "autotune: done after 15 samples (1 warm-up)" in said and "--fusion-threshold-mb" in said
+    # the confirmation alternated the search's best with the starting settings
+    confirm = decisions[-7:-1]
+    assert [d == {k: START[k] for k in d} for d in confirm] == [False, True] * 3
+
+
+def test_the_starting_settings_stay_when_the_search_cannot_beat_them():
+    def flat(current):  # every setting as good as any other but the start, 2% better
+        return 0.05 * (0.98 if all(current[k] == START[k] for k in START) else 1.0)
+
+    tuner = autotune.Autotuner(0, settings(), START, [], clock=Clock())
+    drive(tuner, objective=flat)
+    assert tuner.done and all(tuner.current[k] == START[k] for k in START)
 
 
 def test_pinned_settings_stay_put_and_other_ranks_only_follow():
@@ -116,7 +128,8 @@ def test_the_algorithm_is_chosen_across_hosts_after_the_search():
     tuner = autotune.Autotuner(0, settings(max_samples=4), dict(START, algorithm="torus"), ["torus", "ring", "mpi"],
                                clock=Clock())
     decisions = drive(tuner, algorithm_factor={"torus": 1.3, "ring": 1.0, "mpi": 1.6})
-    assert [d["algorithm"] for d in decisions[-4:]] == ["torus", "ring", "mpi", "ring"]
+    # the best settings on each algorithm, then the winner (ring) against the start (torus), then ring
+    assert [d["algorithm"] for d in decisions[-10:]] == ["torus", "ring", "mpi"] + ["ring", "torus"] * 3 + ["ring"]
     assert tuner.current["algorithm"] == "ring" and tuner.done
 
 
@@ -169,9 +182,9 @@ def test_a_job_tunes_and_every_rank_applies_each_choice_in_the_same_cycle(tmp_pa
     assert len(reports) == 2 and reports[0] == reports[1]  # same decisions, same cycles, same final settings
     applied = reports[0]["applied"]
     assert reports[0]["done"] and applied[-1][1]["done"] and "probe" in applied[0][1]
-    assert len(applied) == 1 + 5  # the probe, then a decision after each search sample
+    assert len(applied) == 1 + 5 + 6  # the probe, a decision after each search and confirmation sample
     final = applied[-1][1]
     assert reports[0]["final"] == [final["fusion"], pytest.approx(final["cycle"] / 1000), final["bucket"]]
     rows = list(csv.reader(open(log)))
-    assert len(rows) == 1 + 5 + 1
-    assert "autotune: done after 6 samples (1 warm-up); chosen: --fusion-threshold-mb" in result.stderr
+    assert len(rows) == 1 + 5 + 6 + 1
+    assert "autotune: done after 12 samples (1 warm-up); chosen: --fusion-threshold-mb" in result.stderr

@@ -7,7 +7,8 @@ A sample is `steps_per_sample` training steps: from the start of one tensor's al
 allreduce that many steps later, so it spans whole steps, compute included. Its score is the bytes allreduced in
 that time per second. The first `warmup_samples` are discarded. Then the search: the settings the job started with,
 then a Bayesian optimisation (bayes.py) of the free settings on a log scale, then, across hosts, each other
-algorithm once with the best settings found. Settings the user set are held constant.
+algorithm once with the best settings found, and last the best against the starting settings, alternately, three
+samples each: it replaces them only if its median is higher. Settings the user set are held constant.
 
 The prior (HOROVOD_AUTOTUNE_PRIOR / SHMCOMM_AUTOTUNE_PRIOR): `model` fits shmcomm.sim's alpha-beta model to a probe
 of a few allreduces timed on this machine, predicts each setting's step time from the step's tensor sizes, and lets
@@ -66,6 +67,9 @@ class Autotuner:
         self.clock = clock
         self.settings = settings
         self.current = dict(start)
+        self.start = dict(start)
+        self.confirming = None  # the last phase: [settings] to sample, the best alternating with the start's
+        self.confirm_scores = []
         self.free = [name for name in RANGES if name not in settings.pinned]
         self.algorithms = [] if "algorithm" in settings.pinned else [a for a in algorithms if a != start["algorithm"]]
         self.model_factory = model if settings.prior == "model" else None
@@ -159,7 +163,9 @@ class Autotuner:
         if self.default_score is None:
             self.default_score = score
             self.step_seconds = step_seconds
-        if self.free and len(self.points) < self.settings.max_samples and not self.tried:
+        if self.confirming is not None:
+            self.confirm_scores.append(score)
+        elif self.free and len(self.points) < self.settings.max_samples and not self.tried:
             self.points.append([to_unit(name, self.current[name]) for name in self.free])
             self.scores.append(score)
         else:
@@ -208,11 +214,24 @@ class Autotuner:
             if left:
                 best["algorithm"] = left[0]
                 return best
+        # One sample is noisy (other processes, the machine's drift): the search's best replaces the start only if
+        # it wins the median of CONFIRM samples each, taken alternately.
+        if self.confirming is None:
+            self.candidate = best
+            self.confirming = [] if _same(best, self.start) else [best, self.start] * CONFIRM
+        if len(self.confirm_scores) < len(self.confirming):
+            return dict(self.confirming[len(self.confirm_scores)])
+        ratio = 1.0
+        if self.confirming:
+            ratio = _median(self.confirm_scores[0::2]) / _median(self.confirm_scores[1::2])
+            best, score = (self.candidate, _median(self.confirm_scores[0::2])) if ratio > 1 else \
+                (dict(self.start), _median(self.confirm_scores[1::2]))
         best["done"] = True
         self._write(best, score)
-        gain = " (%.2fx the starting settings' score)" % (score / self.default_score) if self.default_score else ""
-        _say("autotune: done after %d samples (%d warm-up); chosen: %s%s"
-             % (self.samples, self.settings.warmup_samples, flags_text(best), gain))
+        _say("autotune: done after %d samples (%d warm-up); chosen: %s (the search's best scored %.2fx the starting "
+             "settings, median of %d samples each%s)" % (
+                 self.samples, self.settings.warmup_samples, flags_text(best), ratio, CONFIRM,
+                 "" if ratio > 1 else ": the starting settings stay"))
         return best
 
     def _write(self, settings, score):
@@ -225,6 +244,15 @@ class Autotuner:
 
 
 RANGES_INDEX = {name: index for index, name in enumerate(RANGES)}
+CONFIRM = 3
+
+
+def _median(values):
+    return float(np.median(values))
+
+
+def _same(a, b):
+    return all(a.get(key) == b.get(key) for key in ("fusion", "cycle", "bucket", "algorithm"))
 
 
 def _say(message):
