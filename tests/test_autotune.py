@@ -188,3 +188,26 @@ def test_a_job_tunes_and_every_rank_applies_each_choice_in_the_same_cycle(tmp_pa
     rows = list(csv.reader(open(log)))
     assert len(rows) == 1 + 5 + 6 + 1
     assert "autotune: done after 12 samples (1 warm-up); chosen: --fusion-threshold-mb" in result.stderr
+
+
+@pytest.mark.slow
+def test_across_simulated_hosts_the_algorithms_are_tried_and_results_stay_exact(tmp_path):
+    import subprocess
+    import sys
+
+    from test_simhosts import REPO, job_env, open_hosts
+
+    sim = open_hosts(2)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(2), "--autotune",
+             "--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "2",
+             "--autotune-bayes-opt-max-samples", "3", *JOB, "120"], cwd=REPO, env=job_env(),
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
+    finally:
+        sim.close()
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = [json.loads(lines[-1]) for _, lines in sorted(rank_lines(result.stdout).items())]
+    assert len(reports) == 4 and all(report == reports[0] for report in reports)
+    tried = {decision.get("algorithm") for _, decision in reports[0]["applied"]}
+    assert {"torus", "ring", "mpi"} <= tried and reports[0]["done"]

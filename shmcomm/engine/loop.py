@@ -163,8 +163,8 @@ class Engine:
             algorithm = "torus" if algorithm == "auto" and "torus" in choices else algorithm
         start = {"fusion": self.fusion_threshold, "cycle": self.cycle_s * 1000.0, "bucket": self.bucket_bytes,
                  "algorithm": algorithm}
-        model = functools.partial(StepModel, topo.size, topo.local_size, self.comm.tuning.small_bytes,
-                                  0.0 if self.comm.doorbell_reaches_all else 0.5)
+        # A rank's engine sleeps out its cycle while a peer is not ready, so each round waits half a cycle on average.
+        model = functools.partial(StepModel, topo.size, topo.local_size, self.comm.tuning.small_bytes, 0.5)
         return autotune.Autotuner(self.comm.rank, settings, start, choices, model)
 
     def _apply_tuning(self, decision):

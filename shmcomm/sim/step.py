@@ -2,8 +2,8 @@
 """A training step's communication under the engine's settings, from the alpha-beta model: the autotuner's prior.
 
 The engine gathers a step's gradients into negotiation rounds (a round closes once `bucket` bytes are queued),
-packs each round's tensors, in order, into fused allreduces of at most `fusion` bytes, and, where the doorbell does
-not reach every rank (across hosts), waits on average half a cycle per round for the others. Each fused allreduce
+packs each round's tensors, in order, into fused allreduces of at most `fusion` bytes, and waits on average half a
+cycle per round for the others (an engine whose peers are not ready sleeps out its cycle). Each fused allreduce
 costs what model.cost_terms says for the path the library takes at that size (the torus's small-message path up to
 `small_bytes`, else the torus on the hosts' grid), with the links fitted (calibrate.py) to allreduces timed on the
 machine at run time. The step's computation is what the measured step time leaves over at the starting settings.
