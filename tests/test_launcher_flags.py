@@ -275,3 +275,31 @@ def test_multi_host_flags_across_simulated_hosts(tmp_path):
     assert "-bind-to none" in result.stderr  # in the mpiexec command --verbose prints
     calls = (tmp_path / "calls").read_text()
     assert "-p 2200" in calls and f"-i {tmp_path / 'key'}" in calls
+
+
+ENV = rank_program("import json, os; print(json.dumps(dict(os.environ)))")
+
+
+@pytest.mark.parametrize("flags, name, value", [
+    (["--no-autotune"], "HOROVOD_AUTOTUNE", "0"), (["--no-timeline-mark-cycles"], "HOROVOD_TIMELINE_MARK_CYCLES", "0"),
+    (["--no-mpi-threads-disable"], "HOROVOD_MPI_THREADS_DISABLE", "0"),
+    (["--log-without-timestamp"], "HOROVOD_LOG_HIDE_TIME", "1"),
+    (["--log-hide-timestamp"], "HOROVOD_LOG_HIDE_TIME", "1"),
+    (["--no-log-hide-timestamp"], "HOROVOD_LOG_HIDE_TIME", "0"),
+    (["--stall-check"], "HOROVOD_STALL_CHECK_DISABLE", "0"),
+    (["--min-num-proc", "1", "--max-num-proc", "3"], "SHMCOMM_SIZE", "2"), (["-H", "localhost:2"], "SHMCOMM_SIZE", "2"),
+    (["--mpi"], "SHMCOMM_SIZE", "2")])
+def test_other_spellings(tmp_path, flags, name, value):
+    result = launch("-np", 2, *flags, *ENV)
+    assert result.returncode == 0, result.stderr
+    assert {json.loads(lines[0])[name] for lines in rank_lines(result.stdout).values()} == {value}
+    if flags[0] in ("--mpi", "--min-num-proc"):
+        assert len(notes(result)) == 1
+
+
+def test_hostfile_with_a_single_dash(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    result = launch("-np", 2, "-hostfile", hostfile, *ENV)
+    assert result.returncode == 0 and len(rank_lines(result.stdout)) == 2, result.stderr
+    assert launch("-np", 3, "-hostfile", hostfile, "true").returncode == 2  # more ranks than slots
