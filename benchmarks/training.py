@@ -18,14 +18,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "torch_synthetic_benchmark.py")
 
 
-def _launch(np_, args, timeout):
+def _launch(np_, args, timeout, with_stderr=False):
+    """The job's stdout (and stderr after it, with_stderr); a failed job ends the benchmark with its output."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "shmcomm.runner", "-np", str(np_)] + args
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0:
         sys.stderr.write(run.stdout + run.stderr)
         raise SystemExit("benchmark job failed: %s" % " ".join(cmd))
-    return run.stdout
+    return run.stdout + (run.stderr if with_stderr else "")
 
 
 def _img_per_sec(output):

@@ -55,19 +55,34 @@ class ResNet(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
+class DeepMLP(nn.Module):
+    """Many small layers: hundreds of small gradients per step, where per-tensor costs dominate communication."""
+
+    def __init__(self, depth=100, width=64, image_size=32, classes=10):
+        super().__init__()
+        self.stem = nn.Linear(3 * image_size * image_size, width)
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)])
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.fc(self.layers(F.relu(self.stem(x.flatten(1)))))
+
+
 MODELS = {
     "resnet18": lambda: ResNet([2, 2, 2, 2]),
     "resnet34": lambda: ResNet([3, 4, 6, 3]),
     "resnet18_half": lambda: ResNet([2, 2, 2, 2], width=0.5),
     "resnet_tiny": lambda: ResNet([1, 1, 1, 1], width=0.25, classes=10),
 }
+SIZED_MODELS = {"mlp_deep": lambda image_size: DeepMLP(image_size=image_size)}  # built for the image size
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--fp16-allreduce", action="store_true", help="use fp16 compression during allreduce")
-    parser.add_argument("--model", default="resnet18", choices=sorted(MODELS), help="model to benchmark")
+    parser.add_argument("--model", default="resnet18", choices=sorted(MODELS) + sorted(SIZED_MODELS),
+                        help="model to benchmark (mlp_deep: 100 small layers, 200 small gradients)")
     parser.add_argument("--batch-size", type=int, default=32, help="input batch size")
     parser.add_argument("--image-size", type=int, default=64, help="side of the square random images")
     parser.add_argument("--num-warmup-batches", type=int, default=10, help="number of warm-up batches")
@@ -75,6 +90,8 @@ def parse_args():
     parser.add_argument("--num-iters", type=int, default=10, help="number of benchmark iterations")
     parser.add_argument("--no-cuda", action="store_true", default=True, help="accepted; this build trains on the CPU")
     parser.add_argument("--use-adasum", action="store_true", help="not supported (shmcomm has no Adasum)")
+    parser.add_argument("--autotune", action="store_true",
+                        help="tune fusion, cycle time and bucket size while training (as shmcommrun --autotune)")
     parser.add_argument("--backend", default="shmcomm", choices=["shmcomm", "ddp-gloo", "ddp-shmcomm"],
                         help="how gradients are averaged")
     return parser.parse_args()
@@ -103,9 +120,11 @@ def main():
     args = parse_args()
     if args.use_adasum:
         raise SystemExit("--use-adasum: shmcomm does not implement Adasum")
+    if args.autotune:
+        os.environ["HOROVOD_AUTOTUNE"] = "1"  # read when the engine starts, in hvd.init()
     hvd.init()
     torch.manual_seed(hvd.rank())
-    model = MODELS[args.model]()
+    model = SIZED_MODELS[args.model](args.image_size) if args.model in SIZED_MODELS else MODELS[args.model]()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
     model, optimizer = wrap_for_backend(args, model, optimizer)
     classes = model.module.fc.out_features if hasattr(model, "module") else model.fc.out_features

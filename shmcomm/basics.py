@@ -18,7 +18,7 @@ def init(engine=None):
     state = session.state
     with state.lock:
         if state.comm is None:
-            log.configure(env.log_level())
+            log.configure(env.log_level(), env.log_with_time())
             state.comm = bootstrap.build_world(state.generation)
             state.generation += 1
             log.joined(state.comm)

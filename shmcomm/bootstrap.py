@@ -56,8 +56,9 @@ def _logical_grid(topo, tuning, generation, paths):
 def _across_hosts(generation):
     from shmcomm.algorithms.torus2d import MpiColumn, Torus
     from shmcomm.algorithms.world import WorldComm
-    from shmcomm.transport.mpi import Mpi
+    from shmcomm.transport.mpi import Mpi, choose_thread_level
 
+    choose_thread_level(env.mpi_threads_disabled())
     topo, ctx = topology.from_mpi()
     _require_same_settings(ctx.world)
     tuning = env.tuning(topo.local_size)

@@ -8,10 +8,15 @@ Bad values raise ValueError naming the variable. The README's "Tuning" table doc
   waits:      TIMEOUT, START_TIMEOUT, LIVENESS_INTERVAL, SPIN_US
   memory:     SLOT_BYTES, SMALL_BYTES, SMB_BYTES
   engine:     ENGINE, CYCLE_TIME, FUSION_THRESHOLD, BUCKET_BYTES, CACHE_CAPACITY, STALL_CHECK_DISABLE,
-              STALL_CHECK_TIME_SECONDS, STALL_SHUTDOWN_TIME_SECONDS, TIMELINE, TIMELINE_MARK_CYCLES
-  paths:      ALLREDUCE_ALGO, TORUS_GRID, TORUS_SMALL_BYTES, TORUS_MIN_BYTES, RANKS_PER_HOST (testing: pretend hosts)
-  logging:    LOG_LEVEL
-  horovod:    ELASTIC (a world of one still reduces gradients)"""
+              STALL_CHECK_TIME_SECONDS, STALL_SHUTDOWN_TIME_SECONDS, TIMELINE, TIMELINE_MARK_CYCLES, THREAD_AFFINITY
+  autotune:   AUTOTUNE, AUTOTUNE_LOG, AUTOTUNE_WARMUP_SAMPLES, AUTOTUNE_STEPS_PER_SAMPLE,
+              AUTOTUNE_BAYES_OPT_MAX_SAMPLES, AUTOTUNE_GAUSSIAN_PROCESS_NOISE, AUTOTUNE_PRIOR
+  paths:      ALLREDUCE_ALGO (or Horovod's HIERARCHICAL_ALLREDUCE / TORUS_ALLREDUCE switches), TORUS_GRID,
+              TORUS_SMALL_BYTES, TORUS_MIN_BYTES, RANKS_PER_HOST (testing: pretend hosts)
+  mpi:        MPI_THREADS_DISABLE
+  logging:    LOG_LEVEL, LOG_HIDE_TIME
+  horovod:    ELASTIC (a world of one still reduces gradients); GLOO_TIMEOUT_SECONDS stands for TIMEOUT when that is
+              unset"""
 import os
 import secrets
 from dataclasses import dataclass
@@ -70,6 +75,25 @@ def _flag(name, default=False, environ=None):
         return False
     raise ValueError("environment variable SHMCOMM_%s=%r: expected 1 or 0 (true/false, yes/no, on/off)"
                      % (name, value))
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def switch(name, environ=None):
+    """A Horovod on/off variable: None when unset, else True or False; ValueError for anything else."""
+    value = _get(name, environ=environ)
+    if value is None:
+        return None
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise ValueError("environment variable SHMCOMM_%s=%r: expected 1 or 0" % (name, value))
+
+
+def is_set(name, environ=None):
+    return _get(name, environ=environ) is not None
 
 
 @dataclass(frozen=True)
@@ -183,7 +207,9 @@ def tuning(local_size):
     # otherwise turn a 70 us allreduce into a futex wake-up chain ten times slower.
     default_spin_us = 1000 if local_size <= cores else 2
     return Tuning(
-        timeout_s=_number("TIMEOUT", 300.0, positive=True, high=MAX_SECONDS),
+        # Horovod's Gloo timeout bounds its collectives as SHMCOMM_TIMEOUT bounds these.
+        timeout_s=_number("TIMEOUT", _number("GLOO_TIMEOUT_SECONDS", 300.0, positive=True, high=MAX_SECONDS),
+                          positive=True, high=MAX_SECONDS),
         start_timeout_s=_number("START_TIMEOUT", 60.0, positive=True, high=MAX_SECONDS),
         liveness_s=_number("LIVENESS_INTERVAL", 0.1, positive=True, high=MAX_SECONDS),
         # More ranks than cores: every synchronisation costs context switches, so take fewer, larger steps. The
@@ -220,6 +246,61 @@ def engine():
     )
 
 
+def thread_affinity(local_rank):
+    """The core the engine thread of this local rank is pinned to (HOROVOD_THREAD_AFFINITY: one core, or a
+    comma-separated core per local rank), or None."""
+    text = _get("THREAD_AFFINITY")
+    if text is None:
+        return None
+    try:
+        cores = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError("SHMCOMM_THREAD_AFFINITY=%r: expected a core, or one core per local rank: 0,1,2,3"
+                         % text) from None
+    if any(core < 0 for core in cores):
+        raise ValueError("SHMCOMM_THREAD_AFFINITY=%r: cores are numbered from 0" % text)
+    return cores[local_rank % len(cores)]
+
+
+@dataclass(frozen=True)
+class AutotuneSettings:
+    enabled: bool
+    log_file: object        # CSV of the samples, or None
+    warmup_samples: int     # samples discarded first
+    steps_per_sample: int   # training steps (a tensor reduced this many times) per sample
+    max_samples: int        # samples of the Bayesian search
+    noise: float            # Gaussian-process noise, in [0, 1], relative to the scores' spread
+    prior: str              # "model": the cost model's prediction is the search's prior mean; "none": constant
+    pinned: frozenset       # settings the user set, held constant: fusion, cycle, bucket, algorithm
+
+
+def autotune():
+    settings = AutotuneSettings(
+        enabled=bool(switch("AUTOTUNE")), log_file=_get("AUTOTUNE_LOG"),
+        warmup_samples=_number("AUTOTUNE_WARMUP_SAMPLES", 3, int),
+        steps_per_sample=_number("AUTOTUNE_STEPS_PER_SAMPLE", 10, int),
+        max_samples=_number("AUTOTUNE_BAYES_OPT_MAX_SAMPLES", 20, int),
+        noise=_number("AUTOTUNE_GAUSSIAN_PROCESS_NOISE", 0.8), prior=(_get("AUTOTUNE_PRIOR", "model")).lower(),
+        pinned=frozenset(key for key, names in (("fusion", ("FUSION_THRESHOLD",)), ("cycle", ("CYCLE_TIME",)),
+                                                ("bucket", ("BUCKET_BYTES",)),
+                                                ("algorithm", ("ALLREDUCE_ALGO", "HIERARCHICAL_ALLREDUCE",
+                                                               "TORUS_ALLREDUCE")))
+                         if any(is_set(name) for name in names)))
+    if settings.warmup_samples < 0 or settings.steps_per_sample < 1 or settings.max_samples < 1:
+        raise ValueError("SHMCOMM_AUTOTUNE_WARMUP_SAMPLES must be >= 0, ..._STEPS_PER_SAMPLE and "
+                         "..._BAYES_OPT_MAX_SAMPLES >= 1")
+    if not 0 <= settings.noise <= 1:
+        raise ValueError("SHMCOMM_AUTOTUNE_GAUSSIAN_PROCESS_NOISE=%r must be in [0, 1]" % settings.noise)
+    if settings.prior not in ("model", "none"):
+        raise ValueError("SHMCOMM_AUTOTUNE_PRIOR=%r: choose model or none" % settings.prior)
+    return settings
+
+
+def mpi_threads_disabled():
+    """HOROVOD_MPI_THREADS_DISABLE=1: initialise MPI without MPI_THREAD_MULTIPLE."""
+    return bool(switch("MPI_THREADS_DISABLE"))
+
+
 def timeline():
     """(file, mark_cycles) of the Chrome-trace timeline; file is None when none is asked for."""
     return _get("TIMELINE"), _flag("TIMELINE_MARK_CYCLES")
@@ -230,7 +311,8 @@ TORUS_SMALL_BYTES = 256 << 10
 
 # Settings that choose paths: hosts on different paths would wait for each other instead of failing, so every rank
 # must have the same (bootstrap compares them, as set, before anything parses them).
-PATH_SETTINGS = ("ALLREDUCE_ALGO", "TORUS_SMALL_BYTES", "TORUS_MIN_BYTES", "TORUS_GRID")
+PATH_SETTINGS = ("ALLREDUCE_ALGO", "HIERARCHICAL_ALLREDUCE", "TORUS_ALLREDUCE", "TORUS_SMALL_BYTES", "TORUS_MIN_BYTES",
+                 "TORUS_GRID")
 
 
 def path_settings_as_set():
@@ -254,12 +336,25 @@ def grid(size):
 
 def paths(size, environ=None):
     """The path settings of a job of `size` ranks."""
-    algorithm = (_get("ALLREDUCE_ALGO", "auto", environ) or "auto").lower()
+    algorithm = _algorithm(environ)
     if algorithm not in ALGORITHMS:
         raise ValueError("SHMCOMM_ALLREDUCE_ALGO=%r: choose one of %s" % (algorithm, ", ".join(ALGORITHMS)))
     grid_text = _get("TORUS_GRID", environ=environ)
     return PathSettings(algorithm, parse_grid(grid_text, size) if grid_text else None, grid_text,
                         torus_small_bytes(environ), _number("TORUS_MIN_BYTES", 0, int, environ, low=0, high=MAX_BYTES))
+
+
+def _algorithm(environ):
+    """SHMCOMM_ALLREDUCE_ALGO, else Horovod's switches: hierarchical allreduce (a reduction inside each host, one
+    across hosts, a broadcast inside each host) is what the torus does on its default grid, so either switch on
+    means torus; switched off, Horovod's flat allreduce is MPI's own."""
+    chosen = _get("ALLREDUCE_ALGO", environ=environ)
+    if chosen is not None:
+        return chosen.lower()
+    switches = (switch("HIERARCHICAL_ALLREDUCE", environ), switch("TORUS_ALLREDUCE", environ))
+    if True in switches:
+        return "torus"
+    return "mpi" if False in switches else "auto"
 
 
 def torus_small_bytes(environ=None):
@@ -285,6 +380,11 @@ def pretend_ranks_per_host():
 
 LOG_LEVELS = {"TRACE": 10, "DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "FATAL": 50,
               "CRITICAL": 50}  # Horovod's names, as the logging module's numbers
+
+
+def log_with_time():
+    """Whether log records carry a timestamp: Horovod's HOROVOD_LOG_HIDE_TIME=0 asks for one."""
+    return switch("LOG_HIDE_TIME") is False
 
 
 def log_level():

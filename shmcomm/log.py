@@ -32,14 +32,16 @@ def joined(world):
                 topo.local_size, topo.cross_rank, topo.cross_size, type(world).__name__)
 
 
-def configure(level):
-    """Applies env.log_level(), a logging level (None: leave logging alone)."""
+def configure(level, with_time=False):
+    """Applies env.log_level(), a logging level (None: leave logging alone); with_time (HOROVOD_LOG_HIDE_TIME=0,
+    `shmcommrun --log-with-timestamp`) starts each record with the time."""
     if level is None:
         return
     logger.setLevel(level)
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.addFilter(_rank_filter)
-        handler.setFormatter(logging.Formatter("[%(rank)s] shmcomm %(levelname)s %(name)s: %(message)s"))
+        text = "[%(rank)s] shmcomm %(levelname)s %(name)s: %(message)s"
+        handler.setFormatter(logging.Formatter("%(asctime)s " + text if with_time else text))
         logger.addHandler(handler)
         logger.propagate = False  # once on stderr is enough, whatever the application's root logger does

@@ -13,7 +13,7 @@ from shmcomm._native import ffi
 from shmcomm.buffers import output_for
 
 
-def _nbytes(sig, itemsize):
+def nbytes(sig, itemsize):
     return math.prod(sig.collective.shape) * itemsize  # math.prod: a tenth of np.prod's cost on a short tuple
 
 
@@ -22,7 +22,7 @@ def groups(responses, threshold, itemsize_of):
     out, current, key, used = [], [], None, 0
     for resp in responses:
         c = resp.sig.collective
-        size = _nbytes(resp.sig, itemsize_of(c.dtype))
+        size = nbytes(resp.sig, itemsize_of(c.dtype))
         this_key = (resp.sig.set_key, c.dtype, c.op, c.prescale, c.postscale)
         if current and (this_key != key or used + size > threshold):
             out.append(current)
@@ -49,7 +49,7 @@ class FusionBuffer:
 
 def run_group(comm, group, requests, fusion, itemsize, timeline):
     """Packs, reduces once and unpacks one group; returns {name: result} for this rank's requests."""
-    sizes = [_nbytes(r.sig, itemsize) for r in group]
+    sizes = [nbytes(r.sig, itemsize) for r in group]
     total = sum(sizes)
     buf = fusion.get(total)
     base = ffi.from_buffer(buf)

@@ -7,14 +7,19 @@ requests; this thread, once per cycle (SHMCOMM_CYCLE_TIME ms, default 1), publis
 other ranks on what is ready everywhere (negotiate.py), runs it in the agreed order, fusing small allreduces
 (fusion.py), and completes the handles. Shutdown travels in the same messages, as does join()."""
 import collections
+import functools
 import itertools
 import logging
+import os
 import threading
 import time
 
-from shmcomm import env
+import numpy as np
+
+from shmcomm import env, ops
+from shmcomm._native import ffi, lib
 from shmcomm.buffers import output_for, require_reducible, wrap
-from shmcomm.engine import fusion, timeline
+from shmcomm.engine import autotune, fusion, timeline
 from shmcomm.engine.negotiate import Negotiator, members_of, refusal, signature
 from shmcomm.engine.request import Handle, execute, finish
 from shmcomm.engine.stall import StallInspector
@@ -66,6 +71,12 @@ class Engine:
         self._flush = False
         self._flush_waits = False  # the flush came from a caller that waits, not from a full bucket
         self._noname = collections.defaultdict(itertools.count)
+        self.core = env.thread_affinity(comm.topology.local_rank)
+        if self.core is not None and self.core not in os.sched_getaffinity(0):
+            raise ValueError("SHMCOMM_THREAD_AFFINITY: core %d is not one this rank may run on (%s)"
+                             % (self.core, sorted(os.sched_getaffinity(0))))
+        self.tuner = self._autotuner(env.autotune())
+        self.tuning_applied = []
         self._thread = threading.Thread(target=self._run, name="shmcomm-engine", daemon=True)
         self._thread.start()
 
@@ -165,9 +176,63 @@ class Engine:
         if not self.in_engine_thread():
             self._thread.join(timeout=self.comm.tuning.timeout_s)
         self.timeline.stop()
+        if self.tuner is not None:
+            self.tuner.close()
+
+    # ---- autotuning ----
+    def _autotuner(self, settings):
+        if not settings.enabled:
+            return None
+        from shmcomm.sim.step import StepModel
+
+        topo = self.comm.topology
+        algorithm = getattr(self.comm, "algorithm", None)  # only a communicator across hosts (or a grid) has one
+        choices = []
+        if algorithm is not None:
+            choices = [a for a, possible in (("torus", getattr(self.comm, "torus", None) is not None),
+                                             ("ring", getattr(self.comm, "mpi", None) is not None),
+                                             ("mpi", getattr(self.comm, "mpi", None) is not None)) if possible]
+            algorithm = "torus" if algorithm == "auto" and "torus" in choices else algorithm
+        start = {"fusion": self.fusion_threshold, "cycle": self.cycle_s * 1000.0, "bucket": self.bucket_bytes,
+                 "algorithm": algorithm}
+        # A rank's engine sleeps out its cycle while a peer is not ready, so each round waits half a cycle on average.
+        model = functools.partial(StepModel, topo.size, topo.local_size, self.comm.tuning.small_bytes, 0.5)
+        return autotune.Autotuner(self.comm.rank, settings, start, choices, model)
+
+    def _apply_tuning(self, decision):
+        """Rank 0's decision, applied by every rank in the same cycle, before its plan."""
+        self.tuning_applied.append((self._cycle, decision))  # the same list on every rank
+        if "probe" in decision:
+            timings = self._probe(decision["probe"])
+            self.tuner.probed(timings)
+        if "fusion" in decision:
+            if decision["fusion"] != self.fusion_threshold:
+                self.negotiator.plans.clear()  # their fusion groups were made for the old threshold
+            self.fusion_threshold = decision["fusion"]
+            self.cycle_s = decision["cycle"] / 1000.0
+            self.bucket_bytes = decision["bucket"]
+            if decision.get("algorithm"):
+                self.comm.algorithm = decision["algorithm"]
+        self.tuner.applied(decision)
+
+    def _probe(self, sizes):
+        """[(bytes, seconds)]: the fastest of three allreduces of each size, run by every rank alike."""
+        buf = np.zeros(max(sizes) // 4, dtype=np.float32)
+        ptr = ffi.from_buffer(buf)
+        timings = []
+        for nbytes in sizes:
+            fastest = float("inf")
+            for _ in range(3):
+                started = time.monotonic()
+                self.comm.allreduce_raw(ptr, nbytes // 4, lib.SMC_FLOAT32, ops.Sum, 1.0, 1.0, "autotune probe")
+                fastest = min(fastest, time.monotonic() - started)
+            timings.append((nbytes, fastest))
+        return timings
 
     # ---- the thread ----
     def _run(self):
+        if self.core is not None:
+            os.sched_setaffinity(0, {self.core})  # 0: this thread only
         try:
             while self._cycle_once():
                 pass
@@ -203,6 +268,8 @@ class Engine:
         if join is not None and self._join_cycle == 0:
             self._join_cycle = self._cycle
         flags = {"shutdown": stopping, "join": self._join_cycle, "waits": self._waited}
+        if self.tuner is not None:
+            flags["tune"] = self.tuner.outgoing()
         self.comm.set_spin(_NEGOTIATION_SPIN_US)
         try:
             everyone = self.negotiator.exchange([(name, sig) for name, (_, sig) in self._pending.items()], flags)
@@ -212,6 +279,8 @@ class Engine:
         if leaving:
             self._leave(leaving)
             return False
+        if self.tuner is not None and everyone[0][1].get("tune"):
+            self._apply_tuning(everyone[0][1]["tune"])
         joined = {r: f["join"] for r, (_, f) in enumerate(everyone) if f["join"]}
         self._someone_joined = bool(joined)
         plan, waiting = self.negotiator.agree(everyone, joined)
@@ -289,22 +358,30 @@ class Engine:
         for group in groups:
             if me not in members_of(group[0].sig.set_key, self.comm.size):
                 continue
-            if len(group) == 1 and not group[0].joined and group[0].name in self._pending:
-                self._run_one(group[0].name)
-                continue
-            requests = {r.name: self._pending[r.name][0] for r in group if r.name in self._pending}
-            self.timeline.end(list(requests), "NEGOTIATE_ALLREDUCE")
-            sig = group[0].sig
-            comm = self.comm if sig.set_key == 0 else self.communicator_of(sig.set_key[0])
-            try:
-                results = fusion.run_group(comm, group, requests, self.fusion, kernels.itemsize(sig.collective.dtype),
-                                           self.timeline)
-            except ShmCommError as error:
-                self._complete_many([(name, None, error) for name in requests])
-                if isinstance(error, _FATAL):
-                    raise
-                continue
-            self._complete_many([(name, result, None) for name, result in results.items()])
+            started = time.monotonic()
+            self._execute_group(group)
+            if self.tuner is not None:
+                itemsize = kernels.itemsize(group[0].sig.collective.dtype)
+                self.tuner.record([(r.name, fusion.nbytes(r.sig, itemsize)) for r in group],
+                                  time.monotonic() - started)
+
+    def _execute_group(self, group):
+        if len(group) == 1 and not group[0].joined and group[0].name in self._pending:
+            self._run_one(group[0].name)
+            return
+        requests = {r.name: self._pending[r.name][0] for r in group if r.name in self._pending}
+        self.timeline.end(list(requests), "NEGOTIATE_ALLREDUCE")
+        sig = group[0].sig
+        comm = self.comm if sig.set_key == 0 else self.communicator_of(sig.set_key[0])
+        try:
+            results = fusion.run_group(comm, group, requests, self.fusion, kernels.itemsize(sig.collective.dtype),
+                                       self.timeline)
+        except ShmCommError as error:
+            self._complete_many([(name, None, error) for name in requests])
+            if isinstance(error, _FATAL):
+                raise
+            return
+        self._complete_many([(name, result, None) for name, result in results.items()])
 
     def _complete(self, name, result=None, error=None):
         self._complete_many([(name, result, error)])

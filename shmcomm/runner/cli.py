@@ -6,154 +6,25 @@ everything at init, so a job started by hand with the same variables behaves the
 is started here (spawn.py); one naming other hosts is handed to MPICH's mpiexec (mpi_launch.py).
 """
 
-import argparse
 import os
 import secrets
 import shlex
 import shutil
 import socket
+import subprocess
 import sys
 
-from shmcomm.env import ALGORITHMS
+from . import config_file
+from .flags import ALLREDUCE_ALGORITHMS, build_parser as _build_parser, check, env_from_flags, notes
 
 PROG = "shmcommrun"
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 _LOCAL_HOST_NAMES = ("localhost", "127.0.0.1")
-
-
-def _number(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not value >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return text.strip()  # the ranks parse it again; keep the user's spelling
-
-
-def _megabytes_as_bytes(text):
-    return str(int(float(_number(text)) * 1024 * 1024))
-
-
-def _count(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return str(value)
-
-
-def _grid(text):
-    columns, _, rows = text.strip().lower().partition("x")
-    if not (columns.isdigit() and rows.isdigit() and int(columns) > 0 and int(rows) > 0):
-        raise argparse.ArgumentTypeError(f"expected XxY (ranks per row x rows), e.g. 2x2, got {text!r}")
-    return f"{int(columns)}x{int(rows)}"
-
-
-ALLREDUCE_ALGORITHMS = ALGORITHMS  # env needs no C core: the launcher runs before it is built
-
-
-def _algorithm(text):
-    if text.strip().lower() not in ALLREDUCE_ALGORITHMS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(ALLREDUCE_ALGORITHMS)}, got {text!r}")
-    return text.strip().lower()
-
-
-def _log_level(text):
-    level = text.strip().upper()
-    if level not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
-    return level
-
-
-def _both(name):
-    """The shmcomm variable and its Horovod twin, so Horovod scripts that read the latter see the same value."""
-    return (f"SHMCOMM_{name}", f"HOROVOD_{name}")
-
-
-# The one table of flags that only set environment variables: (flag, converter or None for a switch that
-# sets "1", variables set, metavar, help).
-ENV_FLAGS = (
-    ("--start-timeout", _number, ("SHMCOMM_START_TIMEOUT",), "S",
-     "seconds init waits for every rank to attach"),
-    ("--timeout", _number, ("SHMCOMM_TIMEOUT",), "S",
-     "seconds any collective may wait while all peers are alive"),
-    ("--fusion-threshold-mb", _megabytes_as_bytes, _both("FUSION_THRESHOLD"), "MB",
-     "tensor fusion buffer size in megabytes"),
-    ("--cycle-time-ms", _number, _both("CYCLE_TIME"), "MS", "milliseconds between background cycles"),
-    ("--cache-capacity", _count, _both("CACHE_CAPACITY"), "N", "response cache entries (0 disables it)"),
-    ("--timeline-filename", str, _both("TIMELINE"), "FILE", "write a timeline of the job to FILE"),
-    ("--timeline-mark-cycles", None, _both("TIMELINE_MARK_CYCLES"), None, "mark cycles in the timeline"),
-    ("--no-stall-check", None, _both("STALL_CHECK_DISABLE"), None, "disable the stall check"),
-    ("--stall-check-warning-time-seconds", _number, _both("STALL_CHECK_TIME_SECONDS"), "S",
-     "seconds before warning about a stalled tensor"),
-    ("--stall-check-shutdown-time-seconds", _number, _both("STALL_SHUTDOWN_TIME_SECONDS"), "S",
-     "seconds before shutting down a stalled job"),
-    ("--log-level", _log_level, _both("LOG_LEVEL"), "LEVEL", "one of " + ", ".join(LOG_LEVELS)),
-    ("--allreduce-algo", _algorithm, _both("ALLREDUCE_ALGO"), "ALGO",
-     "allreduce across hosts: auto, torus, ring or mpi"),
-    ("--torus-grid", _grid, _both("TORUS_GRID"), "XxY",
-     "a logical 2D-torus grid of X ranks per row and Y rows (also on one host)"),
-    ("--torus-small-bytes", _count, _both("TORUS_SMALL_BYTES"), "N",
-     "bytes up to which the torus takes its single-exchange path"),
-)
-
-
-def _dest(flag):
-    return flag.lstrip("-").replace("-", "_")
+_DISCOVERY_TIMEOUT_S = 60
+__all__ = ["ALLREDUCE_ALGORITHMS", "env_from_flags", "main"]
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
-        prog=PROG, allow_abbrev=False,
-        description="Start N ranks of a command on this host (or, with -H/--hostfile, across hosts through "
-                    "MPICH's mpiexec), prefix their output, and stop them all if one fails.",
-        usage="%(prog)s -np N [options] command [args ...]")
-    parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, metavar="N", help="number of ranks")
-    parser.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
-                        help="hosts to run on, with the ranks each takes (1 if left out); naming any host but "
-                             "this one starts the job with MPICH's mpiexec")
-    parser.add_argument("--hostfile", metavar="FILE",
-                        help="file of 'host slots=N' lines ('#' comments), instead of -H")
-    multi_host = parser.add_argument_group("multi-host jobs (started with MPICH's mpiexec, hydra)")
-    multi_host.add_argument("-p", "--ssh-port", type=int, metavar="PORT", help="ssh port of the hosts")
-    multi_host.add_argument("--network-interfaces", metavar="IF,...",
-                            help="interfaces the job may use; the first carries mpiexec's own connections and "
-                                 "libfabric's traffic, UCX uses them all")
-    multi_host.add_argument("--mpi-args", metavar="ARGS", default="",
-                            help="more arguments for mpiexec, split as a shell would (e.g. \"-genv UCX_TLS tcp\")")
-    multi_host.add_argument("--launcher-agent", metavar="PATH",
-                            help="program that hydra runs instead of ssh, as `PATH [ssh options] HOST COMMAND`")
-    parser.add_argument("--output-filename", metavar="DIR",
-                        help="also write each rank's raw output to DIR/rank.<r>/stdout and stderr")
-    parser.add_argument("--kill-grace-seconds", type=float, default=5.0, metavar="S",
-                        help="after a failure, seconds between SIGTERM and SIGKILL (default 5)")
-    parser.add_argument("--verbose", action="store_true", help="print the launch plan to stderr")
-    parser.add_argument("--check-build", action="store_true",
-                        help="print what shmcomm can use here (frameworks, transports, tensor operations) and exit")
-    tunables = parser.add_argument_group("tunables (each only sets environment variables of the ranks)")
-    for flag, convert, names, metavar, text in ENV_FLAGS:
-        text = f"{text} (sets {', '.join(names)})"
-        if convert is None:
-            tunables.add_argument(flag, dest=_dest(flag), action="store_true", help=text)
-        else:
-            tunables.add_argument(flag, dest=_dest(flag), type=convert, metavar=metavar, help=text)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs, and its arguments")
-    return parser
-
-
-def env_from_flags(args):
-    """The variables the tunable flags set; flags not given leave the launcher's own environment as it is."""
-    env = {}
-    for flag, convert, names, _, _ in ENV_FLAGS:
-        value = getattr(args, _dest(flag))
-        if value is None or value is False:
-            continue
-        for name in names:
-            env[name] = "1" if value is True else value
-    return env
+    return _build_parser(PROG)
 
 
 def _slots(text, where):
@@ -179,7 +50,8 @@ def _host_entry(entry, where):
 
 
 def requested_hosts(args):
-    """[(host, slots)] from -H or --hostfile; raises ValueError for a malformed entry, OSError for the file."""
+    """[(host, slots)] from -H, --hostfile or the discovery script; raises ValueError for a malformed entry or a
+    failed script, OSError for the file."""
     hosts = []
     if args.hosts:
         for entry in args.hosts.split(","):
@@ -191,6 +63,28 @@ def requested_hosts(args):
                 text = line.split("#")[0].strip()
                 if text:
                     hosts.append(_host_entry(text, f"{args.hostfile} line {number}"))
+    if args.host_discovery_script:
+        hosts = discovered_hosts(args.host_discovery_script, args.slots or 1)
+    return hosts
+
+
+def discovered_hosts(script, default_slots):
+    """The hosts a discovery script prints, one 'host[:slots]' a line, run once (the job does not resize)."""
+    where = f"--host-discovery-script {script}"
+    try:
+        done = subprocess.run([script], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=_DISCOVERY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise ValueError(f"{where}: cannot run it: {getattr(error, 'strerror', None) or error}") from None
+    if done.returncode != 0:
+        raise ValueError(f"{where}: exited with code {done.returncode}: {done.stderr.strip()[-500:]}")
+    hosts = []
+    for line in done.stdout.splitlines():
+        if line.strip():
+            host, slots = _host_entry(line.strip(), where)
+            hosts.append((host, slots if ":" in line else default_slots))
+    if not hosts:
+        raise ValueError(f"{where}: printed no hosts")
     return hosts
 
 
@@ -242,10 +136,22 @@ def describe_plan(command, environments, base_env):
     return lines
 
 
-def main(argv=None):
-    """Entry point of shmcommrun; returns the exit code."""
+def parse(argv=None):
+    """(parser, args) with the config file applied and every usage error reported (exit 2)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.config_file:
+        try:
+            config_file.apply(args, config_file.load(args.config_file))
+        except ValueError as error:
+            parser.error(f"--config-file {args.config_file}: {error}")
+    check(parser, args)
+    return parser, args
+
+
+def main(argv=None):
+    """Entry point of shmcommrun; returns the exit code."""
+    parser, args = parse(argv)
     if args.check_build:
         from .check_build import print_build_report  # only here: it may import heavy packages
         print_build_report()
@@ -259,19 +165,23 @@ def main(argv=None):
         parser.error("no command given: shmcommrun -np N command [args ...]")
     if args.kill_grace_seconds < 0:
         parser.error("--kill-grace-seconds must be >= 0")
-    if args.hosts and args.hostfile:
-        parser.error("give either -H or --hostfile, not both")
     try:
         hosts = requested_hosts(args)
     except OSError as error:
         parser.exit(2, f"{PROG}: error: cannot read the hostfile: {error}\n")
     except ValueError as error:
         parser.error(str(error))
-    if any(not is_this_host(host) for host, _ in hosts):
-        return launch_across_hosts(parser, args, command, hosts)
+    across_hosts = any(not is_this_host(host) for host, _ in hosts)
 
     from .cleanup import remove_job_segments
     from .spawn import run_job, say
+
+    for line in notes(args, across_hosts):
+        say("note: " + line)
+    if across_hosts:
+        return launch_across_hosts(parser, args, command, hosts)
+    if hosts and args.num_proc > sum(slots for _, slots in hosts):
+        parser.error(f"-np {args.num_proc} needs more slots than the hosts offer ({sum(s for _, s in hosts)})")
 
     token = secrets.token_hex(16)
     base_env = dict(os.environ)
@@ -281,7 +191,8 @@ def main(argv=None):
         for line in describe_plan(command, environments, base_env):
             say(line)
     try:
-        return run_job(command, environments, args.kill_grace_seconds, args.output_filename)
+        return run_job(command, environments, args.kill_grace_seconds, args.output_filename,
+                       args.prefix_output_with_timestamp)
     finally:
         removed = remove_job_segments(token)
         if args.verbose and removed:
@@ -298,10 +209,12 @@ def launch_across_hosts(parser, args, command, hosts):
         parser.error(f"-np {args.num_proc} needs more slots than the hosts offer ({slots})")
     if args.output_filename:
         parser.error("--output-filename is not supported for multi-host jobs yet (mpiexec forwards the output)")
-    try:
-        mpi_args = shlex.split(args.mpi_args)
-    except ValueError as error:
-        parser.error(f"--mpi-args: {error}")
+    mpi_args = []
+    for flag, text in (("--binding-args", args.binding_args), ("--mpi-args", args.mpi_args)):
+        try:
+            mpi_args += shlex.split(text)
+        except ValueError as error:
+            parser.error(f"{flag}: {error}")
     agent = None
     if args.launcher_agent:
         agent = shutil.which(args.launcher_agent)
@@ -314,15 +227,16 @@ def launch_across_hosts(parser, args, command, hosts):
     problem = mpi_launch.hydra_problem(mpiexec)
     if problem:
         parser.exit(127, f"{PROG}: error: {problem}\n")
-    interfaces = [name.strip() for name in (args.network_interfaces or "").split(",") if name.strip()]
+    interfaces = args.network_interfaces or []
 
     token = secrets.token_hex(16)
     base_env = dict(os.environ)
     ranks_per_host = min(args.num_proc, max(count for _, count in hosts))
-    job_env = mpi_launch.job_environment(token, env_from_flags(args), base_env, ranks_per_host, _cores())
+    job_env = mpi_launch.job_environment(token, env_from_flags(args), base_env, ranks_per_host, _cores(),
+                                         args.tcp_flag)
     mpiexec_args = mpi_launch.mpiexec_command(mpiexec, args.num_proc, hosts, job_env, command, agent,
                                               interfaces, mpi_args)
     if args.verbose:
         say(f"launching {args.num_proc} rank(s) on {', '.join(f'{h}:{n}' for h, n in hosts)} with mpiexec")
-    env = mpi_launch.launcher_environment(base_env, args.ssh_port)
+    env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file)
     return mpi_launch.run_mpi_job(mpiexec_args, env, token, args.kill_grace_seconds, args.verbose)

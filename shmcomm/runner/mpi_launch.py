@@ -2,10 +2,10 @@
 """Multi-host launches: placement is handed to MPICH's process manager, hydra (`mpiexec` of the mpich wheel).
 
 Hydra reaches every host with ssh (or the --launcher-agent given instead), starts the ranks there, forwards their
-output, and kills the whole job when a rank dies (RANK_GUARD below makes every failure count as one). The ranks learn their rank, size, local and cross ranks
-from MPI; this launcher only gives every rank what MPI cannot know: the job token, the tuning variables of the
-flags and SHMCOMM_LAUNCHER=mpi. The launcher's own environment reaches the ranks too (hydra's default), less
-any rank identity it carries from an enclosing job.
+output, and kills the whole job when a rank dies (RANK_GUARD below makes every failure count as one). The ranks
+learn their rank, size, local and cross ranks from MPI; this launcher only gives every rank what MPI cannot know:
+the job token, the tuning variables of the flags and SHMCOMM_LAUNCHER=mpi. The launcher's own environment reaches
+the ranks too (hydra's default), less any rank identity it carries from an enclosing job.
 
 Nothing here imports mpi4py: the launcher stays a plain process.
 """
@@ -111,9 +111,15 @@ def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=N
     return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD] + list(command)
 
 
-def job_environment(token, flag_env, base_env, ranks_per_host, cores):
+# --tcp: MPICH's network modules on TCP sockets only (UCX's and libfabric's spellings), as horovodrun's --tcp keeps
+# Open MPI and NCCL off InfiniBand. A value the user set wins.
+TCP_ONLY = {"UCX_TLS": "tcp,self,sm", "FI_PROVIDER": "tcp", "NCCL_IB_DISABLE": "1"}
+
+
+def job_environment(token, flag_env, base_env, ranks_per_host, cores, tcp_only=False):
     """What every rank gets on top of the launcher's environment."""
-    env = dict(flag_env)
+    env = {name: value for name, value in TCP_ONLY.items() if name not in base_env} if tcp_only else {}
+    env.update(flag_env)
     env["SHMCOMM_JOB_TOKEN"] = token  # one token for the whole job: it names the segments on every host
     env["SHMCOMM_LAUNCHER"] = "mpi"
     env["PYTHONUNBUFFERED"] = "1"
@@ -124,15 +130,19 @@ def job_environment(token, flag_env, base_env, ranks_per_host, cores):
     return env
 
 
-def launcher_environment(base_env, ssh_port=None):
+def launcher_environment(base_env, ssh_port=None, ssh_identity_file=None):
     """mpiexec's own environment: the launcher's without any rank identity of an enclosing job (the ranks take
-    theirs from MPI), and the ssh port for hydra's launcher."""
+    theirs from MPI), and the ssh port and key for hydra's launcher."""
     env = {name: value for name, value in base_env.items()
            if not any(name in (f"SHMCOMM_{key}", f"HOROVOD_{key}") for key in _IDENTITY)}
+    # Hydra adds HYDRA_LAUNCHER_EXTRA_ARGS to every launcher call: `ssh -x -p PORT -i KEY HOST COMMAND`.
+    extra = [env.get("HYDRA_LAUNCHER_EXTRA_ARGS")]
     if ssh_port is not None:
-        # Hydra adds HYDRA_LAUNCHER_EXTRA_ARGS to every launcher call: `ssh -x -p PORT HOST COMMAND`.
-        env["HYDRA_LAUNCHER_EXTRA_ARGS"] = " ".join(filter(None, [env.get("HYDRA_LAUNCHER_EXTRA_ARGS"),
-                                                                  f"-p {int(ssh_port)}"]))
+        extra.append(f"-p {int(ssh_port)}")
+    if ssh_identity_file:
+        extra.append(f"-i {shlex.quote(ssh_identity_file)}")
+    if len(extra) > 1:
+        env["HYDRA_LAUNCHER_EXTRA_ARGS"] = " ".join(filter(None, extra))
     return env
 
 

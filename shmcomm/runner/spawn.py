@@ -68,8 +68,9 @@ def _plural(count, noun):
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
-def _forward_output(rank, pipe, stream, label, raw_file):
-    """Copies one pipe of a rank to the launcher's stream line by line, prefixed in Horovod's format."""
+def _forward_output(rank, pipe, stream, label, raw_file, stamp=False):
+    """Copies one pipe of a rank to the launcher's stream line by line, prefixed in Horovod's format (with the
+    time of day first when `stamp`, as --prefix-output-with-timestamp asks)."""
     prefix = f"[{rank}]<{label}>: "
     try:
         while True:
@@ -80,7 +81,8 @@ def _forward_output(rank, pipe, stream, label, raw_file):
                 raw_file.write(line)
                 raw_file.flush()
             text = line.decode("utf-8", errors="replace")
-            _write_console(stream, prefix + (text if text.endswith("\n") else text + "\n"))
+            line_prefix = time.strftime("%a %b %d %H:%M:%S %Y") + prefix if stamp else prefix
+            _write_console(stream, line_prefix + (text if text.endswith("\n") else text + "\n"))
     finally:
         pipe.close()
         if raw_file is not None:
@@ -99,8 +101,9 @@ def open_output_files(output_dir, num_proc):
 
 
 class _Job:
-    def __init__(self, kill_grace_seconds):
+    def __init__(self, kill_grace_seconds, stamp=False):
         self.kill_grace_seconds = kill_grace_seconds
+        self.stamp = stamp
         self.processes = []  # index = rank
         self.readers = []
         self.exits = queue.Queue()  # (rank, returncode), in the order the ranks ended
@@ -119,7 +122,7 @@ class _Job:
             raw_out, raw_err = output_files[rank] if output_files else (None, None)
             for pipe, stream, label, raw in ((process.stdout, sys.stdout, "stdout", raw_out),
                                              (process.stderr, sys.stderr, "stderr", raw_err)):
-                reader = threading.Thread(target=_forward_output, args=(rank, pipe, stream, label, raw),
+                reader = threading.Thread(target=_forward_output, args=(rank, pipe, stream, label, raw, self.stamp),
                                           name=f"rank{rank}-{label}", daemon=True)
                 reader.start()
                 self.readers.append(reader)
@@ -222,14 +225,15 @@ def _start_failure_message(command, error):
     return f"cannot run {command[0]!r}: {error.strerror or error}", 126
 
 
-def run_job(command, environments, kill_grace_seconds, output_dir=None):
-    """Runs len(environments) ranks of command, rank r with environments[r]; returns the job's exit code."""
+def run_job(command, environments, kill_grace_seconds, output_dir=None, stamp=False):
+    """Runs len(environments) ranks of command, rank r with environments[r]; returns the job's exit code. `stamp`
+    starts every forwarded line with the time."""
     try:
         output_files = open_output_files(output_dir, len(environments)) if output_dir else None
     except OSError as error:
         say(f"cannot create the output files under {output_dir!r}: {error}")
         return 1
-    job = _Job(kill_grace_seconds)
+    job = _Job(kill_grace_seconds, stamp)
     previous_handlers = {signum: signal.signal(signum, job.on_signal) for signum in FORWARDED_SIGNALS}
     try:
         try:

@@ -31,6 +31,16 @@ def _bytes(ptr, nbytes):
     return np.frombuffer(ffi.buffer(ptr, nbytes), dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
 
 
+def choose_thread_level(serialized):
+    """Before MPI's first import: HOROVOD_MPI_THREADS_DISABLE asks for MPI_THREAD_SERIALIZED instead of mpi4py's
+    MPI_THREAD_MULTIPLE. shmcomm calls MPI from one thread at a time (the caller's, or the engine's while it runs);
+    only the watchdog's cancel needs MULTIPLE, and it polls instead below that (deadline.Watchdog)."""
+    import mpi4py
+
+    if serialized:
+        mpi4py.rc.thread_level = "serialized"
+
+
 class Mpi(Transport):
     """A transport over the MPI communicator `comm`; `ranks` are its members' job ranks (MPI.COMM_WORLD's)."""
 
