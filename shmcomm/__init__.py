@@ -23,7 +23,7 @@ _EXPORTS = {
     "shmcomm.smb": ["SoftMemoryBox"],
     "shmcomm.ops": ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product"],
     "shmcomm.exceptions": ["ShmCommError", "NotInitializedError", "InvalidArgumentError", "MismatchError",
-                           "TimeoutError", "RankFailure", "BrokenCommunicatorError", "OutOfMemoryError",
+                           "TimeoutError", "RankFailure", "HostFailure", "BrokenCommunicatorError", "OutOfMemoryError",
                            "BoxExistsError", "BoxNotFoundError"],
     "shmcomm.torch.optimizer": ["DistributedOptimizer"],
 }

@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Boxes on other hosts: where each host's box servers listen (BoxNetwork, learned once at init over MPI), and the
+handle to one box in another host's arena (RemoteBoxHandle: box.BoxHandle's interface, each call one request to the
+box's home host and its reply, box_wire.py).
+
+Every reply is awaited with a deadline: SHMCOMM_TIMEOUT, plus the operation's own timeout for a lock or a version
+wait. A home host whose connection closes or that does not answer in time makes the call raise HostFailure naming
+it, and the handle refuses every later call."""
+import socket
+import threading
+import time
+
+from shmcomm._native import ffi
+from shmcomm.exceptions import HostFailure, InvalidArgumentError
+from shmcomm.transport import box_wire as wire
+from shmcomm.transport import kernels
+
+_CONNECT_TIMEOUT_S = 5.0  # per address tried; a host has few
+
+
+class BoxNetwork:
+    """`servers[h]`: the (addresses, port) of each rank's box server on host h, in local rank order; `host_names[h]`
+    and `host_ranks[h]`: what errors say of host h; `host`: this process's host; `local_rank`: which of a host's
+    servers this process talks to (its own local rank, wrapped), so that a host's ranks share the serving."""
+
+    def __init__(self, server, host, local_rank, servers, host_names, host_ranks, timeout_s):
+        self.server = server
+        self.host = host
+        self.hosts = len(servers)
+        self.local_rank = local_rank
+        self.servers = servers
+        self.host_names = host_names
+        self.host_ranks = host_ranks
+        self.timeout_s = timeout_s
+
+    def describe(self, host):
+        ranks = self.host_ranks[host]
+        return "host %d (%s, ranks %s)" % (host, self.host_names[host], ", ".join(str(r) for r in ranks))
+
+    def connect(self, host, what):
+        """A connection to one of `host`'s box servers, or HostFailure naming the host."""
+        addresses, port = self.servers[host][self.local_rank % len(self.servers[host])]
+        failures = []
+        for address in addresses:
+            try:
+                sock = socket.create_connection((address, port), timeout=min(_CONNECT_TIMEOUT_S, self.timeout_s))
+                return wire.tuned(sock)
+            except OSError as error:
+                failures.append("%s:%d: %s" % (address, port, error))
+        raise HostFailure("%s: cannot reach its home %s (%s)" % (what, self.describe(host), "; ".join(failures)
+                                                                  or "it has no address"), host=self.host_names[host])
+
+    def close(self):
+        self.server.close()
+
+
+class RemoteBoxHandle:
+    """box.BoxHandle's interface for the box `name` whose home is `host` (a BoxNetwork's host index)."""
+
+    def __init__(self, network, host, name, count=None, dtype=None, exist_ok=True, timeout_s=0.0):
+        self._network = network
+        self._host = host
+        self._name = name
+        self._what = "box '%s'" % name
+        self._broken = None
+        self._lock = threading.Lock()  # one request at a time on the connection
+        self._sock = network.connect(host, self._what)
+        self.esize = 0
+        encoded = name.encode()
+        if count is not None:
+            request = wire.REQUEST.pack(wire.CREATE, wire.FLAG_EXIST_OK if exist_ok else 0, len(encoded), dtype, 0,
+                                        count, 0.0, 0.0, 0.0)
+            reply = self._call(request + encoded, 0.0)
+        else:
+            request = wire.REQUEST.pack(wire.ATTACH, 0, len(encoded), 0, 0, 0, 0.0, 0.0, timeout_s)
+            reply = self._call(request + encoded, timeout_s)
+        _, self.count, self.dtype, flags = reply
+        self.striped = bool(flags & wire.FLAG_STRIPED)
+        self.esize = kernels.itemsize(self.dtype)
+
+    @property
+    def closed(self):
+        return self._sock is None
+
+    detached = False  # the connection, not this host's arena, is what it needs
+
+    def _fail(self, why):
+        self._broken = "%s: its home %s %s" % (self._what, self._network.describe(self._host), why)
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        return HostFailure(self._broken, host=self._network.host_names[self._host])
+
+    def _call(self, request, wait_s, payload=None, into=None):
+        """Sends one request (and the elements it carries), awaits the reply (and the elements it carries, into
+        `into`): (version, count, dtype, flags)."""
+        with self._lock:
+            if self._sock is None:
+                raise HostFailure(self._broken, host=self._network.host_names[self._host]) if self._broken else \
+                    InvalidArgumentError("%s is closed" % self._what)
+            sock = self._sock
+            limit = self._network.timeout_s + wait_s
+            started = time.monotonic()
+            try:
+                sock.settimeout(limit)
+                sock.sendall(request)
+                if payload is not None:
+                    sock.sendall(payload)
+                head = bytearray(wire.REPLY.size)
+                if not wire.recv_exactly(sock, memoryview(head)):
+                    raise self._fail("closed the connection (the host or its rank is gone)")
+                status, text_len, version, count, dtype, flags = wire.REPLY.unpack(head)
+                if status != 0:
+                    text = wire.recv_bytes(sock, text_len)
+                    if text is None:
+                        raise self._fail("closed the connection (the host or its rank is gone)")
+                    class_name, _, message = text.decode("utf-8", "replace").partition("\n")
+                    raise wire.error_from(class_name, message)
+                if into is not None and not wire.recv_exactly(sock, into):
+                    raise self._fail("closed the connection (the host or its rank is gone)")
+            except socket.timeout:
+                raise self._fail("did not answer within %.1f s (SHMCOMM_TIMEOUT sets the limit)"
+                                 % (time.monotonic() - started)) from None
+            except OSError as error:
+                raise self._fail("is unreachable: %s" % error) from None
+            return version, count, dtype, flags
+
+    def _simple(self, op, offset=0, count=0, alpha=0.0, beta=0.0, timeout_s=0.0, payload=None, into=None):
+        request = wire.REQUEST.pack(op, 0, 0, 0, offset, count, alpha, beta, timeout_s)
+        return self._call(request, timeout_s, payload, into)[0]
+
+    def version(self):
+        return self._simple(wire.VERSION)
+
+    def data(self, nbytes):
+        raise InvalidArgumentError("%s lives on %s: view() needs the box's memory on this host; read() copies it "
+                                   "here" % (self._what, self._network.describe(self._host)))
+
+    def read(self, offset, count, dst):
+        into = memoryview(ffi.buffer(dst, count * self.esize)) if count else None
+        self._simple(wire.READ, offset, count, into=into)
+
+    def write(self, offset, count, src):
+        return self._simple(wire.WRITE, offset, count, payload=ffi.buffer(src, count * self.esize) if count else None)
+
+    def accumulate(self, offset, count, src, alpha, beta):
+        return self._simple(wire.ACCUMULATE, offset, count, alpha, beta,
+                            payload=ffi.buffer(src, count * self.esize) if count else None)
+
+    def touch(self):
+        """Bumps the version without changing an element."""
+        return self._simple(wire.TOUCH)
+
+    def lock(self, timeout_s):
+        self._simple(wire.LOCK, timeout_s=timeout_s)
+
+    def unlock(self):
+        self._simple(wire.UNLOCK)
+
+    def wait_version(self, version, timeout_s):
+        return self._simple(wire.WAIT, version, timeout_s=timeout_s)
+
+    def close(self):
+        if self._sock is not None:
+            try:
+                self._simple(wire.CLOSE)
+            except Exception:  # the home host is gone: nothing to tell it
+                pass
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def destroy(self):
+        self._simple(wire.DESTROY)
+        self._sock.close()
+        self._sock = None
