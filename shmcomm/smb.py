@@ -38,7 +38,8 @@ class SoftMemoryBox:
         hosts from its home; attaching needs the same `home` if one was given, and finds the stripes by itself.
         `local=True`: a box of this host only."""
         comm = session.communicator()
-        network = None if local else getattr(comm, "box_network", None)
+        job_network = getattr(comm, "box_network", None)
+        network = None if local else job_network
         self.name = name
         self._timeout = comm.tuning.timeout_s
         count = code = None
@@ -52,7 +53,7 @@ class SoftMemoryBox:
             count = _count(shape)
         wait = comm.tuning.start_timeout_s if timeout is None else float(timeout)
         hosts = network.hosts if network is not None else 1
-        here = network.host if network is not None else 0
+        here = job_network.host if job_network is not None else 0
         self._check_placement(home, stripes, hosts, local)
         if network is None:
             self.home, self.hosts = here, (here,)

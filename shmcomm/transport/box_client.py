@@ -80,7 +80,8 @@ class RemoteBoxHandle:
 
     @property
     def closed(self):
-        return self._sock is None
+        """Closed by its user (a handle whose home failed is not: every call says why it fails)."""
+        return self._sock is None and self._broken is None
 
     detached = False  # the connection, not this host's arena, is what it needs
 
@@ -110,20 +111,19 @@ class RemoteBoxHandle:
                 if not wire.recv_exactly(sock, memoryview(head)):
                     raise self._fail("closed the connection (the host or its rank is gone)")
                 status, text_len, version, count, dtype, flags = wire.REPLY.unpack(head)
-                if status != 0:
-                    text = wire.recv_bytes(sock, text_len)
-                    if text is None:
-                        raise self._fail("closed the connection (the host or its rank is gone)")
-                    class_name, _, message = text.decode("utf-8", "replace").partition("\n")
-                    raise wire.error_from(class_name, message)
-                if into is not None and not wire.recv_exactly(sock, into):
+                text = wire.recv_bytes(sock, text_len) if status != 0 else None
+                if (text is None and status != 0) or (status == 0 and into is not None
+                                                      and not wire.recv_exactly(sock, into)):
                     raise self._fail("closed the connection (the host or its rank is gone)")
-            except socket.timeout:
+            except socket.timeout:  # (the builtin TimeoutError: the home's own errors are raised below, not here)
                 raise self._fail("did not answer within %.1f s (SHMCOMM_TIMEOUT sets the limit)"
                                  % (time.monotonic() - started)) from None
             except OSError as error:
                 raise self._fail("is unreachable: %s" % error) from None
-            return version, count, dtype, flags
+        if text is not None:
+            class_name, _, message = text.decode("utf-8", "replace").partition("\n")
+            raise wire.error_from(class_name, message)
+        return version, count, dtype, flags
 
     def _simple(self, op, offset=0, count=0, alpha=0.0, beta=0.0, timeout_s=0.0, payload=None, into=None):
         request = wire.REQUEST.pack(op, 0, 0, 0, offset, count, alpha, beta, timeout_s)

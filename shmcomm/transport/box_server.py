@@ -62,7 +62,7 @@ class BoxServer:
         self._listener.bind(("0.0.0.0", 0))
         self._listener.listen(128)
         self.address = (interface_addresses(), self._listener.getsockname()[1])
-        self._connections = set()
+        self._connections = {}  # socket: its thread
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="shmcomm-box-server", daemon=True)
@@ -78,27 +78,30 @@ class BoxServer:
                 if self._closed:
                     sock.close()
                     return
-                self._connections.add(sock)
-            threading.Thread(target=self._serve, args=(wire.tuned(sock),), name="shmcomm-box-client",
-                             daemon=True).start()
+                thread = threading.Thread(target=self._serve, args=(wire.tuned(sock),), name="shmcomm-box-client",
+                                          daemon=True)
+                self._connections[sock] = thread
+            thread.start()
 
     def close(self):
-        """Stops accepting and ends every connection; waits briefly for the threads to leave the arena, which is
-        unmapped after this."""
+        """Stops accepting and ends every connection; waits for the threads to leave the arena, which is unmapped
+        after this (a thread in a lock or version wait leaves when that wait ends)."""
         with self._lock:
             self._closed = True
-            connections = list(self._connections)
+            connections = list(self._connections.items())
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._listener.close()
-        for sock in connections:
+        for sock, _ in connections:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._thread.join(1.0)
+        self._thread.join(self._timeout_s)
+        for _, thread in connections:
+            thread.join(self._timeout_s)
 
     # ---- one client's connection ----
     def _serve(self, sock):
@@ -120,7 +123,7 @@ class BoxServer:
         finally:
             session.end()
             with self._lock:
-                self._connections.discard(sock)
+                self._connections.pop(sock, None)
             sock.close()
 
 
