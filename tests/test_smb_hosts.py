@@ -7,13 +7,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from test_simhosts import job_env, open_hosts
 
-from shmcomm import basics
 from shmcomm.testing import outcomes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -294,6 +292,10 @@ shmcomm.init()
 r = shmcomm.rank()
 box = shmcomm.SoftMemoryBox("w", shape=(16,), dtype=np.float32, home=0)
 marker = os.path.join(sys.argv[1], "locked")
+
+def count(prefix):
+    return len([n for n in os.listdir(sys.argv[1]) if n.startswith(prefix) and "tmp" not in n])
+
 shmcomm.barrier()
 if r == 3:  # on the other host than the box
     box.lock()
@@ -311,13 +313,13 @@ version = box.accumulate(np.ones(16, np.float32))  # the dead holder's lock pass
 with open(os.path.join(sys.argv[1], "after.tmp%d" % r), "w") as f:
     f.write("%d %d" % (locked_at, version))
 os.replace(os.path.join(sys.argv[1], "after.tmp%d" % r), os.path.join(sys.argv[1], "after.%d" % r))
-while len([n for n in os.listdir(sys.argv[1]) if n.startswith("after.") and "tmp" not in n]) < 3 and time.monotonic() < deadline:
+while count("after.") < 3 and time.monotonic() < deadline:
     time.sleep(0.01)
 final = os.path.join(sys.argv[1], "final.%d" % r)
 with open(final + ".tmp", "w") as f:
     f.write("%s %d" % (box.read().tolist(), box.version))
 os.replace(final + ".tmp", final)
-while len([n for n in os.listdir(sys.argv[1]) if n.startswith("final.") and "tmp" not in n]) < 3 and time.monotonic() < deadline:
+while count("final.") < 3 and time.monotonic() < deadline:
     time.sleep(0.01)  # the first to exit has the launcher stop the rest
 os._exit(1)
 """
