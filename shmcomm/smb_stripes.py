@@ -103,18 +103,42 @@ class StripedHandle:
         raise InvalidArgumentError("box '%s' is striped over hosts %s: view() needs the whole box on this host; "
                                    "read() copies it here" % (self._name, ", ".join(map(str, self.hosts))))
 
+    def _each(self, op, offset, count, ptr, alpha=1.0, beta=1.0):
+        """`op` on every stripe the span touches: the requests to other hosts leave first, this host's stripe is
+        done while they travel, then their replies are collected, so that the hosts serve the stripes at once."""
+        pending, local = [], []
+        for part, at, n, at_ptr in self._spans(offset, count, ptr):
+            if hasattr(part, "start"):
+                pending.append(part.start(op, at, n, at_ptr, alpha, beta))
+            else:
+                local.append((part, at, n, at_ptr))
+        try:
+            for part, at, n, at_ptr in local:
+                if op == "read":
+                    part.read(at, n, at_ptr)
+                elif op == "write":
+                    part.write(at, n, at_ptr)
+                else:
+                    part.accumulate(at, n, at_ptr, alpha, beta)
+        finally:
+            errors = []
+            for finish in pending:  # every reply is collected, even after a failure, or the connections jam
+                try:
+                    finish()
+                except Exception as error:
+                    errors.append(error)
+            if errors:
+                raise errors[0]
+
     def read(self, offset, count, dst):
-        for part, at, n, ptr in self._spans(offset, count, dst):
-            part.read(at, n, ptr)
+        self._each("read", offset, count, dst)
 
     def write(self, offset, count, src):
-        for part, at, n, ptr in self._spans(offset, count, src):
-            part.write(at, n, ptr)
+        self._each("write", offset, count, src)
         return self._description.touch() - 1
 
     def accumulate(self, offset, count, src, alpha, beta):
-        for part, at, n, ptr in self._spans(offset, count, src):
-            part.accumulate(at, n, ptr, alpha, beta)
+        self._each("accumulate", offset, count, src, alpha, beta)
         return self._description.touch() - 1
 
     def touch(self):

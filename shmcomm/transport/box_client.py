@@ -95,35 +95,64 @@ class RemoteBoxHandle:
     def _call(self, request, wait_s, payload=None, into=None):
         """Sends one request (and the elements it carries), awaits the reply (and the elements it carries, into
         `into`): (version, count, dtype, flags)."""
-        with self._lock:
+        return self._receive(self._send(request, wait_s, payload), into)
+
+    def _send(self, request, wait_s, payload=None):
+        """The first half of _call; the connection is this caller's until _receive (the request's reply) is done."""
+        self._lock.acquire()
+        try:
             if self._sock is None:
                 raise HostFailure(self._broken, host=self._network.host_names[self._host]) if self._broken else \
                     InvalidArgumentError("%s is closed" % self._what)
-            sock = self._sock
-            limit = self._network.timeout_s + wait_s
             started = time.monotonic()
-            try:
-                sock.settimeout(limit)
-                sock.sendall(request)
-                if payload is not None:
-                    sock.sendall(payload)
-                head = bytearray(wire.REPLY.size)
-                if not wire.recv_exactly(sock, memoryview(head)):
-                    raise self._fail("closed the connection (the host or its rank is gone)")
-                status, text_len, version, count, dtype, flags = wire.REPLY.unpack(head)
-                text = wire.recv_bytes(sock, text_len) if status != 0 else None
-                if (text is None and status != 0) or (status == 0 and into is not None
-                                                      and not wire.recv_exactly(sock, into)):
-                    raise self._fail("closed the connection (the host or its rank is gone)")
-            except socket.timeout:  # (the builtin TimeoutError: the home's own errors are raised below, not here)
-                raise self._fail("did not answer within %.1f s (SHMCOMM_TIMEOUT sets the limit)"
-                                 % (time.monotonic() - started)) from None
-            except OSError as error:
-                raise self._fail("is unreachable: %s" % error) from None
+            self._sock.settimeout(self._network.timeout_s + wait_s)
+            self._sock.sendall(request)
+            if payload is not None:
+                self._sock.sendall(payload)
+            return started
+        except BaseException as error:
+            self._lock.release()
+            if isinstance(error, (socket.timeout, OSError)) and not isinstance(error, HostFailure):
+                raise self._transport_error(error, started) from None
+            raise
+
+    def _receive(self, started, into=None):
+        try:
+            sock = self._sock
+            head = bytearray(wire.REPLY.size)
+            if not wire.recv_exactly(sock, memoryview(head)):
+                raise self._fail("closed the connection (the host or its rank is gone)")
+            status, text_len, version, count, dtype, flags = wire.REPLY.unpack(head)
+            text = wire.recv_bytes(sock, text_len) if status != 0 else None
+            if (text is None and status != 0) or (status == 0 and into is not None
+                                                  and not wire.recv_exactly(sock, into)):
+                raise self._fail("closed the connection (the host or its rank is gone)")
+        except HostFailure:
+            raise
+        except OSError as error:  # socket.timeout too (the builtin TimeoutError; the home's errors come below)
+            raise self._transport_error(error, started) from None
+        finally:
+            self._lock.release()
         if text is not None:
             class_name, _, message = text.decode("utf-8", "replace").partition("\n")
             raise wire.error_from(class_name, message)
         return version, count, dtype, flags
+
+    def _transport_error(self, error, started):
+        if isinstance(error, socket.timeout):
+            return self._fail("did not answer within %.1f s (SHMCOMM_TIMEOUT sets the limit)"
+                              % (time.monotonic() - started))
+        return self._fail("is unreachable: %s" % error)
+
+    def start(self, op, offset, count, ptr, alpha=1.0, beta=1.0):
+        """Sends a read, write or accumulate ("read", "write", "accumulate") without waiting for its reply; the
+        returned function waits for it (and returns the version). A striped box sends to all its hosts first."""
+        nbytes = count * self.esize
+        code = {"read": wire.READ, "write": wire.WRITE, "accumulate": wire.ACCUMULATE}[op]
+        request = wire.REQUEST.pack(code, 0, 0, 0, offset, count, alpha, beta, 0.0)
+        started = self._send(request, 0.0, ffi.buffer(ptr, nbytes) if count and op != "read" else None)
+        into = memoryview(ffi.buffer(ptr, nbytes)) if count and op == "read" else None
+        return lambda: self._receive(started, into)[0]
 
     def _simple(self, op, offset=0, count=0, alpha=0.0, beta=0.0, timeout_s=0.0, payload=None, into=None):
         request = wire.REQUEST.pack(op, 0, 0, 0, offset, count, alpha, beta, timeout_s)

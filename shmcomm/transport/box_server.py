@@ -13,6 +13,11 @@ Why a server thread and not MPI one-sided RMA (measured in benchmarks/smb.py, fi
 - A thread blocked in MPI's own wait polls a core, which ranks oversubscribing two cores cannot spare; a socket wait
   costs nothing while no request comes, and a dead peer is seen as a closed connection, not as an MPI hang.
 
+The servers are Python threads: they need the GIL between the C calls and the socket calls, which run without it.
+numpy and shmcomm's own waits give it up; mpi4py's pickle-based calls (comm.allreduce, lowercase) keep it while they
+wait, so a rank blocked in one serves nothing until it returns: use the buffer calls (comm.Allreduce) in a job that
+uses boxes across hosts.
+
 The lock of a box is a robust, recursive pthread mutex: owned by the thread that took it. A remote lock is taken by
 the connection's thread and released by it, so it is released when the connection ends too: a client that dies
 holding a box lock (its process gone, its connection closed by its kernel) has its locks released and the box's
