@@ -160,7 +160,7 @@ def test_digits_reach_95_percent_on_one_host(mode):
 
 
 @pytest.fixture(scope="module")
-def two_hosts():
+def hosts():
     sim = open_hosts(2)
     try:
         yield sim
@@ -172,9 +172,9 @@ def _across(sim):
     return [sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(2)]
 
 
-def test_conservation_and_hybrid_on_two_hosts(two_hosts):
+def test_conservation_and_hybrid_on_two_hosts(hosts):
     pytest.importorskip("torch")
-    run = _launch(_across(two_hosts), sys.executable, "-c", CONSERVED)
+    run = _launch(_across(hosts), sys.executable, "-c", CONSERVED)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("conserved True") == 4, run.stdout
     assert run.stdout.count(EXPECTED_HYBRID) == 4, run.stdout
@@ -182,8 +182,8 @@ def test_conservation_and_hybrid_on_two_hosts(two_hosts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "hybrid"])
-def test_digits_reach_95_percent_on_two_hosts_of_two(two_hosts, mode):
+def test_digits_reach_95_percent_on_two_hosts_of_two(hosts, mode):
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    line = _time_to_target(_launch(_across(two_hosts), sys.executable, "examples/torch_elastic.py", "--mode", mode))
+    line = _time_to_target(_launch(_across(hosts), sys.executable, "examples/torch_elastic.py", "--mode", mode))
     assert ("mode %s, ranks 4, hosts 2" % mode) in line

@@ -5,16 +5,14 @@ the failures: the home host killed, a lock holder on another host killed."""
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from test_simhosts import job_env, open_hosts
+from test_multihost import _shmcommrun
+from test_simhosts import open_hosts
 
 from shmcomm.testing import outcomes
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHECKS = """
 import json, os, sys, time, numpy as np, shmcomm
@@ -147,12 +145,6 @@ shmcomm.barrier()
 with open(os.path.join(out, "report.%d" % r), "w") as f:
     json.dump(report, f)
 """
-
-
-def _shmcommrun(sim, ranks_per_host, args, timeout=240, **env):
-    return subprocess.run([sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(ranks_per_host)] + args,
-                          cwd=ROOT, env=job_env(**env), stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @functools.lru_cache(maxsize=None)
