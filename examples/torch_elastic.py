@@ -38,12 +38,17 @@ def accuracy(model, x, y):
 
 class Stopper:
     """Whether rank 0 has called time. sync: a broadcast every check (every rank checks at the same step). async:
-    a box every rank looks at alone. hybrid: the host's first rank looks at the box and tells its host."""
+    a box every rank looks at alone. hybrid: the host's first rank looks at the box and tells its host through a
+    box of the host (its ranks step together, so they must stop at the same step)."""
 
     def __init__(self, mode):
         self.mode = mode
         self.box = shmcomm.SoftMemoryBox("example.stop", shape=(1,), dtype="float32", home=0)
-        self.host_set = elastic.host_process_set() if mode == "hybrid" else None
+        if mode == "hybrid":
+            host_set = elastic.host_process_set()
+            self.root = min(host_set.ranks) if host_set.process_set_id else 0
+            self.host_box = shmcomm.SoftMemoryBox("example.stop.host", shape=(1,), dtype="float32", local=True)
+            self.checks = 0
         hvd.barrier()
 
     def stop(self):
@@ -52,11 +57,14 @@ class Stopper:
     def stopped(self):
         if self.mode == "sync":
             return bool(hvd.broadcast(torch.tensor([float(self.box.version > 0)]), 0, name="example.stop")[0])
-        if self.mode == "async" or self.host_set.size() == 1:
+        if self.mode == "async":
             return self.box.version > 0
-        root = min(self.host_set.ranks) if self.host_set.process_set_id else 0
-        flag = torch.tensor([float(self.box.version > 0)])
-        return bool(hvd.broadcast(flag, root, name="example.stop.host", process_set=self.host_set)[0])
+        self.checks += 1
+        if hvd.rank() == self.root:
+            self.host_box.write(torch.tensor([float(self.box.version > 0)]).numpy())
+        else:
+            self.host_box.wait_version(self.checks)
+        return bool(self.host_box.read()[0] > 0)
 
 
 def main():
