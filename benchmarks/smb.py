@@ -2,6 +2,7 @@
 """Soft Memory Box microbenchmark: write, read and accumulate bandwidth, and ping-pong latency next to MPI's.
 
     python -m benchmarks.smb -np 2 -b 8 -e 64M -f 4
+    python -m benchmarks.smb --hosts 2 -b 4K -e 64M -f 4     # across simulated hosts: benchmarks/smb_hosts.py
 
 Run plainly, this module is the driver: it starts the box measurements under shmcommrun and the MPI ping-pong
 under mpiexec, each rank running this module again with --worker, and prints one line per size. Per size:
@@ -260,6 +261,11 @@ def build_parser():
     parser.add_argument("-v", "--verbose", action="store_true", help="add p99 ping-pong columns")
     parser.add_argument("--json", metavar="FILE", help="write the rows of both jobs to FILE")
     parser.add_argument("--timeout", type=float, metavar="S", help="seconds each job may take")
+    parser.add_argument("--hosts", type=int, default=0, metavar="H",
+                        help="across H simulated hosts instead (benchmarks/smb_hosts.py; needs root)")
+    parser.add_argument("--ranks-per-host", type=int, default=1, metavar="R", help="with --hosts (default 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --hosts: interleaved rounds (default 3)")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="with --hosts: compute step (default 20 ms)")
     parser.add_argument("--worker", choices=("smb", "mpi"), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     return parser
@@ -269,6 +275,11 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     options = parser.parse_args(argv)
+    if options.hosts:
+        if options.hosts < 2 or options.ranks_per_host < 1 or options.rounds < 1:
+            parser.error("need --hosts >= 2, --ranks-per-host >= 1 and --rounds >= 1")
+        from benchmarks import smb_hosts
+        return smb_hosts.main(options, argv)
     if options.nranks < 2:
         parser.error("the ping-pong needs -np 2 or more")
     if options.min_bytes < 1 or options.max_bytes < options.min_bytes or options.factor < 2:

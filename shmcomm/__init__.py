@@ -21,10 +21,12 @@ _EXPORTS = {
                              "start_timeline", "stop_timeline"],
     "shmcomm.process_sets": ["ProcessSet", "add_process_set", "remove_process_set", "global_process_set"],
     "shmcomm.smb": ["SoftMemoryBox"],
+    "shmcomm.elastic": ["ElasticCentre"],
     "shmcomm.ops": ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product"],
     "shmcomm.exceptions": ["ShmCommError", "NotInitializedError", "InvalidArgumentError", "MismatchError",
-                           "TimeoutError", "RankFailure", "BrokenCommunicatorError", "OutOfMemoryError",
-                           "BoxExistsError", "BoxNotFoundError", "PeerArgumentError", "NotSupportedError"],
+                           "TimeoutError", "RankFailure", "HostFailure", "BrokenCommunicatorError",
+                           "OutOfMemoryError", "BoxExistsError", "BoxNotFoundError", "PeerArgumentError",
+                           "NotSupportedError"],
     "shmcomm.torch.optimizer": ["DistributedOptimizer"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

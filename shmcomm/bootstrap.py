@@ -75,11 +75,37 @@ def _across_hosts(generation):
         column = Mpi(ctx.cross, 0.8 * tuning.timeout_s, "torus column") if ctx.homogeneous else None
         torus = Torus(shm, MpiColumn(column, paths.torus_small_bytes), paths.torus_small_bytes,
                       world_rank=topo.rank) if column is not None else None
-        return WorldComm(topo, tuning, HostComm(shm), torus, paths, mpi=Mpi(ctx.world, tuning.timeout_s),
-                         host_groups=ctx.world.allgather(ctx.host_ranks))
+        world = WorldComm(topo, tuning, HostComm(shm), torus, paths, mpi=Mpi(ctx.world, tuning.timeout_s),
+                          host_groups=ctx.world.allgather(ctx.host_ranks))
+        world.box_network = _box_network(ctx, topo, tuning, shm)
+        world.closables.append(world.box_network)
+        return world
     except BaseException:
         shm.close()
         raise
+
+
+def _box_network(ctx, topo, tuning, shm):
+    """Every rank serves its host's boxes to the other hosts (transport/box_server.py); where each server listens is
+    exchanged here, once, over MPI."""
+    import socket
+
+    from shmcomm.transport.box_client import BoxNetwork
+    from shmcomm.transport.box_server import BoxServer
+
+    server = BoxServer(shm, tuning.timeout_s)
+    try:
+        every = ctx.world.allgather((ctx.host_index, topo.local_rank, server.address, socket.gethostname()))
+    except BaseException:
+        server.close()
+        raise
+    servers = [[None] * n for n in (sum(1 for e in every if e[0] == h) for h in range(ctx.hosts))]
+    names, ranks = [None] * ctx.hosts, [[] for _ in range(ctx.hosts)]
+    for rank, (host, local_rank, address, name) in enumerate(every):
+        servers[host][local_rank] = address
+        names[host] = name
+        ranks[host].append(rank)
+    return BoxNetwork(server, ctx.host_index, topo.local_rank, servers, names, ranks, tuning.timeout_s)
 
 
 def _require_same_settings(mpi):

@@ -60,6 +60,18 @@ class RankFailure(ShmCommError):
         return (type(self), (self.args[0], self.rank))
 
 
+class HostFailure(RankFailure):
+    """A host stopped answering (its ranks died, or its network is gone). ``host`` names it; a Soft Memory Box whose
+    home it was is unusable from then on."""
+
+    def __init__(self, message, host=None):
+        super().__init__(message)
+        self.host = host
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.host))
+
+
 class BrokenCommunicatorError(ShmCommError):
     """An earlier failure left the communicator unusable; shut down and init again."""
 

@@ -6,13 +6,19 @@
     box.wait_version(v + 1, timeout=5)         # sleep until someone else has written
     with box.locked(): ...                     # several operations as one
 
+In a job that spans hosts a box is job-wide: every rank of every host creates or attaches it by name and sees the
+same elements, versions and lock. It lives on one home host (`home=`, by default one picked from the name; `box.home`
+says which), or is striped over `stripes=k` hosts so that k hosts serve its traffic (shmcomm/smb_stripes.py). The
+home host's ranks reach it through shared memory, the others through the home's box servers (transport/box_server.py).
+`local=True` keeps a box in this host's arena only, seen by this host's ranks, with no network at all.
+
 Boxes live in the job's arena for as long as the job; destroy() gives the name and, once every handle is closed,
 the space back."""
 import contextlib
 
 import numpy as np
 
-from shmcomm import dtypes, session
+from shmcomm import dtypes, session, smb_stripes
 from shmcomm.buffers import wrap
 from shmcomm.exceptions import InvalidArgumentError
 from shmcomm.transport.box import BoxHandle
@@ -23,11 +29,20 @@ def _count(shape):
 
 
 class SoftMemoryBox:
-    def __init__(self, name, shape=None, dtype=np.float32, create=None, timeout=None):
+    def __init__(self, name, shape=None, dtype=np.float32, create=None, timeout=None, home=None, stripes=1,
+                 local=False):
         """With `shape`: create the box, or attach to an existing one of the same shape and dtype (create=True
-        insists on creating). Without: attach to a box another rank creates, waiting up to `timeout` seconds."""
+        insists on creating). Without: attach to a box another rank creates, waiting up to `timeout` seconds.
+
+        Across hosts: `home` (a host index, 0 .. cross_size-1) places the box, `stripes` spreads it over that many
+        hosts from its home; attaching needs the same `home` if one was given, and finds the stripes by itself.
+        `local=True`: a box of this host only."""
         comm = session.communicator()
+        job_network = getattr(comm, "box_network", None)
+        network = None if local else job_network
         self.name = name
+        self._timeout = comm.tuning.timeout_s
+        count = code = None
         if shape is not None:
             shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
             if any(s < 0 for s in shape):
@@ -35,15 +50,46 @@ class SoftMemoryBox:
             code = dtypes.numpy_code(np.dtype(dtype))
             if code is None:
                 raise InvalidArgumentError("box '%s': dtype %s is not supported" % (name, np.dtype(dtype)))
-            self._box = BoxHandle(comm.shm, name, _count(shape), code, exist_ok=not create)
+            count = _count(shape)
+        wait = comm.tuning.start_timeout_s if timeout is None else float(timeout)
+        hosts = network.hosts if network is not None else 1
+        here = job_network.host if job_network is not None else 0
+        self._check_placement(home, stripes, hosts, local)
+        if network is None:
+            self.home, self.hosts = here, (here,)
+            self._box = (BoxHandle(comm.shm, name, count, code, exist_ok=not create) if count is not None
+                         else BoxHandle(comm.shm, name, timeout_s=wait))
         else:
-            wait = comm.tuning.start_timeout_s if timeout is None else float(timeout)
-            self._box = BoxHandle(comm.shm, name, timeout_s=wait)
-            shape = (self._box.count,)
-        self.shape = shape
-        self.dtype = dtypes.numpy_dtype(self._box.dtype)
+            self.home = smb_stripes.default_home(name, hosts) if home is None else int(home)
+            self._box = self._open(comm, network, count, code, not create, int(stripes), wait)
+            self.hosts = getattr(self._box, "hosts", (self.home,))
         self.count = self._box.count
-        self._timeout = comm.tuning.timeout_s
+        self.shape = shape if shape is not None else (self.count,)
+        self.dtype = dtypes.numpy_dtype(self._box.dtype)
+
+    def _check_placement(self, home, stripes, hosts, local):
+        if not isinstance(stripes, (int, np.integer)) or isinstance(stripes, bool) or not 1 <= stripes <= hosts:
+            raise InvalidArgumentError("box '%s': stripes must be an integer from 1 to the number of hosts (%d), got "
+                                       "%r" % (self.name, hosts, stripes))
+        if home is not None and (local or not isinstance(home, (int, np.integer)) or isinstance(home, bool)
+                                 or not 0 <= home < hosts):
+            raise InvalidArgumentError("box '%s': home must be a host index from 0 to %d%s, got %r"
+                                       % (self.name, hosts - 1, " and not given with local=True" if local else "",
+                                          home))
+
+    def _open(self, comm, network, count, code, exist_ok, stripes, wait):
+        if count is not None:
+            if stripes > 1:
+                return smb_stripes.open_striped(comm, network, self.home, self.name, count, code, stripes, exist_ok)
+            return smb_stripes.handle_on(comm, network, self.home, self.name, count, code, exist_ok)
+        handle, striped = smb_stripes.find(comm, network, self.home, self.name, wait)
+        if not striped:
+            return handle
+        try:
+            return smb_stripes.StripedHandle(comm, network, self.home, self.name, handle, timeout_s=wait)
+        except BaseException:
+            handle.close()
+            raise
 
     def _handle(self):
         if self._box.closed:
@@ -75,7 +121,7 @@ class SoftMemoryBox:
 
     def view(self):
         """A numpy array over the shared memory itself: no copy, no lock. Use it for reading a quiet box, or under
-        `locked()`."""
+        `locked()`. Only where the box's memory is: on its home host, and not for a striped box."""
         raw = self._handle().data(self.count * self.dtype.itemsize)
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape)
 
@@ -145,4 +191,4 @@ class SoftMemoryBox:
         self.close()
 
     def __repr__(self):
-        return "SoftMemoryBox(%r, shape=%s, dtype=%s)" % (self.name, self.shape, self.dtype)
+        return "SoftMemoryBox(%r, shape=%s, dtype=%s, hosts=%s)" % (self.name, self.shape, self.dtype, self.hosts)

@@ -156,13 +156,14 @@ def _dead_holder(locked):
         locked.set()
         os.kill(os.getpid(), signal.SIGKILL)
     assert locked.wait(60)  # rank 1 holds the lock, and dies holding it (or has died already)
-    box.accumulate(np.ones(1, np.float32))  # the dead holder's lock passes on; no deadlock
-    return box.read().tolist()
+    version = box.accumulate(np.ones(1, np.float32))  # the dead holder's lock passes on; no deadlock
+    return box.read().tolist(), version
 
 
 def test_lock_of_a_dead_holder_is_recovered():
     results = multiproc.run(2, _dead_holder, multiproc.Event(), check=False)
-    assert results[0] == ("ok", [1.0]) and results[1][0] == "died"
+    # The taker that recovered the lock bumped the version (1), then accumulated (2): readers can tell.
+    assert results[0] == ("ok", ([1.0], 2)) and results[1][0] == "died"
 
 
 def _bad_spans():

@@ -3,7 +3,8 @@
  * into. The registry (names, places, handle counts) sits in the segment header under one robust lock; each box has
  * its own robust, recursive lock, so that an accumulate is atomic against every other writer and a user may hold the
  * lock across several operations. A holder that dies releases the lock to the next taker (EOWNERDEAD), which
- * marks it consistent and goes on: boxes are meant to outlive a lost worker. */
+ * marks it consistent, bumps the version (what was under way may be half done) and goes on: boxes are meant to
+ * outlive a lost worker. */
 #include <pthread.h>
 #include <stdlib.h>
 
@@ -20,7 +21,8 @@ struct smc_box {
   double timeout_s;
 };
 
-static smc_result_t lock_robust(pthread_mutex_t* m, double timeout_s, const char* what) {
+/* *recovered (if not NULL) tells whether the previous holder had died holding the lock. */
+static smc_result_t lock_robust_seen(pthread_mutex_t* m, double timeout_s, const char* what, int* recovered) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   ts.tv_sec += (time_t)timeout_s;
@@ -33,11 +35,20 @@ static smc_result_t lock_robust(pthread_mutex_t* m, double timeout_s, const char
   do {
     rc = pthread_mutex_timedlock(m, &ts);
   } while (rc == EINTR);
-  if (rc == EOWNERDEAD) rc = pthread_mutex_consistent(m);
+  if (rc == EOWNERDEAD) {
+    rc = pthread_mutex_consistent(m);
+    if (recovered != NULL) *recovered = 1;
+  }
   if (rc == 0) return SMC_SUCCESS;
   if (rc == ETIMEDOUT) return smc_set_error(SMC_ERR_TIMEOUT, "%s: lock not obtained within %.1f s", what, timeout_s);
   return smc_set_error(SMC_ERR_SYSTEM, "%s: lock failed: %s", what, strerror(rc));
 }
+
+static smc_result_t lock_robust(pthread_mutex_t* m, double timeout_s, const char* what) {
+  return lock_robust_seen(m, timeout_s, what, NULL);
+}
+
+static uint64_t bump_version(smc_box_entry_t* e);
 
 static smc_box_entry_t* find_live(smc_shm_header_t* h, const char* name) {
   for (int i = 0; i < SMC_MAX_BOXES; i++)
@@ -193,10 +204,15 @@ static smc_result_t check_range(smc_box_t* b, size_t offset, size_t count, const
   return SMC_SUCCESS;
 }
 
+/* A holder that died may have left a write half done: the taker that recovers the lock bumps the version, so that
+ * every reader and waiter can tell that the box changed under a writer that is gone. */
 smc_result_t smc_box_lock(smc_box_t* b, double timeout_s) {
   if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box lock: box is NULL");
   if (!smc_timeout_ok(timeout_s)) return smc_set_error(SMC_ERR_INVALID, "box lock: timeout %g s", timeout_s);
-  return lock_robust(&b->entry->lock, timeout_s, b->entry->name);
+  int recovered = 0;
+  SMC_CHECK(lock_robust_seen(&b->entry->lock, timeout_s, b->entry->name, &recovered));
+  if (recovered) bump_version(b->entry);
+  return SMC_SUCCESS;
 }
 
 smc_result_t smc_box_unlock(smc_box_t* b) {

@@ -1,8 +1,35 @@
 # SPDX-License-Identifier: Apache-2.0
 """Soft Memory Box storage in the shared-memory transport's arena (csrc/shm/box.c): named, typed buffers that every
 rank of the host reads, writes and accumulates into under a robust per-box lock. shmcomm/smb.py is the user's API
-over this; a box spanning hosts would be another implementation of the same handle."""
+over this; box_client.RemoteBoxHandle is the same handle for a box in another host's arena (served there by
+box_server.py), and shmcomm/smb_stripes.py composes handles into a striped box."""
+import time
+
 from shmcomm._native import check, ffi, lib
+from shmcomm.exceptions import BoxNotFoundError
+
+STRIPED_SUFFIX = "@stripes"  # the box that describes a striped box: int64 [count, dtype, stripes]
+
+
+def stripe_name(name, index):
+    return "%s@%d" % (name, index)
+
+
+def find_box(shm, name, timeout_s):
+    """A handle to the box `name`, or to the description of the striped box of that name, waiting up to timeout_s
+    for either to appear: (handle, striped)."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0005
+    while True:
+        for candidate, striped in ((name, False), (name + STRIPED_SUFFIX, True)):
+            try:
+                return BoxHandle(shm, candidate, timeout_s=0.0), striped
+            except BoxNotFoundError:
+                pass
+        if time.monotonic() >= deadline:
+            raise BoxNotFoundError("box '%s' does not exist (waited %.1f s)" % (name, timeout_s))
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
 
 
 class BoxHandle:
@@ -49,6 +76,12 @@ class BoxHandle:
     def accumulate(self, offset, count, src, alpha, beta):
         version = ffi.new("uint64_t *")
         check(lib.smc_box_accumulate(self._box, offset, count, src, alpha, beta, version))
+        return int(version[0])
+
+    def touch(self):
+        """Bumps the version without changing an element."""
+        version = ffi.new("uint64_t *")
+        check(lib.smc_box_accumulate(self._box, 0, 0, ffi.NULL, 1.0, 1.0, version))
         return int(version[0])
 
     def lock(self, timeout_s):

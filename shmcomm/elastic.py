@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Elastic averaging (EASGD, Zhang, Choromanska and LeCun 2015) over a job-wide Soft Memory Box, as ShmCaffe trains:
+the building blocks any framework uses (shmcomm.torch.ElasticAveragingOptimizer is one user).
+
+Each worker steps on its own; every few steps it exchanges with the centre c held in the box:
+
+    d = alpha * (x - c);  x -= d;  c += d        (c += d is one atomic box accumulate)
+
+without waiting for any other worker (asynchronous). In the hybrid mode the ranks of a host average their gradients
+synchronously and one rank per host exchanges for the host, then broadcasts to it (host_process_set gives the set).
+
+    centre = ElasticCentre("centre", x.size)      # every rank; job-wide box
+    if shmcomm.rank() == 0:
+        centre.initialise(x)                       # the others wait for it in ready()
+    centre.ready()
+    for step in ...:
+        ...local SGD step on x...
+        if step % period == 0:
+            centre.exchange(x, alpha=0.2)
+    centre.flush(); centre.pull()                  # the centre, for evaluation
+
+overlap=True sends the centre's update from a background thread while the caller computes (ShmCaffe's update
+thread); the read of the centre before the pull stays in line, so that the pull is not staler than one exchange."""
+import concurrent.futures
+import itertools
+
+import numpy as np
+
+from shmcomm import process_sets, session
+from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.smb import SoftMemoryBox
+
+
+class ElasticCentre:
+    """The centre of `count` elements of `dtype` in the job-wide box `name` (home and stripes as for
+    SoftMemoryBox)."""
+
+    def __init__(self, name, count, dtype=np.float32, home=None, stripes=1, overlap=True):
+        self.box = SoftMemoryBox(name, shape=(int(count),), dtype=dtype, home=home, stripes=stripes)
+        self.name = name
+        self.dtype = self.box.dtype
+        self.count = self.box.count
+        self._centre = np.empty(self.count, dtype=self.dtype)
+        self._pusher = None
+        self._pending = None
+        if overlap:
+            # A second handle: the pushes travel on their own connection, so a pull never queues behind them.
+            self._push_box = SoftMemoryBox(name, shape=(self.count,), dtype=dtype, home=self.box.home,
+                                           stripes=len(self.box.hosts))
+            self._pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shmcomm-elastic")
+
+    def initialise(self, x):
+        """Sets the centre to `x` (one rank does it); the centre is ready once this has happened."""
+        self.box.write(self._checked(x, "initialise"))
+
+    def ready(self, timeout=None):
+        """Waits until some rank has initialised the centre."""
+        self.box.wait_version(1, timeout)
+
+    def pull(self, out=None):
+        """A copy of the centre."""
+        return self.box.read(out=out)
+
+    def _checked(self, x, what):
+        if not isinstance(x, np.ndarray) or x.dtype != self.dtype or x.size != self.count or not x.flags.c_contiguous:
+            raise InvalidArgumentError("elastic centre '%s' %s: expected a contiguous numpy array of %d %s, got %s"
+                                       % (self.name, what, self.count, self.dtype,
+                                          "%s of %s" % (x.shape, x.dtype) if isinstance(x, np.ndarray) else type(x)))
+        return x
+
+    def exchange(self, x, alpha):
+        """x -= alpha * (x - c) in place, and c += alpha * (x - c) atomically in the box (x before the pull)."""
+        self._checked(x, "exchange")
+        if not 0.0 < alpha <= 1.0:
+            raise InvalidArgumentError("elastic centre '%s': alpha must be in (0, 1], got %r" % (self.name, alpha))
+        self.flush()  # one push in flight at most: the centre read next has seen it
+        self.box.read(out=self._centre)
+        diff = x - self._centre
+        diff *= alpha
+        x -= diff
+        if self._pusher is None:
+            return self.box.accumulate(diff)
+        self._pending = self._pusher.submit(self._push_box.accumulate, diff)
+        return None
+
+    def flush(self):
+        """Waits for the push in flight, if any; raises what it raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self):
+        try:
+            self.flush()
+        finally:
+            if self._pusher is not None:
+                self._pusher.shutdown(wait=True)
+                self._push_box.close()
+                self._pusher = None
+            self.box.close()
+
+
+def host_process_set():
+    """The process set of this host's ranks (the global set where the job has one host). Every rank calls it at the
+    same point: it registers one set per host, in host order."""
+    comm = session.communicator()
+    groups = sorted({tuple(sorted(g)) for g in getattr(comm, "host_groups", [comm.ranks])})  # one per rank
+    if len(groups) == 1:
+        return process_sets.global_process_set
+    known = _host_sets.get(session.generation())
+    if known is not None and known.process_set_id is not None:
+        return known
+    mine = None
+    me = comm.topology.rank
+    for group in groups:
+        ps = process_sets.add_process_set(group)
+        if me in group:
+            mine = ps
+    comm.barrier()  # no rank uses its set before every member has registered it
+    _host_sets.clear()
+    _host_sets[session.generation()] = mine
+    return mine
+
+
+_host_sets = {}  # this session's host set, once made
+
+
+_names = itertools.count()
+
+
+def next_name(prefix):
+    """A box name that every rank derives alike when every rank creates the same objects in the same order."""
+    return "%s%d" % (prefix, next(_names))

@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Boxes on other hosts: where each host's box servers listen (BoxNetwork, learned once at init over MPI), and the
+handle to one box in another host's arena (RemoteBoxHandle: box.BoxHandle's interface, each call one request to the
+box's home host and its reply, box_wire.py).
+
+Every reply is awaited with a deadline: SHMCOMM_TIMEOUT, plus the operation's own timeout for a lock or a version
+wait. A home host whose connection closes or that does not answer in time makes the call raise HostFailure naming
+it, and the handle refuses every later call."""
+import socket
+import threading
+import time
+
+from shmcomm._native import ffi
+from shmcomm.exceptions import HostFailure, InvalidArgumentError
+from shmcomm.transport import box_wire as wire
+from shmcomm.transport import kernels
+
+_CONNECT_TIMEOUT_S = 5.0  # per address tried; a host has few
+
+
+class BoxNetwork:
+    """`servers[h]`: the (addresses, port) of each rank's box server on host h, in local rank order; `host_names[h]`
+    and `host_ranks[h]`: what errors say of host h; `host`: this process's host; `local_rank`: which of a host's
+    servers this process talks to (its own local rank, wrapped), so that a host's ranks share the serving."""
+
+    def __init__(self, server, host, local_rank, servers, host_names, host_ranks, timeout_s):
+        self.server = server
+        self.host = host
+        self.hosts = len(servers)
+        self.local_rank = local_rank
+        self.servers = servers
+        self.host_names = host_names
+        self.host_ranks = host_ranks
+        self.timeout_s = timeout_s
+
+    def describe(self, host):
+        ranks = self.host_ranks[host]
+        return "host %d (%s, ranks %s)" % (host, self.host_names[host], ", ".join(str(r) for r in ranks))
+
+    def connect(self, host, what):
+        """A connection to one of `host`'s box servers, or HostFailure naming the host."""
+        addresses, port = self.servers[host][self.local_rank % len(self.servers[host])]
+        failures = []
+        for address in addresses:
+            try:
+                sock = socket.create_connection((address, port), timeout=min(_CONNECT_TIMEOUT_S, self.timeout_s))
+                return wire.tuned(sock)
+            except OSError as error:
+                failures.append("%s:%d: %s" % (address, port, error))
+        raise HostFailure("%s: cannot reach its home %s (%s)" % (what, self.describe(host), "; ".join(failures)
+                                                                  or "it has no address"), host=self.host_names[host])
+
+    def close(self):
+        self.server.close()
+
+
+class RemoteBoxHandle:
+    """box.BoxHandle's interface for the box `name` whose home is `host` (a BoxNetwork's host index)."""
+
+    def __init__(self, network, host, name, count=None, dtype=None, exist_ok=True, timeout_s=0.0):
+        self._network = network
+        self._host = host
+        self._name = name
+        self._what = "box '%s'" % name
+        self._broken = None
+        self._lock = threading.Lock()  # one request at a time on the connection
+        self._sock = network.connect(host, self._what)
+        self.esize = 0
+        encoded = name.encode()
+        if count is not None:
+            request = wire.REQUEST.pack(wire.CREATE, wire.FLAG_EXIST_OK if exist_ok else 0, len(encoded), dtype, 0,
+                                        count, 0.0, 0.0, 0.0)
+            reply = self._call(request + encoded, 0.0)
+        else:
+            request = wire.REQUEST.pack(wire.ATTACH, 0, len(encoded), 0, 0, 0, 0.0, 0.0, timeout_s)
+            reply = self._call(request + encoded, timeout_s)
+        _, self.count, self.dtype, flags = reply
+        self.striped = bool(flags & wire.FLAG_STRIPED)
+        self.esize = kernels.itemsize(self.dtype)
+
+    @property
+    def closed(self):
+        """Closed by its user (a handle whose home failed is not: every call says why it fails)."""
+        return self._sock is None and self._broken is None
+
+    detached = False  # the connection, not this host's arena, is what it needs
+
+    def _fail(self, why):
+        self._broken = "%s: its home %s %s" % (self._what, self._network.describe(self._host), why)
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        return HostFailure(self._broken, host=self._network.host_names[self._host])
+
+    def _call(self, request, wait_s, payload=None, into=None):
+        """Sends one request (and the elements it carries), awaits the reply (and the elements it carries, into
+        `into`): (version, count, dtype, flags)."""
+        return self._receive(self._send(request, wait_s, payload), into)
+
+    def _send(self, request, wait_s, payload=None):
+        """The first half of _call; the connection is this caller's until _receive (the request's reply) is done."""
+        self._lock.acquire()
+        try:
+            if self._sock is None:
+                raise HostFailure(self._broken, host=self._network.host_names[self._host]) if self._broken else \
+                    InvalidArgumentError("%s is closed" % self._what)
+            started = time.monotonic()
+            self._sock.settimeout(self._network.timeout_s + wait_s)
+            self._sock.sendall(request)
+            if payload is not None:
+                self._sock.sendall(payload)
+            return started
+        except BaseException as error:
+            self._lock.release()
+            if isinstance(error, (socket.timeout, OSError)) and not isinstance(error, HostFailure):
+                raise self._transport_error(error, started) from None
+            raise
+
+    def _receive(self, started, into=None):
+        try:
+            sock = self._sock
+            head = bytearray(wire.REPLY.size)
+            if not wire.recv_exactly(sock, memoryview(head)):
+                raise self._fail("closed the connection (the host or its rank is gone)")
+            status, text_len, version, count, dtype, flags = wire.REPLY.unpack(head)
+            text = wire.recv_bytes(sock, text_len) if status != 0 else None
+            if (text is None and status != 0) or (status == 0 and into is not None
+                                                  and not wire.recv_exactly(sock, into)):
+                raise self._fail("closed the connection (the host or its rank is gone)")
+        except HostFailure:
+            raise
+        except OSError as error:  # socket.timeout too (the builtin TimeoutError; the home's errors come below)
+            raise self._transport_error(error, started) from None
+        finally:
+            self._lock.release()
+        if text is not None:
+            class_name, _, message = text.decode("utf-8", "replace").partition("\n")
+            raise wire.error_from(class_name, message)
+        return version, count, dtype, flags
+
+    def _transport_error(self, error, started):
+        if isinstance(error, socket.timeout):
+            return self._fail("did not answer within %.1f s (SHMCOMM_TIMEOUT sets the limit)"
+                              % (time.monotonic() - started))
+        return self._fail("is unreachable: %s" % error)
+
+    def start(self, op, offset, count, ptr, alpha=1.0, beta=1.0):
+        """Sends a read, write or accumulate ("read", "write", "accumulate") without waiting for its reply; the
+        returned function waits for it (and returns the version). A striped box sends to all its hosts first."""
+        nbytes = count * self.esize
+        code = {"read": wire.READ, "write": wire.WRITE, "accumulate": wire.ACCUMULATE}[op]
+        request = wire.REQUEST.pack(code, 0, 0, 0, offset, count, alpha, beta, 0.0)
+        started = self._send(request, 0.0, ffi.buffer(ptr, nbytes) if count and op != "read" else None)
+        into = memoryview(ffi.buffer(ptr, nbytes)) if count and op == "read" else None
+        return lambda: self._receive(started, into)[0]
+
+    def _simple(self, op, offset=0, count=0, alpha=0.0, beta=0.0, timeout_s=0.0, payload=None, into=None):
+        request = wire.REQUEST.pack(op, 0, 0, 0, offset, count, alpha, beta, timeout_s)
+        return self._call(request, timeout_s, payload, into)[0]
+
+    def version(self):
+        return self._simple(wire.VERSION)
+
+    def data(self, nbytes):
+        raise InvalidArgumentError("%s lives on %s: view() needs the box's memory on this host; read() copies it "
+                                   "here" % (self._what, self._network.describe(self._host)))
+
+    def read(self, offset, count, dst):
+        into = memoryview(ffi.buffer(dst, count * self.esize)) if count else None
+        self._simple(wire.READ, offset, count, into=into)
+
+    def write(self, offset, count, src):
+        return self._simple(wire.WRITE, offset, count, payload=ffi.buffer(src, count * self.esize) if count else None)
+
+    def accumulate(self, offset, count, src, alpha, beta):
+        return self._simple(wire.ACCUMULATE, offset, count, alpha, beta,
+                            payload=ffi.buffer(src, count * self.esize) if count else None)
+
+    def touch(self):
+        """Bumps the version without changing an element."""
+        return self._simple(wire.TOUCH)
+
+    def lock(self, timeout_s):
+        self._simple(wire.LOCK, timeout_s=timeout_s)
+
+    def unlock(self):
+        self._simple(wire.UNLOCK)
+
+    def wait_version(self, version, timeout_s):
+        return self._simple(wire.WAIT, version, timeout_s=timeout_s)
+
+    def close(self):
+        if self._sock is not None:
+            try:
+                self._simple(wire.CLOSE)
+            except Exception:  # the home host is gone: nothing to tell it
+                pass
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def destroy(self):
+        self._simple(wire.DESTROY)
+        self._sock.close()
+        self._sock = None

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The messages between a Soft Memory Box client on one host and the box server on the box's home host
+(box_server.py), over one TCP connection per client handle.
+
+A request is a fixed header (REQUEST), then the box name (create and attach) or the elements written or accumulated;
+a reply is a fixed header (REPLY), then an error text or the elements read. Every operation is one request and one
+reply, so a connection carries one operation at a time and a reply that does not come in time means the home host
+stopped answering."""
+import socket
+import struct
+
+from shmcomm import exceptions as exc
+
+# op, flags, name length, dtype, offset (or a version), count, alpha, beta, timeout in seconds
+REQUEST = struct.Struct("<BBHIQQddd")
+# status (0: success, else the error's class follows as text), text length, version, count, dtype, flags
+REPLY = struct.Struct("<iIQQII")
+
+CREATE, ATTACH, READ, WRITE, ACCUMULATE, LOCK, UNLOCK, WAIT, VERSION, DESTROY, CLOSE, TOUCH = range(1, 13)
+NAMES = {CREATE: "create", ATTACH: "attach", READ: "read", WRITE: "write", ACCUMULATE: "accumulate", LOCK: "lock",
+         UNLOCK: "unlock", WAIT: "wait_version", VERSION: "version", DESTROY: "destroy", CLOSE: "close",
+         TOUCH: "touch"}
+FLAG_EXIST_OK = 1   # create: attach to an equal box instead of failing
+FLAG_STRIPED = 1    # attach's reply: the name belongs to a striped box; its description was found instead
+
+# The error classes a reply may name; anything else arrives as ShmCommError.
+_ERRORS = {cls.__name__: cls for cls in (exc.InvalidArgumentError, exc.TimeoutError, exc.SystemError,
+                                         exc.OutOfMemoryError, exc.BoxExistsError, exc.BoxNotFoundError,
+                                         exc.BrokenCommunicatorError, exc.RankFailure, exc.ShmCommError)}
+
+
+def error_from(class_name, text):
+    return _ERRORS.get(class_name, exc.ShmCommError)(text)
+
+
+def error_reply(error):
+    text = ("%s\n%s" % (type(error).__name__ if type(error).__name__ in _ERRORS else "ShmCommError",
+                        error)).encode("utf-8", "replace")
+    return REPLY.pack(1, len(text), 0, 0, 0, 0) + text
+
+
+def recv_exactly(sock, view):
+    """Fills the writable memoryview `view` from `sock`; False if the peer closed the connection first."""
+    got, total = 0, len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def recv_bytes(sock, n):
+    buf = bytearray(n)
+    return bytes(buf) if recv_exactly(sock, memoryview(buf)) else None
+
+
+def tuned(sock):
+    """Small requests go out at once (no Nagle delay); big buffers so that megabytes stream without stalls."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, 4 << 20)
+        except OSError:  # capped by the system: what it allows is fine
+            pass
+    return sock
