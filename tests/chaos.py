@@ -130,6 +130,11 @@ def one_run(rng, signum, sim=None):
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         problems.append("the launcher did not exit within 60 s")
+        for rank_pid in _pids(directory):  # the ranks may have process groups of their own
+            try:
+                os.kill(rank_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     if pid is None:
         problems.append("the victim (rank %d) could not be signalled: the job %s" % (
             victim, "ended first" if proc.returncode is not None else "never started it"))
@@ -220,7 +225,7 @@ def _rank_of(pid):
 
 def _leftovers(directory, before, mpi):
     problems = []
-    pids = [int(n.split(".")[1]) for n in os.listdir(directory) if n.startswith("pid.") and not n.endswith(".tmp")]
+    pids = _pids(directory)
     deadline = time.monotonic() + 10
     alive = pids
     while alive and time.monotonic() < deadline:
@@ -242,6 +247,10 @@ def _leftovers(directory, before, mpi):
     if left:
         problems.append("left in /dev/shm: %s" % left)
     return problems
+
+
+def _pids(directory):
+    return [int(n.split(".")[1]) for n in os.listdir(directory) if n.startswith("pid.") and not n.endswith(".tmp")]
 
 
 def _unmapped(names):

@@ -13,6 +13,17 @@ THREADS = 4
 ROUNDS = 60
 
 
+def _in_threads(worker, errors):
+    """worker(t) in THREADS threads at once; every thread must end within 120 s, none with an error."""
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads), "a thread is still running after 120 s"
+    assert not errors, errors
+
+
 def _torch_threads():
     import torch
 
@@ -38,13 +49,7 @@ def _torch_threads():
         except BaseException as error:  # reported by the main thread
             errors.append((t, repr(error)))
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert not any(th.is_alive() for th in threads), "a thread is still running after 120 s"
-    assert not errors, errors
+    _in_threads(worker, errors)
     return True
 
 
@@ -79,12 +84,7 @@ def _box_threads(ready):
         except BaseException as error:
             errors.append((t, repr(error)))
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(THREADS)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert not any(th.is_alive() for th in threads) and not errors, errors
+    _in_threads(worker, errors)
     shmcomm.barrier()
     total = n * ROUNDS * sum(1 + t for t in range(THREADS))
     assert sums.read().tolist() == [total] * 64
