@@ -136,8 +136,8 @@ def one_run(rng, signum, sim=None):
             except ProcessLookupError:
                 pass
     if pid is None:
-        problems.append("the victim (rank %d) could not be signalled: the job %s" % (
-            victim, "ended first" if proc.returncode is not None else "never started it"))
+        problems.append("the victim (rank %d) could not be signalled: the job %s:\n%s" % (
+            victim, "ended first" if proc.returncode is not None else "never started it", output[-3000:]))
         return problems, (phase, victim, proc.returncode, {})
     raised = outcomes.read(directory)
     bound = KILL_BOUND_S if signum == signal.SIGKILL else TIMEOUT_S + KILL_BOUND_S
