@@ -89,9 +89,9 @@ def _one_of_each(shmcomm, np, n, step):
 
 def _mark(directory, name, text):
     path = os.path.join(directory, name)
-    with open(path + ".tmp", "w") as f:
+    with open("%s.%d.tmp" % (path, os.getpid()), "w") as f:  # ranks may write the same marker at once
         f.write(text)
-    os.replace(path + ".tmp", path)
+    os.replace("%s.%d.tmp" % (path, os.getpid()), path)
 
 
 # ---- the controller ----
@@ -158,18 +158,21 @@ def one_run(rng, signum, sim=None):
             problems.append("rank %d raised %.1f s after the signal (bound %.0f s)" % (r, late, bound))
     if proc.returncode == 0:
         problems.append("the launcher exited 0")
-    elif "rank %d" % victim not in output and not (phase == "shutdown" and shut_down):
+    elif not _text_names(output, victim) and not (phase == "shutdown" and shut_down):
         problems.append("the launcher's output does not name rank %d:\n%s" % (victim, output[-2000:]))
     problems += _leftovers(directory, before, sim is not None)
     return problems, (phase, victim, proc.returncode, raised)
 
 
 def _names(raised, victim):
-    """Whether an error names the victim: RankFailure.rank, "rank V", or init's "missing ranks: ..."."""
-    message = raised["message"]
-    missing = re.search(r"missing ranks: ([\d, ]+)", message)
-    return (raised["rank"] == victim or re.search(r"\brank %d\b" % victim, message) is not None or
-            (missing is not None and str(victim) in missing.group(1).replace(" ", "").split(",")))
+    """Whether an error names the victim: RankFailure.rank, or its message (_text_names)."""
+    return raised["rank"] == victim or _text_names(raised["message"], victim)
+
+
+def _text_names(text, victim):
+    """Whether a text names rank `victim`: "rank V", or init's "missing ranks: ..., V"."""
+    return re.search(r"\brank %d\b" % victim, text) is not None or any(
+        str(victim) in found.replace(" ", "").split(",") for found in re.findall(r"missing ranks: ([\d, ]+)", text))
 
 
 def _wait_for_victim(directory, victim, phase, rng, proc, limit=30.0):
