@@ -128,13 +128,16 @@ def one_run(rng, signum, sim=None):
         output, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
         problems.append("the launcher did not exit within 60 s")
         for rank_pid in _pids(directory):  # the ranks may have process groups of their own
             try:
                 os.kill(rank_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        try:  # a process of another group (mpiexec's) may still hold the output open
+            output, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            output = ""
     if pid is None:
         problems.append("the victim (rank %d) could not be signalled: the job %s:\n%s" % (
             victim, "ended first" if proc.returncode is not None else "never started it", output[-3000:]))
