@@ -40,11 +40,19 @@ smc_result_t smc_sync(smc_comm_t* c, const char* what) {
     peer_ref_t ref = {c, r, what};
     smc_wait_opts_t opts = {c->spin_us, c->timeout_s, c->liveness_s, check_peer, &ref};
     smc_result_t rc = smc_wait_reach(&c->ctl[r].seq, &c->ctl[r].sleepers, target, &opts);
-    if (rc == SMC_ERR_TIMEOUT)
+    if (rc == SMC_ERR_TIMEOUT) {
+      /* Every peer that has not arrived is named: the one waited for may itself wait for another that is stuck. */
+      char others[384] = "";
+      size_t used = 0;
+      for (int o = r + 1; o < c->size && used < sizeof(others) - 1; o++)
+        if (o != c->rank && (int32_t)(atomic_load(&c->ctl[o].seq) - target) < 0)
+          used += (size_t)snprintf(others + used, sizeof(others) - used, " and rank %d (pid %d)", smc_job_rank(c, o),
+                                   (int)c->ctl[o].pid);
       rc = smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, r), SMC_FIELD_NONE,
-                              "%s: timed out after %.0f s waiting for rank %d (pid %d, alive): it is stuck, or it "
+                              "%s: timed out after %.0f s waiting for rank %d (pid %d, alive)%s: it is stuck, or it "
                               "called a different collective (SHMCOMM_TIMEOUT sets the limit)",
-                              what, c->timeout_s, smc_job_rank(c, r), (int)c->ctl[r].pid);
+                              what, c->timeout_s, smc_job_rank(c, r), (int)c->ctl[r].pid, others);
+    }
     if (rc != SMC_SUCCESS) return mark_broken(c, rc);
   }
   return SMC_SUCCESS;

@@ -7,6 +7,8 @@
  * outlive a lost worker. */
 #include <pthread.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "coll/comm.h"
 #include "shm/segment.h"
@@ -21,8 +23,15 @@ struct smc_box {
   double timeout_s;
 };
 
-/* *recovered (if not NULL) tells whether the previous holder had died holding the lock. */
-static smc_result_t lock_robust_seen(pthread_mutex_t* m, double timeout_s, const char* what, int* recovered) {
+static smc_result_t lock_robust_as(pthread_mutex_t* m, double timeout_s, const char* what, int* recovered);
+
+static smc_result_t lock_robust(pthread_mutex_t* m, double timeout_s, const char* what) {
+  int recovered;
+  return lock_robust_as(m, timeout_s, what, &recovered);
+}
+
+/* `recovered`: the previous holder died holding it (EOWNERDEAD). */
+static smc_result_t lock_robust_as(pthread_mutex_t* m, double timeout_s, const char* what, int* recovered) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   ts.tv_sec += (time_t)timeout_s;
@@ -35,17 +44,11 @@ static smc_result_t lock_robust_seen(pthread_mutex_t* m, double timeout_s, const
   do {
     rc = pthread_mutex_timedlock(m, &ts);
   } while (rc == EINTR);
-  if (rc == EOWNERDEAD) {
-    rc = pthread_mutex_consistent(m);
-    if (recovered != NULL) *recovered = 1;
-  }
+  *recovered = rc == EOWNERDEAD;
+  if (rc == EOWNERDEAD) rc = pthread_mutex_consistent(m);
   if (rc == 0) return SMC_SUCCESS;
   if (rc == ETIMEDOUT) return smc_set_error(SMC_ERR_TIMEOUT, "%s: lock not obtained within %.1f s", what, timeout_s);
   return smc_set_error(SMC_ERR_SYSTEM, "%s: lock failed: %s", what, strerror(rc));
-}
-
-static smc_result_t lock_robust(pthread_mutex_t* m, double timeout_s, const char* what) {
-  return lock_robust_seen(m, timeout_s, what, NULL);
 }
 
 static uint64_t bump_version(smc_box_entry_t* e);
@@ -143,6 +146,8 @@ smc_result_t smc_box_create(smc_comm_t* c, const char* name, size_t count, smc_d
   atomic_store(&e->version, 0);
   atomic_store(&e->version_word, 0);
   e->handles = 0;
+  e->holder = e->holder_tid = -1;
+  e->depth = 0;
   e->state = BOX_LIVE;
   rc = open_handle(c, e, box);
 out:
@@ -209,15 +214,39 @@ static smc_result_t check_range(smc_box_t* b, size_t offset, size_t count, const
 smc_result_t smc_box_lock(smc_box_t* b, double timeout_s) {
   if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box lock: box is NULL");
   if (!smc_timeout_ok(timeout_s)) return smc_set_error(SMC_ERR_INVALID, "box lock: timeout %g s", timeout_s);
+  smc_box_entry_t* e = b->entry;
+  smc_comm_t* c = b->comm;
   int recovered = 0;
-  SMC_CHECK(lock_robust_seen(&b->entry->lock, timeout_s, b->entry->name, &recovered));
-  if (recovered) bump_version(b->entry);
+  smc_result_t rc = lock_robust_as(&e->lock, timeout_s, e->name, &recovered);
+  if (rc == SMC_ERR_TIMEOUT) {
+    int holder = e->holder; /* read without the lock: only for the message */
+    if (holder >= 0 && holder < c->size)
+      return smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, holder), SMC_FIELD_NONE,
+                                "box '%s': lock not obtained within %.1f s: rank %d (pid %d) holds it", e->name,
+                                timeout_s, smc_job_rank(c, holder), (int)c->ctl[holder].pid);
+  }
+  if (rc != SMC_SUCCESS) return rc;
+  int tid = (int)syscall(SYS_gettid);
+  if (recovered || e->holder_tid != tid) e->depth = 0; /* a dead or earlier holder's count is void */
+  e->holder = c->rank;
+  e->holder_tid = tid;
+  e->depth++;
+  if (recovered) bump_version(e);
   return SMC_SUCCESS;
+}
+
+static void unlock_box(smc_box_entry_t* e) {
+  if (e->depth > 0 && --e->depth == 0) e->holder = e->holder_tid = -1;
+  pthread_mutex_unlock(&e->lock);
 }
 
 smc_result_t smc_box_unlock(smc_box_t* b) {
   if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box unlock: box is NULL");
-  int rc = pthread_mutex_unlock(&b->entry->lock);
+  smc_box_entry_t* e = b->entry;
+  if (e->holder_tid != (int)syscall(SYS_gettid) || e->holder != b->comm->rank || e->depth == 0)
+    return smc_set_error(SMC_ERR_INVALID, "box '%s': unlock without holding the lock", e->name);
+  if (--e->depth == 0) e->holder = e->holder_tid = -1;
+  int rc = pthread_mutex_unlock(&e->lock);
   if (rc == EPERM) return smc_set_error(SMC_ERR_INVALID, "box '%s': unlock without holding the lock", b->entry->name);
   return rc == 0 ? SMC_SUCCESS : smc_set_error(SMC_ERR_SYSTEM, "box unlock failed: %s", strerror(rc));
 }
@@ -234,7 +263,7 @@ smc_result_t smc_box_read(smc_box_t* b, size_t offset, size_t count, void* dst, 
   SMC_CHECK(smc_box_lock(b, b->timeout_s));
   memcpy(dst, b->data + offset * b->esize, count * b->esize);
   if (version != NULL) *version = atomic_load(&b->entry->version);
-  pthread_mutex_unlock(&b->entry->lock);
+  unlock_box(b->entry);
   return SMC_SUCCESS;
 }
 
@@ -243,7 +272,7 @@ smc_result_t smc_box_write(smc_box_t* b, size_t offset, size_t count, const void
   SMC_CHECK(smc_box_lock(b, b->timeout_s));
   memmove(b->data + offset * b->esize, src, count * b->esize);
   uint64_t v = bump_version(b->entry);
-  pthread_mutex_unlock(&b->entry->lock);
+  unlock_box(b->entry);
   if (version != NULL) *version = v;
   return SMC_SUCCESS;
 }
@@ -254,7 +283,7 @@ smc_result_t smc_box_accumulate(smc_box_t* b, size_t offset, size_t count, const
   SMC_CHECK(smc_box_lock(b, b->timeout_s));
   smc_result_t rc = smc_axpby(b->data + offset * b->esize, src, count, (smc_datatype_t)b->entry->dtype, alpha, beta);
   uint64_t v = rc == SMC_SUCCESS ? bump_version(b->entry) : 0;
-  pthread_mutex_unlock(&b->entry->lock);
+  unlock_box(b->entry);
   if (version != NULL) *version = v;
   return rc;
 }

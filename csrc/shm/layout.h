@@ -34,6 +34,9 @@ typedef struct {
   _Atomic uint32_t sleepers;   /* waiters on version_word */
   _Atomic uint64_t version;    /* bumped on every write and accumulate */
   _Atomic uint32_t version_word; /* low 32 bits of version: the futex word waiters sleep on */
+  int32_t holder;              /* the rank (index in the communicator) holding the lock, -1: none; for messages */
+  int32_t holder_tid;          /* the holding thread */
+  uint32_t depth;              /* how many times the holder holds it (the lock is recursive) */
   pthread_mutex_t lock;        /* pshared, robust, recursive: the box lock */
 } __attribute__((aligned(SMC_CACHE_LINE))) smc_box_entry_t;
 

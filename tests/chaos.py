@@ -1,0 +1,326 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Chaos: jobs of 4 ranks, started by shmcommrun, in which one random rank is killed (SIGKILL) or stopped (SIGSTOP)
+at a random moment of a random phase: init, collectives of every kind, the engine's negotiation (asynchronous
+operations), holding a Soft Memory Box lock, shutdown. Each run checks that every surviving rank raised an error
+naming the victim within 10 s (SIGKILL) or SHMCOMM_TIMEOUT plus that (SIGSTOP), or finished its shutdown; that the
+launcher exited non-zero and its output names the victim; that nothing of the job is left in /dev/shm; and that no
+process of it is left.
+
+    python tests/chaos.py [--runs 50] [--signal KILL|STOP] [--hosts 1|2] [--seed N]
+
+prints one line per run and a summary, and exits non-zero if any run failed. --hosts 2 runs across two simulated
+hosts (shmcomm/testing/simhosts.py; needs root and network namespaces). There hydra, which carries the job, stops
+every rank as soon as one dies, often before a survivor can raise: errors are checked where survivors recorded one.
+
+The job's ranks ignore SIGTERM, so that the launcher's stop (SIGTERM, then SIGKILL after its grace period) does not
+end them before they say what they raised (shmcomm.testing.outcomes)."""
+import argparse
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ("init", "collectives", "negotiation", "box_lock", "shutdown")
+RANKS = 4
+TIMEOUT_S = 3.0          # SHMCOMM_TIMEOUT of the jobs: a stopped rank is named within this
+START_TIMEOUT_S = 4.0    # SHMCOMM_START_TIMEOUT: a rank killed before it attached is named within this
+KILL_BOUND_S = 10.0      # a killed rank is named within this
+
+
+# ---- the job (python tests/chaos.py job DIR PHASE) ----
+
+def job(directory, phase):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rank = int(os.environ.get("SHMCOMM_RANK") or os.environ.get("PMI_RANK") or -1)
+    _mark(directory, "pid.%d" % os.getpid(), "")
+    _mark(directory, "token", os.environ.get("SHMCOMM_JOB_TOKEN", ""))
+    import numpy as np
+
+    import shmcomm
+    from shmcomm.testing import outcomes
+
+    try:
+        shmcomm.init(engine=phase == "negotiation")
+        rank = shmcomm.rank()
+        _mark(directory, "rank.%d" % rank, str(os.getpid()))
+        n = shmcomm.size()
+        if phase == "box_lock":
+            box = shmcomm.SoftMemoryBox("chaos", shape=(1024,), create=None)
+        step = 0
+        while True:
+            step += 1
+            if phase == "shutdown" and step == 20:
+                _mark(directory, "shutdown.%d" % rank, "")
+                shmcomm.shutdown()
+                return 0
+            if phase == "box_lock":
+                with box.locked():
+                    _mark(directory, "locked.%d" % rank, "")
+                    box.write(np.full(1024, rank, np.float32))
+                    time.sleep(0.002)
+                shmcomm.barrier()
+            elif phase == "negotiation":
+                handles = [shmcomm.allreduce_async(np.ones(64 + i, np.float32), name="g%d" % i) for i in range(8)]
+                handles.append(shmcomm.broadcast_async(np.ones(16), root_rank=step % n, name="b"))
+                for h in handles:
+                    shmcomm.synchronize(h)
+            else:
+                _one_of_each(shmcomm, np, n, step)
+    except shmcomm.ShmCommError as error:
+        outcomes.record(directory, rank, error, 0.0)  # seconds: the monotonic clock, shared by the processes
+        print("rank %d: %s: %s" % (rank, type(error).__name__, error), file=sys.stderr, flush=True)
+        return 1
+
+
+def _one_of_each(shmcomm, np, n, step):
+    shmcomm.allreduce(np.ones(32, np.float32))
+    shmcomm.allreduce(np.ones(300_000, np.float32))  # the pipelined path
+    shmcomm.broadcast(np.ones(1000), root_rank=step % n)
+    shmcomm.allgather(np.ones((2, 3)))
+    shmcomm.reducescatter(np.ones((n * 2, 5)))
+    shmcomm.alltoall(np.ones(n * 3))
+    shmcomm.barrier()
+
+
+def _mark(directory, name, text):
+    path = os.path.join(directory, name)
+    with open("%s.%d.tmp" % (path, os.getpid()), "w") as f:  # ranks may write the same marker at once
+        f.write(text)
+    os.replace("%s.%d.tmp" % (path, os.getpid()), path)
+
+
+# ---- the controller ----
+
+def one_run(rng, signum, sim=None):
+    """Starts a job, picks a victim and a moment, signals it, and returns the list of what went wrong (empty: the
+    run passed) and a summary."""
+    from shmcomm.testing import outcomes
+
+    # A rank stopped in its shutdown, after the others finished theirs, is waited for by the launcher as long as it
+    # stays stopped: nothing is left to time out.
+    phase = rng.choice(PHASES if signum == signal.SIGKILL else [p for p in PHASES if p != "shutdown"])
+    victim = rng.randrange(RANKS)
+    directory = tempfile.mkdtemp(prefix="chaos-")
+    before = set(os.listdir("/dev/shm"))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               SHMCOMM_TIMEOUT=str(TIMEOUT_S), SHMCOMM_START_TIMEOUT=str(START_TIMEOUT_S))
+    for name in [k for k in env if k.startswith(("SHMCOMM_RANK", "HOROVOD_", "PMI_"))]:
+        del env[name]
+    launch = [sys.executable, "-m", "shmcomm.runner"]
+    launch += sim.shmcommrun_args(RANKS // 2) if sim is not None else ["-np", str(RANKS)]
+    command = launch + [sys.executable, os.path.abspath(__file__), "job", directory, phase]
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    problems = []
+    pid = _wait_for_victim(directory, victim, phase, rng, proc)
+    killed_at = time.monotonic()
+    if pid is not None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pid = None
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        problems.append("the launcher did not exit within 60 s")
+        for rank_pid in _pids(directory):  # the ranks may have process groups of their own
+            try:
+                os.kill(rank_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:  # a process of another group (mpiexec's) may still hold the output open
+            output, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            output = ""
+    if pid is None:
+        problems.append("the victim (rank %d) could not be signalled: the job %s:\n%s" % (
+            victim, "ended first" if proc.returncode is not None else "never started it", output[-3000:]))
+        return problems, (phase, victim, proc.returncode, {})
+    raised = outcomes.read(directory)
+    bound = KILL_BOUND_S if signum == signal.SIGKILL else TIMEOUT_S + KILL_BOUND_S
+    survivors = [r for r in range(RANKS) if r != victim]
+    shut_down = {r for r in survivors if os.path.exists(os.path.join(directory, "shutdown.%d" % r))}
+    for r in survivors:
+        got = raised.get(r)
+        if got is None:
+            if phase != "shutdown" and sim is None:
+                problems.append("rank %d raised nothing" % r)
+            continue
+        named = _names(got, victim)
+        late = got["seconds"] - killed_at
+        if not named:
+            problems.append("rank %d raised %s without naming rank %d: %s" % (r, got["type"], victim,
+                                                                               got["message"][:300]))
+        if late > bound:
+            problems.append("rank %d raised %.1f s after the signal (bound %.0f s)" % (r, late, bound))
+    if proc.returncode == 0:
+        problems.append("the launcher exited 0")
+    elif not _text_names(output, victim) and not (phase == "shutdown" and shut_down):
+        problems.append("the launcher's output does not name rank %d:\n%s" % (victim, output[-2000:]))
+    problems += _leftovers(directory, before, sim is not None)
+    return problems, (phase, victim, proc.returncode, raised)
+
+
+def _names(raised, victim):
+    """Whether an error names the victim: RankFailure.rank, or its message (_text_names)."""
+    return raised["rank"] == victim or _text_names(raised["message"], victim)
+
+
+def _text_names(text, victim):
+    """Whether a text names rank `victim`: "rank V", or init's "missing ranks: ..., V"."""
+    return re.search(r"\brank %d\b" % victim, text) is not None or any(
+        str(victim) in found.replace(" ", "").split(",") for found in re.findall(r"missing ranks: ([\d, ]+)", text))
+
+
+def _wait_for_victim(directory, victim, phase, rng, proc, limit=30.0):
+    """The victim's pid at the chosen moment, or None if the job ended or never got there."""
+    deadline = time.monotonic() + limit
+    if phase == "init":  # a random moment between process start and the end of init
+        pids = _pids_by_rank(directory, deadline, proc, victim, rank_file=False)
+        time.sleep(rng.uniform(0, 0.8))
+        return pids
+    pid = _pids_by_rank(directory, deadline, proc, victim, rank_file=True)
+    if pid is None:
+        return None
+    if phase == "box_lock":
+        marker = os.path.join(directory, "locked.%d" % victim)
+        while not os.path.exists(marker) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.001)
+    elif phase == "shutdown":
+        marker = os.path.join(directory, "shutdown.%d" % victim)
+        while not os.path.exists(marker) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0, 0.01))
+    else:
+        time.sleep(rng.uniform(0.05, 1.5))
+    return pid if proc.poll() is None else None
+
+
+def _pids_by_rank(directory, deadline, proc, victim, rank_file):
+    while time.monotonic() < deadline and proc.poll() is None:
+        if rank_file:
+            path = os.path.join(directory, "rank.%d" % victim)
+            if os.path.exists(path):
+                return int(open(path).read())
+        else:
+            # Before init a rank knows its number from the launcher's environment only; read it from /proc.
+            for name in os.listdir(directory):
+                if name.startswith("pid.") and not name.endswith(".tmp"):
+                    pid = int(name.split(".")[1])
+                    if _rank_of(pid) == victim:
+                        return pid
+        time.sleep(0.002)
+    return None
+
+
+def _rank_of(pid):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            variables = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+    except OSError:
+        return None
+    value = variables.get(b"SHMCOMM_RANK") or variables.get(b"PMI_RANK")
+    return int(value) if value is not None else None
+
+
+def _leftovers(directory, before, mpi):
+    problems = []
+    pids = _pids(directory)
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.05)
+    if alive:
+        problems.append("processes left behind: %s" % alive)
+    deadline = time.monotonic() + 5
+    left = None
+    token_path = os.path.join(directory, "token")
+    token = open(token_path).read() if os.path.exists(token_path) else None
+    while time.monotonic() < deadline:
+        # New segments that no process maps: another job running on this machine meanwhile maps its own.
+        left = _unmapped([n for n in set(os.listdir("/dev/shm")) - before if (token and token in n) or
+                          (mpi and n.startswith("mpich_shm_"))])
+        if not left:
+            break
+        time.sleep(0.05)
+    if left:
+        problems.append("left in /dev/shm: %s" % left)
+    return problems
+
+
+def _pids(directory):
+    return [int(n.split(".")[1]) for n in os.listdir(directory) if n.startswith("pid.") and not n.endswith(".tmp")]
+
+
+def _unmapped(names):
+    if not names:
+        return []
+    mapped = set()
+    for pid in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/maps" % pid) as f:
+                mapped.update(name for name in names if name in f.read())
+        except (OSError, ValueError):
+            continue
+    return [n for n in names if n not in mapped]
+
+
+def _alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def campaign(runs, signum, hosts=1, seed=None, out=sys.stdout):
+    """Runs `runs` chaos runs; returns (failures, lines)."""
+    seed = random.randrange(1 << 30) if seed is None else seed
+    rng = random.Random(seed)
+    sim = None
+    if hosts > 1:
+        from shmcomm.testing.simhosts import SimulatedHosts
+
+        sim = SimulatedHosts(hosts).__enter__()
+    failures, lines = [], []
+    try:
+        for i in range(runs):
+            started = time.monotonic()
+            problems, (phase, victim, code, raised) = one_run(rng, signum, sim)
+            kinds = sorted({v["type"] for v in raised.values()})
+            line = "run %2d seed %d: SIG%s rank %d in %-11s -> launcher %s, survivors raised %s, %.1f s: %s" % (
+                i, seed, signal.Signals(signum).name[3:], victim, phase, code, ",".join(kinds) or "-",
+                time.monotonic() - started, "ok" if not problems else "FAILED: " + "; ".join(problems))
+            print(line, file=out, flush=True)
+            lines.append(line)
+            if problems:
+                failures.append(line)
+    finally:
+        if sim is not None:
+            sim.close()
+    return failures, lines
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "job":
+        sys.exit(job(sys.argv[2], sys.argv[3]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
+    parser.add_argument("--hosts", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--seed", type=int)
+    args = parser.parse_args()
+    failures, lines = campaign(args.runs, getattr(signal, "SIG" + args.signal), args.hosts, args.seed)
+    print("%d of %d runs passed" % (len(lines) - len(failures), len(lines)), flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
