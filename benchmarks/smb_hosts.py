@@ -69,7 +69,7 @@ def worker(sizes, rounds, step_ms):
     from mpi4py import MPI
 
     from shmcomm import basics
-    from shmcomm.elastic import ElasticCentre
+    from shmcomm.averaging import ElasticCentre
 
     shmcomm.init()
     world = MPI.COMM_WORLD

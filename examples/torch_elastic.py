@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import shmcomm
 import shmcomm.torch as hvd
-from shmcomm import elastic
+from shmcomm import averaging as elastic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_digits import DigitsNet, dataset  # noqa: E402

@@ -27,7 +27,7 @@ from shmcomm.torch.mpi_ops import (Adasum, Average, HorovodInternalError, Max, M
                                    grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async,
                                    is_homogeneous, join, poll, reducescatter, reducescatter_async, synchronize)
 from shmcomm.exceptions import PeerArgumentError  # noqa: F401
-from shmcomm.torch.elastic import ElasticAveragingOptimizer  # noqa: F401
+from shmcomm.torch.averaging import ElasticAveragingOptimizer  # noqa: F401
 from shmcomm.torch.optimizer import DistributedOptimizer  # noqa: F401
 from shmcomm.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
 

@@ -6,7 +6,7 @@ Box) and hybrid (synchronous inside a host, asynchronous between hosts) training
                                               period=1, hybrid=False)
 
 Asynchronous: each rank steps on its own gradients; every `period` steps it exchanges with the centre
-(shmcomm/elastic.py: x -= alpha (x - c), c += alpha (x - c), the latter one atomic accumulate) and never waits for
+(shmcomm/averaging.py: x -= alpha (x - c), c += alpha (x - c), the latter one atomic accumulate) and never waits for
 another rank, so a slow rank slows only itself. Hybrid: gradients are averaged over the host's ranks every step (one
 blocking allreduce in the host's shared memory; a DistributedOptimizer where the job has one host), and every
 `period` steps the host's first rank exchanges with the centre for the host, then hands the parameters to the host's
@@ -20,7 +20,7 @@ import collections
 import numpy as np
 import torch
 
-from shmcomm import basics, elastic, ops
+from shmcomm import averaging, basics, ops
 from shmcomm.exceptions import InvalidArgumentError
 from shmcomm.smb import SoftMemoryBox
 from shmcomm.torch.optimizer import DistributedOptimizer
@@ -101,7 +101,7 @@ def ElasticAveragingOptimizer(optimizer, named_parameters=None, alpha=0.2, perio
                                    "float64, got %s" % sorted(str(d) for d in dtypes))
     base, host_set, host_comm = optimizer, None, None
     if hybrid:
-        host_set = elastic.host_process_set()
+        host_set = averaging.host_process_set()
         if host_set.process_set_id == 0:  # one host: the engine's DistributedOptimizer over everyone
             base = DistributedOptimizer(optimizer, named_parameters=named_parameters, process_set=host_set)
         else:
@@ -124,7 +124,7 @@ def ElasticAveragingOptimizer(optimizer, named_parameters=None, alpha=0.2, perio
     wrapped._host_box, wrapped._exchanges, wrapped._host_comm = None, 0, host_comm
     wrapped._host_root = min(host_set.ranks) if hybrid and host_set.process_set_id != 0 else 0
     wrapped._exchanger = not hybrid or basics.rank() == wrapped._host_root
-    centre = elastic.ElasticCentre(elastic.next_name("elastic.centre"), flat.numel(),
+    centre = averaging.ElasticCentre(averaging.next_name("elastic.centre"), flat.numel(),
                                    dtype=np.dtype(str(flat.dtype).replace("torch.", "")), home=home,
                                    stripes=stripes, overlap=overlap)
     if basics.rank() == 0:

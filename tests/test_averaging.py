@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _exchange_arithmetic(overlap):
     import shmcomm
-    from shmcomm.elastic import ElasticCentre
+    from shmcomm.averaging import ElasticCentre
 
     shmcomm.init()
     centre = ElasticCentre("c", 4, overlap=overlap)
@@ -86,7 +86,7 @@ def test_optimizer_bad_inputs_are_typed_errors():
 CONSERVED = """
 import socket, numpy as np, shmcomm, torch
 import shmcomm.torch as hvd
-from shmcomm.elastic import ElasticCentre
+from shmcomm.averaging import ElasticCentre
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 centre = ElasticCentre("centre", 64, dtype=np.float64, stripes=hvd.cross_size())
