@@ -112,6 +112,8 @@ def allgather(tensor, name=None, process_set=None):
 
 def reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set):
     comm, set_id = resolve_set(process_set)
+    if ops.resolve(op) == ops.Adasum:
+        raise InvalidArgumentError("reducescatter: Adasum is an allreduce op; use Sum or Average")
     return Request("reducescatter", _name("reducescatter", name), tensor, comm, set_id, op=ops.resolve(op),
                    prescale=prescale_factor, postscale=postscale_factor)
 

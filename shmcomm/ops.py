@@ -17,7 +17,8 @@ class ReduceOp(enum.IntEnum):
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum, ReduceOp.Min,
                                            ReduceOp.Max, ReduceOp.Product)
 
-# What the C core computes for each op; Average is a sum divided by the number of ranks.
+# What the C core computes for each op; Average is a sum divided by the number of ranks. Adasum is not an
+# element-wise op: algorithms/adasum.py computes it.
 C_OP = {
     ReduceOp.Average: lib.SMC_SUM,
     ReduceOp.Sum: lib.SMC_SUM,
@@ -27,7 +28,7 @@ C_OP = {
 }
 
 
-_SUPPORTED = {op: op for op in ReduceOp if op != ReduceOp.Adasum}
+_SUPPORTED = {op: op for op in ReduceOp}
 
 
 def resolve(op, average=None):
@@ -41,9 +42,6 @@ def resolve(op, average=None):
     if op is None:
         return ReduceOp.Average
     try:
-        op = ReduceOp(op)
+        return ReduceOp(op)
     except ValueError:
         raise ValueError("unknown reduction op %r" % (op,)) from None
-    if op == ReduceOp.Adasum:
-        raise NotImplementedError("Adasum is not supported by shmcomm")
-    return op

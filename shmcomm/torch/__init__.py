@@ -3,8 +3,11 @@
 on CPU ranks, on one host or across hosts (shared memory within a host; MPI and the 2D-torus allreduce between
 hosts).
 
+op=Adasum works in allreduce and DistributedOptimizer (Horovod's delta optimizer) for float16/32/64 on
+power-of-two worlds (algorithms/adasum.py).
+
 Not provided: `elastic` (ranks cannot join or leave a running shmcomm job: it is the fixed set of processes that
-shmcommrun or mpiexec started) and Adasum (the constant exists; using it raises NotImplementedError)."""
+shmcommrun or mpiexec started)."""
 import importlib.util as _importlib_util
 
 from shmcomm import basics as _basics

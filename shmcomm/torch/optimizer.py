@@ -12,7 +12,7 @@ import torch
 
 from shmcomm import asynchronous, basics, env
 from shmcomm.process_sets import global_process_set
-from shmcomm.torch import mpi_ops
+from shmcomm.torch import adasum_optimizer, mpi_ops
 from shmcomm.torch.compression import Compression
 from shmcomm.torch.functions import broadcast_object, sparse_allreduce_async
 from shmcomm.torch.mpi_ops import Adasum, Average
@@ -246,8 +246,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     parameters) reduces those parameters together. The wrapped optimizer's state carries over."""
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be a positive integer, got %r" % (backward_passes_per_step,))
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not supported by shmcomm; use op=Average (the default) or op=Sum")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups != 0:
@@ -267,6 +265,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                     if id(p) in seen:
                         raise ValueError("A parameter can only appear once in groups.")
                     seen.add(id(p))
+    if op == Adasum and basics.size() > 1:  # Horovod's delta optimizer (adasum_optimizer.py)
+        if process_set is not global_process_set and process_set.process_set_id != 0:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        return adasum_optimizer.wrap(optimizer, named_parameters, compression, backward_passes_per_step)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                   gradient_predivide_factor, groups, sparse_as_dense, process_set)
