@@ -22,7 +22,7 @@ class _DistributedOptimizer:
     """Placed before the wrapped optimizer's class in a dynamic subclass; super() is the wrapped optimizer."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, average_aggregated_gradients=False):
         super().__init__(params)
         self._compression = compression
         all_params = [p for group in self.param_groups for p in group["params"]]
@@ -45,6 +45,7 @@ class _DistributedOptimizer:
                              "Python object ids: %s" % ", ".join(str(i) for i in sorted(unnamed)))
         self._parameter_names = {p: str(k) for k, p in named_parameters}
         self.backward_passes_per_step = backward_passes_per_step
+        self.average_aggregated_gradients = average_aggregated_gradients
         self._allreduce_delay = {p: backward_passes_per_step for _, p in named_parameters}
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -58,7 +59,7 @@ class _DistributedOptimizer:
         self._groups = groups
         self._p_to_group = {}
         self._group_counts = {}
-        if process_set.included() and (basics.size() > 1 or env.elastic()):
+        if process_set.included() and (basics.size() > 1 or env.elastic() or average_aggregated_gradients):
             self._register_hooks()
 
     # ---- hooks ----
@@ -119,6 +120,8 @@ class _DistributedOptimizer:
         # Average divides by the number of ranks at the end; gradient_predivide_factor moves part of it before.
         pre, post = (1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor) if self.op == Average \
             else (1.0, 1.0)
+        if self.average_aggregated_gradients:  # the mean over the passes, not their sum
+            pre /= self.backward_passes_per_step
         return mpi_ops._start(asynchronous.allreduce_async_, tensors, names, tuple, op=self.op, prescale_factor=pre,
                               postscale_factor=post, process_set=self.process_set)
 
@@ -222,6 +225,13 @@ class _DistributedOptimizer:
         return super().zero_grad(*args, **kwargs)
 
     def set_backward_passes_per_step(self, passes):
+        """Changes the passes accumulated per step (batch-size control, batch_size.py); between steps only."""
+        if int(passes) != passes or passes < 1:
+            raise ValueError("backward_passes_per_step must be a positive integer, got %r" % (passes,))
+        if self._handles or any(d != self.backward_passes_per_step for d in self._allreduce_delay.values()):
+            raise ValueError("set_backward_passes_per_step() was called in the middle of a step (gradients of "
+                             "this step are accumulating); call it after step() and before the next backward()")
+        passes = int(passes)
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
@@ -237,12 +247,13 @@ class _DistributedOptimizer:
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=global_process_set):
+                         process_set=global_process_set, average_aggregated_gradients=False):
     """Wraps `optimizer` so that step() applies gradients averaged (op) over the ranks of `process_set`.
 
     The result is an instance of a subclass of the optimizer's own class. named_parameters
     (model.named_parameters()) names the tensors in errors, stall reports and timelines. backward_passes_per_step
-    accumulates that many backward passes locally before reducing. groups (an int, or a list of lists of
+    accumulates that many backward passes locally before reducing (set_backward_passes_per_step changes it between
+    steps); average_aggregated_gradients=True (Horovod's TensorFlow option) divides their sum by it. groups (an int, or a list of lists of
     parameters) reduces those parameters together. The wrapped optimizer's state carries over."""
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be a positive integer, got %r" % (backward_passes_per_step,))
@@ -271,7 +282,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         return adasum_optimizer.wrap(optimizer, named_parameters, compression, backward_passes_per_step)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-                  gradient_predivide_factor, groups, sparse_as_dense, process_set)
+                  gradient_predivide_factor, groups, sparse_as_dense, process_set, average_aggregated_gradients)
     for p, state in optimizer.state.items():  # e.g. loaded from a checkpoint before wrapping
         wrapped.state[p] = state
     return wrapped
