@@ -182,7 +182,8 @@ def test_synthetic_benchmark_with_adasum():
     run = subprocess.run([sys.executable, "-m", "shmcomm.runner", "-np", "2", sys.executable,
                           "examples/torch_synthetic_benchmark.py", "--use-adasum", "--num-iters", "2",
                           "--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--batch-size", "4",
-                          "--model", "resnet_tiny", "--image-size", "16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--model", "resnet_tiny", "--image-size", "16"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "Adasum" in run.stdout, run.stdout
 

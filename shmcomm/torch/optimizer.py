@@ -253,8 +253,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     The result is an instance of a subclass of the optimizer's own class. named_parameters
     (model.named_parameters()) names the tensors in errors, stall reports and timelines. backward_passes_per_step
     accumulates that many backward passes locally before reducing (set_backward_passes_per_step changes it between
-    steps); average_aggregated_gradients=True (Horovod's TensorFlow option) divides their sum by it. groups (an int, or a list of lists of
-    parameters) reduces those parameters together. The wrapped optimizer's state carries over."""
+    steps); average_aggregated_gradients=True (Horovod's TensorFlow option) divides their sum by it. groups (an int,
+    or a list of lists of parameters) reduces those parameters together. The wrapped optimizer's state carries over."""
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be a positive integer, got %r" % (backward_passes_per_step,))
     if gradient_predivide_factor != 1.0 and op != Average:
