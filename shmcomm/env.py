@@ -11,7 +11,8 @@ Bad values raise ValueError naming the variable. The README's "Tuning" table doc
               STALL_CHECK_TIME_SECONDS, STALL_SHUTDOWN_TIME_SECONDS, TIMELINE, TIMELINE_MARK_CYCLES
   paths:      ALLREDUCE_ALGO, TORUS_GRID, TORUS_SMALL_BYTES, TORUS_MIN_BYTES, RANKS_PER_HOST (testing: pretend hosts)
   logging:    LOG_LEVEL
-  horovod:    ELASTIC (a world of one still reduces gradients)"""
+  horovod:    ELASTIC (a world of one still reduces gradients)
+  elastic:    ELASTIC_DIR, ELASTIC_WORKER, ELASTIC_TIMEOUT (set by shmcommrun --min-np/--max-np for its workers)"""
 import os
 import secrets
 from dataclasses import dataclass
@@ -92,6 +93,20 @@ def elastic():
     """HOROVOD_ELASTIC=1 (Horovod's elastic mode): a world of one still installs the optimizer's hooks, since ranks
     may join later."""
     return _get("ELASTIC", "0") == "1"
+
+
+def elastic_dir():
+    """The elastic launcher's membership directory (membership.py); None outside an elastic job."""
+    return _get("ELASTIC_DIR")
+
+
+def elastic_worker():
+    return _number("ELASTIC_WORKER", -1, int)
+
+
+def elastic_timeout():
+    """Seconds a worker waits for a membership that includes it (Horovod's --elastic-timeout, 600 by default)."""
+    return _number("ELASTIC_TIMEOUT", 600.0)
 
 
 def engine_requested():

@@ -16,6 +16,8 @@ import sys
 
 from shmcomm.env import ALGORITHMS
 
+from . import elastic
+
 PROG = "shmcommrun"
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 _LOCAL_HOST_NAMES = ("localhost", "127.0.0.1")
@@ -140,6 +142,7 @@ def build_parser():
             tunables.add_argument(flag, dest=_dest(flag), action="store_true", help=text)
         else:
             tunables.add_argument(flag, dest=_dest(flag), type=convert, metavar=metavar, help=text)
+    elastic.add_arguments(parser)  # elastic mode: its own module
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs, and its arguments")
     return parser
 
@@ -251,6 +254,10 @@ def main(argv=None):
         print_build_report()
         return 0
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if elastic.requested(args):  # elastic mode: its own module
+        if not command:
+            parser.error("no command given: shmcommrun --min-np N --max-np M command [args ...]")
+        return elastic.main(parser, args, command, dict(os.environ), env_from_flags(args), _cores())
     if args.num_proc is None:
         parser.error("the number of ranks is required: -np N")
     if args.num_proc < 1:

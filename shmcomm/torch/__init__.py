@@ -6,8 +6,9 @@ hosts).
 op=Adasum works in allreduce and DistributedOptimizer (Horovod's delta optimizer) for float16/32/64 on
 power-of-two worlds (algorithms/adasum.py).
 
-Not provided: `elastic` (ranks cannot join or leave a running shmcomm job: it is the fixed set of processes that
-shmcommrun or mpiexec started)."""
+Elastic training (`hvd.elastic.run`, `TorchState`, `ElasticSampler`) works under shmcommrun --min-np/--max-np on one
+host (shmcomm/torch/elastic.py)."""
+import importlib as _importlib
 import importlib.util as _importlib_util
 
 from shmcomm import basics as _basics
@@ -88,9 +89,8 @@ def _check_comm(comm):
 
 
 def __getattr__(name):
-    if name == "elastic":
-        raise AttributeError("shmcomm.torch has no elastic mode: a shmcomm job is the fixed set of ranks that "
-                             "shmcommrun or mpiexec started, so ranks cannot join or leave while it runs")
+    if name == "elastic":  # imported on first use, as `hvd.elastic`
+        return _importlib.import_module("shmcomm.torch.elastic")
     raise AttributeError("module 'shmcomm.torch' has no attribute %r" % name)
 
 

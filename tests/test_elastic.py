@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Elastic jobs: shmcommrun --min-np/--max-np/--host-discovery-script/--elastic-timeout with the elastic API.
+
+A lost worker (SIGKILL) makes the survivors roll back and re-form a smaller world, renumbered, with their process
+sets registered again; slots the discovery script adds bring new workers in at the next commit, with the state;
+below --min-np the job ends with an error naming why; the example loses a rank every 50 steps and still processes
+every sample exactly once per epoch and reaches the accuracy of an undisturbed run."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "elastic_job.py")
+
+pytestmark = pytest.mark.slow
+
+
+def _discovery(tmp_path, slots):
+    (tmp_path / "slots").write_text("%d\n" % slots)
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:$(cat %s)\n" % (tmp_path / "slots"))
+    script.chmod(0o755)
+    return str(script)
+
+
+def _run(args, timeout=240):
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "shmcomm.runner"] + args, cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout)
+    return run, time.monotonic() - start
+
+
+def _done(stdout):
+    return re.findall(r"<stdout>: done size (\d+) set (\S+) digest (\S+) sizes (\S+)", stdout)
+
+
+def test_lost_worker_shrinks_the_world_and_a_discovered_slot_grows_it(tmp_path):
+    pytest.importorskip("torch")
+    script = _discovery(tmp_path, 3)
+    run, _ = _run(["-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", script,
+                   "--elastic-timeout", "60", sys.executable, JOB, str(tmp_path), "120", "30", "60"])
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "worker 1 (rank 1) was killed by signal 9" in run.stderr
+    done = _done(run.stdout)
+    assert len(done) == 3, run.stdout  # the two survivors and the worker the discovered slot brought in
+    assert {d[0] for d in done} == {"3"} and {d[1] for d in done} == {"1"}  # the set keeps its id
+    assert len({d[2] for d in done}) == 1  # one model everywhere: the newcomer received the state
+    assert all(d[3].startswith("3,2") and d[3].endswith(",3") for d in done if d[3] != "3"), done
+
+
+def test_below_min_np_the_job_ends_with_an_error(tmp_path):
+    pytest.importorskip("torch")
+    script = _discovery(tmp_path, 2)
+    run, elapsed = _run(["-np", "2", "--min-np", "2", "--max-np", "2", "--host-discovery-script", script,
+                         "--elastic-timeout", "3", sys.executable, JOB, str(tmp_path), "100000", "20"])
+    assert run.returncode != 0
+    assert "fewer than --min-np 2" in run.stderr, run.stderr
+    assert elapsed < 120
+
+
+def test_every_worker_failing_stops_the_job(tmp_path):
+    run, elapsed = _run(["-np", "2", "--min-np", "1", "--max-np", "2", sys.executable, "-c", "raise SystemExit(3)"])
+    assert run.returncode == 3, run.stderr
+    assert "every worker has failed" in run.stderr
+
+
+def test_flags_are_checked():
+    run, _ = _run(["--min-np", "3", "--max-np", "2", sys.executable, "-c", "pass"])
+    assert run.returncode == 2 and "--min-np" in run.stderr
+    run, _ = _run(["--min-np", "1", "--host-discovery-script", "/nonexistent", sys.executable, "-c", "pass"])
+    assert run.returncode == 2 and "not an executable" in run.stderr
+
+
+def _example(args, timeout=300):
+    run, _ = _run(["-np", "4", "--min-np", "2", "--max-np", "4", sys.executable, "examples/torch_elastic.py"] + args,
+                  timeout=timeout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    epochs = re.findall(r"epoch (\d+): every sample in exactly one committed step: (\w+)", run.stdout)
+    assert epochs == [(str(e), "True") for e in range(6)], run.stdout
+    return run, float(re.search(r"test accuracy ([\d.]+)%", run.stdout).group(1))
+
+
+def test_example_loses_a_rank_every_50_steps_and_matches_an_undisturbed_run(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    disturbed, accuracy = _example(["--chaos", str(tmp_path / "events")])
+    undisturbed, reference = _example([])
+    kills = re.findall(r"training again ([\d.]+) s after the kill", disturbed.stdout)
+    assert len(kills) >= 3, disturbed.stdout
+    assert re.search(r"re-formed with 4 ranks, [\d.]+ s after the workers changed", disturbed.stdout)
+    assert "after the kill" not in undisturbed.stdout
+    assert accuracy > 85 and abs(accuracy - reference) <= 4, (accuracy, reference)
