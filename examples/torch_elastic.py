@@ -6,9 +6,9 @@
 With --chaos DIR the job hurts itself: every 50 steps, while it has more than 2 ranks, rank 1 kills itself with
 SIGKILL. The survivors roll back to their last commit and go on as a smaller world, renumbered; the launcher starts
 a replacement (-np says how many workers to keep; a --host-discovery-script would say it instead), which joins at
-the survivors' first commit after it has started, and receives the state. Every step is committed. At the end of each epoch rank 0 checks that every sample went into
-exactly one committed step; at the end it reports the test accuracy, the job's time, and for each loss the time
-from the kill to training again."""
+the survivors' first commit after it has started, and receives the state. Every step is committed. At the end of
+each epoch rank 0 checks that every sample went into exactly one committed step; it reports, for each loss, the time
+from the kill to training again, and at the end the test accuracy and the job's time."""
 import argparse
 import os
 import signal

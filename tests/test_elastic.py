@@ -75,22 +75,37 @@ def test_flags_are_checked():
     assert run.returncode == 2 and "not an executable" in run.stderr
 
 
-def _example(args, timeout=300):
-    run, _ = _run(["-np", "4", "--min-np", "2", "--max-np", "4", sys.executable, "examples/torch_elastic.py"] + args,
-                  timeout=timeout)
+def _example(args, epochs, timeout=300):
+    run, _ = _run(["-np", "4", "--min-np", "2", "--max-np", "4", sys.executable, "examples/torch_elastic.py",
+                   "--epochs", str(epochs)] + args, timeout=timeout)
     assert run.returncode == 0, run.stdout + run.stderr
-    epochs = re.findall(r"epoch (\d+): every sample in exactly one committed step: (\w+)", run.stdout)
-    assert epochs == [(str(e), "True") for e in range(6)], run.stdout
+    epochs_seen = re.findall(r"epoch (\d+): every sample in exactly one committed step: (\w+)", run.stdout)
+    assert epochs_seen == [(str(e), "True") for e in range(epochs)], run.stdout
     return run, float(re.search(r"test accuracy ([\d.]+)%", run.stdout).group(1))
 
 
-def test_example_loses_a_rank_every_50_steps_and_matches_an_undisturbed_run(tmp_path):
+def _check_disturbed(run, kills):
+    times = re.findall(r"training again ([\d.]+) s after the kill", run.stdout)
+    assert len(times) >= kills, run.stdout
+    assert len(re.findall(r"worker \d+ \(rank 1\) was killed by signal 9", run.stderr)) == len(times)
+
+
+def test_example_loses_a_rank_every_50_steps(tmp_path):
+    """Every sample of every epoch in exactly one committed step; ranks lost at steps 50 and 100 at least."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    disturbed, accuracy = _example(["--chaos", str(tmp_path / "events")])
-    undisturbed, reference = _example([])
-    kills = re.findall(r"training again ([\d.]+) s after the kill", disturbed.stdout)
-    assert len(kills) >= 3, disturbed.stdout
+    disturbed, accuracy = _example(["--chaos", str(tmp_path / "events")], 3)
+    _check_disturbed(disturbed, 2)
+    assert accuracy > 80  # after 3 epochs; the long test compares 6 epochs with an undisturbed run
+
+
+@pytest.mark.long
+def test_example_disturbed_reaches_the_accuracy_of_an_undisturbed_run(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    disturbed, accuracy = _example(["--chaos", str(tmp_path / "events")], 6)
+    _check_disturbed(disturbed, 5)
     assert re.search(r"re-formed with 4 ranks, [\d.]+ s after the workers changed", disturbed.stdout)
+    undisturbed, reference = _example([], 6)
     assert "after the kill" not in undisturbed.stdout
-    assert accuracy > 85 and abs(accuracy - reference) <= 4, (accuracy, reference)
+    assert accuracy > 85 and abs(accuracy - reference) <= 3, (accuracy, reference)

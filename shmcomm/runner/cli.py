@@ -257,7 +257,7 @@ def main(argv=None):
     if elastic.requested(args):  # elastic mode: its own module
         if not command:
             parser.error("no command given: shmcommrun --min-np N --max-np M command [args ...]")
-        return elastic.main(parser, args, command, dict(os.environ), env_from_flags(args), _cores())
+        return elastic.main(parser, args, command, dict(os.environ), env_from_flags(args), _cores(), is_this_host)
     if args.num_proc is None:
         parser.error("the number of ranks is required: -np N")
     if args.num_proc < 1:

@@ -45,10 +45,8 @@ def requested(args):
     return args.min_np is not None or args.max_np is not None or args.host_discovery_script is not None
 
 
-def discover(script, timeout_s=10.0):
+def discover(script, is_this_host, timeout_s=10.0):
     """Slots on this host according to the discovery script; raises ValueError for other hosts or bad output."""
-    from .cli import is_this_host
-
     run = subprocess.run([script], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
     if run.returncode != 0:
         raise ValueError("host discovery script %s exited with code %d: %s" % (script, run.returncode,
@@ -79,6 +77,7 @@ class Driver:
         self.finished = set()
         self.readers = []
         self.signal_received = None
+        self.stopped = set()   # workers the launcher stopped itself
 
     def spawn(self, count):
         for _ in range(count):
@@ -96,6 +95,15 @@ class Driver:
                 reader.start()
                 self.readers.append(reader)
 
+    def _stop_pending(self):
+        for wid in self.pending:
+            self.stopped.add(wid)
+            try:
+                os.killpg(self.workers[wid].pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.pending = []
+
     def publish(self, abort=None):
         self.generation += 1
         membership.write(self.directory, self.generation, self.token, self.members, abort)
@@ -103,7 +111,7 @@ class Driver:
     def capacity(self):
         if self.script is None:
             return self.initial
-        return discover(self.script)
+        return discover(self.script, self.is_this_host)
 
     def run(self):
         """Supervises the job; returns its exit code."""
@@ -123,6 +131,9 @@ class Driver:
                 if code == 0:
                     self.finished.add(wid)
                     finished_at = finished_at or time.monotonic()
+                    self._stop_pending()  # the training is over: workers still starting have nothing to join
+                    continue
+                if wid in self.stopped:
                     continue
                 rank = self.members.index(wid) if wid in self.members else -1
                 if wid in self.members:
@@ -130,7 +141,8 @@ class Driver:
                     changed = True
                 if wid in self.pending:
                     self.pending.remove(wid)
-                say("worker %d (rank %d) %s; %d worker(s) go on" % (wid, rank, describe_exit(code), len(self.members)))
+                say("worker %d (rank %d) %s; %d worker(s) go on" % (wid, rank, describe_exit(code),
+                                                                     len(self.members)))
                 if not self.members and not self.finished:  # nobody left to hand the state on: a crash loop
                     say("every worker has failed; stopping the job")
                     self.stop(1, "every worker failed")
@@ -159,7 +171,8 @@ class Driver:
                 self.spawn(wanted)
                 say("started %d worker(s)" % wanted)
             # The others go on training while a new worker starts; it joins at their first commit once it waits.
-            for wid in [w for w in self.pending if not self.finished and os.path.exists(os.path.join(self.directory, "ready.%d" % w))]:
+            ready = [w for w in self.pending if os.path.exists(os.path.join(self.directory, "ready.%d" % w))]
+            for wid in ready if not self.finished else []:
                 self.pending.remove(wid)
                 self.members.append(wid)
                 say("worker %d is ready; the job grows to %d at its next commit" % (wid, len(self.members)))
@@ -205,7 +218,7 @@ class Driver:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def main(parser, args, command, base_env, flag_env, cores):
+def main(parser, args, command, base_env, flag_env, cores, is_this_host):
     """Checks the elastic flags and runs the job; returns the exit code."""
     if args.hosts or args.hostfile:
         parser.error("elastic jobs run on this host only: use --host-discovery-script instead of -H/--hostfile")
@@ -227,6 +240,7 @@ def main(parser, args, command, base_env, flag_env, cores):
     if "OMP_NUM_THREADS" not in base_env:
         env["OMP_NUM_THREADS"] = str(max(1, cores // max_np))
     driver = Driver(command, env, min_np, max_np, initial, script, args.elastic_timeout, args.kill_grace_seconds)
+    driver.is_this_host = is_this_host  # cli's: this module must not import cli, which imports it
     previous = {s: signal.signal(s, driver.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return driver.run()

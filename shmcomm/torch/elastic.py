@@ -176,4 +176,4 @@ class TorchState(ObjectState):
             sampler.reset()
 
 
-__all__ = ["run", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt", "HorovodInternalError", "elastic"]
+__all__ = ["run", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt", "HorovodInternalError"]
