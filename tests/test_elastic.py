@@ -109,3 +109,36 @@ def test_example_disturbed_reaches_the_accuracy_of_an_undisturbed_run(tmp_path):
     undisturbed, reference = _example([], 6)
     assert "after the kill" not in undisturbed.stdout
     assert accuracy > 85 and abs(accuracy - reference) <= 3, (accuracy, reference)
+
+
+def _samplers(monkeypatch, size, processed=(), epoch=0):
+    from shmcomm import basics
+    from shmcomm.torch.elastic import ElasticSampler
+
+    out = []
+    for rank in range(size):
+        monkeypatch.setattr(basics, "is_initialized", lambda: True)
+        monkeypatch.setattr(basics, "size", lambda: size)
+        monkeypatch.setattr(basics, "rank", lambda r=rank: r)
+        sampler = ElasticSampler(list(range(103)), seed=5)
+        sampler.load_state_dict({"epoch": epoch, "processed_indices": sorted(processed)})
+        out.append(sampler)
+    return out
+
+
+def test_elastic_sampler_reshards_what_is_left(monkeypatch):
+    """4 ranks process 3 batches of 5 each, one rank is lost, 3 ranks get the rest: every index once in all."""
+    pytest.importorskip("torch")
+    four = _samplers(monkeypatch, 4)
+    assert len({len(s.batches(5)) for s in four}) == 1
+    done = []
+    for sampler in four:
+        for i, batch in enumerate(sampler.batches(5)[:3]):
+            sampler.record_batch(i, 5)
+            done += batch
+    assert len(done) == len(set(done)) == 60
+    three = _samplers(monkeypatch, 3, processed=set().union(*(s.processed_indices for s in four)))
+    rest = [i for s in three for batch in s.batches(5) for i in batch]
+    assert sorted(done + rest) == list(range(103))
+    assert len({len(s.batches(5)) for s in three}) == 1  # the same number of steps on every rank
+    assert [s.indices for s in _samplers(monkeypatch, 3, epoch=1)] != [s.indices for s in _samplers(monkeypatch, 3)]

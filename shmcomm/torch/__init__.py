@@ -21,6 +21,7 @@ from shmcomm.process_sets import ProcessSet, global_process_set  # noqa: F401
 from shmcomm.torch import mpi_ops as _mpi_ops
 from shmcomm.torch.compression import Compression  # noqa: F401
 from shmcomm.torch.batch_size import BatchSizeSchedule  # noqa: F401
+from shmcomm.exceptions import HostsUpdatedInterrupt  # noqa: F401
 from shmcomm.torch.ddp_hook import allreduce_hook  # noqa: F401
 from shmcomm.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,  # noqa: F401
                                      broadcast_parameters, sparse_allreduce_async)
