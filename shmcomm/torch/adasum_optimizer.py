@@ -6,7 +6,6 @@ Adasum combines what each rank's optimizer would do, not raw gradients: once a p
 made (delta = new - old) goes into an asynchronous Adasum allreduce while backward goes on, and step() sets the
 parameter to old + Adasum(every rank's delta). So the learning rate is not scaled by the number of ranks, and the
 optimizer's state (momentum, Adam's moments) is each rank's own, as in Horovod."""
-import collections
 from contextlib import contextmanager
 
 import torch
@@ -14,32 +13,21 @@ import torch
 from shmcomm import asynchronous
 from shmcomm.torch import mpi_ops
 from shmcomm.torch.mpi_ops import Adasum
+from shmcomm.torch.optimizer_checks import ZeroGradGuard, parameter_names
 
 
-class _DistributedAdasumOptimizer:
+class _DistributedAdasumOptimizer(ZeroGradGuard):
     """Placed before the wrapped optimizer's class in a dynamic subclass; super() is the wrapped optimizer."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step):
         super().__init__(params)
         self._compression = compression
-        all_params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is None:
-            named_parameters = [("param.%d" % i, p) for i, p in enumerate(all_params)]
-        named_parameters = list(named_parameters)
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
-                             "by model.named_parameters().")
-        dups = sorted(n for n, c in collections.Counter(str(k) for k, _ in named_parameters).items() if c > 1)
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: %s"
-                             % ", ".join(dups))
-        if {id(p) for p in all_params} - {id(p) for _, p in named_parameters}:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not named.")
-        self._parameter_names = {p: "adasum." + str(k) for k, p in named_parameters}
+        names = parameter_names(self.param_groups, named_parameters)
+        self._parameter_names = {p: "adasum." + name for p, name in names.items()}
         self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {p: backward_passes_per_step for _, p in named_parameters}
+        self._allreduce_delay = {p: backward_passes_per_step for p in names}
         self._handles = {}   # parameter -> (handle, start, compression ctx)
-        self._requires_update = [p for p in all_params if p.requires_grad]
+        self._requires_update = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                               for p in self._requires_update]
 
@@ -110,12 +98,6 @@ class _DistributedAdasumOptimizer:
 
     step.hooked = True
 
-    def zero_grad(self, *args, **kwargs):
-        if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
-                                 "a race condition.")
-        return super().zero_grad(*args, **kwargs)
 
 
 def wrap(optimizer, named_parameters, compression, backward_passes_per_step):

@@ -4,7 +4,6 @@
 A hook on each parameter's gradient accumulator starts an asynchronous in-place allreduce as soon as that gradient
 is final, so communication overlaps the rest of the backward pass; step() waits for them, then runs the wrapped
 optimizer's step. Every tensor travels under its parameter's name, which is what the ranks agree on."""
-import collections
 import warnings
 from contextlib import contextmanager
 
@@ -16,37 +15,20 @@ from shmcomm.torch import adasum_optimizer, mpi_ops
 from shmcomm.torch.compression import Compression
 from shmcomm.torch.functions import broadcast_object, sparse_allreduce_async
 from shmcomm.torch.mpi_ops import Adasum, Average
+from shmcomm.torch.optimizer_checks import ZeroGradGuard, parameter_names
 
 
-class _DistributedOptimizer:
+class _DistributedOptimizer(ZeroGradGuard):
     """Placed before the wrapped optimizer's class in a dynamic subclass; super() is the wrapped optimizer."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, average_aggregated_gradients=False):
         super().__init__(params)
         self._compression = compression
-        all_params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-        else:
-            # Numbered over all groups, so names stay unique with several param groups.
-            named_parameters = [("param.%d" % i, p) for i, p in enumerate(all_params)]
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
-                             "by model.named_parameters().")
-        counts = collections.Counter(str(k) for k, _ in named_parameters)
-        dups = sorted(n for n, c in counts.items() if c > 1)
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: %s"
-                             % ", ".join(dups))
-        unnamed = {id(p) for p in all_params} - {id(p) for _, p in named_parameters}
-        if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
-                             "Python object ids: %s" % ", ".join(str(i) for i in sorted(unnamed)))
-        self._parameter_names = {p: str(k) for k, p in named_parameters}
+        self._parameter_names = parameter_names(self.param_groups, named_parameters)
         self.backward_passes_per_step = backward_passes_per_step
         self.average_aggregated_gradients = average_aggregated_gradients
-        self._allreduce_delay = {p: backward_passes_per_step for _, p in named_parameters}
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
@@ -216,13 +198,6 @@ class _DistributedOptimizer:
     def _local_step(self, closure=None):
         """The wrapped optimizer's step alone, without any allreduce."""
         return super().step(closure)
-
-    def zero_grad(self, *args, **kwargs):
-        if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
-                                 "a race condition.")
-        return super().zero_grad(*args, **kwargs)
 
     def set_backward_passes_per_step(self, passes):
         """Changes the passes accumulated per step (batch-size control, batch_size.py); between steps only."""
