@@ -89,7 +89,8 @@ def parse_args():
     parser.add_argument("--num-batches-per-iter", type=int, default=10, help="number of batches per benchmark iteration")
     parser.add_argument("--num-iters", type=int, default=10, help="number of benchmark iterations")
     parser.add_argument("--no-cuda", action="store_true", default=True, help="accepted; this build trains on the CPU")
-    parser.add_argument("--use-adasum", action="store_true", help="not supported (shmcomm has no Adasum)")
+    parser.add_argument("--use-adasum", action="store_true",
+                        help="combine updates with Adasum instead of averaging gradients")
     parser.add_argument("--autotune", action="store_true",
                         help="tune fusion, cycle time and bucket size while training (as shmcommrun --autotune)")
     parser.add_argument("--backend", default="shmcomm", choices=["shmcomm", "ddp-gloo", "ddp-shmcomm"],
@@ -104,7 +105,8 @@ def wrap_for_backend(args, model, optimizer):
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
         return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                               compression=compression)
+                                               compression=compression,
+                                               op=hvd.Adasum if args.use_adasum else hvd.Average)
     import torch.distributed as dist
 
     # A file rendezvous named after the job token: no port to agree on, nothing on the network.
@@ -118,14 +120,15 @@ def wrap_for_backend(args, model, optimizer):
 
 def main():
     args = parse_args()
-    if args.use_adasum:
-        raise SystemExit("--use-adasum: shmcomm does not implement Adasum")
+    if args.use_adasum and args.backend != "shmcomm":
+        raise SystemExit("--use-adasum needs --backend shmcomm")
     if args.autotune:
         os.environ["HOROVOD_AUTOTUNE"] = "1"  # read when the engine starts, in hvd.init()
     hvd.init()
     torch.manual_seed(hvd.rank())
     model = SIZED_MODELS[args.model](args.image_size) if args.model in SIZED_MODELS else MODELS[args.model]()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    # Adasum adapts the combined step to how much the ranks' updates agree: the learning rate is not scaled by size.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * (1 if args.use_adasum else hvd.size()))
     model, optimizer = wrap_for_backend(args, model, optimizer)
     classes = model.module.fc.out_features if hasattr(model, "module") else model.fc.out_features
     data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
@@ -143,7 +146,8 @@ def main():
     log("Model: %s" % args.model)
     log("Batch size: %d" % args.batch_size)
     log("Number of CPUs: %d" % hvd.size())
-    log("Backend: %s, %d math thread(s) per rank" % (args.backend, torch.get_num_threads()))
+    log("Backend: %s%s, %d math thread(s) per rank" % (args.backend, " with Adasum" if args.use_adasum else "",
+                                                         torch.get_num_threads()))
     log("Running warmup...")
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)
     log("Running benchmark...")

@@ -2,7 +2,7 @@
 """init/shutdown and the questions about where this process sits in the job."""
 import atexit
 
-from shmcomm import bootstrap, engine, env, log, process_sets, session
+from shmcomm import bootstrap, engine, env, log, membership, process_sets, session
 
 
 def init(engine=None):
@@ -19,6 +19,9 @@ def init(engine=None):
     with state.lock:
         if state.comm is None:
             log.configure(env.log_level(), env.log_with_time())
+            if env.elastic_dir():  # an elastic job: this world's identity comes from the launcher's membership
+                membership.join()
+                state.generation = 0  # each membership has a token of its own: every member counts from 0
             state.comm = bootstrap.build_world(state.generation)
             state.generation += 1
             log.joined(state.comm)

@@ -121,11 +121,18 @@ def allgather(tensor, name=None, process_set=None, output=None):
     return run(allgather_request(tensor, name, process_set, output))
 
 
+def _reducescatter_op(op):
+    resolved = ops.resolve(op)
+    if resolved == ops.Adasum:
+        raise InvalidArgumentError("reducescatter: Adasum is an allreduce op; use Sum or Average")
+    return resolved
+
+
 def reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set, output=None):
     comm, set_id = resolve_set(process_set)
     req = Request("reducescatter", _name("reducescatter", name), tensor, comm, set_id, output=output,
                   prescale=prescale_factor, postscale=postscale_factor)
-    req.op = req.checked(ops.resolve, op, default=ops.Sum)
+    req.op = req.checked(_reducescatter_op, op, default=ops.Sum)
     return req
 
 

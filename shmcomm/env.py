@@ -16,7 +16,8 @@ Bad values raise ValueError naming the variable. The README's "Tuning" table doc
   mpi:        MPI_THREADS_DISABLE
   logging:    LOG_LEVEL, LOG_HIDE_TIME
   horovod:    ELASTIC (a world of one still reduces gradients); GLOO_TIMEOUT_SECONDS stands for TIMEOUT when that is
-              unset"""
+              unset
+  elastic:    ELASTIC_DIR, ELASTIC_WORKER, ELASTIC_TIMEOUT (set by shmcommrun --min-np/--max-np for its workers)"""
 import os
 import secrets
 from dataclasses import dataclass
@@ -165,6 +166,20 @@ def elastic():
     """HOROVOD_ELASTIC=1 (Horovod's elastic mode): a world of one still installs the optimizer's hooks, since ranks
     may join later."""
     return _flag("ELASTIC")
+
+
+def elastic_dir():
+    """The elastic launcher's membership directory (membership.py); None outside an elastic job."""
+    return _get("ELASTIC_DIR")
+
+
+def elastic_worker():
+    return _number("ELASTIC_WORKER", -1, int)
+
+
+def elastic_timeout():
+    """Seconds a worker waits for a membership that includes it (Horovod's --elastic-timeout, 600 by default)."""
+    return _number("ELASTIC_TIMEOUT", 600.0)
 
 
 def engine_requested():

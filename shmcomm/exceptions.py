@@ -93,3 +93,13 @@ class BoxNotFoundError(ShmCommError, KeyError):
 
     def __str__(self):  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Elastic training: workers were added (or removed without a failure); raised by State.commit() and
+    check_host_updates() on every rank at once, so that the job re-forms at this consistent point. As Horovod's,
+    `skip_sync` says whether the state needs no broadcast afterwards."""
+
+    def __init__(self, skip_sync=False):
+        super().__init__("the job's workers changed")
+        self.skip_sync = skip_sync

@@ -3,7 +3,7 @@
 import enum
 
 from shmcomm._native import lib
-from shmcomm.exceptions import InvalidArgumentError, NotSupportedError
+from shmcomm.exceptions import InvalidArgumentError
 
 
 class ReduceOp(enum.IntEnum):
@@ -18,7 +18,8 @@ class ReduceOp(enum.IntEnum):
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum, ReduceOp.Min,
                                            ReduceOp.Max, ReduceOp.Product)
 
-# What the C core computes for each op; Average is a sum divided by the number of ranks.
+# What the C core computes for each op; Average is a sum divided by the number of ranks. Adasum is not an
+# element-wise op: algorithms/adasum.py computes it.
 C_OP = {
     ReduceOp.Average: lib.SMC_SUM,
     ReduceOp.Sum: lib.SMC_SUM,
@@ -28,7 +29,7 @@ C_OP = {
 }
 
 
-_SUPPORTED = {op: op for op in ReduceOp if op != ReduceOp.Adasum}
+_SUPPORTED = {op: op for op in ReduceOp}
 
 
 def resolve(op, average=None):
@@ -42,9 +43,7 @@ def resolve(op, average=None):
     if op is None:
         return ReduceOp.Average
     try:
-        op = ReduceOp(op)
+        return ReduceOp(op)
     except ValueError:
         raise InvalidArgumentError("unknown reduction op %r" % (op,)) from None
-    if op == ReduceOp.Adasum:
-        raise NotSupportedError("Adasum is not supported by shmcomm")
     return op

@@ -90,6 +90,12 @@ def communicator_of(set_id):
     return ps.communicator()
 
 
+def registered():
+    """The registered sets other than the global one, in the order they were added."""
+    with _lock:
+        return [_registry[i] for i in sorted(_registry)]
+
+
 def close_all():
     """At shutdown: every set's communicator closes and the numbering starts again."""
     with _lock:

@@ -58,8 +58,8 @@ def _every_op():
     assert torch.equal(param.detach(), torch.full((2,), float(n - 1)))
     with pytest.raises(ValueError):
         hvd.allreduce(x, op=hvd.Sum, average=True)
-    with pytest.raises(NotImplementedError):
-        hvd.allreduce(x, op=hvd.Adasum)
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.reducescatter(x, op=hvd.Adasum)
 
     xs = [_data(me, (i + 2, 3), torch.float32, seed=i) for i in range(3)]
     totals = [sum(_data(r, (i + 2, 3), torch.float32, seed=i) for r in range(n)) for i in range(3)]

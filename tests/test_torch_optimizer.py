@@ -208,8 +208,6 @@ def _guards_and_options():
                 dict(groups=[[params[0]], [params[0]]])):
         with pytest.raises(ValueError):
             hvd.DistributedOptimizer(sgd, **bad)
-    with pytest.raises(NotImplementedError):
-        hvd.DistributedOptimizer(sgd, op=hvd.Adasum)
     with pytest.raises(ValueError):
         hvd.broadcast_optimizer_state(torch.optim.LBFGS(params), root_rank=0)
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from shmcomm import description, ops
 from shmcomm._native import ffi
+from shmcomm.algorithms import adasum
 from shmcomm.algorithms.communicator import Communicator
 from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
 from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
@@ -27,6 +28,9 @@ class HostComm(Communicator):
         if src.code is None:
             require_reducible(src, what)
         out, dst = (x, src) if inplace else output_for(src, output, src.shape, what)
+        if op == ops.Adasum:
+            self.adasum(src.ptr, dst.ptr, src.count, src.code, [src.count], prescale, postscale, what, src.shape)
+            return out
         try:
             self.shm.allreduce(src.ptr, dst.ptr, src.count, src.code, ops.C_OP[op], prescale, postscale,
                                self.size if op == ops.Average else 1, description.tag(src.code, src.shape), what)
@@ -41,6 +45,14 @@ class HostComm(Communicator):
             divisor = self.size if op == ops.Average else 1
         self.shm.allreduce(ptr, ptr, count, code, ops.C_OP[op], prescale, postscale, divisor,
                            description.tag(code, (count,)), what)
+
+    def adasum(self, ptr, dst_ptr, count, code, sizes, prescale, postscale, what, shape=None):
+        """Adasum (algorithms/adasum.py) of the tensors of `sizes` elements packed at `ptr`, into `dst_ptr`. Every
+        step carries the call's description as its tag, so ranks that disagree all raise MismatchError."""
+        tag = description.describe("allreduce", code, tuple(sizes) if shape is None else tuple(shape), ops.Adasum,
+                                   float(prescale), float(postscale)).signature(*sizes)
+        adasum.run([adasum.ShmStage(self.shm, tag, what)], ptr, dst_ptr, count, code, sizes, prescale, postscale,
+                   what)
 
     def broadcast(self, x, output, root, what):
         """`root` (an index in the communicator) sends `x`; everyone's result lands in `output` (may be `x`)."""

@@ -10,7 +10,7 @@ import numpy as np
 
 from shmcomm import description, ops
 from shmcomm._native import ffi, lib
-from shmcomm.algorithms import choice
+from shmcomm.algorithms import adasum, choice
 from shmcomm.algorithms.agreement import MISMATCH, OK, REFUSED, Agreement, Refused, failure_text, refusal_error
 from shmcomm.algorithms.communicator import Communicator
 from shmcomm.algorithms.disagreement import disagreement_error
@@ -42,6 +42,9 @@ class WorldComm(Communicator):
         src = wrap(x, what, inplace)
         require_reducible(src, what)
         out, dst = (x, src) if inplace else output_for(src, output, src.shape, what)
+        if op == ops.Adasum:
+            self.adasum(src.ptr, dst.ptr, src.count, src.code, [src.count], prescale, postscale, what, src.shape)
+            return out
         self._allreduce(src.ptr, dst.ptr, src.count, src.code, src.itemsize, op, prescale, postscale, what, None,
                         description.describe("allreduce", src.code, src.shape, op, float(prescale), float(postscale)))
         return out
@@ -85,6 +88,21 @@ class WorldComm(Communicator):
                 self.mpi.allreduce(dst_ptr, dst_ptr, count, code, c_op, prescale, postscale, divisor, 0, what)
         if narrow is not None:
             kernels.narrow_into(narrow[0], wide, narrow[1])
+
+    def adasum(self, ptr, dst_ptr, count, code, sizes, prescale, postscale, what, shape=None):
+        """Adasum (algorithms/adasum.py), hierarchical where there is a torus: the levels inside a host over its
+        shared memory, then the levels between hosts over the column; over the world's MPI otherwise (hosts of
+        unequal sizes). The agreement comes first, so that ranks that disagree all raise."""
+        collective = description.describe("allreduce", code, tuple(sizes) if shape is None else tuple(shape),
+                                          ops.Adasum, float(prescale), float(postscale))
+        self._checked(what, collective, None, tuple(sizes))
+        tag = collective.signature(*sizes)
+        if self.torus is not None:
+            stages = [adasum.stage_for(self.torus.row, tag, what), adasum.stage_for(self.torus.column.transport, tag,
+                                                                                      what)]
+        else:
+            stages = [adasum.stage_for(self.mpi, tag, what)]
+        adasum.run(stages, ptr, dst_ptr, count, code, sizes, prescale, postscale, what)
 
     def _agree(self, sig, what):
         """Across hosts, before MPI carries a collective: raises MismatchError on every rank if they disagree, and

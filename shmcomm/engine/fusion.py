@@ -11,6 +11,7 @@ import numpy as np
 
 from shmcomm._native import ffi
 from shmcomm.buffers import output_for
+from shmcomm.ops import ReduceOp
 
 
 def nbytes(sig, itemsize):
@@ -69,8 +70,12 @@ def run_group(comm, group, requests, fusion, itemsize, timeline):
     timeline.end(names, "MEMCPY_IN_FUSION_BUFFER")
     first = group[0].sig.collective
     timeline.begin(names, "ALLREDUCE")
-    comm.allreduce_raw(base, total // itemsize, first.dtype, first.op, first.prescale, first.postscale,
-                           "fused allreduce of %s" % ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""))
+    what = "fused allreduce of %s" % ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+    if first.op == ReduceOp.Adasum:  # each tensor (layer) keeps coefficients of its own
+        comm.adasum(base, base, total // itemsize, first.dtype, [s // itemsize for s in sizes], first.prescale,
+                    first.postscale, what)
+    else:
+        comm.allreduce_raw(base, total // itemsize, first.dtype, first.op, first.prescale, first.postscale, what)
     timeline.end(names, "ALLREDUCE")
     timeline.begin(names, "MEMCPY_OUT_FUSION_BUFFER")
     results, at = {}, 0

@@ -17,6 +17,8 @@ import sys
 from . import config_file
 from .flags import ALLREDUCE_ALGORITHMS, build_parser as _build_parser, check, env_from_flags, notes
 
+from . import elastic
+
 PROG = "shmcommrun"
 _LOCAL_HOST_NAMES = ("localhost", "127.0.0.1")
 _DISCOVERY_TIMEOUT_S = 60
@@ -157,6 +159,10 @@ def main(argv=None):
         print_build_report()
         return 0
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if elastic.requested(args):  # elastic mode: its own module
+        if not command:
+            parser.error("no command given: shmcommrun --min-np N --max-np M command [args ...]")
+        return elastic.main(parser, args, command, dict(os.environ), env_from_flags(args), _cores(), is_this_host)
     if args.num_proc is None:
         parser.error("the number of ranks is required: -np N")
     if args.num_proc < 1:

@@ -200,8 +200,8 @@ def build_parser(prog):
     hosts.add_argument("-hostfile", "--hostfile", metavar="FILE",
                        help="file of 'host slots=N' lines ('#' comments), instead of -H")
     hosts.add_argument("--host-discovery-script", metavar="SCRIPT",
-                       help="program printing 'host[:slots]' lines: run once for the hosts of a fixed-size job "
-                            "(elastic resizing is not supported yet)")
+                       help="program printing 'host[:slots]' lines (this host only): makes the job elastic, as "
+                            "--min-np/--max-np do (shmcomm/runner/elastic.py)")
 
     multi_host = parser.add_argument_group("multi-host jobs (started with MPICH's mpiexec, hydra)")
     multi_host.add_argument("-p", "--ssh-port", type=int, metavar="PORT", help="ssh port of the hosts")
@@ -225,7 +225,8 @@ def build_parser(prog):
     choice.add_argument("--mpi", action="store_true", dest="use_mpi", help="accepted (noted)")
     choice.add_argument("--jsrun", action="store_true", dest="use_jsrun", help="refused: no jsrun launcher")
 
-    elastic = parser.add_argument_group("elastic (accepted; the job runs at a fixed size of -np ranks)")
+    elastic = parser.add_argument_group("elastic jobs on this host (workers may fail and be replaced while the job "
+                                        "runs; --slots-per-host, --reset-limit and the cooldown are accepted)")
     elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int, metavar="N")
     elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int, metavar="N")
     elastic.add_argument("--slots-per-host", dest="slots", type=int, metavar="N",
@@ -302,12 +303,11 @@ def notes(args, across_hosts):
     if args.hierarchical_allgather is not None:
         lines.append("--[no-]hierarchical-allgather: allgather inside a host is shared memory and across hosts "
                      "MPI's own; there is no other to choose")
-    given = [flag for name, flag in ELASTIC_FLAGS if getattr(args, name) is not None]
-    if args.host_discovery_script:
-        given.append("--host-discovery-script")
+    given = [flag for name, flag in ELASTIC_FLAGS if getattr(args, name) is not None
+             and name not in ("min_num_proc", "max_num_proc", "elastic_timeout")]
     if given:
-        lines.append(f"{', '.join(given)}: elastic training is not supported yet; the job runs at a fixed size of "
-                     f"-np ranks and stops if one fails")
+        lines.append(f"{', '.join(given)}: accepted; shmcomm's elastic mode replaces every lost worker and needs "
+                     f"no host blacklist")
     if not across_hosts:
         local = [flag for flag, given in (("-p/--ssh-port", args.ssh_port is not None),
                                           ("-i/--ssh-identity-file", args.ssh_identity_file),

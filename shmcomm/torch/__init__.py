@@ -3,8 +3,12 @@
 on CPU ranks, on one host or across hosts (shared memory within a host; MPI and the 2D-torus allreduce between
 hosts).
 
-Not provided: `elastic` (ranks cannot join or leave a running shmcomm job: it is the fixed set of processes that
-shmcommrun or mpiexec started) and Adasum (the constant exists; using it raises NotImplementedError)."""
+op=Adasum works in allreduce and DistributedOptimizer (Horovod's delta optimizer) for float16/32/64 on
+power-of-two worlds (algorithms/adasum.py).
+
+Elastic training (`hvd.elastic.run`, `TorchState`, `ElasticSampler`) works under shmcommrun --min-np/--max-np on one
+host (shmcomm/torch/elastic.py)."""
+import importlib as _importlib
 import importlib.util as _importlib_util
 
 from shmcomm import basics as _basics
@@ -16,6 +20,8 @@ from shmcomm.basics import (cross_rank, cross_size, is_initialized, local_rank, 
 from shmcomm.process_sets import ProcessSet, global_process_set  # noqa: F401
 from shmcomm.torch import mpi_ops as _mpi_ops
 from shmcomm.torch.compression import Compression  # noqa: F401
+from shmcomm.torch.batch_size import BatchSizeSchedule  # noqa: F401
+from shmcomm.exceptions import HostsUpdatedInterrupt  # noqa: F401
 from shmcomm.torch.ddp_hook import allreduce_hook  # noqa: F401
 from shmcomm.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,  # noqa: F401
                                      broadcast_parameters, sparse_allreduce_async)
@@ -86,9 +92,8 @@ def _check_comm(comm):
 
 
 def __getattr__(name):
-    if name == "elastic":
-        raise AttributeError("shmcomm.torch has no elastic mode: a shmcomm job is the fixed set of ranks that "
-                             "shmcommrun or mpiexec started, so ranks cannot join or leave while it runs")
+    if name == "elastic":  # imported on first use, as `hvd.elastic`
+        return _importlib.import_module("shmcomm.torch.elastic")
     raise AttributeError("module 'shmcomm.torch' has no attribute %r" % name)
 
 

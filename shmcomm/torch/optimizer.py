@@ -4,7 +4,6 @@
 A hook on each parameter's gradient accumulator starts an asynchronous in-place allreduce as soon as that gradient
 is final, so communication overlaps the rest of the backward pass; step() waits for them, then runs the wrapped
 optimizer's step. Every tensor travels under its parameter's name, which is what the ranks agree on."""
-import collections
 import warnings
 from contextlib import contextmanager
 
@@ -12,40 +11,24 @@ import torch
 
 from shmcomm import asynchronous, basics, env
 from shmcomm.process_sets import global_process_set
-from shmcomm.torch import mpi_ops
+from shmcomm.torch import adasum_optimizer, mpi_ops
 from shmcomm.torch.compression import Compression
 from shmcomm.torch.functions import broadcast_object, sparse_allreduce_async
 from shmcomm.torch.mpi_ops import Adasum, Average
+from shmcomm.torch.optimizer_checks import ZeroGradGuard, parameter_names
 
 
-class _DistributedOptimizer:
+class _DistributedOptimizer(ZeroGradGuard):
     """Placed before the wrapped optimizer's class in a dynamic subclass; super() is the wrapped optimizer."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, average_aggregated_gradients=False):
         super().__init__(params)
         self._compression = compression
-        all_params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-        else:
-            # Numbered over all groups, so names stay unique with several param groups.
-            named_parameters = [("param.%d" % i, p) for i, p in enumerate(all_params)]
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
-                             "by model.named_parameters().")
-        counts = collections.Counter(str(k) for k, _ in named_parameters)
-        dups = sorted(n for n, c in counts.items() if c > 1)
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: %s"
-                             % ", ".join(dups))
-        unnamed = {id(p) for p in all_params} - {id(p) for _, p in named_parameters}
-        if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
-                             "Python object ids: %s" % ", ".join(str(i) for i in sorted(unnamed)))
-        self._parameter_names = {p: str(k) for k, p in named_parameters}
+        self._parameter_names = parameter_names(self.param_groups, named_parameters)
         self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {p: backward_passes_per_step for _, p in named_parameters}
+        self.average_aggregated_gradients = average_aggregated_gradients
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
@@ -58,7 +41,7 @@ class _DistributedOptimizer:
         self._groups = groups
         self._p_to_group = {}
         self._group_counts = {}
-        if process_set.included() and (basics.size() > 1 or env.elastic()):
+        if process_set.included() and (basics.size() > 1 or env.elastic() or average_aggregated_gradients):
             self._register_hooks()
 
     # ---- hooks ----
@@ -119,6 +102,8 @@ class _DistributedOptimizer:
         # Average divides by the number of ranks at the end; gradient_predivide_factor moves part of it before.
         pre, post = (1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor) if self.op == Average \
             else (1.0, 1.0)
+        if self.average_aggregated_gradients:  # the mean over the passes, not their sum
+            pre /= self.backward_passes_per_step
         return mpi_ops._start(asynchronous.allreduce_async_, tensors, names, tuple, op=self.op, prescale_factor=pre,
                               postscale_factor=post, process_set=self.process_set)
 
@@ -214,14 +199,14 @@ class _DistributedOptimizer:
         """The wrapped optimizer's step alone, without any allreduce."""
         return super().step(closure)
 
-    def zero_grad(self, *args, **kwargs):
-        if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
-                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
-                                 "a race condition.")
-        return super().zero_grad(*args, **kwargs)
-
     def set_backward_passes_per_step(self, passes):
+        """Changes the passes accumulated per step (batch-size control, batch_size.py); between steps only."""
+        if int(passes) != passes or passes < 1:
+            raise ValueError("backward_passes_per_step must be a positive integer, got %r" % (passes,))
+        if self._handles or any(d != self.backward_passes_per_step for d in self._allreduce_delay.values()):
+            raise ValueError("set_backward_passes_per_step() was called in the middle of a step (gradients of "
+                             "this step are accumulating); call it after step() and before the next backward()")
+        passes = int(passes)
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
@@ -237,17 +222,16 @@ class _DistributedOptimizer:
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=global_process_set):
+                         process_set=global_process_set, average_aggregated_gradients=False):
     """Wraps `optimizer` so that step() applies gradients averaged (op) over the ranks of `process_set`.
 
     The result is an instance of a subclass of the optimizer's own class. named_parameters
     (model.named_parameters()) names the tensors in errors, stall reports and timelines. backward_passes_per_step
-    accumulates that many backward passes locally before reducing. groups (an int, or a list of lists of
-    parameters) reduces those parameters together. The wrapped optimizer's state carries over."""
+    accumulates that many backward passes locally before reducing (set_backward_passes_per_step changes it between
+    steps); average_aggregated_gradients=True (Horovod's TensorFlow option) divides their sum by it. groups (an int,
+    or a list of lists of parameters) reduces those parameters together. The wrapped optimizer's state carries over."""
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be a positive integer, got %r" % (backward_passes_per_step,))
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not supported by shmcomm; use op=Average (the default) or op=Sum")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups != 0:
@@ -267,9 +251,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                     if id(p) in seen:
                         raise ValueError("A parameter can only appear once in groups.")
                     seen.add(id(p))
+    if op == Adasum and basics.size() > 1:  # Horovod's delta optimizer (adasum_optimizer.py)
+        if process_set is not global_process_set and process_set.process_set_id != 0:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        return adasum_optimizer.wrap(optimizer, named_parameters, compression, backward_passes_per_step)
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-                  gradient_predivide_factor, groups, sparse_as_dense, process_set)
+                  gradient_predivide_factor, groups, sparse_as_dense, process_set, average_aggregated_gradients)
     for p, state in optimizer.state.items():  # e.g. loaded from a checkpoint before wrapping
         wrapped.state[p] = state
     return wrapped
