@@ -20,7 +20,7 @@ import threading
 import numpy as np
 
 from shmcomm import dtypes, engine, session
-from shmcomm._native import error_for
+from shmcomm._native import error_for, lib as core_lib
 from shmcomm.algorithms.host import HostComm
 from shmcomm.buffers import wrap
 from shmcomm.collectives import run
@@ -133,24 +133,24 @@ def _execute(call):
     if comm is None:
         raise NotInitializedError("%s: shmcomm is not initialized (shmcomm.jax.init())" % _name(call))
     kind, what = call.kind, _name(call)
-    if kind == lib.SMC_COLL_BARRIER:
+    if kind == core_lib.SMC_COLL_BARRIER:
         run(Request("barrier", None, None, comm, 0))
         return
     dims = [int(call.src_dims[d]) for d in range(call.src_ndim)]
     src = _view(call.src, call.src_bytes, call.dtype, dims)
     dst_rows = [int(call.rows[r]) for r in range(call.nranks)] if call.rows != ffi.NULL else None
-    if kind == lib.SMC_COLL_ALLREDUCE:
+    if kind == core_lib.SMC_COLL_ALLREDUCE:
         dst = _view(call.dst, call.dst_bytes, call.dtype, dims)
         run(Request("allreduce", what, src, comm, 0, output=dst, op=ReduceOp(call.op), prescale=call.prescale,
                     postscale=call.postscale))
-    elif kind == lib.SMC_COLL_BROADCAST:
+    elif kind == core_lib.SMC_COLL_BROADCAST:
         dst = _view(call.dst, call.dst_bytes, call.dtype, dims)
         run(Request("broadcast", what, src, comm, 0, output=dst, root=call.root))
-    elif kind == lib.SMC_COLL_REDUCESCATTER:
+    elif kind == core_lib.SMC_COLL_REDUCESCATTER:
         out = run(Request("reducescatter", what, src, comm, 0, op=ReduceOp(call.op), prescale=call.prescale,
                           postscale=call.postscale))
         _copy(out, call, what)
-    elif kind == lib.SMC_COLL_ALLGATHERV:
+    elif kind == core_lib.SMC_COLL_ALLGATHERV:
         if len(set(dst_rows)) == 1:
             # Each rank's block as one row: the agreement then also checks that every rank has the rows this
             # rank's executable expects (the output's shape was fixed at compile time).
@@ -158,7 +158,7 @@ def _execute(call):
         else:
             out = run(Request("allgather", what, src, comm, 0))
         _copy(out, call, what)
-    elif kind == lib.SMC_COLL_ALLTOALLV:
+    elif kind == core_lib.SMC_COLL_ALLTOALLV:
         sends = [int(call.sends[r]) for r in range(call.nranks)]
         if len(set(sends)) == 1 and sends == dst_rows:  # equal splits: blocks as rows, checked as above
             out, _ = run(Request("alltoall", what, src.reshape(comm.size, -1), comm, 0, splits=[1] * comm.size))
