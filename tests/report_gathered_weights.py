@@ -10,7 +10,12 @@ import sys
 
 def _reporting(allgather):
     def wrapper(tensor, *args, **kwargs):
-        data = tensor.detach().contiguous().numpy().tobytes() if hasattr(tensor, "detach") else tensor.tobytes()
+        if hasattr(tensor, "detach"):
+            data = tensor.detach().contiguous().numpy().tobytes()
+        else:  # numpy, or jax (shmcomm.jax.allgather)
+            import numpy as np
+
+            data = np.ascontiguousarray(tensor).tobytes()
         print("gathered sha256 %s" % hashlib.sha256(data).hexdigest(), flush=True)
         return allgather(tensor, *args, **kwargs)
     return wrapper
@@ -29,9 +34,15 @@ def assert_same_on_every_rank(stdout, ranks):
 
 if __name__ == "__main__":
     import shmcomm
-    import shmcomm.torch as hvd
 
-    hvd.allgather = _reporting(hvd.allgather)
     shmcomm.allgather = _reporting(shmcomm.allgather)
+    if "jax" in sys.argv[1]:
+        import shmcomm.jax as sj
+
+        sj.allgather = _reporting(sj.allgather)
+    else:
+        import shmcomm.torch as hvd
+
+        hvd.allgather = _reporting(hvd.allgather)
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")

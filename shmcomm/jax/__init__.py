@@ -13,6 +13,12 @@ collective on XLA's own buffers: no Python and no copy on the way. Across hosts 
 Python) the handler calls into Python from XLA's thread, which runs the collective through the same communicator as
 the numpy API, on views of XLA's buffers; so does it while the background engine runs, through the engine's queue.
 Every collective is an ordered effect: XLA keeps them in program order (shmcomm/jax/primitive.py says how)."""
+try:
+    import jax as _jax  # noqa: F401
+    import optax as _optax  # noqa: F401
+except ImportError as _error:
+    raise ImportError("shmcomm.jax needs jax and optax: pip install 'shmcomm[jax]' (%s)" % _error) from _error
+
 from shmcomm import basics as _basics
 from shmcomm.jax import context as _context
 from shmcomm.jax.collectives import allgather, allreduce, alltoall, barrier, broadcast, reducescatter

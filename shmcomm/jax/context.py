@@ -65,6 +65,11 @@ def sync():
             _context.comm = ffi.NULL
 
 
+def direct():
+    """Whether the handler calls the C core itself now (one host, no engine), rather than Python."""
+    return _context.comm != ffi.NULL
+
+
 session.on_change(sync)
 sync()
 
