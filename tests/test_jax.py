@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from report_gathered_weights import assert_same_on_every_rank
-from test_simhosts import job_env, open_hosts, rank_lines
+from test_multihost import two_hosts  # noqa: F401 (the fixture)
+from test_simhosts import job_env, rank_lines
 
 pytest.importorskip("jax", reason="shmcomm.jax needs jax: pip install -e '.[jax]'")
 pytest.importorskip("optax", reason="shmcomm.jax's optimizer needs optax: pip install -e '.[jax]'")
@@ -50,18 +51,9 @@ def test_on_a_logical_grid_the_handler_goes_through_python():
     _assert_all_ok(_launch(["-np", 4, sys.executable, CHECKS] + checks, SHMCOMM_TORUS_GRID="2x2"), 4, checks)
 
 
-@pytest.fixture(scope="module")
-def two_hosts():
-    sim = open_hosts(2)
-    try:
-        yield sim
-    finally:
-        sim.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["torus", "mpi"])
-def test_across_two_simulated_hosts(two_hosts, algo):
+def test_across_two_simulated_hosts(two_hosts, algo):  # noqa: F811 (the fixture)
     checks = ["collectives", "mismatches", "optimizer", "ordering"] + (["gradients", "with_engine"]
                                                                        if algo == "torus" else [])
     run = _launch([*two_hosts.shmcommrun_args(2), sys.executable, CHECKS] + checks, SHMCOMM_ALLREDUCE_ALGO=algo,

@@ -92,7 +92,6 @@ static smc_result_t run_direct(const smc_jax_context_t* ctx, const smc_jax_call_
   const smc_jax_core_t* core = &ctx->core;
   size_t n = call->nranks;
   uint64_t send_bytes[n > 0 ? n : 1], recv_bytes[n > 0 ? n : 1];
-  size_t rows = call->src_ndim > 0 ? (size_t)call->src_dims[0] : 1;
   size_t row_elems = 1;
   for (int64_t d = 1; d < call->src_ndim; d++) row_elems *= (size_t)call->src_dims[d];
   switch (call->kind) {
@@ -113,7 +112,6 @@ static smc_result_t run_direct(const smc_jax_context_t* ctx, const smc_jax_call_
         send_bytes[r] = (uint64_t)call->sends[r] * row_elems * esize;
         recv_bytes[r] = (uint64_t)call->rows[r] * row_elems * esize;
       }
-      (void)rows;
       return core->alltoallv(ctx->comm, call->src, send_bytes, call->dst, recv_bytes, call->tag);
     case SMC_COLL_BARRIER:
       return core->barrier(ctx->comm);
