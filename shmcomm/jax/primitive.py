@@ -142,7 +142,11 @@ def _lowering(ctx, *operands, kind, op, prescale, postscale, root, rows, sends, 
             attrs["sends"] = np.asarray(sends, dtype=np.int64)
     token = ctx.tokens_in.get(EFFECT)
     with_token = ctx.replace(avals_in=(*ctx.avals_in, abstract_token), avals_out=(*ctx.avals_out, abstract_token))
-    results = list(jax.ffi.ffi_lowering(native.TARGET, has_side_effect=True)(with_token, *operands, token, **attrs))
+    # The reductions and the broadcast write their result over their input: no second buffer of that size (XLA
+    # copies the input first where it is still needed afterwards).
+    aliases = {0: 0} if kind in ("allreduce", "broadcast") else None
+    results = list(jax.ffi.ffi_lowering(native.TARGET, has_side_effect=True, operand_output_aliases=aliases)(
+        with_token, *operands, token, **attrs))
     ctx.set_tokens_out(mlir.TokenSet({EFFECT: results.pop()}))
     return results
 
