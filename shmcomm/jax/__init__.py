@@ -12,7 +12,10 @@ Collectives inside jit are XLA custom calls to a C handler (csrc/jax/handler.c) 
 collective on XLA's own buffers: no Python and no copy on the way. Across hosts (the 2D torus and MPI live in
 Python) the handler calls into Python from XLA's thread, which runs the collective through the same communicator as
 the numpy API, on views of XLA's buffers; so does it while the background engine runs, through the engine's queue.
-Every collective is an ordered effect: XLA keeps them in program order (shmcomm/jax/primitive.py says how)."""
+Measured across 2 simulated hosts x 2 ranks (benchmarks/RESULTS.md), a jitted allreduce costs the numpy API's time
+plus about 1 ms below 256 KiB and 30-40% more at 4-16 MiB. Every collective is an ordered effect: XLA keeps them in
+program order (shmcomm/jax/primitive.py says how); JAX dispatches such computations through its Python path, about
+170 us per jit call here, mpi4jax alike."""
 try:
     import jax as _jax  # noqa: F401
     import optax as _optax  # noqa: F401
