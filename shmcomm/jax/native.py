@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -81,13 +82,7 @@ def _compile(jax_dir, include, xla_include, target):
         raise ImportError("shmcomm.jax: could not compile the XLA FFI handler (a C compiler is needed once; "
                           "`python -m shmcomm.jax.native` builds it ahead): %s" % error) from error
     finally:
-        _remove_tree(work)
-
-
-def _remove_tree(path):
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def load():

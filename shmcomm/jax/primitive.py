@@ -19,6 +19,8 @@ broadcast's is a sum to the root; an alltoall's is the alltoall back. Each is it
 same order on every rank. Batching (vmap): the reductions and the broadcast work elementwise, so they take the
 batched array as it is; the row-wise collectives work on the batch as the second axis."""
 import functools
+import os
+import zlib
 
 import numpy as np
 
@@ -115,8 +117,6 @@ def _dtype_code(dtype, kind, what):
 def _tag(dtype, shape, kind):
     """The digest every rank must pass equal, as the numpy API computes it: the shape, or the trailing dimensions
     for the row-wise collectives whose first dimension may differ (the per-rank row counts are compared too)."""
-    import zlib
-
     code = _dtype_code(dtype, "allgather", "")
     key = code if code >= 0 else 1000 + zlib.crc32(np.dtype(dtype).name.encode())
     shape = tuple(shape)
@@ -124,7 +124,7 @@ def _tag(dtype, shape, kind):
 
 
 def _lowering(ctx, *operands, kind, op, prescale, postscale, root, rows, sends, size, rank, name):
-    attrs = dict(context=np.int64(context.address()), pid=np.int64(context.os.getpid()), kind=np.int64(KIND[kind]),
+    attrs = dict(context=np.int64(context.address()), pid=np.int64(os.getpid()), kind=np.int64(KIND[kind]),
                  dtype=np.int64(-1), op=np.int64(op), c_op=np.int64(0), divisor=np.int64(1), root=np.int64(root),
                  tag=np.int64(0), prescale=np.float64(prescale), postscale=np.float64(postscale),
                  itemsize=np.int64(1), name=name)
