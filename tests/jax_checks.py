@@ -211,6 +211,13 @@ def check_optimizer(rank, size):
                     reference = optax.apply_updates(reference, updates)
                 for got, want in zip(leaves(p), leaves(reference)):
                     assert np.allclose(got, want, rtol=1e-9, atol=1e-12), (mode, passes, np.abs(got - want).max())
+    # As an element of optax.chain: averaging first, then any transformation.
+    chained = optax.chain(sj.DistributedOptimizer(optax.identity()), optax.sgd(0.1))
+    local = jax.tree_util.tree_map(lambda p: p * (rank + 1), params)
+    got, _ = jax.jit(chained.update)(local, chained.init(params), params)
+    want = jax.tree_util.tree_map(lambda p: -0.1 * p * (size + 1) / 2, params)
+    for g, w in zip(leaves(got), leaves(want)):
+        assert np.allclose(g, w, rtol=1e-12, atol=1e-12), np.abs(g - w).max()
     tx = sj.DistributedOptimizer(optax.sgd(0.1), compression=sj.Compression.fp16)
     g = jax.tree_util.tree_map(lambda p: p * (rank + 1), params)
     updates, _ = jax.jit(tx.update)(g, tx.init(params), params)

@@ -10,7 +10,12 @@ asynchronous numpy or torch collectives and the jitted ones keep one order on ev
 after the core failed, for the numpy API's explanation of the failure.
 
 Under jit, a failure reaches the caller as jax's JaxRuntimeError, whose text starts with the shmcomm exception's
-class; `original(error)` gives the shmcomm exception itself (the eager calls raise that one directly)."""
+class; `original(error)` gives the shmcomm exception itself (the eager calls raise that one directly).
+
+The direct path runs on XLA's thread, which JAX lets run ahead of Python (asynchronous dispatch). Jitted collectives
+are ordered among themselves by their token, but not against the numpy API's blocking calls, which go straight to the
+segment from the caller's thread: a program that mixes them waits for the jitted ones first (jax.effects_barrier()).
+An engine that starts while a jitted collective is in flight is the same case."""
 import collections
 import itertools
 import math
