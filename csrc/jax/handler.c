@@ -211,4 +211,4 @@ static XLA_FFI_Error* collective(XLA_FFI_CallFrame* frame) {
   return fail(frame, XLA_FFI_Error_Code_INTERNAL, call.error);
 }
 
-void* smc_jax_handler_address(void) { return (void*)&collective; }
+void* shmcomm_jax_handler_address(void) { return (void*)&collective; }

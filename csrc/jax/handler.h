@@ -61,7 +61,7 @@ typedef struct {
   char error[2048];         /* Python's message on failure */
 } smc_jax_call_t;
 
-/* The handler, for jax.ffi.register_ffi_target (as a function pointer). */
-void* smc_jax_handler_address(void);
+/* The handler, for jax.ffi.register_ffi_target (as a function pointer); not a function of the core. */
+void* shmcomm_jax_handler_address(void);
 
 #endif

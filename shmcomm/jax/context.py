@@ -48,7 +48,7 @@ def address():
 def _register():
     import jax.ffi
 
-    capsule = jax.ffi.pycapsule(int(ffi.cast("intptr_t", lib.smc_jax_handler_address())))
+    capsule = jax.ffi.pycapsule(int(ffi.cast("intptr_t", lib.shmcomm_jax_handler_address())))
     jax.ffi.register_ffi_target(native.TARGET, capsule, platform="cpu")
 
 
