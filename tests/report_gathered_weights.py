@@ -3,6 +3,7 @@
 the sha256 of every tensor it allgathers, before the allgather. The examples gather their final weights to check
 that the ranks agree; this lets the tests check it outside the library, on all the bytes."""
 import hashlib
+import os
 import re
 import runpy
 import sys
@@ -36,7 +37,7 @@ if __name__ == "__main__":
     import shmcomm
 
     shmcomm.allgather = _reporting(shmcomm.allgather)
-    if "jax" in sys.argv[1]:
+    if os.path.basename(sys.argv[1]).startswith("jax"):  # examples/jax_*.py
         import shmcomm.jax as sj
 
         sj.allgather = _reporting(sj.allgather)
