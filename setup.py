@@ -1,5 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-# Metadata lives in pyproject.toml; this file only names the cffi build of the C core.
-from setuptools import setup
+# Metadata lives in pyproject.toml; this file names the cffi build of the C core, and ships the C sources of
+# shmcomm.jax's XLA handler inside the package (shmcomm/jax/native.py compiles them on first use, against the
+# jaxlib installed then).
+import os
 
-setup(cffi_modules=["csrc/ffi_build.py:ffibuilder"])
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HANDLER_SOURCES = ("csrc/jax/handler.c", "csrc/jax/handler.h", "csrc/include/shmcomm.h")
+
+
+class BuildPyWithHandler(build_py):
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "shmcomm", "jax", "csrc")
+        self.mkpath(target)
+        for source in HANDLER_SOURCES:
+            self.copy_file(source, os.path.join(target, os.path.basename(source)))
+
+
+setup(cffi_modules=["csrc/ffi_build.py:ffibuilder"], cmdclass={"build_py": BuildPyWithHandler})

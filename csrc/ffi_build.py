@@ -19,7 +19,7 @@ def _cdef_text():
 
 
 def _sources():
-    found = sorted(glob.glob(os.path.join(HERE, "*", "*.c")))
+    found = sorted(p for p in glob.glob(os.path.join(HERE, "*", "*.c")) if os.path.basename(os.path.dirname(p)) != "jax")
     # setuptools wants sources relative to where the build runs.
     return [os.path.relpath(p) for p in found]
 

@@ -25,6 +25,7 @@ def init(engine=None):
             state.comm = bootstrap.build_world(state.generation)
             state.generation += 1
             log.joined(state.comm)
+    session.changed()
     if engine:
         start_engine()
 
@@ -41,6 +42,7 @@ def shutdown():
     state = session.state
     with state.lock:
         comm, state.comm = state.comm, None
+    session.changed()  # before the close: nothing may point at the segment any longer
     if comm is not None:
         comm.close()
 

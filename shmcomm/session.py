@@ -18,6 +18,18 @@ class _State:
 
 
 state = _State()
+_listeners = []
+
+
+def on_change(listener):
+    """Calls listener() after every init and start or stop of the engine, and at shutdown before the communicator
+    closes (shmcomm.jax points its compiled handler at the communicator, or away from it)."""
+    _listeners.append(listener)
+
+
+def changed():
+    for listener in list(_listeners):
+        listener()
 
 
 def communicator():

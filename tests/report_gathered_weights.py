@@ -3,6 +3,7 @@
 the sha256 of every tensor it allgathers, before the allgather. The examples gather their final weights to check
 that the ranks agree; this lets the tests check it outside the library, on all the bytes."""
 import hashlib
+import os
 import re
 import runpy
 import sys
@@ -10,7 +11,12 @@ import sys
 
 def _reporting(allgather):
     def wrapper(tensor, *args, **kwargs):
-        data = tensor.detach().contiguous().numpy().tobytes() if hasattr(tensor, "detach") else tensor.tobytes()
+        if hasattr(tensor, "detach"):
+            data = tensor.detach().contiguous().numpy().tobytes()
+        else:  # numpy, or jax (shmcomm.jax.allgather)
+            import numpy as np
+
+            data = np.ascontiguousarray(tensor).tobytes()
         print("gathered sha256 %s" % hashlib.sha256(data).hexdigest(), flush=True)
         return allgather(tensor, *args, **kwargs)
     return wrapper
@@ -29,9 +35,15 @@ def assert_same_on_every_rank(stdout, ranks):
 
 if __name__ == "__main__":
     import shmcomm
-    import shmcomm.torch as hvd
 
-    hvd.allgather = _reporting(hvd.allgather)
     shmcomm.allgather = _reporting(shmcomm.allgather)
+    if os.path.basename(sys.argv[1]).startswith("jax"):  # examples/jax_*.py
+        import shmcomm.jax as sj
+
+        sj.allgather = _reporting(sj.allgather)
+    else:
+        import shmcomm.torch as hvd
+
+        hvd.allgather = _reporting(hvd.allgather)
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -180,3 +180,16 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
     assert proc.returncode != 0
     assert "pip install matplotlib" in proc.stderr
     assert not os.path.exists(tmp_path / "p.png")
+
+
+def test_jax_benchmark_against_mpi4jax_and_the_training_step():
+    """Runs with or without mpi4jax (its columns are nan without it); needs jax."""
+    pytest.importorskip("jax", reason="benchmarks.jax needs jax: pip install -e '.[jax]'")
+    proc = run_module("benchmarks.jax", ["-np", "2", "-b", "4K", "-e", "64K", "-f", "16", "--rounds", "1", "--budget",
+                                         "0.01", "--train"], 240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any("jit allreduce, float32 Sum, 2 ranks" in line for line in lines), proc.stdout
+    rows = [line.split() for line in lines if line.strip().startswith(("4K", "64K"))]
+    assert [row[0] for row in rows] == ["4K", "64K"] and all(float(row[1]) > 0 for row in rows), proc.stdout
+    assert any("distributed / (local + allreduce)" in line for line in lines), proc.stdout

@@ -13,8 +13,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 REPORT = "from shmcomm.runner.check_build import print_build_report\nprint_build_report()\n"
 HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_JAX = all(importlib.util.find_spec(name) is not None for name in ("jax", "optax"))
 # What this test environment (the README's test command) can use.
-EVERYTHING = {"PyTorch": HAS_TORCH, "JAX": False, "Shared memory": True, "MPI": True, "NCCL": False, "CUDA": False,
+EVERYTHING = {"PyTorch": HAS_TORCH, "JAX": HAS_JAX, "Shared memory": True, "MPI": True, "NCCL": False, "CUDA": False,
               "C core (CPU)": True}
 
 
@@ -39,18 +40,24 @@ def _report(prelude=""):
 
 
 def test_check_build_marks_what_shmcomm_can_use_not_what_is_installed(tmp_path):
-    # An installed JAX must not make shmcomm claim it.
+    # A JAX without the FFI that shmcomm.jax builds on must not make shmcomm claim it.
     (tmp_path / "jax").mkdir()
     (tmp_path / "jax" / "__init__.py").write_text("__version__ = '0.4.30'\n")
     result = subprocess.run([sys.executable, "-m", "shmcomm.runner", "--check-build"], cwd=REPO,
                             env=_env([tmp_path]), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     marks, details = _marks(result.stdout)
-    assert marks == EVERYTHING, result.stdout
-    assert "not supported" in details["JAX"] and "not supported" in details["CUDA"]
+    assert marks == dict(EVERYTHING, JAX=False), result.stdout
+    assert "jax.ffi" in details["JAX"] and "not supported" in details["CUDA"]
     assert details["C core"].startswith("built (") and "mpiexec" in details["MPI"]
     for heading in ("Available Frameworks:", "Available Controllers/Transports:", "Available Tensor Operations:"):
         assert heading in result.stdout
+
+
+def test_jax_with_its_ffi_and_optax_is_marked():
+    marks, details = _report()
+    assert marks == EVERYTHING
+    assert details["JAX"].startswith("jax ") if HAS_JAX else "not available" in details["JAX"]
 
 
 def test_without_the_c_core_shared_memory_is_unmarked():

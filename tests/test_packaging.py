@@ -84,10 +84,15 @@ def installed(wheel, tmp_path_factory):
     return venv
 
 
+JAX_HANDLER = ["shmcomm/jax/csrc/handler.c", "shmcomm/jax/csrc/handler.h", "shmcomm/jax/csrc/shmcomm.h"]
+
+
 def test_wheel_carries_the_compiled_core_and_no_sources(wheel):
+    """No sources but the XLA handler's, which shmcomm.jax compiles on first use (against the jaxlib found then)."""
     names = zipfile.ZipFile(wheel).namelist()
     assert [n for n in names if n.startswith("shmcomm/_C") and n.endswith(".so")], names
-    assert not [n for n in names if n.startswith("csrc/") or n.endswith((".c", ".h"))], names
+    sources = [n for n in names if n.startswith("csrc/") or n.endswith((".c", ".h"))]
+    assert sorted(sources) == JAX_HANDLER, names
     packages = sorted(str(p.relative_to(REPO)) for p in (REPO / "shmcomm").rglob("__init__.py"))
     assert [p for p in packages if p not in names] == []
     assert any(n.endswith("entry_points.txt") for n in names)
@@ -116,3 +121,26 @@ def test_installed_wheel_runs_a_two_rank_allreduce_without_a_compiler(installed,
         assert Path(lines["package"]).resolve().is_relative_to(site_packages), lines
         assert Path(lines["core"]).resolve().is_relative_to(site_packages), lines
         assert lines["sum"] == "[2.0, 2.0, 2.0, 2.0]"
+
+
+JAX_ALLREDUCE = textwrap.dedent("""
+    import jax, shmcomm.jax as sj, shmcomm.jax.native as native
+    sj.init()
+    print("handler", native._sources()[0])
+    print("sum", jax.jit(lambda x: sj.allreduce(x, op=sj.Sum))(jax.numpy.ones(3)).tolist())
+    sj.shutdown()
+""")
+
+
+def test_installed_wheel_builds_the_jax_handler_from_its_own_copy(installed, tmp_path):
+    pytest.importorskip("jax", reason="shmcomm.jax needs jax: pip install -e '.[jax]'")
+    env = {k: v for k, v in _no_compiler_env(installed).items() if k not in ("CC", "CXX")}  # a compiler, once
+    env["SHMCOMM_JAX_BUILD_DIR"] = str(tmp_path / "ffi")
+    result = _run([installed / "bin" / "shmcommrun", "-np", 2, installed / "bin" / "python", "-c", JAX_ALLREDUCE],
+                  cwd=tmp_path, env=env)
+    site_packages = _venv_site_packages(installed).resolve()
+    for rank in (0, 1):
+        lines = dict(line.split(": ", 1)[1].split(" ", 1) for line in result.stdout.splitlines()
+                     if line.startswith(f"[{rank}]<stdout>: "))
+        assert Path(lines["handler"]).resolve().is_relative_to(site_packages), lines
+        assert lines["sum"] == "[2.0, 2.0, 2.0]", lines

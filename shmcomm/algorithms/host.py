@@ -35,7 +35,7 @@ class HostComm(Communicator):
             self.shm.allreduce(src.ptr, dst.ptr, src.count, src.code, ops.C_OP[op], prescale, postscale,
                                self.size if op == ops.Average else 1, description.tag(src.code, src.shape), what)
         except MismatchError as error:
-            raise self._explained(error, what, src) from None
+            raise self.explain_mismatch(error, what, src) from None
         return out
 
     def allreduce_raw(self, ptr, count, code, op, prescale, postscale, what, divisor=None):
@@ -61,7 +61,7 @@ class HostComm(Communicator):
         try:
             self.shm.broadcast(src.ptr, dst.ptr, src.nbytes, root, description.tag(src.dtype_key(), src.shape), what)
         except MismatchError as error:
-            raise self._explained(error, what, src) from None
+            raise self.explain_mismatch(error, what, src) from None
         return out
 
     def allgather(self, x, what, output=None):
@@ -92,7 +92,7 @@ class HostComm(Communicator):
                                    float(prescale), float(postscale), self.size if op == ops.Average else 1,
                                    description.tag(src.code, src.shape), what)
         except MismatchError as mismatch:
-            raise self._explained(mismatch, what, src) from None
+            raise self.explain_mismatch(mismatch, what, src) from None
         if error is not None:
             raise error
         return out
@@ -133,9 +133,9 @@ class HostComm(Communicator):
         try:
             step(*args)
         except MismatchError as error:
-            raise self._explained(error, what, src) from None
+            raise self.explain_mismatch(error, what, src) from None
 
-    def _explained(self, error, what, buf):
+    def explain_mismatch(self, error, what, buf):
         """A shape mismatch names every rank's tensor: every rank lands here together, so they swap descriptions."""
         if error.field != "shape":
             return error

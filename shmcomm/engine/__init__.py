@@ -5,6 +5,8 @@ It starts on the first asynchronous request (basics.start_engine hands it the wo
 shutdown (basics.shutdown stops it first)."""
 import threading
 
+from shmcomm import session
+
 _lock = threading.Lock()
 _engine = None
 
@@ -22,7 +24,12 @@ def start(comm, communicator_of):
             from shmcomm.engine.loop import Engine
 
             _engine = Engine(comm, communicator_of)
-        return _engine
+            started = True
+        else:
+            started = False
+    if started:
+        session.changed()
+    return _engine
 
 
 def stop():
@@ -31,3 +38,4 @@ def stop():
         engine, _engine = _engine, None
     if engine is not None:
         engine.stop()
+        session.changed()

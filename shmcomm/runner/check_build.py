@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """`shmcommrun --check-build`: what shmcomm can do here, in Horovod's check-build layout.
 
-As in Horovod, [X] means "usable through this library", not "installed": JAX, CUDA and NCCL stay [ ] until shmcomm
-supports them, whatever is installed. Each probe answers (usable, detail) and never raises: a broken optional
+As in Horovod, [X] means "usable through this library", not "installed": CUDA and NCCL stay [ ] until shmcomm
+supports them, whatever is installed, and JAX needs what shmcomm.jax builds on (jax.ffi and XLA's C API header from
+jaxlib, and optax). Each probe answers (usable, detail) and never raises: a broken optional
 package must show up as unusable in the report, not abort it.
 """
 
@@ -71,6 +72,20 @@ def probe_nccl():
                    f"(from {library.found_by})")
 
 
+def probe_jax():
+    """Usable when jax offers the FFI that shmcomm.jax's handler is compiled against, and optax is there."""
+    try:
+        import jax
+        import jax.ffi
+        import optax
+    except Exception as error:
+        return False, f"not available ({_reason(error)})"
+    header = os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")
+    if not os.path.exists(header):
+        return False, f"jax {jax.__version__}, but jaxlib has no {header}"
+    return True, f"jax {jax.__version__}, optax {optax.__version__}"
+
+
 def _shmcomm_version():
     try:
         from importlib.metadata import version
@@ -89,9 +104,9 @@ def _mark(usable):
 
 def build_report():
     """The report as a list of lines."""
-    core, mpi, torch, nccl = probe_core(), probe_mpi(), probe_torch(), probe_nccl()
+    core, mpi, torch, jax, nccl = probe_core(), probe_mpi(), probe_torch(), probe_jax(), probe_nccl()
     rows = {
-        "Available Frameworks:": [("PyTorch", torch), ("JAX", NOT_SUPPORTED)],
+        "Available Frameworks:": [("PyTorch", torch), ("JAX", jax)],
         "Available Controllers/Transports:": [("Shared memory", core), ("MPI", mpi)],
         "Available Tensor Operations:": [("NCCL", nccl), ("CUDA", NOT_SUPPORTED), ("C core (CPU)", core)],
     }
@@ -99,8 +114,7 @@ def build_report():
     lines = [f"shmcomm {'v' + version if version[0].isdigit() else version}:", ""]
     for heading, entries in rows.items():
         lines += [heading] + [f"    {_mark(usable)} {name}" for name, (usable, _) in entries] + [""]
-    details = {"C core": core, "MPI": mpi, "PyTorch": torch, "JAX": NOT_SUPPORTED, "CUDA": NOT_SUPPORTED,
-               "NCCL": nccl}
+    details = {"C core": core, "MPI": mpi, "PyTorch": torch, "JAX": jax, "CUDA": NOT_SUPPORTED, "NCCL": nccl}
     return lines + ["Details:"] + [f"    {name}: {detail}" for name, (_, detail) in details.items()]
 
 

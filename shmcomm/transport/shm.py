@@ -131,6 +131,13 @@ class SharedMemory(Transport):
                             ffi.from_buffer(every) if every else ffi.NULL, sizes, 0, "negotiation")
         return allgather_bytes_over(gatherv, self.size, payload)
 
+    def native_entry_points(self):
+        """(this segment's handle, {name: address of the core's function}) as integers, for compiled code in another
+        module that runs the same collectives on the same segment (shmcomm.jax's XLA handler)."""
+        names = ("allreduce", "reducescatter", "broadcast", "allgatherv", "alltoallv", "barrier", "last_error")
+        return (int(ffi.cast("intptr_t", self.handle)),
+                {name: int(ffi.cast("intptr_t", ffi.addressof(lib, "smc_" + name))) for name in names})
+
     # ---- liveness, doorbells, waiting ----
     def failed_ranks(self):
         mask = lib.smc_comm_failed_ranks(self.handle)  # 0 once closed (NULL)

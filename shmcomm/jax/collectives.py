@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The collectives of shmcomm.jax on jax arrays and pytrees of them, eagerly and inside jax.jit.
+
+Each leaf of a pytree is one collective, issued in the order of jax.tree_util's flattening (the same on every rank).
+Eager calls wait for their result, so a failure raises the shmcomm exception itself (MismatchError, RankFailure...)
+in the call that caused it. Inside jit a failure surfaces where the result is used, as jax's JaxRuntimeError whose
+text starts with the shmcomm exception's name; shmcomm.jax.original(error) gives the exception.
+
+Shapes under jit are fixed at trace time, so there allgather needs the same first dimension on every rank and
+alltoall equal splits (ranks that differ all raise MismatchError); eager calls allow different first dimensions and
+explicit splits (they exchange the counts first)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core as jax_core
+
+from shmcomm import collectives, description, ops, session
+from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.jax import context
+from shmcomm.jax.primitive import bind
+
+
+def _world():
+    comm = session.communicator()
+    return comm.size, comm.rank
+
+
+def _tracing(x):
+    return isinstance(x, jax.core.Tracer)
+
+
+def _eager(fn, *args, **kwargs):
+    """Runs a collective now and raises the shmcomm exception of a failure."""
+    try:
+        return jax.block_until_ready(fn(*args, **kwargs))
+    except jax.errors.JaxRuntimeError as error:
+        cause = context.original(error)
+        if cause is None:
+            raise
+        raise cause.with_traceback(None) from None
+
+
+def _each(tree, one, what):
+    """one(leaf, name) over the leaves; eagerly, each leaf is waited for (so that an error names its call)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out = []
+    for i, leaf in enumerate(leaves):
+        name = what if len(leaves) == 1 else "%s.%d" % (what, i)
+        leaf = jnp.asarray(leaf)
+        out.append(one(leaf, name) if _tracing(leaf) else _eager(one, leaf, name))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def allreduce(x, op=ops.Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """The reduction over all ranks of every leaf (default op: Average): postscale * op(prescale * x) / (size for
+    Average). 16-bit floats are reduced in float32 and rounded once. Differentiable for Sum and Average."""
+    op = ops.resolve(op)
+    size, rank = _world()
+    return _each(x, lambda leaf, what: bind(leaf, "allreduce", op=op, prescale=prescale_factor,
+                                            postscale=postscale_factor, size=size, rank=rank, name=what),
+                 name or "allreduce")
+
+
+def broadcast(x, root_rank, name=None):
+    """root_rank's value of every leaf, on every rank."""
+    size, rank = _world()
+    what = name or "broadcast"
+    root = collectives.root_index(session.communicator(), root_rank, what)
+    return _each(x, lambda leaf, w: bind(leaf, "broadcast", root=root, size=size, rank=rank, name=w), what)
+
+
+def _rows_of(x):
+    return x if x.ndim else x.reshape(1)
+
+
+def allgather(x, name=None):
+    """Every rank's leaf concatenated along the first dimension (scalars count as one row). Under jit every rank
+    must have the same first dimension; eagerly they may differ."""
+    size, rank = _world()
+
+    def one(leaf, what):
+        leaf = _rows_of(leaf)
+        rows = [leaf.shape[0]] * size
+        if not _tracing(leaf) and size > 1:
+            counts = bind(jnp.asarray([leaf.shape[0]], jnp.int64 if jax.config.jax_enable_x64 else jnp.int32),
+                          "allgather", rows=[1] * size, size=size, rank=rank, name=what + ".rows")
+            rows = [int(c) for c in np.asarray(counts)]
+        return bind(leaf, "allgather", rows=rows, size=size, rank=rank, name=what)
+    return _each(x, one, name or "allgather")
+
+
+def reducescatter(x, op=ops.Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """Rank r's rows of the reduction of every leaf along its first dimension; with rows that do not divide evenly,
+    the first (rows % size) ranks get one more (Horovod's rule)."""
+    op = ops.resolve(op)
+    size, rank = _world()
+
+    def one(leaf, what):
+        if leaf.ndim == 0:
+            raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % what)
+        return bind(leaf, "reducescatter", op=op, prescale=prescale_factor, postscale=postscale_factor,
+                    rows=description.shares(leaf.shape[0], size), size=size, rank=rank, name=what)
+    return _each(x, one, name or "reducescatter")
+
+
+def alltoall(x, splits=None, name=None):
+    """Sends splits[j] rows of every leaf (in order) to rank j and returns the rows received, in rank order. Without
+    splits the first dimension is split evenly. With splits (eager only), also returns how many rows came from each
+    rank, as Horovod does (for a pytree: one such array per leaf, in a matching pytree)."""
+    size, rank = _world()
+    received = []
+
+    def one(leaf, what):
+        leaf = _rows_of(leaf)
+        sends = collectives.splits_list(splits, leaf.shape[0], size, what)
+        if splits is None:
+            return bind(leaf, "alltoall", rows=sends, sends=sends, size=size, rank=rank, name=what)
+        if _tracing(leaf):
+            raise InvalidArgumentError("%s: explicit splits need eager mode (under jit the rows received must be "
+                                       "known at trace time); pad to equal splits inside jit" % what)
+        got = bind(jnp.asarray(np.asarray(sends, np.int32)), "alltoall", rows=[1] * size, sends=[1] * size,
+                   size=size, rank=rank, name=what + ".splits")
+        got = [int(g) for g in np.asarray(got)]
+        received.append(jnp.asarray(got, jnp.int32))
+        return bind(leaf, "alltoall", rows=got, sends=sends, size=size, rank=rank, name=what)
+    out = _each(x, one, name or "alltoall")
+    if splits is None:
+        return out
+    return out, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), received)
+
+
+def barrier():
+    """Returns once every rank has called it (inside jit: once every rank's program reaches it)."""
+    size, rank = _world()
+    try:
+        bind(None, "barrier", size=size, rank=rank, name="barrier")
+        if jax_core.trace_state_clean():  # eager: wait for it (it returns nothing that could be waited on)
+            jax.effects_barrier()
+    except jax.errors.JaxRuntimeError as error:
+        cause = context.original(error)
+        if cause is None:
+            raise
+        raise cause.with_traceback(None) from None
+

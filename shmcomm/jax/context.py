@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+"""This process's side of the XLA handler: the context every executable points at, kept in step with the session,
+and what the handler asks of Python.
+
+The handler calls the C core itself only while the world communicator is one host's shared memory and no engine
+runs; the context's `comm` is that segment's handle then, and NULL otherwise. With NULL it hands each call here
+(`_from_handler`), which runs it on the session's communicator through collectives.run, as the numpy API does: across
+hosts that is the torus and the MPI transport, and with the engine running it is the engine's queue, so that
+asynchronous numpy or torch collectives and the jitted ones keep one order on every rank. The handler also comes here
+after the core failed, for the numpy API's explanation of the failure.
+
+Under jit, a failure reaches the caller as jax's JaxRuntimeError, whose text starts with the shmcomm exception's
+class; `original(error)` gives the shmcomm exception itself (the eager calls raise that one directly).
+
+The direct path runs on XLA's thread, which JAX lets run ahead of Python (asynchronous dispatch). Jitted collectives
+are ordered among themselves by their token, but not against the numpy API's blocking calls, which go straight to the
+segment from the caller's thread: a program that mixes them waits for the jitted ones first (jax.effects_barrier()).
+An engine that starts while a jitted collective is in flight is the same case."""
+import collections
+import itertools
+import math
+import os
+import threading
+
+import numpy as np
+
+from shmcomm import dtypes, engine, session
+from shmcomm._native import error_for, lib as core_lib
+from shmcomm.algorithms.host import HostComm
+from shmcomm.buffers import wrap
+from shmcomm.collectives import run
+from shmcomm.engine.request import Request
+from shmcomm.exceptions import MismatchError, NotInitializedError, ShmCommError
+from shmcomm.jax import native
+from shmcomm.ops import ReduceOp
+
+ffi, lib = native.load()
+_context = ffi.new("smc_jax_context_t *")  # lives as long as the process: executables hold its address
+_context.pid = os.getpid()
+_context.max_ranks = 1 << 16
+_lock = threading.Lock()
+
+
+def address():
+    return int(ffi.cast("intptr_t", _context))
+
+
+def _register():
+    import jax.ffi
+
+    capsule = jax.ffi.pycapsule(int(ffi.cast("intptr_t", lib.shmcomm_jax_handler_address())))
+    jax.ffi.register_ffi_target(native.TARGET, capsule, platform="cpu")
+
+
+_register()
+
+
+def sync():
+    """Points the context at the session's host segment when the handler may call the core itself; at nothing
+    otherwise. Runs on every init, shutdown, and start or stop of the engine."""
+    comm = session.state.comm
+    with _lock:
+        if comm is not None and isinstance(comm, HostComm) and engine.current() is None:
+            handle, entry = comm.shm.native_entry_points()
+            core = _context.core
+            for name, addr in entry.items():
+                setattr(core, name, ffi.cast(ffi.typeof(getattr(core, name)), addr))
+            _context.comm = ffi.cast("smc_comm_t *", handle)
+        else:
+            _context.comm = ffi.NULL
+
+
+def direct():
+    """Whether the handler calls the C core itself now (one host, no engine), rather than Python."""
+    return _context.comm != ffi.NULL
+
+
+session.on_change(sync)
+sync()
+
+
+# ---- failures as the caller sees them ----
+_raised = collections.OrderedDict()  # id -> exception, the latest few, for `original`
+_ids = itertools.count(1)
+_MARK = "(shmcomm error #"
+
+
+def _recorded(error):
+    """The text the handler returns to XLA for `error`, remembered so that `original` finds the exception."""
+    number = next(_ids)
+    with _lock:
+        _raised[number] = error
+        while len(_raised) > 64:
+            _raised.popitem(last=False)
+    return "%s %s%d): %s" % (type(error).__name__, _MARK, number, error)
+
+
+def original(error):
+    """The shmcomm exception behind a JaxRuntimeError that a collective raised, or None."""
+    text = str(error)
+    at = text.find(_MARK)
+    if at < 0:
+        return None
+    digits = text[at + len(_MARK):].split(")", 1)[0]
+    return _raised.get(int(digits)) if digits.isdigit() else None
+
+
+# ---- the handler's calls into Python ----
+@ffi.def_extern(name="smc_jax_python", error=1)
+def _from_handler(ctx, call):
+    """Runs `call` (rc == 0) or explains the core's failure (rc != 0); returns 0 on success, else 1 with the text in
+    call.error. Never raises: the handler is C code under XLA."""
+    try:
+        if call.rc:
+            error = _explained(call)
+        else:
+            _execute(call)
+            return 0
+    except ShmCommError as failure:
+        error = failure
+    except Exception as failure:  # a bug here must still fail the collective, with its text
+        error = ShmCommError("%s: %s: %s" % (_name(call), type(failure).__name__, failure))
+    text = _recorded(error).encode("utf-8", "replace")[:ffi.sizeof(call.error) - 1]
+    ffi.memmove(call.error, text + b"\0", len(text) + 1)
+    return 1
+
+
+def _name(call):
+    return ffi.unpack(call.name, call.name_len).decode("utf-8", "replace")
+
+
+def _view(ptr, nbytes, code, dims):
+    """A numpy array over XLA's buffer: of the core's type `code`, or bytes for types the core does not reduce."""
+    raw = np.frombuffer(ffi.buffer(ptr, nbytes), dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)
+    if code < 0:
+        rows = dims[0] if dims else 1
+        return raw.reshape(rows, -1) if rows else raw.reshape(0, 0)
+    return raw.view(dtypes.numpy_dtype(code)).reshape(dims)
+
+
+def _execute(call):
+    comm = session.state.comm
+    if comm is None:
+        raise NotInitializedError("%s: shmcomm is not initialized (shmcomm.jax.init())" % _name(call))
+    kind, what = call.kind, _name(call)
+    if kind == core_lib.SMC_COLL_BARRIER:
+        run(Request("barrier", None, None, comm, 0))
+        return
+    dims = [int(call.src_dims[d]) for d in range(call.src_ndim)]
+    src = _view(call.src, call.src_bytes, call.dtype, dims)
+    dst_rows = [int(call.rows[r]) for r in range(call.nranks)] if call.rows != ffi.NULL else None
+    if kind == core_lib.SMC_COLL_ALLREDUCE:
+        dst = _view(call.dst, call.dst_bytes, call.dtype, dims)
+        run(Request("allreduce", what, src, comm, 0, output=dst, op=ReduceOp(call.op), prescale=call.prescale,
+                    postscale=call.postscale))
+    elif kind == core_lib.SMC_COLL_BROADCAST:
+        dst = _view(call.dst, call.dst_bytes, call.dtype, dims)
+        run(Request("broadcast", what, src, comm, 0, output=dst, root=call.root))
+    elif kind == core_lib.SMC_COLL_REDUCESCATTER:
+        out = run(Request("reducescatter", what, src, comm, 0, op=ReduceOp(call.op), prescale=call.prescale,
+                          postscale=call.postscale))
+        _copy(out, call, what)
+    elif kind == core_lib.SMC_COLL_ALLGATHERV:
+        if len(set(dst_rows)) == 1:
+            # Each rank's block as one row: the agreement then also checks that every rank has the rows this
+            # rank's executable expects (the output's shape was fixed at compile time).
+            out = run(Request("allgather", what, src.reshape(1, -1), comm, 0))
+        else:
+            out = run(Request("allgather", what, src, comm, 0))
+        _copy(out, call, what)
+    elif kind == core_lib.SMC_COLL_ALLTOALLV:
+        sends = [int(call.sends[r]) for r in range(call.nranks)]
+        if len(set(sends)) == 1 and sends == dst_rows:  # equal splits: blocks as rows, checked as above
+            out, _ = run(Request("alltoall", what, src.reshape(comm.size, -1), comm, 0, splits=[1] * comm.size))
+        else:
+            out, got = run(Request("alltoall", what, src, comm, 0, splits=sends))
+            if [int(g) for g in got] != dst_rows:
+                raise MismatchError("%s: received rows %s, expected %s" % (what, list(got), dst_rows), "count")
+        _copy(out, call, what)
+    else:
+        raise ShmCommError("%s: unknown collective kind %d" % (what, kind))
+
+
+def _copy(out, call, what):
+    flat = np.ascontiguousarray(out).reshape(-1).view(np.uint8)
+    if flat.nbytes != call.dst_bytes:
+        raise MismatchError("%s: ranks disagree on the tensor: %d bytes arrived, %d expected" % (
+            what, flat.nbytes, call.dst_bytes), "shape")
+    if flat.nbytes:
+        ffi.memmove(call.dst, ffi.from_buffer(flat), flat.nbytes)
+
+
+def _explained(call):
+    """The exception for the core's failure, as the numpy API raises it (every rank's shape for a shape mismatch:
+    every rank of a mismatch lands here together)."""
+    what = _name(call)
+    error = error_for(call.rc, what)
+    comm = session.state.comm
+    if isinstance(error, MismatchError) and isinstance(comm, HostComm) and call.src != ffi.NULL and call.dtype >= 0:
+        dims = [int(call.src_dims[d]) for d in range(call.src_ndim)]
+        if call.src_bytes == math.prod(dims) * np.dtype(dtypes.numpy_dtype(call.dtype)).itemsize:
+            error = comm.explain_mismatch(error, what, wrap(_view(call.src, call.src_bytes, call.dtype, dims), what))
+    return error

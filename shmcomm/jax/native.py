@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The XLA FFI handler of shmcomm.jax (csrc/jax/handler.c): built on first use, registered with XLA, and given this
+process's context.
+
+Why a build on first use, and not inside the core: the handler needs XLA's C API header, which ships with jaxlib.
+pip builds shmcomm in an isolated environment without jax (and a wheel is built once, for every jaxlib it will meet),
+so the core's build never sees that header; compiling it against the jaxlib actually installed also guarantees that
+the handler speaks that jaxlib's API version. So the first `import shmcomm.jax` compiles a small cffi module (about
+a second) into a cache directory (SHMCOMM_JAX_BUILD_DIR, default ~/.cache/shmcomm/jax-ffi), keyed by the sources and
+jaxlib's header, under a file lock so that the ranks of a job build it once. Every later import loads it. A machine
+without a C compiler can build it ahead, where one exists, with `python -m shmcomm.jax.native` and the same
+directory. The core itself stays unchanged; the handler reaches its collectives through function pointers that the
+shared-memory transport hands out."""
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+_MODULE = "_shmcomm_jax_ffi"
+TARGET = "shmcomm_collective"
+
+
+def _sources():
+    """(handler dir, core include dir): inside the installed package (setup.py copies them there) or in the source
+    tree of an editable install."""
+    here = Path(__file__).resolve().parent
+    for jax_dir, include in ((here / "csrc", here / "csrc"), (here.parents[1] / "csrc" / "jax",
+                                                                here.parents[1] / "csrc" / "include")):
+        if (jax_dir / "handler.c").exists() and (include / "shmcomm.h").exists():
+            return jax_dir, include
+    raise ImportError("shmcomm.jax: the handler's C sources are missing from the installation (%s)" % here)
+
+
+def _cdef(jax_dir):
+    lines = (jax_dir / "handler.h").read_text().splitlines()
+    body = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    return ("typedef int... smc_result_t;\ntypedef int... smc_datatype_t;\ntypedef int... smc_redop_t;\n"
+            "typedef struct smc_comm smc_comm_t;\n" + body +
+            '\nextern "Python+C" int smc_jax_python(smc_jax_context_t*, smc_jax_call_t*);\n')
+
+
+def build_dir():
+    base = os.environ.get("SHMCOMM_JAX_BUILD_DIR")
+    if base:
+        return Path(base)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "shmcomm" / "jax-ffi"
+
+
+def _key(jax_dir, include, xla_include):
+    digest = hashlib.sha256()
+    for path in (jax_dir / "handler.c", jax_dir / "handler.h", include / "shmcomm.h",
+                 Path(xla_include) / "xla" / "ffi" / "api" / "c_api.h"):
+        digest.update(path.read_bytes())
+    digest.update(sys.version.encode() + sysconfig.get_config_var("EXT_SUFFIX").encode())
+    return digest.hexdigest()[:20]
+
+
+def _compile(jax_dir, include, xla_include, target):
+    """Compiles the module into `target` (a directory), atomically."""
+    from cffi import FFI
+
+    builder = FFI()
+    builder.cdef(_cdef(jax_dir))
+    builder.set_source(_MODULE, '#include "handler.h"', sources=[str(jax_dir / "handler.c")],
+                       include_dirs=[str(jax_dir), str(include), xla_include],
+                       extra_compile_args=["-O2", "-std=gnu11", "-Wall"])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        built = Path(builder.compile(tmpdir=str(work), verbose=False))
+        final = work / "module"
+        final.mkdir()
+        os.replace(built, final / built.name)
+        os.replace(final, target)
+    except Exception as error:
+        raise ImportError("shmcomm.jax: could not compile the XLA FFI handler (a C compiler is needed once; "
+                          "`python -m shmcomm.jax.native` builds it ahead): %s" % error) from error
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def load():
+    """The compiled module (ffi, lib), built first if needed."""
+    import jax.ffi
+
+    jax_dir, include = _sources()
+    xla_include = jax.ffi.include_dir()
+    root = build_dir()
+    target = root / _key(jax_dir, include, xla_include)
+    if not target.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the ranks of a job start together: one builds, the others wait
+            if not target.exists():
+                _compile(jax_dir, include, xla_include, target)
+    (path,) = target.glob(_MODULE + "*")
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ffi, module.lib
+
+
+if __name__ == "__main__":
+    load()
+    print("shmcomm.jax: the XLA FFI handler is built in %s" % build_dir())
