@@ -154,8 +154,8 @@ def main():
                                                        "MPI/torus", "ring/torus", "MPI/auto"))
     for size in sizes:
         t, r, a, m = (by[(name, size)] for name in ("torus", "ring", "auto", "mpi library"))
-        print("%12d %12.3f %12.3f %12.3f %12.3f %10.2f %10.2f %10.2f" % (size, t * 1e3, r * 1e3, a * 1e3, m * 1e3, m / t,
-                                                                     r / t, m / a))
+        print("%12d %12.3f %12.3f %12.3f %12.3f %10.2f %10.2f %10.2f" % (size, t * 1e3, r * 1e3, a * 1e3, m * 1e3,
+                                                                     m / t, r / t, m / a))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hosts": args.hosts, "local": args.ranks_per_host, "rate": args.rate, "results": results,

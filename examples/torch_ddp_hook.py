@@ -32,7 +32,8 @@ def main():
     order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(0))  # writers mixed
     x = torch.tensor(digits.data / 16.0, dtype=torch.float32)[order]
     y = torch.tensor(digits.target)[order]
-    x_train, y_train = x[:1400][dist.get_rank()::dist.get_world_size()], y[:1400][dist.get_rank()::dist.get_world_size()]
+    shard = slice(dist.get_rank(), None, dist.get_world_size())
+    x_train, y_train = x[:1400][shard], y[:1400][shard]
     x_test, y_test = x[1400:], y[1400:]
 
     torch.manual_seed(0)

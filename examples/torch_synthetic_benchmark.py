@@ -86,7 +86,8 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=32, help="input batch size")
     parser.add_argument("--image-size", type=int, default=64, help="side of the square random images")
     parser.add_argument("--num-warmup-batches", type=int, default=10, help="number of warm-up batches")
-    parser.add_argument("--num-batches-per-iter", type=int, default=10, help="number of batches per benchmark iteration")
+    parser.add_argument("--num-batches-per-iter", type=int, default=10,
+                        help="number of batches per benchmark iteration")
     parser.add_argument("--num-iters", type=int, default=10, help="number of benchmark iterations")
     parser.add_argument("--no-cuda", action="store_true", default=True, help="accepted; this build trains on the CPU")
     parser.add_argument("--use-adasum", action="store_true",

@@ -22,6 +22,8 @@ import os
 import secrets
 from dataclasses import dataclass
 
+from shmcomm import machine
+
 
 def _get(name, default=None, environ=None):
     environ = os.environ if environ is None else environ
@@ -198,23 +200,6 @@ class Tuning:
     single_copy_bytes: int  # allgather/alltoall/broadcast inputs from this size read peers' memory directly; 0: never
 
 
-def cache_bytes(level=2):
-    """The size of this core's level-`level` data or unified cache, as the kernel reports it; None if unknown."""
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        for index in sorted(os.listdir(root)):
-            base = os.path.join(root, index)
-            with open(os.path.join(base, "level")) as f, open(os.path.join(base, "type")) as t:
-                if int(f.read()) != level or t.read().strip() == "Instruction":
-                    continue
-            with open(os.path.join(base, "size")) as f:
-                text = f.read().strip()
-            return int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]] if text[-1] in "KMG" else int(text)
-    except (OSError, ValueError, KeyError):
-        pass
-    return None
-
-
 def tuning(local_size):
     # With more ranks than cores, a spinning waiter steals the core its peer needs: sleep almost at once.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -234,7 +219,8 @@ def tuning(local_size):
         small_bytes=_number("SMALL_BYTES", 64 << 10, int, low=0, high=MAX_BYTES),
         arena_bytes=_number("SMB_BYTES", 256 << 20, int, low=0, high=MAX_BYTES),
         spin_us=_number("SPIN_US", default_spin_us, int, low=0, high=(1 << 31) - 1),
-        single_copy_bytes=_number("SINGLE_COPY_BYTES", cache_bytes(2) or (1 << 20), int, low=0, high=MAX_BYTES),
+        single_copy_bytes=_number("SINGLE_COPY_BYTES", machine.cache_bytes(2) or (1 << 20), int, low=0,
+                                  high=MAX_BYTES),
     )
 
 

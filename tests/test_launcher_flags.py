@@ -49,9 +49,7 @@ def notes(result):
 
 
 def test_every_horovodrun_flag_is_accepted_and_takes_effect(tmp_path):
-    discovery = tmp_path / "discover.sh"
-    discovery.write_text("#!/bin/sh\necho localhost:2\n")
-    discovery.chmod(0o755)
+    # --min-np, --max-np and --host-discovery-script make the job elastic: tests/test_elastic.py runs them.
     timeline = tmp_path / "timeline.json"
     flags = ["--gloo", "--disable-cache", "--start-timeout", "45", "--network-interfaces", "lo",
              "--network-interface", "lo", "--output-filename", tmp_path / "out", "--verbose",
@@ -60,9 +58,9 @@ def test_every_horovodrun_flag_is_accepted_and_takes_effect(tmp_path):
              "--torus-allreduce", "--autotune", "--autotune-log-file", tmp_path / "tune.csv",
              "--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "4",
              "--autotune-bayes-opt-max-samples", "6", "--autotune-gaussian-process-noise", "0.5",
-             "--min-np", "2", "--max-np", "4", "--slots-per-host", "2", "--elastic-timeout", "30",
+             "--slots-per-host", "2", "--elastic-timeout", "30",
              "--reset-limit", "3", "--blacklist-cooldown-range", "10", "100",
-             "--host-discovery-script", discovery, "--timeline-filename", timeline, "--timeline-mark-cycles",
+             "--timeline-filename", timeline, "--timeline-mark-cycles",
              "--no-stall-check", "--stall-check-warning-time-seconds", "20",
              "--stall-check-shutdown-time-seconds", "40", "--mpi-threads-disable", "--mpi-args=-v",
              "--tcp", "--binding-args=-bind-to none", "--num-nccl-streams", "2", "--thread-affinity", "0",
@@ -95,8 +93,8 @@ def test_every_horovodrun_flag_is_accepted_and_takes_effect(tmp_path):
     assert (tmp_path / "out" / "rank.0" / "stdout").read_text().startswith("{")
     assert "launching 2 rank(s)" in result.stderr
     said = "\n".join(notes(result))
-    for flag in ("--gloo", "--disable-cache", "--num-nccl-streams", "hierarchical-allgather", "--min-np",
-                 "--host-discovery-script", "--tcp", "--binding-args", "-i/--ssh-identity-file", "--mpi-args",
+    for flag in ("--gloo", "--disable-cache", "--num-nccl-streams", "hierarchical-allgather", "--slots-per-host",
+                 "--tcp", "--binding-args", "-i/--ssh-identity-file", "--mpi-args",
                  "--[no-]hierarchical-allreduce"):
         assert flag in said, said
     assert all(len(line) < 400 for line in notes(result))
@@ -287,13 +285,13 @@ ENV = rank_program("import json, os; print(json.dumps(dict(os.environ)))")
     (["--log-hide-timestamp"], "HOROVOD_LOG_HIDE_TIME", "1"),
     (["--no-log-hide-timestamp"], "HOROVOD_LOG_HIDE_TIME", "0"),
     (["--stall-check"], "HOROVOD_STALL_CHECK_DISABLE", "0"),
-    (["--min-num-proc", "1", "--max-num-proc", "3"], "SHMCOMM_SIZE", "2"), (["-H", "localhost:2"], "SHMCOMM_SIZE", "2"),
+    (["-H", "localhost:2"], "SHMCOMM_SIZE", "2"),
     (["--mpi"], "SHMCOMM_SIZE", "2")])
 def test_other_spellings(tmp_path, flags, name, value):
     result = launch("-np", 2, *flags, *ENV)
     assert result.returncode == 0, result.stderr
     assert {json.loads(lines[0])[name] for lines in rank_lines(result.stdout).values()} == {value}
-    if flags[0] in ("--mpi", "--min-num-proc"):
+    if flags[0] == "--mpi":
         assert len(notes(result)) == 1
 
 

@@ -226,6 +226,11 @@ def main(parser, args, command, base_env, flag_env, cores, is_this_host):
     script = args.host_discovery_script
     if script is not None and not (os.path.isfile(script) and os.access(script, os.X_OK)):
         parser.error("--host-discovery-script %r is not an executable file" % script)
+    if script is not None:  # a script that fails now is a usage error, not a job that waits for capacity
+        try:
+            discover(script, is_this_host)
+        except (ValueError, OSError, subprocess.TimeoutExpired) as error:
+            parser.error(str(error))
     initial = args.num_proc if args.num_proc is not None else max_np
     env = dict(base_env)
     env.update(flag_env)
