@@ -18,9 +18,8 @@ import numpy as np
 
 from shmcomm import env, ops
 from shmcomm._native import ffi, lib
-from shmcomm.buffers import output_for, require_reducible, wrap
 from shmcomm.engine import autotune, fusion, timeline
-from shmcomm.engine.negotiate import Negotiator, members_of, refusal, signature
+from shmcomm.engine.negotiate import Negotiator, checked_signature, members_of, refusal
 from shmcomm.engine.request import Handle, execute, finish
 from shmcomm.engine.stall import StallInspector
 from shmcomm.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, PeerArgumentError,
@@ -96,7 +95,7 @@ class Engine:
             req.name = "%s[set %d]" % (req.name, req.set_id)  # each process set has a namespace of its own
         refused = None
         try:
-            sig = self._checked_signature(req)
+            sig = checked_signature(req)
         except InvalidArgumentError as error:
             refused, req.buffer = error, None
             sig = refusal(req, str(error))
@@ -131,24 +130,6 @@ class Engine:
                     pass  # the verdict on this rank's own refusal, or the engine's end: its own error says more
             raise refused
         return handle
-
-    @staticmethod
-    def _checked_signature(req):
-        """The request's signature, after the checks a communicator would make when running it."""
-        if req.error is not None:
-            raise req.error
-        if req.kind == "barrier":
-            return signature(req, None, ())
-        buf = req.buffer = wrap(req.tensor, req.what, writable=req.output is req.tensor)
-        if req.kind in ("allreduce", "reducescatter"):
-            require_reducible(buf, req.what)
-        if req.kind == "reducescatter" and not buf.shape:
-            raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % req.what)
-        # An allgather's or alltoall's result shape is known only once the ranks meet; a reduce-scatter's share is
-        # checked when it runs; those ranks take part with a scratch array and raise then (output_or_scratch).
-        if req.output is not None and req.output is not req.tensor and req.kind in ("allreduce", "broadcast"):
-            output_for(buf, req.output, buf.shape, req.what)
-        return signature(req, buf.dtype_key(), tuple(buf.shape) or (1,))
 
     def flush(self, waiting=True):
         """Someone waits for a result (or a bucket is full): negotiate now. Wakes this rank's engine only (the others

@@ -14,6 +14,8 @@ import pickle
 from typing import NamedTuple
 
 from shmcomm import description
+from shmcomm.buffers import output_for, require_reducible, wrap
+from shmcomm.exceptions import InvalidArgumentError
 
 
 class Signature(NamedTuple):
@@ -164,3 +166,21 @@ def _refusal_text(name, by_rank, refused):
     return "%s: rank %d's call failed its own checks%s, so no rank ran it; %s" % (
         name, refused[0], " (and other ranks' too)" if len(refused) > 1 else "",
         "; ".join("rank %d: %s" % (r, by_rank[r].refused) for r in refused))
+
+
+def checked_signature(req):
+    """The request's signature, after the checks a communicator would make when running it."""
+    if req.error is not None:
+        raise req.error
+    if req.kind == "barrier":
+        return signature(req, None, ())
+    buf = req.buffer = wrap(req.tensor, req.what, writable=req.output is req.tensor)
+    if req.kind in ("allreduce", "reducescatter"):
+        require_reducible(buf, req.what)
+    if req.kind == "reducescatter" and not buf.shape:
+        raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % req.what)
+    # An allgather's or alltoall's result shape is known only once the ranks meet; a reduce-scatter's share is
+    # checked when it runs; those ranks take part with a scratch array and raise then (output_or_scratch).
+    if req.output is not None and req.output is not req.tensor and req.kind in ("allreduce", "broadcast"):
+        output_for(buf, req.output, buf.shape, req.what)
+    return signature(req, buf.dtype_key(), tuple(buf.shape) or (1,))
