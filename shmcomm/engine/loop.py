@@ -19,7 +19,7 @@ import numpy as np
 from shmcomm import env, ops
 from shmcomm._native import ffi, lib
 from shmcomm.engine import autotune, fusion, timeline
-from shmcomm.engine.negotiate import Negotiator, checked_signature, members_of, refusal
+from shmcomm.engine.negotiate import Negotiator, checked_signature, members_of, plan_text, refusal
 from shmcomm.engine.request import Handle, execute, finish
 from shmcomm.engine.stall import StallInspector
 from shmcomm.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, PeerArgumentError,
@@ -290,7 +290,7 @@ class Engine:
         if plan.steps is None:
             plan.steps = self._steps(plan.responses)
         if plan.steps and log.isEnabledFor(logging.DEBUG):
-            log.debug("cycle %d runs %s", self._cycle, _plan_text(plan.steps))
+            log.debug("cycle %d runs %s", self._cycle, plan_text(plan.steps))
         me = self.comm.topology.rank
         for kind, item in plan.steps:
             if kind == "fused":
@@ -390,13 +390,3 @@ class Engine:
             self._join.set_error(error)
             self._join = None
 
-
-def _plan_text(steps):
-    """A plan in words for the debug log: 'fused allreduce [a, b]; broadcast c; error d'."""
-    parts = []
-    for kind, item in steps:
-        if kind == "fused":
-            parts.extend("fused allreduce [%s]" % ", ".join(r.name for r in group) for group in item)
-        else:
-            parts.append("%s %s" % ("error" if kind == "error" else item.sig.collective.kind, item.name))
-    return "; ".join(parts)

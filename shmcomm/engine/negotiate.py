@@ -184,3 +184,14 @@ def checked_signature(req):
     if req.output is not None and req.output is not req.tensor and req.kind in ("allreduce", "broadcast"):
         output_for(buf, req.output, buf.shape, req.what)
     return signature(req, buf.dtype_key(), tuple(buf.shape) or (1,))
+
+
+def plan_text(steps):
+    """A plan in words for the debug log: 'fused allreduce [a, b]; broadcast c; error d'."""
+    parts = []
+    for kind, item in steps:
+        if kind == "fused":
+            parts.extend("fused allreduce [%s]" % ", ".join(r.name for r in group) for group in item)
+        else:
+            parts.append("%s %s" % ("error" if kind == "error" else item.sig.collective.kind, item.name))
+    return "; ".join(parts)
