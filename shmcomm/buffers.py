@@ -20,9 +20,9 @@ _EMPTY = ffi.new("char[1]")  # the address of empty tensors
 class Buffer:
     """A borrowed view of an array. Holds a reference to the array so its memory outlives the call."""
 
-    __slots__ = ("array", "ptr", "count", "code", "itemsize", "shape", "is_torch")
+    __slots__ = ("array", "ptr", "count", "code", "itemsize", "shape", "is_torch", "on_device")
 
-    def __init__(self, array, ptr, count, code, itemsize, shape, is_torch):
+    def __init__(self, array, ptr, count, code, itemsize, shape, is_torch, on_device=False):
         self.array = array
         self.ptr = ptr
         self.count = count
@@ -30,6 +30,7 @@ class Buffer:
         self.itemsize = itemsize
         self.shape = shape
         self.is_torch = is_torch
+        self.on_device = on_device  # a CUDA tensor: `ptr` is a device address, never to be touched on the host
 
     @property
     def nbytes(self):
@@ -38,8 +39,9 @@ class Buffer:
     def dtype_key(self):
         """An integer that is equal across ranks exactly when the element types are equal."""
         if self.code is not None:
-            return self.code
-        return 1000 + zlib.crc32(self.type_name().encode())  # str hashes differ between processes; crc32 does not
+            return self.code + dtypes.DEVICE_KEY if self.on_device else self.code
+        name = ("cuda " if self.on_device else "") + self.type_name()
+        return 1000 + zlib.crc32(name.encode())  # str hashes differ between processes; crc32 does not
 
     def type_name(self):
         return dtypes.NAMES.get(self.code) or str(self.array.dtype).replace("torch.", "")
@@ -79,7 +81,7 @@ def wrap(x, what, writable=False):
     if is_torch(x):
         if x.device.type != "cpu":
             raise InvalidArgumentError(
-                "%s: tensor is on %s; this build moves CPU tensors only (move it with .cpu())" % (what, x.device))
+                "%s: tensor is on %s; shmcomm moves CPU and CUDA tensors only (move it with .cpu())" % (what, x.device))
         if not x.is_contiguous():
             raise InvalidArgumentError("%s: tensor is required to be contiguous" % what)
         if x.is_sparse or x.is_quantized:
@@ -89,6 +91,16 @@ def wrap(x, what, writable=False):
         ptr = ffi.cast("void *", x.data_ptr()) if x.numel() else _EMPTY
         return Buffer(x, ptr, x.numel(), dtypes.torch_codes().get(x.dtype), x.element_size(), tuple(x.shape), True)
     raise InvalidArgumentError("%s: expected a numpy array or a torch tensor, got %s" % (what, type(x).__name__))
+
+
+def wrap_device(x, what):
+    """A CUDA tensor's Buffer, for the checks and the negotiation only: its pointer is a device address."""
+    if not x.is_contiguous():
+        raise InvalidArgumentError("%s: tensor is required to be contiguous" % what)
+    if x.is_sparse or x.is_quantized:
+        raise InvalidArgumentError("%s: sparse and quantized tensors are not supported" % what)
+    return Buffer(x, None, x.numel(), dtypes.torch_codes().get(x.dtype), x.element_size(), tuple(x.shape), True,
+                  on_device=True)
 
 
 def require_reducible(buf, what):

@@ -1,16 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Blocking collectives on numpy arrays and torch CPU tensors, with Horovod's names and semantics.
+"""Blocking collectives on numpy arrays and torch CPU and CUDA tensors, with Horovod's names and semantics.
 
 Every rank must call the same collectives in the same order with agreeing arguments. When they do not, every rank
 raises MismatchError for that call and the job can go on. While the background engine runs (asynchronous operations
-started it), these calls go through it, so that they and the asynchronous ones keep one order on every rank."""
+started it), these calls go through it, so that they and the asynchronous ones keep one order on every rank.
+
+A request on a CUDA tensor is served by the device communicator next to the world's (algorithms/device.py), on the
+global process set only."""
 import numpy as np
 
 from shmcomm import ops, session
 from shmcomm.engine import current as current_engine
 from shmcomm.engine.request import Request, execute
-from shmcomm.buffers import is_torch, wrap
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.buffers import is_torch, wrap, wrap_device
+from shmcomm.exceptions import InvalidArgumentError, NotSupportedError
 
 def resolve_set(process_set):
     """The communicator and id of a process set (None or the global set: everyone)."""
@@ -18,6 +21,27 @@ def resolve_set(process_set):
     if process_set is None or process_set.process_set_id == 0:
         return comm, 0
     return process_set.communicator(), process_set.process_set_id
+
+
+def is_cuda(tensor):
+    return is_torch(tensor) and tensor.is_cuda
+
+
+def on_device(req):
+    """Hands a request on a CUDA tensor to the device communicator, whose checks travel with it (Request.checked)."""
+    if is_cuda(req.tensor):
+        if req.set_id:
+            req.checked(_no_device_sets, req.what)
+        else:
+            from shmcomm.algorithms import device
+
+            req.comm = device.communicator(req.comm)
+            req.checked(req.comm.prepare, req)
+    return req
+
+
+def _no_device_sets(what):
+    raise NotSupportedError("%s: CUDA tensors are supported on the global process set only" % what)
 
 
 def _name(kind, name):
@@ -65,7 +89,7 @@ def allreduce_request(tensor, output, op, average, prescale_factor, postscale_fa
     req = Request("allreduce", _name("allreduce", name), tensor, comm, set_id, output=output,
                   prescale=prescale_factor, postscale=postscale_factor)
     req.op = req.checked(ops.resolve, op, average, default=ops.Sum)
-    return req
+    return on_device(req)
 
 
 def _latency_path(tensor, output, op, prescale_factor, postscale_factor, name):
@@ -81,14 +105,14 @@ def _latency_path(tensor, output, op, prescale_factor, postscale_factor, name):
 def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None,
               process_set=None):
     """The reduction of `tensor` over all ranks (default op: Average), in a new tensor or in `output`."""
-    if process_set is None and average is None and current_engine() is None:
+    if process_set is None and average is None and current_engine() is None and not is_cuda(tensor):
         return _latency_path(tensor, output, op, prescale_factor, postscale_factor, name)
     return run(allreduce_request(tensor, output, op, average, prescale_factor, postscale_factor, name, process_set))
 
 
 def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=None):
     """Reduces `tensor` over all ranks in place and returns it."""
-    if process_set is None and average is None and current_engine() is None:
+    if process_set is None and average is None and current_engine() is None and not is_cuda(tensor):
         return _latency_path(tensor, tensor, op, prescale_factor, postscale_factor, name)
     return run(allreduce_request(tensor, tensor, op, average, prescale_factor, postscale_factor, name, process_set))
 
@@ -97,7 +121,7 @@ def broadcast_request(tensor, output, root_rank, name, process_set):
     comm, set_id = resolve_set(process_set)
     req = Request("broadcast", _name("broadcast", name), tensor, comm, set_id, output=output)
     req.root = req.checked(root_index, comm, root_rank, req.what, default=0)
-    return req
+    return on_device(req)
 
 
 def broadcast(tensor, root_rank, name=None, output=None, process_set=None):
@@ -112,7 +136,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
 
 def allgather_request(tensor, name, process_set, output=None):
     comm, set_id = resolve_set(process_set)
-    return Request("allgather", _name("allgather", name), tensor, comm, set_id, output=output)
+    return on_device(Request("allgather", _name("allgather", name), tensor, comm, set_id, output=output))
 
 
 def allgather(tensor, name=None, process_set=None, output=None):
@@ -133,7 +157,7 @@ def reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, p
     req = Request("reducescatter", _name("reducescatter", name), tensor, comm, set_id, output=output,
                   prescale=prescale_factor, postscale=postscale_factor)
     req.op = req.checked(_reducescatter_op, op, default=ops.Sum)
-    return req
+    return on_device(req)
 
 
 def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None,
@@ -147,10 +171,10 @@ def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postsc
 def alltoall_request(tensor, splits, name, process_set, output=None):
     comm, set_id = resolve_set(process_set)
     req = Request("alltoall", _name("alltoall", name), tensor, comm, set_id, output=output)
-    buf = req.checked(wrap, tensor, req.what)
+    buf = req.checked(wrap_device if is_cuda(tensor) else wrap, tensor, req.what)
     if buf is not None:
         req.splits = req.checked(splits_list, splits, (tuple(buf.shape) or (1,))[0], comm.size, req.what)
-    return req
+    return on_device(req)
 
 
 def received_splits(tensor, got):

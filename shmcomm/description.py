@@ -102,6 +102,8 @@ def tag(dtype, shape):
 
 def dtype_name(key, names=None):
     """A dtype key in words; `names` adds the keys of types the core does not reduce (Buffer.type_name)."""
+    if dtypes.device_code(key) is not None:
+        return "cuda " + dtypes.NAMES[dtypes.device_code(key)]
     return dtypes.NAMES.get(key) or (names or {}).get(key) or "dtype#%d" % key
 
 

@@ -27,6 +27,16 @@ NAMES = {
     lib.SMC_INT64: "int64",
 }
 INTEGER = {lib.SMC_INT8, lib.SMC_UINT8, lib.SMC_INT16, lib.SMC_INT32, lib.SMC_INT64}
+# A CUDA tensor's dtype key is its core code plus this: ranks that pass a CUDA tensor where others pass a CPU one
+# disagree on the dtype (and every rank raises), and the engine never fuses CUDA tensors with CPU ones. Core codes
+# are below it; the keys of types the core does not reduce are 1000 and above (Buffer.dtype_key).
+DEVICE_KEY = 100
+
+
+def device_code(key):
+    """The core code of a CUDA tensor's dtype key, or None if `key` is not one."""
+    code = key - DEVICE_KEY
+    return code if code in NAMES else None
 
 _torch_map = None
 

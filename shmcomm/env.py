@@ -14,6 +14,7 @@ Bad values raise ValueError naming the variable. The README's "Tuning" table doc
   paths:      ALLREDUCE_ALGO (or Horovod's HIERARCHICAL_ALLREDUCE / TORUS_ALLREDUCE switches), TORUS_GRID,
               TORUS_SMALL_BYTES, TORUS_MIN_BYTES, RANKS_PER_HOST (testing: pretend hosts)
   mpi:        MPI_THREADS_DISABLE
+  gpu:        GPU_PATH (auto, nccl or host: how CUDA tensors travel, shmcomm/devices.py)
   logging:    LOG_LEVEL, LOG_HIDE_TIME
   horovod:    ELASTIC (a world of one still reduces gradients); GLOO_TIMEOUT_SECONDS stands for TIMEOUT when that is
               unset
@@ -122,6 +123,14 @@ def validate():
     elastic()
     engine_requested()
     pretend_ranks_per_host()
+    gpu_path()
+
+
+def gpu_path():
+    path = (_get("GPU_PATH") or "auto").lower()
+    if path not in ("auto", "nccl", "host"):
+        raise ValueError("SHMCOMM_GPU_PATH=%r: choose one of auto, nccl, host" % path)
+    return path
 
 
 def topology():

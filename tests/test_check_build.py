@@ -15,6 +15,7 @@ REPORT = "from shmcomm.runner.check_build import print_build_report\nprint_build
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_JAX = all(importlib.util.find_spec(name) is not None for name in ("jax", "optax"))
 # What this test environment (the README's test command) can use.
+# This machine has no GPU: CUDA and NCCL are unmarked (their details say why).
 EVERYTHING = {"PyTorch": HAS_TORCH, "JAX": HAS_JAX, "Shared memory": True, "MPI": True, "NCCL": False, "CUDA": False,
               "C core (CPU)": True}
 
@@ -48,7 +49,8 @@ def test_check_build_marks_what_shmcomm_can_use_not_what_is_installed(tmp_path):
     assert result.returncode == 0, result.stderr
     marks, details = _marks(result.stdout)
     assert marks == dict(EVERYTHING, JAX=False), result.stdout
-    assert "jax.ffi" in details["JAX"] and "not supported" in details["CUDA"]
+    assert "jax.ffi" in details["JAX"] and "torch.cuda.is_available() is False" in details["CUDA"]
+    assert "no GPU to use it on; library: NCCL 2." in details["NCCL"]
     assert details["C core"].startswith("built (") and "mpiexec" in details["MPI"]
     for heading in ("Available Frameworks:", "Available Controllers/Transports:", "Available Tensor Operations:"):
         assert heading in result.stdout

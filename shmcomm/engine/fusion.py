@@ -4,14 +4,30 @@
 Agreed allreduce responses with the same process set, dtype, op and scale factors are packed, in response order, into
 one buffer of at most the fusion threshold, reduced once, and unpacked. Grouping looks only at the responses, which
 are identical on every rank, so every rank forms the same groups. A rank that has joined packs zeros in place of the
-tensor it does not have."""
+tensor it does not have.
+
+CUDA tensors (their dtype keys are dtypes.DEVICE_KEY apart, so they never share a group with CPU tensors) are fused
+on their device by their communicator (algorithms/device.py, DeviceComm.run_fused), not in the host buffer here."""
 import math
 
 import numpy as np
 
+from shmcomm import dtypes
 from shmcomm._native import ffi
 from shmcomm.buffers import output_for
+from shmcomm.exceptions import NotSupportedError
 from shmcomm.ops import ReduceOp
+from shmcomm.transport import kernels
+
+
+def itemsize(key):
+    """The element size of a dtype key, a CUDA tensor's included."""
+    code = dtypes.device_code(key)
+    return kernels.itemsize(key if code is None else code)
+
+
+def on_device(group):
+    return dtypes.device_code(group[0].sig.collective.dtype) is not None
 
 
 def nbytes(sig, itemsize):
@@ -89,3 +105,17 @@ def run_group(comm, group, requests, fusion, itemsize, timeline):
         at += size
     timeline.end(names, "MEMCPY_OUT_FUSION_BUFFER")
     return results
+
+
+def run_device_group(group, requests, timeline):
+    """A group of CUDA tensors, packed and reduced on their device by their communicator. A rank that has joined has
+    no tensors (nor a device communicator) to contribute zeros from: every rank fails the group alike instead."""
+    if group[0].joined:
+        raise NotSupportedError("%s: ranks %s have called join(); join() covers allreduces of CPU tensors only"
+                                % (group[0].name, ", ".join(map(str, group[0].joined))))
+    names = [r.name for r in group]
+    timeline.begin(names, "ALLREDUCE")
+    try:
+        return requests[names[0]].comm.run_fused([requests[name] for name in names])
+    finally:
+        timeline.end(names, "ALLREDUCE")

@@ -24,7 +24,6 @@ from shmcomm.engine.request import Handle, execute, finish
 from shmcomm.engine.stall import StallInspector
 from shmcomm.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, PeerArgumentError,
                                 RankFailure, ShmCommError, TimeoutError)
-from shmcomm.transport import kernels
 
 log = logging.getLogger("shmcomm.engine")
 
@@ -313,7 +312,7 @@ class Engine:
                 run.append(resp)
                 continue
             if run:
-                steps.append(("fused", fusion.groups(run, max(self.fusion_threshold, 1), kernels.itemsize)))
+                steps.append(("fused", fusion.groups(run, max(self.fusion_threshold, 1), fusion.itemsize)))
                 run = []
             if resp is not None:
                 steps.append(("error" if resp.error is not None else "one", resp))
@@ -342,7 +341,7 @@ class Engine:
             started = time.monotonic()
             self._execute_group(group)
             if self.tuner is not None:
-                itemsize = kernels.itemsize(group[0].sig.collective.dtype)
+                itemsize = fusion.itemsize(group[0].sig.collective.dtype)
                 self.tuner.record([(r.name, fusion.nbytes(r.sig, itemsize)) for r in group],
                                   time.monotonic() - started)
 
@@ -355,8 +354,11 @@ class Engine:
         sig = group[0].sig
         comm = self.comm if sig.set_key == 0 else self.communicator_of(sig.set_key[0])
         try:
-            results = fusion.run_group(comm, group, requests, self.fusion, kernels.itemsize(sig.collective.dtype),
-                                       self.timeline)
+            if fusion.on_device(group):
+                results = fusion.run_device_group(group, requests, self.timeline)
+            else:
+                results = fusion.run_group(comm, group, requests, self.fusion, fusion.itemsize(sig.collective.dtype),
+                                           self.timeline)
         except ShmCommError as error:
             self._complete_many([(name, None, error) for name in requests])
             if isinstance(error, _FATAL):

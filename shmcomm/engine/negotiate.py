@@ -14,7 +14,7 @@ import pickle
 from typing import NamedTuple
 
 from shmcomm import description
-from shmcomm.buffers import output_for, require_reducible, wrap
+from shmcomm.buffers import output_for, require_reducible, wrap, wrap_device
 from shmcomm.exceptions import InvalidArgumentError
 
 
@@ -174,14 +174,17 @@ def checked_signature(req):
         raise req.error
     if req.kind == "barrier":
         return signature(req, None, ())
-    buf = req.buffer = wrap(req.tensor, req.what, writable=req.output is req.tensor)
+    on_device = getattr(req.comm, "on_device", False)  # algorithms/device.py: CUDA tensors
+    buf = req.buffer = (wrap_device(req.tensor, req.what) if on_device else
+                        wrap(req.tensor, req.what, writable=req.output is req.tensor))
     if req.kind in ("allreduce", "reducescatter"):
         require_reducible(buf, req.what)
     if req.kind == "reducescatter" and not buf.shape:
         raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % req.what)
     # An allgather's or alltoall's result shape is known only once the ranks meet; a reduce-scatter's share is
     # checked when it runs; those ranks take part with a scratch array and raise then (output_or_scratch).
-    if req.output is not None and req.output is not req.tensor and req.kind in ("allreduce", "broadcast"):
+    if (req.output is not None and req.output is not req.tensor and req.kind in ("allreduce", "broadcast") and
+            not on_device):  # a device output is checked by DeviceComm.prepare
         output_for(buf, req.output, buf.shape, req.what)
     return signature(req, buf.dtype_key(), tuple(buf.shape) or (1,))
 

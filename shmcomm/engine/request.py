@@ -10,7 +10,7 @@ class Request:
     """One collective on one tensor. `root` is an index in `comm`; `splits` is a list of rows per rank."""
 
     __slots__ = ("kind", "name", "tensor", "output", "op", "prescale", "postscale", "root", "splits", "comm",
-                 "set_id", "handle", "submitted", "want_splits", "buffer", "error")
+                 "set_id", "handle", "submitted", "want_splits", "buffer", "error", "ready")
 
     def __init__(self, kind, name, tensor, comm, set_id=0, output=None, op=None, prescale=1.0, postscale=1.0, root=0,
                  splits=None):
@@ -30,6 +30,7 @@ class Request:
         self.buffer = None  # the engine's view of `tensor`, made once at submission
         self.want_splits = False  # alltoall: return the received splits too (Horovod does when splits were given)
         self.error = None  # a check of the arguments that failed on this rank (checked())
+        self.ready = None  # CUDA tensors: what algorithms/device.py recorded at submission (the caller's stream)
 
     def checked(self, check, *args, default=None):
         """check(*args), or `default` if it raises InvalidArgumentError: the error then travels with the request
@@ -61,6 +62,8 @@ def execute(req):
 
 def _dispatch(req):
     kind, comm, what = req.kind, req.comm, req.what
+    if getattr(comm, "on_device", False):  # CUDA tensors (algorithms/device.py) read the whole request
+        return comm.run(req)
     if kind == "allreduce":
         return comm.allreduce(req.tensor, req.output, req.op, req.prescale, req.postscale, what)
     if kind == "broadcast":

@@ -11,15 +11,14 @@ jaxlib's header, under a file lock so that the ranks of a job build it once. Eve
 without a C compiler can build it ahead, where one exists, with `python -m shmcomm.jax.native` and the same
 directory. The core itself stays unchanged; the handler reaches its collectives through function pointers that the
 shared-memory transport hands out."""
-import fcntl
 import hashlib
 import importlib.util
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
+
+from shmcomm import build_cache
 
 _MODULE = "_shmcomm_jax_ffi"
 TARGET = "shmcomm_collective"
@@ -45,11 +44,7 @@ def _cdef(jax_dir):
 
 
 def build_dir():
-    base = os.environ.get("SHMCOMM_JAX_BUILD_DIR")
-    if base:
-        return Path(base)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "shmcomm" / "jax-ffi"
+    return build_cache.cache_dir("SHMCOMM_JAX_BUILD_DIR", "jax-ffi")
 
 
 def _key(jax_dir, include, xla_include):
@@ -61,8 +56,8 @@ def _key(jax_dir, include, xla_include):
     return digest.hexdigest()[:20]
 
 
-def _compile(jax_dir, include, xla_include, target):
-    """Compiles the module into `target` (a directory), atomically."""
+def _compile(jax_dir, include, xla_include, work):
+    """Compiles the module into the directory `work`."""
     from cffi import FFI
 
     builder = FFI()
@@ -70,19 +65,12 @@ def _compile(jax_dir, include, xla_include, target):
     builder.set_source(_MODULE, '#include "handler.h"', sources=[str(jax_dir / "handler.c")],
                        include_dirs=[str(jax_dir), str(include), xla_include],
                        extra_compile_args=["-O2", "-std=gnu11", "-Wall"])
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
     try:
-        built = Path(builder.compile(tmpdir=str(work), verbose=False))
-        final = work / "module"
-        final.mkdir()
-        os.replace(built, final / built.name)
-        os.replace(final, target)
+        built = Path(builder.compile(tmpdir=str(work.parent), verbose=False))
+        os.replace(built, work / built.name)
     except Exception as error:
         raise ImportError("shmcomm.jax: could not compile the XLA FFI handler (a C compiler is needed once; "
                           "`python -m shmcomm.jax.native` builds it ahead): %s" % error) from error
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def load():
@@ -91,14 +79,8 @@ def load():
 
     jax_dir, include = _sources()
     xla_include = jax.ffi.include_dir()
-    root = build_dir()
-    target = root / _key(jax_dir, include, xla_include)
-    if not target.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        with open(root / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the ranks of a job start together: one builds, the others wait
-            if not target.exists():
-                _compile(jax_dir, include, xla_include, target)
+    target = build_cache.built(build_dir(), _key(jax_dir, include, xla_include),
+                               lambda work: _compile(jax_dir, include, xla_include, work))
     (path,) = target.glob(_MODULE + "*")
     spec = importlib.util.spec_from_file_location(_MODULE, path)
     module = importlib.util.module_from_spec(spec)

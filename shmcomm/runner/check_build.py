@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """`shmcommrun --check-build`: what shmcomm can do here, in Horovod's check-build layout.
 
-As in Horovod, [X] means "usable through this library", not "installed": CUDA and NCCL stay [ ] until shmcomm
-supports them, whatever is installed, and JAX needs what shmcomm.jax builds on (jax.ffi and XLA's C API header from
-jaxlib, and optax). Each probe answers (usable, detail) and never raises: a broken optional
+As in Horovod, [X] means "usable through this library", not "installed": CUDA needs a torch that sees a GPU, NCCL
+needs that and a libnccl shmcomm can load, and JAX needs what shmcomm.jax builds on (jax.ffi and XLA's C API header
+from jaxlib, and optax). Each probe answers (usable, detail) and never raises: a broken optional
 package must show up as unusable in the report, not abort it.
 """
 
@@ -12,9 +12,6 @@ import os
 import sys
 
 from .mpi_launch import find_mpiexec
-
-NOT_SUPPORTED = (False, "not supported by shmcomm yet")
-
 
 def _first_line(text):
     lines = str(text).strip().splitlines()
@@ -60,16 +57,33 @@ def probe_torch():
     return True, torch.__version__
 
 
-def probe_nccl():
-    """Which libnccl shmcomm would load at run time, and its version. NCCL stays unmarked until CUDA tensors go
-    through it; the detail still tells a user whether the library is there."""
+def probe_cuda():
+    """Usable when torch sees a GPU: CUDA tensors then go through shmcomm.torch. The detail says whether nvcc is
+    there to build the CUDA kernels on first use (torch's own operations stand in for them otherwise)."""
+    try:
+        import torch
+        from shmcomm.transport import cuda_kernels
+        available = torch.cuda.is_available()
+        kernels = (f"kernels: built with {cuda_kernels.nvcc()} on first use" if cuda_kernels.nvcc() else
+                   "kernels: no nvcc, torch's operations stand in")
+    except Exception as error:
+        return False, f"not available ({_reason(error)})"
+    if not available:
+        return False, f"torch {torch.__version__} sees no GPU (torch.cuda.is_available() is False); {kernels}"
+    return True, (f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s); "
+                  f"{kernels}")
+
+
+def probe_nccl(cuda):
+    """Which libnccl shmcomm would load at run time, and its version; usable with CUDA tensors (`cuda`: the CUDA
+    probe's answer)."""
     try:
         from shmcomm.transport import nccl_library
         library = nccl_library.load()
     except Exception as error:
-        return False, f"not supported by shmcomm yet; library: {_reason(error)}"
-    return False, (f"not supported by shmcomm yet; library: NCCL {library.version_text} at {library.path} "
-                   f"(from {library.found_by})")
+        return False, f"library: {_reason(error)}"
+    found = f"library: NCCL {library.version_text} at {library.path} (from {library.found_by})"
+    return (True, found) if cuda[0] else (False, f"no GPU to use it on; {found}")
 
 
 def probe_jax():
@@ -104,17 +118,18 @@ def _mark(usable):
 
 def build_report():
     """The report as a list of lines."""
-    core, mpi, torch, jax, nccl = probe_core(), probe_mpi(), probe_torch(), probe_jax(), probe_nccl()
+    core, mpi, torch, jax, cuda = probe_core(), probe_mpi(), probe_torch(), probe_jax(), probe_cuda()
+    nccl = probe_nccl(cuda)
     rows = {
         "Available Frameworks:": [("PyTorch", torch), ("JAX", jax)],
         "Available Controllers/Transports:": [("Shared memory", core), ("MPI", mpi)],
-        "Available Tensor Operations:": [("NCCL", nccl), ("CUDA", NOT_SUPPORTED), ("C core (CPU)", core)],
+        "Available Tensor Operations:": [("NCCL", nccl), ("CUDA", cuda), ("C core (CPU)", core)],
     }
     version = _shmcomm_version()
     lines = [f"shmcomm {'v' + version if version[0].isdigit() else version}:", ""]
     for heading, entries in rows.items():
         lines += [heading] + [f"    {_mark(usable)} {name}" for name, (usable, _) in entries] + [""]
-    details = {"C core": core, "MPI": mpi, "PyTorch": torch, "JAX": jax, "CUDA": NOT_SUPPORTED, "NCCL": nccl}
+    details = {"C core": core, "MPI": mpi, "PyTorch": torch, "JAX": jax, "CUDA": cuda, "NCCL": nccl}
     return lines + ["Details:"] + [f"    {name}: {detail}" for name, (_, detail) in details.items()]
 
 

@@ -3,6 +3,10 @@
 on CPU ranks, on one host or across hosts (shared memory within a host; MPI and the 2D-torus allreduce between
 hosts).
 
+CUDA tensors go through every collective, the asynchronous handles and DistributedOptimizer: over NCCL when each
+rank has a GPU of its own, through pinned host memory into the shared-memory collectives when ranks share one
+(shmcomm/algorithms/device.py). These paths have not yet run on a GPU.
+
 op=Adasum works in allreduce and DistributedOptimizer (Horovod's delta optimizer) for float16/32/64 on
 power-of-two worlds (algorithms/adasum.py).
 
@@ -104,7 +108,8 @@ def shutdown():
 
 
 # What this build can do, truthfully: collectives on CPU tensors, over shared memory within a host and over MPI
-# (mpi4py) between hosts; never over Gloo, NCCL, CUDA, ROCm, DDL or oneCCL.
+# (mpi4py) between hosts; on CUDA tensors where torch sees a GPU (over NCCL, found at run time, or through host
+# memory); never over Gloo, ROCm, DDL or oneCCL.
 
 def mpi_built():
     """True when mpi4py is installed (it is a dependency): a job that spans hosts then runs its cross-host steps
@@ -131,13 +136,24 @@ def gloo_enabled():
 
 
 def nccl_built():
-    """0: no NCCL operations (Horovod returns the NCCL version code when built with it)."""
-    return 0
+    """The version code of the NCCL library shmcomm loads (23203 for 2.32.3), as Horovod returns it; 0 when there is
+    none or no GPU to use it on."""
+    if not cuda_built():
+        return 0
+    from shmcomm.transport import nccl_library
+
+    try:
+        major, minor, patch = nccl_library.load().version
+    except nccl_library.NcclError:
+        return 0
+    return major * 10000 + minor * 100 + patch
 
 
 def cuda_built():
-    """False: the torch front-end moves CPU tensors only."""
-    return False
+    """True when this process's torch sees a GPU: CUDA tensors then go through every collective."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def rocm_built():

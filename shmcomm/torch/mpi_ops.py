@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Horovod's torch collectives on CPU tensors: blocking, asynchronous (an int handle for poll/synchronize),
-grouped, and differentiable.
+"""Horovod's torch collectives on CPU and CUDA tensors: blocking, asynchronous (an int handle for
+poll/synchronize), grouped, and differentiable. (CUDA tensors: see shmcomm/algorithms/device.py.)
 
 Gradients follow Horovod's rules, so that scripts and tests written for it get the same numbers:
 allreduce -> allreduce of the gradient with the same op and scale factors; allgather -> the Average allreduce of the
@@ -360,7 +360,8 @@ def synchronize(handle):
 def join(device=-1):
     """Says this rank has no more data and waits until every rank has; meanwhile this rank contributes zeros to the
     others' allreduces. Returns the rank that joined last (the same on every rank). `device` is accepted for
-    Horovod compatibility; only the CPU is used."""
+    Horovod compatibility; join() covers allreduces of CPU tensors (a CUDA allreduce fails on every rank while a
+    rank has joined)."""
     return int(_async.join())
 
 

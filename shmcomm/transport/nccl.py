@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+"""NCCL as a transport: one NCCL communicator, its collectives on a caller's CUDA stream, and a bounded wait.
+
+It speaks in device pointers (ints), element counts, NCCL's dtype and op names (nccl_library.DTYPES, OPS) and CUDA
+stream handles (ints: torch's `stream.cuda_stream`), so that nothing here needs torch or the CUDA runtime; whoever
+calls it makes the communicator's device current first (NCCL takes the calling thread's current device when a
+communicator is created).
+
+Lifecycle, as NCCL documents it:
+- `NcclComm.create(unique_id, rank, size, ...)`: every rank calls ncclCommInitRank with the 128-byte id that rank 0
+  drew (`nccl_library.NcclLibrary.unique_id()`) and the host transport handed to the others;
+- `split(color, key)`: ncclCommSplit, collective over the parent, for the 2D torus's rows and columns;
+- collectives enqueue and return at once (the communicator is a blocking one: a call returns when the work is
+  enqueued); `group()` wraps several in ncclGroupStart/ncclGroupEnd (send/recv pairs must be grouped);
+- `wait(done, what)`: polls `done()` (the caller's CUDA event query) and ncclCommGetAsyncError until the work is done,
+  an asynchronous error appears or SHMCOMM_TIMEOUT passes; on error or timeout it calls ncclCommAbort (which also
+  frees the kernels blocked on a dead peer) and raises an error naming the call and the ranks;
+- `close()`: ncclCommAbort, which never waits for peers (ncclCommDestroy may).
+
+Communicator creation and split block inside NCCL until every rank has called them; they run in a helper thread, so
+that a rank that never comes makes the others raise after the deadline instead of hanging (the helper thread is left
+blocked; the job is expected to stop)."""
+import contextlib
+import threading
+import time
+
+from shmcomm.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
+from shmcomm.transport.nccl_library import DTYPES, IN_PROGRESS, OPS, NcclError, load
+
+_SPIN_S = 50e-6       # poll this long without sleeping: small collectives finish within it
+_SLEEP_S = 200e-6     # then sleep this long between polls (ranks may share cores)
+_LIVENESS_S = 0.1     # how often a long wait asks the host transport which ranks have died
+
+
+def wait_for(done, async_error, timeout_s, failed_ranks=None, clock=time.monotonic, sleep=time.sleep):
+    """Polls until `done()` is true. Returns None when it is; otherwise the reason it stopped: ("error", code) when
+    `async_error()` reports an NCCL error, ("dead", ranks) when `failed_ranks()` names dead ranks, ("timeout",
+    seconds) when `timeout_s` passed. ncclInProgress is not an error (non-blocking communicators report it)."""
+    started = clock()
+    last_liveness = started
+    while True:
+        if done():
+            return None
+        code = async_error()
+        if code not in (0, IN_PROGRESS):
+            return "error", code
+        now = clock()
+        if failed_ranks is not None and now - last_liveness >= _LIVENESS_S:
+            last_liveness = now
+            dead = list(failed_ranks())
+            if dead:
+                return "dead", dead
+        if now - started > timeout_s:
+            return "timeout", now - started
+        if now - started > _SPIN_S:
+            sleep(_SLEEP_S)
+
+
+def _bounded(call, timeout_s, what, ranks):
+    """Runs a blocking NCCL call (communicator creation or split) in a helper thread; its result code, or
+    TimeoutError naming the ranks after `timeout_s`."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = call()
+        except BaseException as error:  # handed to the caller below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="shmcomm-nccl-init", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError("%s: not every rank of %s joined within %.0f s (SHMCOMM_TIMEOUT); a rank may have died or "
+                           "not reached this call" % (what, _ranks_text(ranks), timeout_s))
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _ranks_text(ranks):
+    return "ranks %s" % ", ".join(str(r) for r in ranks)
+
+
+class NcclComm:
+    """One NCCL communicator. `ranks`: the job ranks it holds, in its rank order (for messages); `failed_ranks`:
+    the host transport's liveness (job ranks known dead), consulted while a wait lasts."""
+
+    def __init__(self, library, handle, rank, ranks, timeout_s, failed_ranks=None):
+        self.library = library
+        self.handle = handle
+        self.rank = rank
+        self.ranks = list(ranks)
+        self.size = len(self.ranks)
+        self.timeout_s = timeout_s
+        self.failed_ranks = failed_ranks
+        self.broken = None  # the error that made it unusable
+
+    @classmethod
+    def create(cls, unique_id, rank, ranks, timeout_s, failed_ranks=None, library=None):
+        """Every rank of `ranks` calls this with the same `unique_id` (bytes, 128) and its own `rank` (an index in
+        `ranks`), with its device current."""
+        library = library or load()
+        ffi, lib = library.ffi, library.lib
+        if len(unique_id) != ffi.sizeof("ncclUniqueId"):
+            raise NcclError("an NCCL unique id has %d bytes, got %d" % (ffi.sizeof("ncclUniqueId"), len(unique_id)))
+        uid = ffi.new("ncclUniqueId*")
+        ffi.memmove(uid, unique_id, len(unique_id))
+        out = ffi.new("ncclComm_t*")
+        size = len(ranks)
+        result = _bounded(lambda: lib.ncclCommInitRank(out, size, uid[0], rank), timeout_s, "ncclCommInitRank",
+                          ranks)
+        library.check(result, "ncclCommInitRank (rank %d of %d)" % (rank, size))
+        return cls(library, out[0], rank, ranks, timeout_s, failed_ranks)
+
+    def split(self, color, key, ranks):
+        """ncclCommSplit: every rank of this communicator calls it; those with the same `color` form a communicator,
+        ordered by `key`. `ranks`: the job ranks of this rank's new communicator, in key order."""
+        self._usable("ncclCommSplit")
+        ffi, lib = self.library.ffi, self.library.lib
+        out = ffi.new("ncclComm_t*")
+        result = _bounded(lambda: lib.ncclCommSplit(self.handle, color, key, out, ffi.NULL), self.timeout_s,
+                          "ncclCommSplit", self.ranks)
+        self.library.check(result, "ncclCommSplit", self.handle)
+        rank = ffi.new("int*")
+        self.library.check(lib.ncclCommUserRank(out[0], rank), "ncclCommUserRank", out[0])
+        return NcclComm(self.library, out[0], rank[0], ranks, self.timeout_s, self.failed_ranks)
+
+    # ---- collectives: enqueue on `stream` and return ----
+    def allreduce(self, src, dst, count, dtype, op, stream):
+        self._call("ncclAllReduce", self._ptr(src), self._ptr(dst), count, DTYPES[dtype], OPS[op], self.handle,
+                   self._stream(stream))
+
+    def broadcast(self, src, dst, count, dtype, root, stream):
+        self._call("ncclBroadcast", self._ptr(src), self._ptr(dst), count, DTYPES[dtype], root, self.handle,
+                   self._stream(stream))
+
+    def allgather(self, src, dst, count, dtype, stream):
+        """dst holds size * count elements: rank r's `count` at r * count."""
+        self._call("ncclAllGather", self._ptr(src), self._ptr(dst), count, DTYPES[dtype], self.handle,
+                   self._stream(stream))
+
+    def reducescatter(self, src, dst, count, dtype, op, stream):
+        """src holds size * count elements; rank r gets the reduction of elements [r * count, (r + 1) * count)."""
+        self._call("ncclReduceScatter", self._ptr(src), self._ptr(dst), count, DTYPES[dtype], OPS[op], self.handle,
+                   self._stream(stream))
+
+    def send(self, src, count, dtype, peer, stream):
+        self._call("ncclSend", self._ptr(src), count, DTYPES[dtype], peer, self.handle, self._stream(stream))
+
+    def recv(self, dst, count, dtype, peer, stream):
+        self._call("ncclRecv", self._ptr(dst), count, DTYPES[dtype], peer, self.handle, self._stream(stream))
+
+    @contextlib.contextmanager
+    def group(self):
+        """ncclGroupStart ... ncclGroupEnd: the calls inside are launched together (sends and receives that pair up
+        must be, or they deadlock)."""
+        self._usable("ncclGroupStart")
+        self.library.check(self.library.lib.ncclGroupStart(), "ncclGroupStart")
+        try:
+            yield
+        finally:
+            self._check(self.library.lib.ncclGroupEnd(), "ncclGroupEnd")
+
+    # ---- completion and failure ----
+    def wait(self, done, what, also=()):
+        """Returns once `done()` is true (the caller's event query on the stream the calls went to); aborts the
+        communicator (and `also`, communicators split from it that the same work used) and raises if an NCCL error
+        appears on any of them, a rank dies or SHMCOMM_TIMEOUT passes first."""
+        comms = (self,) + tuple(also)
+        for comm in comms:
+            comm._usable(what)
+        status = self.library.ffi.new("ncclResult_t*")
+
+        def async_error():
+            for comm in comms:
+                result = self.library.lib.ncclCommGetAsyncError(comm.handle, status)
+                result = result if result != 0 else status[0]
+                if result not in (0, IN_PROGRESS):
+                    return result
+            return 0
+
+        stopped = wait_for(done, async_error, self.timeout_s, self.failed_ranks)
+        if stopped is None:
+            return
+        for comm in comms:
+            comm.abort()
+        reason, detail = stopped
+        if reason == "dead":
+            error = RankFailure("%s: rank %s died during the NCCL call over %s; the NCCL communicator was aborted"
+                                % (what, detail[0], _ranks_text(self.ranks)), detail[0])
+        elif reason == "timeout":
+            error = TimeoutError("%s: the NCCL call over %s did not finish within %.0f s (SHMCOMM_TIMEOUT); the NCCL "
+                                 "communicator was aborted" % (what, _ranks_text(self.ranks), self.timeout_s))
+        else:
+            error = NcclError("%s: NCCL reported an error over %s: %s (NCCL error %d); the NCCL communicator was "
+                              "aborted" % (what, _ranks_text(self.ranks), self.library.error_string(detail), detail),
+                              detail)
+        for comm in comms:
+            comm.broken = error
+        raise error
+
+    def abort(self):
+        """ncclCommAbort: stops this rank's outstanding NCCL work and frees the communicator; never waits for
+        peers."""
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            self.library.lib.ncclCommAbort(handle)
+        if self.broken is None:
+            self.broken = BrokenCommunicatorError("the NCCL communicator over %s was closed" % _ranks_text(self.ranks))
+
+    close = abort
+
+    # ---- helpers ----
+    def _usable(self, what):
+        if self.broken is not None:
+            raise BrokenCommunicatorError("%s: the NCCL communicator over %s is unusable after an earlier failure (%s)"
+                                          % (what, _ranks_text(self.ranks), self.broken))
+
+    def _call(self, name, *args):
+        self._usable(name)
+        self._check(getattr(self.library.lib, name)(*args), name)
+
+    def _check(self, result, what):
+        if result not in (0, IN_PROGRESS):
+            try:
+                self.library.check(result, what, self.handle)
+            except ShmCommError as error:
+                self.abort()
+                self.broken = error
+                raise
+
+    def _ptr(self, address):
+        return self.library.ffi.cast("void*", address)
+
+    def _stream(self, handle):
+        return self.library.ffi.cast("cudaStream_t", handle)
