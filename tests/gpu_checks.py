@@ -99,7 +99,8 @@ def check_optimizer():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(1)
-    inputs, targets = torch.randn(4 * n, 8, generator=generator).to(dev), torch.randn(4 * n, 4, generator=generator).to(dev)
+    inputs = torch.randn(4 * n, 8, generator=generator).to(dev)
+    targets = torch.randn(4 * n, 4, generator=generator).to(dev)
     mine = slice(4 * me, 4 * (me + 1))
     for _ in range(3):
         optimizer.zero_grad()
