@@ -24,7 +24,7 @@ import threading
 from shmcomm import devices, env, ops
 from shmcomm.algorithms import nccl_torus
 from shmcomm.description import shares
-from shmcomm.exceptions import InvalidArgumentError, NotSupportedError, TimeoutError
+from shmcomm.exceptions import InvalidArgumentError, NotSupportedError, ShmCommError, TimeoutError
 from shmcomm.transport import cuda_kernels
 from shmcomm.transport.nccl import NcclComm, wait_for
 from shmcomm.transport.nccl_library import load as load_nccl
@@ -82,6 +82,7 @@ class DeviceComm:
         self.path = None     # "nccl" or "host", agreed at the first collective
         self.nccl = self.row = self.column = None
         self.kernels = None
+        self.failed = None   # why the path could not be set up (every later CUDA collective raises it)
         self._keep = []      # host buffers the work in flight still copies from or to
 
     def refused(self, kind, error, what):
@@ -101,11 +102,16 @@ class DeviceComm:
             raise NotSupportedError("%s: Adasum is not supported for CUDA tensors" % req.what)
         out = req.output
         if out is not None and out is not x:
+            if req.kind in ("allgather", "alltoall"):
+                raise NotSupportedError("%s: output= is not supported for CUDA tensors; the result is a new tensor"
+                                        % req.what)
+            shape = tuple(x.shape)
+            if req.kind == "reducescatter" and shape:
+                shape = (shares(shape[0], self.size)[self.rank],) + shape[1:]
             if not (isinstance(out, torch.Tensor) and out.device == x.device and out.dtype == x.dtype and
-                    out.is_contiguous() and (req.kind not in ("allreduce", "broadcast") or out.shape == x.shape)):
-                raise InvalidArgumentError("%s: output must be a contiguous %s tensor on %s%s" % (
-                    req.what, x.dtype, x.device, " of shape %s" % list(x.shape) if req.kind in ("allreduce",
-                                                                                               "broadcast") else ""))
+                    out.is_contiguous() and tuple(out.shape) == shape):
+                raise InvalidArgumentError("%s: output must be a contiguous %s tensor on %s of shape %s"
+                                           % (req.what, x.dtype, x.device, list(shape)))
         caller = torch.cuda.current_stream(x.device)
         ready = torch.cuda.Event()
         ready.record(caller)
@@ -202,12 +208,8 @@ class DeviceComm:
         x, torch = req.tensor, self.torch
         rows = shares(x.shape[0], self.size)
         mine, start = rows[self.rank], sum(rows[:self.rank])
-        out = torch.empty((mine,) + tuple(x.shape[1:]), dtype=x.dtype, device=self.device)
-        if req.output is not None:
-            if tuple(req.output.shape) != tuple(out.shape):
-                raise InvalidArgumentError("%s: output is %s, expected %s" % (req.what, list(req.output.shape),
-                                                                              list(out.shape)))
-            out = req.output
+        out = req.output if req.output is not None else torch.empty((mine,) + tuple(x.shape[1:]), dtype=x.dtype,
+                                                                     device=self.device)  # prepare checked it
         if self.path == "nccl":
             work = x.clone()
             if len(set(rows)) == 1 and self.row is None:
@@ -295,6 +297,15 @@ class DeviceComm:
         communicators."""
         if self.path is not None:
             return
+        if self.failed is not None:  # the ranks cannot agree again: they may have failed differently
+            raise self.failed
+        try:
+            self._choose_path()
+        except ShmCommError as error:
+            self.failed = error
+            raise
+
+    def _choose_path(self):
         torch = self.torch
         props = torch.cuda.get_device_properties(self.device)
         pci = getattr(props, "pci_bus_id", None)
@@ -319,8 +330,8 @@ class DeviceComm:
     def _open_nccl(self):
         library = load_nccl()
         unique_id = self.world.allgather_bytes(library.unique_id() if self.rank == 0 else b"")[0]
-        self.nccl = NcclComm.create(unique_id, self.rank, self.ranks, self.tuning.timeout_s,
-                                    self.world.failed_ranks, library)
+        self.nccl = NcclComm.create(unique_id, self.rank, self.ranks, self.tuning.timeout_s, self.world.failed_ranks,
+                                    library, on_thread=lambda: self.torch.cuda.set_device(self.device))
         paths = env.paths(self.size)
         grid = nccl_torus.layout(self.size, self.world.host_groups, paths.algorithm, paths.grid)
         if grid is not None:

@@ -56,13 +56,16 @@ def wait_for(done, async_error, timeout_s, failed_ranks=None, clock=time.monoton
             sleep(_SLEEP_S)
 
 
-def _bounded(call, timeout_s, what, ranks):
-    """Runs a blocking NCCL call (communicator creation or split) in a helper thread; its result code, or
-    TimeoutError naming the ranks after `timeout_s`."""
+def _bounded(call, timeout_s, what, ranks, on_thread=None):
+    """Runs a blocking NCCL call (communicator creation or split) in a helper thread, after `on_thread()` there (the
+    caller makes its device current with it: CUDA's current device is per thread); its result code, or TimeoutError
+    naming the ranks after `timeout_s`."""
     outcome = {}
 
     def run():
         try:
+            if on_thread is not None:
+                on_thread()
             outcome["result"] = call()
         except BaseException as error:  # handed to the caller below
             outcome["error"] = error
@@ -86,7 +89,7 @@ class NcclComm:
     """One NCCL communicator. `ranks`: the job ranks it holds, in its rank order (for messages); `failed_ranks`:
     the host transport's liveness (job ranks known dead), consulted while a wait lasts."""
 
-    def __init__(self, library, handle, rank, ranks, timeout_s, failed_ranks=None):
+    def __init__(self, library, handle, rank, ranks, timeout_s, failed_ranks=None, on_thread=None):
         self.library = library
         self.handle = handle
         self.rank = rank
@@ -94,12 +97,13 @@ class NcclComm:
         self.size = len(self.ranks)
         self.timeout_s = timeout_s
         self.failed_ranks = failed_ranks
+        self.on_thread = on_thread  # makes this communicator's device current in a helper thread
         self.broken = None  # the error that made it unusable
 
     @classmethod
-    def create(cls, unique_id, rank, ranks, timeout_s, failed_ranks=None, library=None):
+    def create(cls, unique_id, rank, ranks, timeout_s, failed_ranks=None, library=None, on_thread=None):
         """Every rank of `ranks` calls this with the same `unique_id` (bytes, 128) and its own `rank` (an index in
-        `ranks`), with its device current."""
+        `ranks`). `on_thread()` makes the rank's device current in the thread that calls NCCL."""
         library = library or load()
         ffi, lib = library.ffi, library.lib
         if len(unique_id) != ffi.sizeof("ncclUniqueId"):
@@ -109,9 +113,9 @@ class NcclComm:
         out = ffi.new("ncclComm_t*")
         size = len(ranks)
         result = _bounded(lambda: lib.ncclCommInitRank(out, size, uid[0], rank), timeout_s, "ncclCommInitRank",
-                          ranks)
+                          ranks, on_thread)
         library.check(result, "ncclCommInitRank (rank %d of %d)" % (rank, size))
-        return cls(library, out[0], rank, ranks, timeout_s, failed_ranks)
+        return cls(library, out[0], rank, ranks, timeout_s, failed_ranks, on_thread)
 
     def split(self, color, key, ranks):
         """ncclCommSplit: every rank of this communicator calls it; those with the same `color` form a communicator,
@@ -120,11 +124,11 @@ class NcclComm:
         ffi, lib = self.library.ffi, self.library.lib
         out = ffi.new("ncclComm_t*")
         result = _bounded(lambda: lib.ncclCommSplit(self.handle, color, key, out, ffi.NULL), self.timeout_s,
-                          "ncclCommSplit", self.ranks)
+                          "ncclCommSplit", self.ranks, self.on_thread)
         self.library.check(result, "ncclCommSplit", self.handle)
         rank = ffi.new("int*")
         self.library.check(lib.ncclCommUserRank(out[0], rank), "ncclCommUserRank", out[0])
-        return NcclComm(self.library, out[0], rank[0], ranks, self.timeout_s, self.failed_ranks)
+        return NcclComm(self.library, out[0], rank[0], ranks, self.timeout_s, self.failed_ranks, self.on_thread)
 
     # ---- collectives: enqueue on `stream` and return ----
     def allreduce(self, src, dst, count, dtype, op, stream):
