@@ -22,21 +22,7 @@ import sys
 import tempfile
 import time
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def size_of(text):
-    text = text.strip().upper()
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
-
-
-def sizes(low, high, factor):
-    out, n = [], low
-    while n <= high:
-        out.append(n)
-        n *= factor
-    return out
-
+from benchmarks.collectives import parse_size, sweep
 
 class Shmcomm:
     def __init__(self):
@@ -83,7 +69,7 @@ def run(args):
     if hasattr(backend, "start"):
         backend.start()
     stream = torch.cuda.current_stream()
-    for nbytes in sizes(size_of(args.b), size_of(args.e), args.f):
+    for nbytes in sweep(args.b, args.e, args.f):
         x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device="cuda")
         times = []
         warmup, timed = args.w, args.n
@@ -148,8 +134,8 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     one = sub.add_parser("run", help="run one backend on every rank of this job")
     one.add_argument("backend", choices=["shmcomm", "torch-nccl", "torch-gloo"])
-    one.add_argument("-b", default="4K")
-    one.add_argument("-e", default="1G")
+    one.add_argument("-b", type=parse_size, default="4K")
+    one.add_argument("-e", type=parse_size, default="1G")
     one.add_argument("-f", type=int, default=4)
     one.add_argument("-n", type=int, default=20)
     one.add_argument("-w", type=int, default=3)

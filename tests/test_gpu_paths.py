@@ -240,3 +240,20 @@ def test_the_package_imports_without_torch_cuda_or_nvcc():
     env = dict(os.environ, PATH="/nonexistent")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_sweeps_table_puts_the_backends_side_by_side(tmp_path, capsys):
+    """benchmarks/gpu_allreduce.py's table (the sweep itself needs a GPU): rows by size, each file's backend, and
+    the time ratio against the first; shmcommrun's rank prefix is read through."""
+    from benchmarks import gpu_allreduce
+
+    ours, theirs = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    row = '{"backend": "%s", "np": 2, "bytes": %d, "time_us": %s, "algbw": 1.0, "busbw": %s, "iterations": 5}\n'
+    ours.write_text(row % ("shmcomm", 4096, 30.0, 0.25) + row % ("shmcomm", 16384, 40.0, 0.5))
+    theirs.write_text("[0]<stdout>: " + row % ("torch-gloo", 4096, 90.0, 0.125))
+    gpu_allreduce.main(["table", "2 ranks", str(ours), str(theirs)])
+    lines = capsys.readouterr().out.splitlines()
+    assert "| bytes | shmcomm us | torch-gloo us | shmcomm busbw GB/s | torch-gloo busbw GB/s |" in lines[2]
+    assert lines[4] == "| 4096 | 30.0 | 90.0 | 0.25 | 0.12 | 3.00 |"
+    assert lines[5] == "| 16384 | 40.0 | - | 0.50 | - | - |"
+    assert gpu_allreduce.sweep(4096, 1 << 30, 4)[-1] == 1 << 30
