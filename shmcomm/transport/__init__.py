@@ -31,13 +31,12 @@ timeout_s)); other hosts are not in its segment, so across hosts the engine cycl
 point-to-point (`exchange`, `sendrecv`) for the agreement's recursive doubling and for rings; the shared memory needs
 none, since every rank reads its peers' slots directly.
 
-A GPU transport (NCCL) fits the same interface: its communicator is built from an id that `allgather_bytes` of the
-host transport distributes; allreduce, reducescatter, broadcast, allgatherv (ncclAllGather, or grouped
-ncclBroadcast for unequal sizes) and alltoallv (grouped ncclSend/ncclRecv) take device pointers and enqueue on the
-transport's stream; every call ends with a bounded wait on that stream (ncclCommGetAsyncError polled to the
-deadline, then ncclCommAbort) so that no wait is unbounded; `tag` is checked by the agreement of the host transport
-before the kernels are enqueued, since NCCL checks no arguments; exchange/sendrecv map to ncclSend/ncclRecv. The
-algorithms then take it as the column of the 2D torus without change."""
+A third, `nccl.NcclComm`, moves device memory and does not take this interface: NCCL's calls enqueue on a CUDA
+stream and return, so its collectives take device pointers and a stream, and a separate bounded wait
+(`NcclComm.wait`: ncclCommGetAsyncError polled to the deadline and against the host transport's liveness, then
+ncclCommAbort) ends each piece of work. Its communicator is built from a unique id that the host transport's
+`allgather_bytes` distributes, and it is split into the 2D torus's rows and columns (ncclCommSplit).
+algorithms/device.py composes it, and the host transports for GPUs that ranks share."""
 import abc
 
 
