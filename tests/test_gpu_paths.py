@@ -205,7 +205,7 @@ def test_the_kernels_compile_with_nvcc_and_export_their_symbols(tmp_path, monkey
     if nm:
         exported = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True).stdout
         symbols = {line.split()[-1] for line in exported.splitlines() if " T " in line}
-        assert {"smc_cuda_abi_version", "smc_cuda_scale", "smc_cuda_convert", "smc_cuda_copy_batch"} <= symbols
+        assert {"smc_cuda_abi_version", "smc_cuda_scale", "smc_cuda_copy_batch"} <= symbols
     # The runtime is linked in: the library loads without a GPU or a libcudart, and answers its interface version.
     assert ctypes.CDLL(str(path)).smc_cuda_abi_version() == cuda_kernels.ABI_VERSION
     assert cuda_kernels.Kernels(path).path == str(path)

@@ -2,8 +2,6 @@
 // Element-wise kernels for CUDA tensors (shmcomm/transport/cuda_kernels.py compiles this with nvcc on first use):
 // - smc_cuda_scale: x = factor * x in place, 16-bit floats computed in float32 and rounded once (the pre- and
 //   post-scaling of allreduce and reducescatter, and the average's division);
-// - smc_cuda_convert: dst = factor * src between float16, bfloat16, float32 and float64 (fp16/bf16 compression with
-//   the scaling folded into the same pass);
 // - smc_cuda_copy_batch: many (src, dst, bytes) copies in one launch (packing tensors into a fusion buffer and
 //   unpacking them), instead of one copy kernel per tensor.
 // Every function enqueues on the given stream, returns at once, and returns the cudaError_t of the launch. Nothing
@@ -55,13 +53,6 @@ __global__ void scale_kernel<__nv_bfloat16>(__nv_bfloat16* x, size_t n, double f
   }
 }
 
-template <typename S, typename D>
-__global__ void convert_kernel(const S* src, D* dst, size_t n, double factor) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    dst[i] = narrow_double<D>((double)widen(src[i]) * factor);
-  }
-}
-
 struct copy_batch {
   const unsigned char* src[SMC_CUDA_BATCH];
   unsigned char* dst[SMC_CUDA_BATCH];
@@ -95,28 +86,10 @@ static int launch_scale(void* x, size_t n, double factor, cudaStream_t stream) {
   return (int)cudaGetLastError();
 }
 
-template <typename S>
-static int launch_convert_from(const void* src, int dst_dtype, void* dst, size_t n, double factor,
-                               cudaStream_t stream) {
-  const unsigned blocks = blocks_for(n);
-  switch (dst_dtype) {
-    case SMC_CUDA_FLOAT16: convert_kernel<S, __half><<<blocks, THREADS, 0, stream>>>((const S*)src, (__half*)dst, n,
-                                                                                     factor); break;
-    case SMC_CUDA_BFLOAT16: convert_kernel<S, __nv_bfloat16><<<blocks, THREADS, 0, stream>>>(
-        (const S*)src, (__nv_bfloat16*)dst, n, factor); break;
-    case SMC_CUDA_FLOAT32: convert_kernel<S, float><<<blocks, THREADS, 0, stream>>>((const S*)src, (float*)dst, n,
-                                                                                    factor); break;
-    case SMC_CUDA_FLOAT64: convert_kernel<S, double><<<blocks, THREADS, 0, stream>>>((const S*)src, (double*)dst, n,
-                                                                                     factor); break;
-    default: return (int)cudaErrorInvalidValue;
-  }
-  return (int)cudaGetLastError();
-}
-
 extern "C" {
 
 // The interface version shmcomm/transport/cuda_kernels.py expects.
-int smc_cuda_abi_version(void) { return 1; }
+int smc_cuda_abi_version(void) { return 2; }
 
 int smc_cuda_scale(void* x, size_t n, int dtype, double factor, void* stream) {
   if (n == 0) return 0;
@@ -126,19 +99,6 @@ int smc_cuda_scale(void* x, size_t n, int dtype, double factor, void* stream) {
     case SMC_CUDA_BFLOAT16: return launch_scale<__nv_bfloat16>(x, n, factor, s);
     case SMC_CUDA_FLOAT32: return launch_scale<float>(x, n, factor, s);
     case SMC_CUDA_FLOAT64: return launch_scale<double>(x, n, factor, s);
-    default: return (int)cudaErrorInvalidValue;
-  }
-}
-
-int smc_cuda_convert(const void* src, int src_dtype, void* dst, int dst_dtype, size_t n, double factor,
-                     void* stream) {
-  if (n == 0) return 0;
-  cudaStream_t s = (cudaStream_t)stream;
-  switch (src_dtype) {
-    case SMC_CUDA_FLOAT16: return launch_convert_from<__half>(src, dst_dtype, dst, n, factor, s);
-    case SMC_CUDA_BFLOAT16: return launch_convert_from<__nv_bfloat16>(src, dst_dtype, dst, n, factor, s);
-    case SMC_CUDA_FLOAT32: return launch_convert_from<float>(src, dst_dtype, dst, n, factor, s);
-    case SMC_CUDA_FLOAT64: return launch_convert_from<double>(src, dst_dtype, dst, n, factor, s);
     default: return (int)cudaErrorInvalidValue;
   }
 }
