@@ -15,6 +15,10 @@ import time
 
 import pytest
 
+from test_elastic import compare_with_undisturbed
+from test_torus import CHECKS, run_checks_job
+
+from shmcomm.testing import exact
 from test_simhosts import job_env, open_hosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +75,20 @@ def test_a_rank_lost_on_one_host_a_host_added_and_a_host_dropped(three_hosts, tm
     assert not set(os.listdir("/dev/shm")) - before  # every generation's segments are gone
 
 
+def test_every_collective_in_an_elastic_world_across_hosts(three_hosts, tmp_path):
+    """exact.run_checks on 3 ranks over 2 hosts (2 + 1) under the elastic launcher: every collective and dtype over
+    the TCP mesh, against the expected values, the same bits on every rank, 16-bit sums rounded once."""
+    script = _discovery(tmp_path, "simhost0:2\nsimhost1:1\n")
+    program = CHECKS + "\nimport shmcomm, socket\nprint('on', socket.gethostname(), shmcomm.local_size(), " \
+                       "shmcomm.cross_size(), type(shmcomm.basics.communicator().mpi).__name__, flush=True)\n"
+    reports, stdout = run_checks_job(lambda job, out: _shmcommrun(three_hosts, script, [
+        "-np", "3", "--min-np", "3", sys.executable, job, out, "bf16"])[0], 3, program)
+    exact.assert_identical(reports)
+    exact.assert_rounds_once(reports)
+    assert sorted(re.findall(r"<stdout>: on (.*)", stdout)) == ["simhost0 2 2 Tcp", "simhost0 2 2 Tcp",
+                                                                "simhost1 1 2 Tcp"], stdout
+
+
 def test_below_min_np_across_hosts_the_job_ends_with_an_error(three_hosts, tmp_path):
     """A host drops out of the script's output and the job has too few workers left: an error, not a hang."""
     script = _discovery(tmp_path, "simhost0:1\nsimhost1:1\n")
@@ -82,3 +100,14 @@ def test_below_min_np_across_hosts_the_job_ends_with_an_error(three_hosts, tmp_p
     assert run.returncode != 0, run.stdout + run.stderr
     assert "fewer than --min-np 2" in run.stderr, run.stderr
     assert elapsed < 60
+
+
+@pytest.mark.long
+def test_example_across_hosts_reaches_the_accuracy_of_an_undisturbed_run(three_hosts, tmp_path):
+    """The headline case across 2 hosts: 4 ranks, rank 1 killed every 50 steps and a replacement gained back on its
+    host each time; the same accuracy as the undisturbed job across the same hosts."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    script = _discovery(tmp_path, "simhost0:2\nsimhost1:2\n")
+    compare_with_undisturbed(tmp_path, lambda args, timeout: _shmcommrun(three_hosts, script, args, timeout),
+                             "2 simulated hosts")
