@@ -107,7 +107,7 @@ def _elastic_across_hosts(generation):
     mesh = None
     try:
         sockets = connect_mesh(membership.listener(), record["addresses"], topo.rank, record["token"],
-                               tuning.start_timeout_s)
+                               tuning.start_timeout_s, membership.superseded)
         mesh = Tcp(sockets, topo.rank, range(topo.size), hosts, tuning.timeout_s)
         world = WorldComm(topo, tuning, HostComm(shm), None, paths, mpi=mesh, host_groups=groups)
     except BaseException:

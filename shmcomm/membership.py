@@ -67,6 +67,16 @@ def listener():
     return _Link.listener
 
 
+def superseded():
+    """Why the world being formed will not be (a newer membership came, or the launcher is gone), or None."""
+    if _Link.lost:
+        return "elastic worker %d: %s" % (env.elastic_worker(), _Link.lost)
+    if current_generation() > joined_generation():
+        return "a newer membership (generation %d) replaced generation %d while it formed" % (
+            current_generation(), joined_generation())
+    return None
+
+
 def spans_hosts():
     return _Link.joined is not None and len(set(_Link.joined["hosts"])) > 1
 

@@ -47,10 +47,11 @@ def tuned(sock):
     return sock
 
 
-def connect_mesh(listener, addresses, rank, token, timeout_s):
+def connect_mesh(listener, addresses, rank, token, timeout_s, superseded=lambda: None):
     """The sockets to every other rank of a world ({rank: socket}): this rank connects to the lower ranks and
     accepts the higher ones on `listener` (its own, whose address is addresses[rank]). A connection from an older
-    world (another token) is closed. Raises TimeoutError naming the ranks that did not connect in time."""
+    world (another token) is closed. Raises TimeoutError naming the ranks that did not connect in time, or
+    ShmCommError as soon as superseded() says why this world will not form (a newer membership came)."""
     deadline = time.monotonic() + timeout_s
     hello = _HELLO.pack(token.encode(), rank)
     sockets = {}
@@ -59,9 +60,10 @@ def connect_mesh(listener, addresses, rank, token, timeout_s):
             host, port = addresses[peer].rsplit(":", 1)
             while True:
                 try:
-                    sock = socket.create_connection((host, int(port)), timeout=max(0.1, deadline - time.monotonic()))
+                    sock = socket.create_connection((host, int(port)), timeout=_step(deadline))
                     break
                 except OSError as error:  # the peer is not listening yet
+                    _check_superseded(superseded)
                     if time.monotonic() > deadline:
                         raise TimeoutError("rank %d could not connect to rank %d at %s within %.0f s: %s"
                                            % (rank, peer, addresses[peer], timeout_s, error)) from None
@@ -69,14 +71,17 @@ def connect_mesh(listener, addresses, rank, token, timeout_s):
             sockets[peer] = tuned(sock)
             sock.sendall(hello)
         while len(sockets) < len(addresses) - 1:
-            listener.settimeout(max(0.01, deadline - time.monotonic()))
+            listener.settimeout(min(0.5, max(0.01, deadline - time.monotonic())))
             try:
                 sock, _ = listener.accept()
             except socket.timeout:
+                _check_superseded(superseded)
+                if time.monotonic() < deadline:
+                    continue
                 missing = [r for r in range(len(addresses)) if r != rank and r not in sockets]
                 raise TimeoutError("rank %d: ranks %s did not connect within %.0f s" % (rank, missing, timeout_s)) \
                     from None
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            sock.settimeout(_step(deadline))
             try:
                 got = _recv_exactly(sock, _HELLO.size)
             except OSError:
@@ -96,6 +101,17 @@ def connect_mesh(listener, addresses, rank, token, timeout_s):
     for sock in sockets.values():
         sock.setblocking(False)
     return sockets
+
+
+def _step(deadline):
+    """How long one connection attempt or hello may take: short, so that a silent peer does not hold up the rest."""
+    return min(5.0, max(0.1, deadline - time.monotonic()))
+
+
+def _check_superseded(superseded):
+    reason = superseded()
+    if reason:
+        raise ShmCommError(reason)
 
 
 def _recv_exactly(sock, n):
