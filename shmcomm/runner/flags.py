@@ -225,8 +225,9 @@ def build_parser(prog):
     choice.add_argument("--mpi", action="store_true", dest="use_mpi", help="accepted (noted)")
     choice.add_argument("--jsrun", action="store_true", dest="use_jsrun", help="refused: no jsrun launcher")
 
-    elastic = parser.add_argument_group("elastic jobs (workers may fail and be replaced, hosts may come and go while the "
-                                        "job runs; --slots-per-host, --reset-limit and the cooldown are accepted)")
+    elastic = parser.add_argument_group("elastic jobs (workers may fail and be replaced, hosts may come and go "
+                                        "while the job runs; --slots-per-host, --reset-limit and the cooldown are "
+                                        "accepted)")
     elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int, metavar="N")
     elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int, metavar="N")
     elastic.add_argument("--slots-per-host", dest="slots", type=int, metavar="N",
