@@ -24,6 +24,7 @@ import numpy as np
 from shmcomm._native import ffi, lib
 from shmcomm.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
 from shmcomm.transport import Transport, kernels
+from shmcomm.transport.box_wire import tuned  # small messages at once, big buffers for megabytes
 
 _LENGTH = struct.Struct("<Q")
 _HELLO = struct.Struct("<64sQ")  # the world's token, the connecting rank
@@ -35,16 +36,6 @@ def _bytes(ptr, nbytes):
 
 def _shares(count, n):
     return [count // n + (1 if r < count % n else 0) for r in range(n)]
-
-
-def tuned(sock):
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, option, 4 << 20)
-        except OSError:  # capped by the system: what it allows is fine
-            pass
-    return sock
 
 
 def connect_mesh(listener, addresses, rank, token, timeout_s, superseded=lambda: None):
