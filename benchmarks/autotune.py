@@ -23,6 +23,9 @@ CHOSEN = re.compile(r"autotune: (?:done after (\d+) samples.*?chosen|stopped bef
                     r"best so far): (--fusion-threshold-mb \S+ --cycle-time-ms \S+) SHMCOMM_BUCKET_BYTES=(\d+)")
 
 
+DEFAULT_CHOICE = (["--fusion-threshold-mb", "64", "--cycle-time-ms", "1"], 25 << 20)  # as the tuner prints them
+
+
 def _example(args, iters):
     return [sys.executable, EXAMPLE, "--model", args.model, "--batch-size", str(args.batch_size), "--image-size",
             str(args.image_size), "--num-warmup-batches", "10", "--num-batches-per-iter",
@@ -106,7 +109,8 @@ def main():
         name = f"tuned {prior}"
         print(f"  autotuned, prior {prior}: {_median(figures[name]):.0f} img/s = {_median(ratios[name]):.2f}x default "
               f"(rounds {', '.join('%.2f' % r for r in ratios[name])}); samples taken {samples[prior]}, "
-              f"to 95% of the best {converge[prior]}; chose "
+              f"to 95% of the best {converge[prior]}; kept the default settings in "
+              f"{sum(choice == DEFAULT_CHOICE for choice in chosen[prior])} of {args.rounds} runs; chose "
               f"{[' '.join(f) + ' bucket=%d' % b for f, b in chosen[prior]]}")
 
 

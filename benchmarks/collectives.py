@@ -284,6 +284,7 @@ def driver_main(options, argv):
             report.print_table(result, op, verbose=options.verbose)
     summary = report.summary(results, options.ops, half)
     report.print_summary(summary, list(results), machine, command, date, notes)
+    print("\n".join(report.memory_limit_lines(results, options.ops, machine, half)), flush=True)
     if options.json:
         report.write_json(options.json, {"command": command, "date": date, "machine": machine,
                                          "options": {k: v for k, v in vars(options).items()

@@ -166,6 +166,46 @@ def print_summary(entries, names, machine, command, date, notes=()):
     print("\n".join(summary_lines(entries, names, machine, command, date, notes)), flush=True)
 
 
+def ideal_copies(op, size, n):
+    """Bytes an ideal shared-memory algorithm must copy, over all ranks, for one call of `op` at the `size` column
+    (nccl-tests' meaning) on n ranks, with each rank's own block already where it belongs: every byte that must
+    reach another rank is copied once; a reduction reads each rank's block of every input and writes the reduced
+    block, which counts as half a copy per byte read or written."""
+    if op in ("broadcast", "allgather", "alltoall"):  # (n-1)/n of the output of n ranks, or S to n-1 ranks
+        return (n - 1) * size
+    if op == "reducescatter":  # per rank: read n blocks of S/n, write one
+        return (n + 1) * size // 2
+    if op == "allreduce":  # a reduce-scatter, then each rank copies the n-1 reduced blocks it lacks
+        return (n + 1) * size // 2 + (n - 1) * size
+    raise ValueError(op)
+
+
+def memory_limit_lines(results, ops, machine, half=None, at=64 << 20):
+    """For each op at `at` bytes (or the largest size measured), shmcomm's time against the memory system's limit:
+    ideal_copies at the rate two processes copying at once reach together (the memcpy reference). The fraction says
+    how much of the limit is reached; above 1, the call beat the reference copy (the kernel's copy for single-copy
+    paths, or caches, can)."""
+    result = results.get("shmcomm")
+    if not result:
+        return []
+    n = result["nranks"]
+    bytes_per_s = machine["memcpy_two_processes_GBps"] * 1e9
+    lines = ["#", "# Memory limit: the bytes an ideal algorithm copies (own blocks in place), at %.2f GB/s (memcpy "
+             "by two processes at once):" % (bytes_per_s / 1e9),
+             "#  %-13s %12s %12s %12s %12s %9s" % ("op", "size", "copied MB", "limit us", "shmcomm us", "fraction")]
+    for op in ops:
+        rows = [row for row in result["rows"] if row["op"] == op]
+        picked = [row for row in rows if row["nominal"] == at] or sorted(rows, key=lambda row: row["nominal"])[-1:]
+        for row in picked:
+            measured = row[summary_half(op, half)].get("time_us")
+            copied = ideal_copies(op, row["size"], n)
+            limit_us = copied / bytes_per_s * 1e6
+            lines.append("   %-13s %12d %12.3f %12.1f %12s %9s" % (
+                op, row["size"], copied / 1e6, limit_us, "%.1f" % measured if measured else "N/A",
+                "%.2f" % (limit_us / measured) if measured else "-"))
+    return lines
+
+
 def _read_field(path, key):
     try:
         with open(path) as info:

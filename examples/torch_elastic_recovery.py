@@ -2,6 +2,8 @@
 """Elastic training that survives lost workers: Horovod's elastic API on scikit-learn's bundled digits.
 
     shmcommrun -np 4 --min-np 2 --max-np 4 python examples/torch_elastic_recovery.py --chaos /tmp/elastic-events
+    shmcommrun -np 4 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh \
+        python examples/torch_elastic_recovery.py --chaos /shared/events    # across its hosts (DIR shared)
 
 With --chaos DIR the job hurts itself: every 50 steps, while it has more than 2 ranks, rank 1 kills itself with
 SIGKILL. The survivors roll back to their last commit and go on as a smaller world, renumbered; the launcher starts

@@ -74,7 +74,10 @@ MODELS = {
     "resnet18_half": lambda: ResNet([2, 2, 2, 2], width=0.5),
     "resnet_tiny": lambda: ResNet([1, 1, 1, 1], width=0.25, classes=10),
 }
-SIZED_MODELS = {"mlp_deep": lambda image_size: DeepMLP(image_size=image_size)}  # built for the image size
+SIZED_MODELS = {  # built for the image size
+    "mlp_deep": lambda image_size: DeepMLP(image_size=image_size),
+    "mlp_wide": lambda image_size: DeepMLP(depth=8, width=1024, image_size=image_size),
+}
 
 
 def parse_args():
@@ -82,7 +85,8 @@ def parse_args():
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--fp16-allreduce", action="store_true", help="use fp16 compression during allreduce")
     parser.add_argument("--model", default="resnet18", choices=sorted(MODELS) + sorted(SIZED_MODELS),
-                        help="model to benchmark (mlp_deep: 100 small layers, 200 small gradients)")
+                        help="model to benchmark (mlp_deep: 100 small layers, 200 small gradients; "
+                        "mlp_wide: 8 layers of 1024x1024, 4 MiB gradients)")
     parser.add_argument("--batch-size", type=int, default=32, help="input batch size")
     parser.add_argument("--image-size", type=int, default=64, help="side of the square random images")
     parser.add_argument("--num-warmup-batches", type=int, default=10, help="number of warm-up batches")

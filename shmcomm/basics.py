@@ -19,7 +19,7 @@ def init(engine=None):
     with state.lock:
         if state.comm is None:
             log.configure(env.log_level(), env.log_with_time())
-            if env.elastic_dir():  # an elastic job: this world's identity comes from the launcher's membership
+            if env.elastic_driver():  # an elastic job: this world's identity comes from the launcher's membership
                 membership.join()
                 state.generation = 0  # each membership has a token of its own: every member counts from 0
             state.comm = bootstrap.build_world(state.generation)

@@ -6,8 +6,10 @@
 - one host with SHMCOMM_TORUS_GRID=XxY: rows and columns of the torus both on shared memory, which is how the torus
   is exercised without several hosts;
 - several hosts (launched by mpiexec, shmcommrun -H, srun): each host's shared memory for the rows, MPI for the
-  columns and for the collectives that are not allreduce."""
-from shmcomm import env, topology
+  columns and for the collectives that are not allreduce;
+- an elastic world that spans hosts (membership.py): each host's shared memory under a TCP mesh between all the
+  ranks (transport/tcp.py), formed anew at every membership; MPI cannot lose or gain a process."""
+from shmcomm import env, membership, topology
 from shmcomm.algorithms.host import HostComm
 from shmcomm.transport.shm import SharedMemory
 
@@ -15,6 +17,8 @@ from shmcomm.transport.shm import SharedMemory
 def build_world(generation):
     if env.launched_by_mpi():
         return _across_hosts(generation)
+    if membership.spans_hosts():
+        return _elastic_across_hosts(generation)
     topo = env.topology()
     tuning = env.tuning(topo.local_size)
     if env.grid(topo.size) is None:  # the other path settings choose among cross-host paths: not read here
@@ -83,6 +87,36 @@ def _across_hosts(generation):
     except BaseException:
         shm.close()
         raise
+
+
+def _elastic_across_hosts(generation):
+    """The world of an elastic membership spanning hosts: this host's ranks meet in shared memory, every rank
+    reaches every other over TCP (no torus: the cross-host collectives are the TCP transport's own)."""
+    from shmcomm.algorithms.world import WorldComm
+    from shmcomm.transport.tcp import Tcp, connect_mesh
+
+    record, topo = membership.joined(), env.topology()
+    tuning = env.tuning(topo.local_size)
+    paths = env.paths(topo.size)
+    if paths.grid is not None:
+        raise ValueError("SHMCOMM_TORUS_GRID=%s: an elastic job across hosts has no torus" % paths.grid_text)
+    hosts = record["hosts"]
+    groups = [[r for r in range(topo.size) if hosts[r] == h] for h in dict.fromkeys(hosts)]
+    shm = SharedMemory(topo, tuning, generation, ranks=groups[topo.cross_rank], suffix="_h%d" % topo.cross_rank,
+                       arena=True)
+    mesh = None
+    try:
+        sockets = connect_mesh(membership.listener(), record["addresses"], topo.rank, record["token"],
+                               tuning.start_timeout_s, membership.superseded)
+        mesh = Tcp(sockets, topo.rank, range(topo.size), hosts, tuning.timeout_s)
+        world = WorldComm(topo, tuning, HostComm(shm), None, paths, mpi=mesh, host_groups=groups)
+    except BaseException:
+        shm.close()
+        if mesh is not None:
+            mesh.close()
+        raise
+    world.closables.append(mesh)
+    return world
 
 
 def _box_network(ctx, topo, tuning, shm):

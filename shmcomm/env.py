@@ -18,7 +18,7 @@ Bad values raise ValueError naming the variable. The README's "Tuning" table doc
   logging:    LOG_LEVEL, LOG_HIDE_TIME
   horovod:    ELASTIC (a world of one still reduces gradients); GLOO_TIMEOUT_SECONDS stands for TIMEOUT when that is
               unset
-  elastic:    ELASTIC_DIR, ELASTIC_WORKER, ELASTIC_TIMEOUT (set by shmcommrun --min-np/--max-np for its workers)"""
+  elastic:    ELASTIC_DRIVER, ELASTIC_WORKER, ELASTIC_TIMEOUT (set by shmcommrun --min-np/--max-np for its workers)"""
 import os
 import secrets
 from dataclasses import dataclass
@@ -179,9 +179,9 @@ def elastic():
     return _flag("ELASTIC")
 
 
-def elastic_dir():
-    """The elastic launcher's membership directory (membership.py); None outside an elastic job."""
-    return _get("ELASTIC_DIR")
+def elastic_driver():
+    """The elastic launcher's addresses, "ip:port,ip:port" (membership.py); None outside an elastic job."""
+    return _get("ELASTIC_DRIVER")
 
 
 def elastic_worker():

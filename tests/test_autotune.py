@@ -98,13 +98,13 @@ def test_search_beats_the_starting_settings_and_logs_like_horovod(tmp_path, caps
     assert step_seconds(tuner.current) < 0.8 * step_seconds(START)
     rows = list(csv.reader(open(log)))
     assert rows[0] == list(autotune.HEADER)
-    assert len(rows) == 1 + 8 + 6 + 1  # header, a row per search sample and confirmation sample, the best last
+    assert len(rows) == 1 + 8 + 10 + 1  # header, a row per search sample and confirmation sample, the best last
     assert float(rows[-1][3]) * MB == pytest.approx(tuner.current["fusion"], rel=1e-3)
     said = capsys.readouterr().err
-    assert "autotune: done after 15 samples (1 warm-up)" in said and "--fusion-threshold-mb" in said
-    # the confirmation alternated the search's best with the starting settings
-    confirm = decisions[-7:-1]
-    assert [d == {k: START[k] for k in d} for d in confirm] == [False, True] * 3
+    assert "autotune: done after 19 samples (1 warm-up)" in said and "--fusion-threshold-mb" in said
+    # the confirmation took the search's best and the starting settings in pairs, the order alternating
+    confirm = decisions[-11:-1]
+    assert [d == {k: START[k] for k in d} for d in confirm] == [False, True, True, False] * 2 + [False, True]
 
 
 def test_the_starting_settings_stay_when_the_search_cannot_beat_them():
@@ -129,7 +129,8 @@ def test_the_algorithm_is_chosen_across_hosts_after_the_search():
                                clock=Clock())
     decisions = drive(tuner, algorithm_factor={"torus": 1.3, "ring": 1.0, "mpi": 1.6})
     # the best settings on each algorithm, then the winner (ring) against the start (torus), then ring
-    assert [d["algorithm"] for d in decisions[-10:]] == ["torus", "ring", "mpi"] + ["ring", "torus"] * 3 + ["ring"]
+    pairs = ["ring", "torus", "torus", "ring"] * 2 + ["ring", "torus"]
+    assert [d["algorithm"] for d in decisions[-14:]] == ["torus", "ring", "mpi"] + pairs + ["ring"]
     assert tuner.current["algorithm"] == "ring" and tuner.done
 
 
@@ -182,12 +183,12 @@ def test_a_job_tunes_and_every_rank_applies_each_choice_in_the_same_cycle(tmp_pa
     assert len(reports) == 2 and reports[0] == reports[1]  # same decisions, same cycles, same final settings
     applied = reports[0]["applied"]
     assert reports[0]["done"] and applied[-1][1]["done"] and "probe" in applied[0][1]
-    assert len(applied) == 1 + 5 + 6  # the probe, a decision after each search and confirmation sample
+    assert len(applied) == 1 + 5 + 10  # the probe, a decision after each search and confirmation sample
     final = applied[-1][1]
     assert reports[0]["final"] == [final["fusion"], pytest.approx(final["cycle"] / 1000), final["bucket"]]
     rows = list(csv.reader(open(log)))
-    assert len(rows) == 1 + 5 + 6 + 1
-    assert "autotune: done after 12 samples (1 warm-up); chosen: --fusion-threshold-mb" in result.stderr
+    assert len(rows) == 1 + 5 + 10 + 1
+    assert "autotune: done after 16 samples (1 warm-up); chosen: --fusion-threshold-mb" in result.stderr
 
 
 @pytest.mark.slow

@@ -71,6 +71,24 @@ def test_collectives_every_backend_and_op(tmp_path):
                 assert cell["iters"] >= 1
     assert measured > 0
     assert document["machine"]["cores"] >= 1 and "line" in document["machine"]
+    # the memory limit: a line per op at the largest size measured (64 KiB here), its fraction from the row's time
+    limit = proc.stdout[proc.stdout.index("# Memory limit"):].splitlines()[2:2 + len(collectives.OPS)]
+    assert [line.split()[0] for line in limit] == list(collectives.OPS)
+    for line in limit:
+        op, size, copied, limit_us, measured_us, fraction = line.split()
+        assert float(fraction) == pytest.approx(float(limit_us) / float(measured_us), rel=0.02, abs=0.01)
+        assert float(copied) * 1e6 == pytest.approx(report.ideal_copies(op, int(size), 2), abs=600)
+
+
+def test_ideal_copies_count_what_must_move():
+    size = 1 << 20
+    assert report.ideal_copies("broadcast", size, 4) == 3 * size  # three ranks receive the root's buffer
+    assert report.ideal_copies("allgather", size, 4) == 3 * size  # each of 4 lacks 3/4 of the output
+    assert report.ideal_copies("alltoall", size, 2) == size
+    assert report.ideal_copies("reducescatter", size, 2) == 3 * size // 2
+    assert report.ideal_copies("allreduce", size, 2) == 3 * size // 2 + size
+    with pytest.raises(ValueError):
+        report.ideal_copies("gather", size, 2)
 
 
 def test_inplace_only_still_measures_the_copy(tmp_path):

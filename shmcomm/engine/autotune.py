@@ -7,8 +7,8 @@ A sample is `steps_per_sample` training steps: from the start of one tensor's al
 allreduce that many steps later, so it spans whole steps, compute included. Its score is the bytes allreduced in
 that time per second. The first `warmup_samples` are discarded. Then the search: the settings the job started with,
 then a Bayesian optimisation (bayes.py) of the free settings on a log scale, then, across hosts, each other
-algorithm once with the best settings found, and last the best against the starting settings, alternately, three
-samples each: it replaces them only if its median is higher. Settings the user set are held constant.
+algorithm once with the best settings found, and last the best against the starting settings in five back-to-back
+pairs: it replaces them only if it wins four of the pairs and the median. Settings the user set are held constant.
 
 The prior (HOROVOD_AUTOTUNE_PRIOR / SHMCOMM_AUTOTUNE_PRIOR): `model` fits shmcomm.sim's alpha-beta model to a probe
 of a few allreduces timed on this machine, predicts each setting's step time from the step's tensor sizes, and lets
@@ -214,24 +214,31 @@ class Autotuner:
             if left:
                 best["algorithm"] = left[0]
                 return best
-        # One sample is noisy (other processes, the machine's drift): the search's best replaces the start only if
-        # it wins the median of CONFIRM samples each, taken alternately.
+        # One sample is noisy (other processes, the machine's drift, both of which change from run to run), and a
+        # search's best among 20 noisy samples is biased upwards. So the best replaces the start only if it beats
+        # it in at least CONFIRM_WINS of CONFIRM back-to-back pairs (the order inside a pair alternating, so drift
+        # favours neither) and in the median: a sign test, whatever the machine's noise level. Where the start is
+        # already right, the start stays.
         if self.confirming is None:
             self.candidate = best
-            self.confirming = [] if _same(best, self.start) else [best, self.start] * CONFIRM
+            pairs = [[best, self.start] if i % 2 == 0 else [self.start, best] for i in range(CONFIRM)]
+            self.confirming = [] if _same(best, self.start) else [s for pair in pairs for s in pair]
         if len(self.confirm_scores) < len(self.confirming):
             return dict(self.confirming[len(self.confirm_scores)])
-        ratio = 1.0
+        ratio, wins = 1.0, 0
         if self.confirming:
-            ratio = _median(self.confirm_scores[0::2]) / _median(self.confirm_scores[1::2])
-            best, score = (self.candidate, _median(self.confirm_scores[0::2])) if ratio > 1 else \
-                (dict(self.start), _median(self.confirm_scores[1::2]))
+            candidate = [score for score, s in zip(self.confirm_scores, self.confirming) if s is self.candidate]
+            start = [score for score, s in zip(self.confirm_scores, self.confirming) if s is not self.candidate]
+            ratio = _median(candidate) / _median(start)
+            wins = sum(c > s for c, s in zip(candidate, start))
+            best, score = (self.candidate, _median(candidate)) if ratio > 1 and wins >= CONFIRM_WINS else \
+                (dict(self.start), _median(start))
         best["done"] = True
         self._write(best, score)
         _say("autotune: done after %d samples (%d warm-up); chosen: %s (the search's best scored %.2fx the starting "
-             "settings, median of %d samples each%s)" % (
-                 self.samples, self.settings.warmup_samples, flags_text(best), ratio, CONFIRM,
-                 "" if ratio > 1 else ": the starting settings stay"))
+             "settings, median of %d samples each, ahead in %d of %d pairs%s)" % (
+                 self.samples, self.settings.warmup_samples, flags_text(best), ratio, CONFIRM, wins, CONFIRM,
+                 "" if best is self.candidate else ": the starting settings stay"))
         return best
 
     def _write(self, settings, score):
@@ -244,7 +251,8 @@ class Autotuner:
 
 
 RANGES_INDEX = {name: index for index, name in enumerate(RANGES)}
-CONFIRM = 3
+CONFIRM = 5  # pairs of confirmation samples: the search's best and the start
+CONFIRM_WINS = 4  # pairs the best must win; 5 of 5 would let one outlier veto a real gain
 
 
 def _median(values):

@@ -3,7 +3,8 @@
 
 Flags never change the launcher's behaviour towards the ranks beyond their environment: the ranks read
 everything at init, so a job started by hand with the same variables behaves the same. A job on this host only
-is started here (spawn.py); one naming other hosts is handed to MPICH's mpiexec (mpi_launch.py).
+is started here (spawn.py); one naming other hosts is handed to MPICH's mpiexec (mpi_launch.py). An elastic job
+(--min-np, --max-np, --host-discovery-script) is run by elastic.py, on this host or across hosts.
 """
 
 import os

@@ -200,8 +200,8 @@ def build_parser(prog):
     hosts.add_argument("-hostfile", "--hostfile", metavar="FILE",
                        help="file of 'host slots=N' lines ('#' comments), instead of -H")
     hosts.add_argument("--host-discovery-script", metavar="SCRIPT",
-                       help="program printing 'host[:slots]' lines (this host only): makes the job elastic, as "
-                            "--min-np/--max-np do (shmcomm/runner/elastic.py)")
+                       help="program printing 'host[:slots]' lines: makes the job elastic, as --min-np/--max-np do; "
+                            "run every second (shmcomm/runner/elastic.py)")
 
     multi_host = parser.add_argument_group("multi-host jobs (started with MPICH's mpiexec, hydra)")
     multi_host.add_argument("-p", "--ssh-port", type=int, metavar="PORT", help="ssh port of the hosts")
@@ -225,8 +225,9 @@ def build_parser(prog):
     choice.add_argument("--mpi", action="store_true", dest="use_mpi", help="accepted (noted)")
     choice.add_argument("--jsrun", action="store_true", dest="use_jsrun", help="refused: no jsrun launcher")
 
-    elastic = parser.add_argument_group("elastic jobs on this host (workers may fail and be replaced while the job "
-                                        "runs; --slots-per-host, --reset-limit and the cooldown are accepted)")
+    elastic = parser.add_argument_group("elastic jobs (workers may fail and be replaced, hosts may come and go "
+                                        "while the job runs; --slots-per-host, --reset-limit and the cooldown are "
+                                        "accepted)")
     elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int, metavar="N")
     elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int, metavar="N")
     elastic.add_argument("--slots-per-host", dest="slots", type=int, metavar="N",

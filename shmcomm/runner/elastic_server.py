@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The elastic launcher's side of the membership (the workers' side is shmcomm/membership.py): a TCP server every
+worker connects to, on whatever host it runs.
+
+A worker's first line says who it is and where its peers reach it; from then on it is ready, and the launcher may
+put it in the next membership. The launcher sends every membership record to every connected worker (and the newest
+one to a worker that connects later). A worker whose connection closes is gone, whatever its launcher-side process
+(ssh, a launcher agent) says."""
+import fcntl
+import json
+import socket
+import struct
+import threading
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def local_addresses(interfaces=None):
+    """This machine's IPv4 addresses (of `interfaces` only, if given), loopback last: the workers try them in turn,
+    and the first that answers is one their host can route to."""
+    found = []
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            if interfaces and name not in interfaces:
+                continue
+            try:
+                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address
+                continue
+            found.append(socket.inet_ntoa(packed[20:24]))
+    finally:
+        probe.close()
+    if not interfaces and "127.0.0.1" not in found:
+        found.append("127.0.0.1")
+    return sorted(dict.fromkeys(found), key=lambda a: a.startswith("127."))
+
+
+class MembershipServer:
+    def __init__(self, interfaces=None):
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("", 0))
+        self.listener.listen(256)
+        port = self.listener.getsockname()[1]
+        self.addresses = ["%s:%d" % (a, port) for a in local_addresses(interfaces)]
+        self.lock = threading.Lock()
+        self.workers = {}  # worker id -> {"address", "host", "pid"} once it said hello
+        self.connections = {}  # worker id -> socket
+        self.gone = set()  # workers whose connection closed
+        self.record = None
+        self.closed = False
+        threading.Thread(target=self._accept, name="elastic-accept", daemon=True).start()
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), name="elastic-worker", daemon=True).start()
+
+    def _serve(self, sock):
+        """Reads the worker's hello, then waits for its connection to close."""
+        wid = None
+        try:
+            reader = sock.makefile("rb")
+            hello = json.loads(reader.readline() or b"null")
+            if not isinstance(hello, dict) or not isinstance(hello.get("worker"), int):
+                sock.close()
+                return
+            wid = hello["worker"]
+            with self.lock:
+                self.workers[wid] = hello
+                self.connections[wid] = sock
+                if self.record is not None:
+                    self._send(wid, sock, self.record)
+            while reader.read(4096):  # workers say nothing more: this returns when the connection closes
+                pass
+        except (OSError, ValueError):
+            pass
+        finally:
+            with self.lock:
+                if wid is not None:
+                    self.gone.add(wid)
+                    self.connections.pop(wid, None)
+            sock.close()
+
+    def _send(self, wid, sock, record):
+        try:
+            sock.sendall((json.dumps(record) + "\n").encode())
+        except OSError:  # a worker that stopped reading: it is as good as gone
+            self.gone.add(wid)
+            self.connections.pop(wid, None)
+            sock.close()
+
+    def ready(self, wid):
+        with self.lock:
+            return wid in self.workers and wid not in self.gone
+
+    def address_of(self, wid):
+        return self.workers[wid]["address"]
+
+    def publish(self, record):
+        with self.lock:
+            self.record = record
+            for wid, sock in list(self.connections.items()):
+                self._send(wid, sock, record)
+
+    def close(self):
+        self.closed = True
+        self.listener.close()
+        with self.lock:
+            for sock in self.connections.values():
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+            self.connections = {}
