@@ -57,12 +57,14 @@ def _across_hosts(generation):
     from shmcomm.algorithms.torus2d import MpiColumn, Torus
     from shmcomm.algorithms.world import WorldComm
     from shmcomm.transport.mpi import Mpi, choose_thread_level
+    from shmcomm.transport.rollcall import RollCall
 
     choose_thread_level(env.mpi_threads_disabled())
     topo, ctx = topology.from_mpi()
     _require_same_settings(ctx.world)
     tuning = env.tuning(topo.local_size)
     shm = SharedMemory(topo, tuning, generation, ranks=ctx.host_ranks, suffix="_h%d" % ctx.host_index, arena=True)
+    roll_call = None
     try:
         if ctx.hosts == 1 and env.grid(topo.size) is None:
             shm.ranks = list(range(topo.size))  # one host: the host communicator is the world
@@ -71,16 +73,22 @@ def _across_hosts(generation):
         if paths.grid is not None and (paths.grid[0] != topo.local_size or not ctx.homogeneous):
             raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
                              % (paths.grid_text, topo.local_size))
+        roll_call = RollCall(ctx.world)  # names the ranks that hold the job up when a wait across hosts times out
         # The column gives up a little before the host's own waits do, so that the rest of the host hears why.
         column = Mpi(ctx.cross, 0.8 * tuning.timeout_s, "torus column") if ctx.homogeneous else None
         torus = Torus(shm, MpiColumn(column, paths.torus_small_bytes), paths.torus_small_bytes,
                       world_rank=topo.rank) if column is not None else None
         world = WorldComm(topo, tuning, HostComm(shm), torus, paths, mpi=Mpi(ctx.world, tuning.timeout_s),
                           host_groups=ctx.world.allgather(ctx.host_ranks))
+        world.roll_call = roll_call
+        roll_call.exit_without_finalize([world.mpi, column])
+        world.closables.append(roll_call)
         world.box_network = _box_network(ctx, topo, tuning, shm)
         world.closables.append(world.box_network)
         return world
     except BaseException:
+        if roll_call is not None:
+            roll_call.close()
         shm.close()
         raise
 
