@@ -84,6 +84,7 @@ def _across_hosts(generation):
         roll_call.exit_without_finalize([world.mpi, column])
         world.closables.append(roll_call)
         world.box_network = _box_network(ctx, topo, tuning, shm)
+        world.box_network.roll_call = roll_call
         world.closables.append(world.box_network)
         return world
     except BaseException:

@@ -117,13 +117,16 @@ class RollCall:
 
 
 def name_silent_ranks(error, roll_call):
-    """Adds to a TimeoutError the ranks that do not answer a roll call, once (nested calls see it done)."""
+    """Adds to an error (a timeout, a host that failed) the ranks that do not answer a roll call, once (nested calls
+    see it done); a RankFailure naming no rank names the silent one, if it is one."""
     if roll_call is None or getattr(error, "roll_called", False):
         return
     error.roll_called = True
     silent = roll_call.silent()
     if silent and error.args:
         error.args = (str(error.args[0]) + _describe(silent),) + error.args[1:]
+        if len(silent) == 1 and getattr(error, "rank", 0) is None:
+            error.rank = silent[0]
 
 
 def _describe(ranks):
