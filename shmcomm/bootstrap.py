@@ -64,7 +64,6 @@ def _across_hosts(generation):
     _require_same_settings(ctx.world)
     tuning = env.tuning(topo.local_size)
     shm = SharedMemory(topo, tuning, generation, ranks=ctx.host_ranks, suffix="_h%d" % ctx.host_index, arena=True)
-    roll_call = None
     try:
         if ctx.hosts == 1 and env.grid(topo.size) is None:
             shm.ranks = list(range(topo.size))  # one host: the host communicator is the world
@@ -73,23 +72,19 @@ def _across_hosts(generation):
         if paths.grid is not None and (paths.grid[0] != topo.local_size or not ctx.homogeneous):
             raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
                              % (paths.grid_text, topo.local_size))
-        roll_call = RollCall(ctx.world)  # names the ranks that hold the job up when a wait across hosts times out
         # The column gives up a little before the host's own waits do, so that the rest of the host hears why.
         column = Mpi(ctx.cross, 0.8 * tuning.timeout_s, "torus column") if ctx.homogeneous else None
         torus = Torus(shm, MpiColumn(column, paths.torus_small_bytes), paths.torus_small_bytes,
                       world_rank=topo.rank) if column is not None else None
         world = WorldComm(topo, tuning, HostComm(shm), torus, paths, mpi=Mpi(ctx.world, tuning.timeout_s),
                           host_groups=ctx.world.allgather(ctx.host_ranks))
-        world.roll_call = roll_call
-        roll_call.exit_without_finalize([world.mpi, column])
-        world.closables.append(roll_call)
         world.box_network = _box_network(ctx, topo, tuning, shm)
-        world.box_network.roll_call = roll_call
         world.closables.append(world.box_network)
+        # Names the ranks that hold the job up when a wait across hosts times out or a box's home host fails.
+        world.roll_call = world.box_network.roll_call = RollCall(world.box_network, topo.rank)
+        world.roll_call.exit_without_finalize([world.mpi, column])
         return world
     except BaseException:
-        if roll_call is not None:
-            roll_call.close()
         shm.close()
         raise
 
