@@ -101,7 +101,7 @@ def _mark(directory, name, text):
 
 # ---- the controller ----
 
-def one_run(rng, signum, sim=None):
+def one_run(rng, signum, sim=None, phases=None):
     """Starts a job, picks a victim and a moment, signals it, and returns the list of what went wrong (empty: the
     run passed), a summary, and the seconds from the signal to the last survivor's error (None if none raised) and
     to the launcher's exit."""
@@ -110,6 +110,7 @@ def one_run(rng, signum, sim=None):
     # A rank stopped in its shutdown, after the others finished theirs, is waited for by the launcher as long as it
     # stays stopped: nothing is left to time out.
     phase = rng.choice(PHASES if signum == signal.SIGKILL else [p for p in PHASES if p != "shutdown"])
+    phase = phase if phases is None or phase in phases else phases[rng.randrange(len(phases))]
     victim = rng.randrange(RANKS)
     directory = tempfile.mkdtemp(prefix="chaos-")
     before = set(os.listdir("/dev/shm"))
@@ -160,7 +161,11 @@ def one_run(rng, signum, sim=None):
             if phase != "shutdown":
                 problems.append("rank %d raised nothing" % r)
             continue
-        named = _names(got, victim)
+        # A rank stopped or killed before MPI had started everywhere (or its first collectives had completed) holds
+        # the others in MPI, which cannot say which rank is missing: they time out saying so, and the launcher names
+        # the rank (its guard sees it stopped, or killed).
+        named = _names(got, victim) or (phase == "init" and "MPI cannot say which" in got["message"] and
+                                        _launcher_names(output, victim, signum))
         late = got["seconds"] - killed_at
         if not named:
             problems.append("rank %d raised %s without naming rank %d: %s" % (r, got["type"], victim,
@@ -174,6 +179,12 @@ def one_run(rng, signum, sim=None):
     problems += _leftovers(directory, before, sim)
     times = [raised[r]["seconds"] - killed_at for r in survivors if r in raised]
     return problems, (phase, victim, proc.returncode, raised), max(times) if times else None, ended
+
+
+def _launcher_names(output, victim, signum):
+    """Whether the guard of the victim said what happened to it."""
+    said = "is stopped" if signum == signal.SIGSTOP else "was killed by signal %d" % signal.SIGKILL
+    return re.search(r"shmcommrun: rank %d (\(pid \d+\) )?on \S+ %s" % (victim, re.escape(said)), output) is not None
 
 
 def _names(raised, victim):
@@ -315,7 +326,7 @@ def _alive(pid):
         return False
 
 
-def campaign(runs, signum, hosts=1, seed=None, out=sys.stdout, first_run=0):
+def campaign(runs, signum, hosts=1, seed=None, out=sys.stdout, first_run=0, phases=None):
     """Runs runs first_run .. first_run + runs - 1 of the campaign `seed`; returns (failures, lines)."""
     seed = random.randrange(1 << 30) if seed is None else seed
     sim = None
@@ -328,7 +339,7 @@ def campaign(runs, signum, hosts=1, seed=None, out=sys.stdout, first_run=0):
         for i in range(first_run, first_run + runs):
             started = time.monotonic()
             rng = random.Random(seed * 1_000_003 + i)  # run i is the same whichever chunk runs it
-            problems, (phase, victim, code, raised), error_s, end_s = one_run(rng, signum, sim)
+            problems, (phase, victim, code, raised), error_s, end_s = one_run(rng, signum, sim, phases)
             errors_at += [error_s] if error_s is not None else []
             ends_at += [end_s] if end_s is not None else []
             kinds = sorted({v["type"] for v in raised.values()})
@@ -362,9 +373,10 @@ def main():
     parser.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
     parser.add_argument("--hosts", type=int, choices=(1, 2), default=1)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--phase", action="append", choices=PHASES, help="only these phases (repeatable)")
     args = parser.parse_args()
     failures, lines = campaign(args.runs, getattr(signal, "SIG" + args.signal), args.hosts, args.seed,
-                               first_run=args.first_run)
+                               first_run=args.first_run, phases=args.phase)
     sys.exit(1 if failures else 0)
 
 

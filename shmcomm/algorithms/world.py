@@ -18,20 +18,26 @@ from shmcomm.algorithms.communicator import Communicator
 from shmcomm.algorithms.disagreement import disagreement_error
 from shmcomm.algorithms.ring import ring_allreduce
 from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
-from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError, TimeoutError
+from shmcomm.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, RankFailure,
+                                ShmCommError, TimeoutError)
 from shmcomm.transport import kernels
 from shmcomm.transport.rollcall import name_silent_ranks
 
 
 def _naming_holdups(method):
-    """A collective whose wait timed out names the ranks that do not answer a roll call (stopped or hung): the one
-    it waited for may itself be waiting for them."""
+    """A collective that timed out or failed (not for a bad argument or a mismatch) names the ranks that do not
+    answer a roll call (stopped, hung or gone): the rank it waited for, or whose step failed, may itself have been
+    waiting for them."""
     @functools.wraps(method)
     def named(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except TimeoutError as error:
+        except (TimeoutError, RankFailure, BrokenCommunicatorError) as error:
             name_silent_ranks(error, self.roll_call)
+            raise
+        except ShmCommError as error:
+            if type(error) is ShmCommError:  # a step that failed elsewhere ("its own error says why")
+                name_silent_ranks(error, self.roll_call)
             raise
     return named
 

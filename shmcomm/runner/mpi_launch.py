@@ -38,7 +38,7 @@ _MAX_LINE_BYTES = 1 << 20
 # others when one merely exits non-zero; so the guard reports the failure and then kills itself. It waits GRACE
 # seconds first (--kill-grace-seconds, as one host's launcher waits between SIGTERM and SIGKILL): the other ranks
 # are failing too, and their errors, which name the rank that failed or held the job up, are what a user needs
-# to read.
+# to read. It also says when its rank has been stopped for two seconds, which only this host can see.
 RANK_GUARD = r"""
 import os, signal, socket, subprocess, sys, threading, time
 rank = os.environ.get("PMI_RANK", "?")
@@ -63,7 +63,21 @@ else:
              for pipe, fd, label in ((child.stdout, 1, "stdout"), (child.stderr, 2, "stderr"))]
     for thread in pumps:
         thread.start()
-    code = child.wait()
+    stopped = 0  # seconds the rank has been seen stopped: said once, since no rank can tell which one it is
+    while True:
+        try:
+            code = child.wait(1.0)
+            break
+        except subprocess.TimeoutExpired:
+            try:
+                with open("/proc/%d/stat" % child.pid) as stat:
+                    state = stat.read().rpartition(") ")[2][:1]
+            except OSError:
+                state = ""
+            stopped = stopped + 1 if state in ("T", "t") else 0
+            if stopped == 2:
+                put(2, ("[%s]<stderr>: shmcommrun: rank %s (pid %d) on %s is stopped (SIGSTOP, or a debugger)\n"
+                        % (rank, rank, child.pid, socket.gethostname())).encode())
     for thread in pumps:
         thread.join(3)
 if code != 0:
@@ -76,6 +90,7 @@ if code != 0:
 # What the launcher reads in the job's output to say, at the end, which rank failed first and which held it up.
 _GUARD_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: (rank \d+ on \S+ .*); stopping the job")
 _SILENT_LINE = re.compile(r"^\[\d+\]<stderr>: .*\b(ranks? [\d, ]+) do(?:es)? not answer at all")
+_STOPPED_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: rank (\d+) \(pid \d+\) on \S+ is stopped")
 _GONE_LINE = re.compile(r"^\[\d+\]<stderr>: .*\b(ranks? [\d, ]+) (?:is|are) gone")
 
 
@@ -253,7 +268,7 @@ class _Report:
             self.failures.append(found.group(1))
             if self.failed_at is None:
                 self.failed_at = time.monotonic()
-        found = _SILENT_LINE.match(line)
+        found = _SILENT_LINE.match(line) or _STOPPED_LINE.match(line)
         if found:
             self.silent.update(int(r) for r in re.findall(r"\d+", found.group(1)))
         found = _GONE_LINE.match(line)

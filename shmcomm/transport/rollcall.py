@@ -88,24 +88,31 @@ class RollCall:
         self.held_up_by = sorted(set(self.held_up_by) | set(failed))
         return dict(sorted(failed.items()))
 
-    def exit_without_finalize(self, transports):
-        """At exit (registered after mpi4py's import, so it comes before MPI_Finalize): when ranks held the job up
-        or a wait across hosts was abandoned, flushes the output and exits with code 1 instead of finalizing."""
-        def check():
-            broken = [t.broken for t in transports if t is not None and t.broken]
-            if not self.held_up_by and not broken:
-                return
-            why = ("rank(s) %s did not answer" % ", ".join(map(str, self.held_up_by)) if self.held_up_by
-                   else "a wait across hosts was abandoned (%s)" % broken[0])
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
-            os.write(2, ("shmcomm: exiting with code 1 without MPI_Finalize, which would wait for every rank: "
-                         "%s\n" % why).encode())
-            os._exit(1)
-        atexit.register(check)
+    def why_not_finalize(self, transports):
+        """Why this process must not call MPI_Finalize (ranks held the job up, or a wait across hosts was abandoned:
+        the transports' `broken`), or None."""
+        if self.held_up_by:
+            return "rank(s) %s did not answer" % ", ".join(map(str, self.held_up_by))
+        broken = [t.broken for t in transports if t is not None and t.broken]
+        return "a wait across hosts was abandoned (%s)" % broken[0] if broken else None
+
+
+def exit_without_finalize(why):
+    """At exit (registered after mpi4py's import, so it runs before MPI_Finalize): if why() says why MPI_Finalize
+    would wait for ever, flushes the output and exits with code 1 instead."""
+    def check():
+        reason = why()
+        if reason is None:
+            return
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os.write(2, ("shmcomm: exiting with code 1 without MPI_Finalize, which would wait for every rank: %s\n"
+                     % reason).encode())
+        os._exit(1)
+    atexit.register(check)
 
 
 def name_silent_ranks(error, roll_call):
