@@ -34,7 +34,7 @@ TIMEOUT_S = 3.0          # SHMCOMM_TIMEOUT of the jobs: a stopped rank is named 
 START_TIMEOUT_S = 4.0    # SHMCOMM_START_TIMEOUT: a rank killed before it attached is named within this
 KILL_BOUND_S = 10.0      # a killed rank is named within this
 STOP_MARGIN_S = 5.0      # a stopped rank is named within TIMEOUT_S + this
-GRACE_S = 8.0            # --kill-grace-seconds: the survivors' time to report, from the first failure
+GRACE_S = 6.0            # --kill-grace-seconds: the survivors' time to report, from the first failure
 
 
 # ---- the job (python tests/chaos.py job DIR PHASE) ----
@@ -176,6 +176,10 @@ def one_run(rng, signum, sim=None, phases=None):
         problems.append("the launcher exited 0")
     elif not _text_names(output, victim) and not (phase == "shutdown" and shut_down):
         problems.append("the launcher's output does not name rank %d:\n%s" % (victim, output[-2000:]))
+    if sim is not None and proc.returncode != 0:  # the launcher's own last word names it too
+        final = [line for line in output.splitlines() if line.startswith("shmcommrun: mpiexec exited")]
+        if not final or not _text_names(final[-1], victim):
+            problems.append("the launcher's last line does not name rank %d: %s" % (victim, final[-1:]))
     problems += _leftovers(directory, before, sim)
     times = [raised[r]["seconds"] - killed_at for r in survivors if r in raised]
     return problems, (phase, victim, proc.returncode, raised), max(times) if times else None, ended
