@@ -197,9 +197,10 @@ def _names(raised, victim):
 
 
 def _text_names(text, victim):
-    """Whether a text names rank `victim`: "rank V", or init's "missing ranks: ..., V"."""
+    """Whether a text names rank `victim`: "rank V", or a list: "ranks 1, V are gone", init's "missing ranks: V"."""
     return re.search(r"\brank %d\b" % victim, text) is not None or any(
-        str(victim) in found.replace(" ", "").split(",") for found in re.findall(r"missing ranks: ([\d, ]+)", text))
+        str(victim) in found.replace(" ", "").split(",")
+        for found in re.findall(r"(?:missing ranks: |\branks )(\d+(?:, \d+)*)", text))
 
 
 def _wait_for_victim(directory, victim, phase, rng, proc, limit=30.0):
