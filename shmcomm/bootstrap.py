@@ -102,7 +102,7 @@ def _world_across_hosts(topo, ctx, tuning, shm, paths):
     world.closables.append(world.box_network)
     # Names the ranks that hold the job up when a wait across hosts times out or a box's home host fails.
     world.roll_call = world.box_network.roll_call = RollCall(world.box_network, topo.rank)
-    exit_without_finalize(lambda: world.roll_call.why_not_finalize([world.mpi, column]))
+    exit_without_finalize(world.roll_call.why_not_finalize)
     return world
 
 

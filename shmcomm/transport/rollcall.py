@@ -9,7 +9,7 @@ is stopped or hung with the GIL held (it does not answer) or gone (the connectio
 in the error: they hold the job up. The roll call travels on TCP, not MPI, whose library may crash when a peer
 process is gone.
 
-A process that found ranks holding the job up, or abandoned a wait across hosts, must not call MPI_Finalize at exit:
+A process that found ranks holding the job up (stopped, hung or gone) must not call MPI_Finalize at exit:
 MPICH's waits there for every process of the job, stopped ones included, for ever. It exits without it
 (exit_without_finalize), with code 1, and the launcher stops the job."""
 import atexit
@@ -88,13 +88,12 @@ class RollCall:
         self.held_up_by = sorted(set(self.held_up_by) | set(failed))
         return dict(sorted(failed.items()))
 
-    def why_not_finalize(self, transports):
-        """Why this process must not call MPI_Finalize (ranks held the job up, or a wait across hosts was abandoned:
-        the transports' `broken`), or None."""
+    def why_not_finalize(self):
+        """Why this process must not call MPI_Finalize (a roll call found ranks stopped, hung or gone: MPICH's
+        finalize would wait for them), or None. A wait abandoned for a rank that was merely late does not stop it."""
         if self.held_up_by:
             return "rank(s) %s did not answer" % ", ".join(map(str, self.held_up_by))
-        broken = [t.broken for t in transports if t is not None and t.broken]
-        return "a wait across hosts was abandoned (%s)" % broken[0] if broken else None
+        return None
 
 
 def exit_without_finalize(why):
