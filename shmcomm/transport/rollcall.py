@@ -9,7 +9,7 @@ is stopped or hung with the GIL held (it does not answer) or gone (the connectio
 in the error: they hold the job up. The roll call travels on TCP, not MPI, whose library may crash when a peer
 process is gone.
 
-A process that found ranks holding the job up (stopped, hung or gone) must not call MPI_Finalize at exit:
+A process that found ranks holding the job up (stopped or hung) must not call MPI_Finalize at exit:
 MPICH's waits there for every process of the job, stopped ones included, for ever. It exits without it
 (exit_without_finalize), with code 1, and the launcher stops the job."""
 import atexit
@@ -35,7 +35,7 @@ class RollCall:
         for host, ranks in enumerate(network.host_ranks):
             for local, job_rank in enumerate(ranks):
                 self.servers[job_rank] = network.servers[host][local]
-        self.held_up_by = []  # the ranks a roll call found silent or gone
+        self.silent = []  # the ranks a roll call found silent (stopped or hung)
 
     def check(self, grace_s=_GRACE_S):
         """{rank: SILENT or GONE} for the other ranks that do not answer within grace_s."""
@@ -85,14 +85,15 @@ class RollCall:
                 key.fileobj.close()
         finally:
             selector.close()
-        self.held_up_by = sorted(set(self.held_up_by) | set(failed))
+        self.silent = sorted(set(self.silent) | {r for r, state in failed.items() if state == SILENT})
         return dict(sorted(failed.items()))
 
     def why_not_finalize(self):
-        """Why this process must not call MPI_Finalize (a roll call found ranks stopped, hung or gone: MPICH's
-        finalize would wait for them), or None. A wait abandoned for a rank that was merely late does not stop it."""
-        if self.held_up_by:
-            return "rank(s) %s did not answer" % ", ".join(map(str, self.held_up_by))
+        """Why this process must not call MPI_Finalize (a roll call found ranks stopped or hung: MPICH's finalize
+        would wait for them for ever), or None. Ranks found gone may have ended well and wait in MPI_Finalize
+        themselves; one that was killed makes hydra stop the job anyway."""
+        if self.silent:
+            return "rank(s) %s did not answer" % ", ".join(map(str, self.silent))
         return None
 
 
