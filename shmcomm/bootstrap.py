@@ -9,8 +9,12 @@
   columns and for the collectives that are not allreduce;
 - an elastic world that spans hosts (membership.py): each host's shared memory under a TCP mesh between all the
   ranks (transport/tcp.py), formed anew at every membership; MPI cannot lose or gain a process."""
+import threading
+
 from shmcomm import env, membership, topology
 from shmcomm.algorithms.host import HostComm
+from shmcomm.exceptions import TimeoutError
+from shmcomm.transport.rollcall import exit_without_finalize
 from shmcomm.transport.shm import SharedMemory
 
 
@@ -58,13 +62,10 @@ def _logical_grid(topo, tuning, generation, paths):
 
 
 def _across_hosts(generation):
-    from shmcomm.algorithms.torus2d import MpiColumn, Torus
-    from shmcomm.algorithms.world import WorldComm
-    from shmcomm.transport.mpi import Mpi, choose_thread_level
+    from shmcomm.transport.mpi import choose_thread_level
 
     choose_thread_level(env.mpi_threads_disabled())
-    topo, ctx = topology.from_mpi()
-    _require_same_settings(ctx.world)
+    topo, ctx = _within(env.tuning(1).start_timeout_s, "MPI's start across hosts", _start_mpi)
     tuning = env.tuning(topo.local_size)
     shm = SharedMemory(topo, tuning, generation, ranks=ctx.host_ranks, suffix="_h%d" % ctx.host_index, arena=True)
     try:
@@ -75,17 +76,11 @@ def _across_hosts(generation):
         if paths.grid is not None and (paths.grid[0] != topo.local_size or not ctx.homogeneous):
             raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
                              % (paths.grid_text, topo.local_size))
-        # The column gives up a little before the host's own waits do, so that the rest of the host hears why.
-        column = Mpi(ctx.cross, 0.8 * tuning.timeout_s, "torus column") if ctx.homogeneous else None
-        torus = Torus(shm, MpiColumn(column, paths.torus_small_bytes), paths.torus_small_bytes,
-                      world_rank=topo.rank) if column is not None else None
-        world = WorldComm(topo, tuning, HostComm(shm), torus, paths, mpi=Mpi(ctx.world, tuning.timeout_s),
-                          host_groups=ctx.world.allgather(ctx.host_ranks))
-        world.box_network = _box_network(ctx, topo, tuning, shm)
-        world.closables.append(world.box_network)
-        return world
-    except BaseException:
-        shm.close()
+        return _within(tuning.start_timeout_s, "init across hosts", _world_across_hosts, topo, ctx, tuning, shm,
+                       paths)
+    except BaseException as error:
+        if not getattr(error, "thread_stuck", False):  # else that thread may still use the segment: left as it is
+            shm.close()
         raise
 
 
@@ -117,6 +112,59 @@ def _elastic_across_hosts(generation):
         raise
     world.closables.append(mesh)
     return world
+
+
+def _start_mpi():
+    topo, ctx = topology.from_mpi()
+    _require_same_settings(ctx.world)
+    return topo, ctx
+
+
+def _world_across_hosts(topo, ctx, tuning, shm, paths):
+    from shmcomm.algorithms.torus2d import MpiColumn, Torus
+    from shmcomm.algorithms.world import WorldComm
+    from shmcomm.transport.mpi import Mpi
+    from shmcomm.transport.rollcall import RollCall
+
+    # The column gives up a little before the host's own waits do, so that the rest of the host hears why.
+    column = Mpi(ctx.cross, 0.8 * tuning.timeout_s, "torus column") if ctx.homogeneous else None
+    torus = Torus(shm, MpiColumn(column, paths.torus_small_bytes), paths.torus_small_bytes,
+                  world_rank=topo.rank) if column is not None else None
+    world = WorldComm(topo, tuning, HostComm(shm), torus, paths, mpi=Mpi(ctx.world, tuning.timeout_s),
+                      host_groups=ctx.world.allgather(ctx.host_ranks))
+    world.box_network = _box_network(ctx, topo, tuning, shm)
+    world.closables.append(world.box_network)
+    # Names the ranks that hold the job up when a wait across hosts times out or a box's home host fails.
+    world.roll_call = world.box_network.roll_call = RollCall(world.box_network, topo.rank)
+    exit_without_finalize(world.roll_call.why_not_finalize)
+    return world
+
+
+def _within(timeout_s, what, fn, *args):
+    """fn(*args), in a thread, within timeout_s: MPI's start and its first collectives have no deadline of their own,
+    and wait for ever for a rank that is stopped, hung or never starts. On time out the thread is left in MPI, and
+    the process will exit without MPI_Finalize."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as error:  # handed to the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="shmcomm-start", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        why = ("%s: not done after %g s (SHMCOMM_START_TIMEOUT): a rank of the job is stopped, hung or did not start "
+               "(MPI cannot say which; shmcommrun names a stopped rank)" % (what, timeout_s))
+        exit_without_finalize(lambda: why)
+        error = TimeoutError(why)
+        error.thread_stuck = True
+        raise error
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _box_network(ctx, topo, tuning, shm):

@@ -20,8 +20,9 @@ import numpy as np
 
 from shmcomm import dtypes, session, smb_stripes
 from shmcomm.buffers import wrap
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.exceptions import InvalidArgumentError, TimeoutError
 from shmcomm.transport.box import BoxHandle
+from shmcomm.transport.rollcall import name_silent_ranks
 
 
 def _count(shape):
@@ -42,6 +43,7 @@ class SoftMemoryBox:
         network = None if local else job_network
         self.name = name
         self._timeout = comm.tuning.timeout_s
+        self._roll_call = getattr(job_network, "roll_call", None)  # across hosts (transport/rollcall.py)
         count = code = None
         if shape is not None:
             shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
@@ -160,7 +162,11 @@ class SoftMemoryBox:
                               float(beta))
 
     def lock(self, timeout=None):
-        self._handle().lock(self._timeout if timeout is None else float(timeout))
+        try:
+            self._handle().lock(self._timeout if timeout is None else float(timeout))
+        except TimeoutError as error:  # the holder may itself wait for a rank that is stopped: name those
+            name_silent_ranks(error, self._roll_call)
+            raise
 
     def unlock(self):
         self._handle().unlock()

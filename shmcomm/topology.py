@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from shmcomm import env
 from shmcomm.env import Topology
+from shmcomm.exceptions import SystemError
 
 
 @dataclass
@@ -23,8 +24,43 @@ class MPIContext:
     homogeneous: bool    # every host runs the same number of ranks
 
 
+def start_mpi():
+    """MPI_Init_thread, unless MPI has started already (the user imported mpi4py.MPI first).
+
+    mpi4py starts MPI as it is imported, holding the GIL, and MPICH's start waits for every rank of the job: a rank
+    that stopped before it would hold every other rank there, with no thread able to run. So MPI is started here,
+    through ctypes, which lets go of the GIL, so that the caller can run this in a thread and give up on it
+    (bootstrap._within). mpi4py still finalizes MPI at exit, as if it had started it."""
+    import ctypes
+
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = True
+    from mpi4py import MPI
+
+    if MPI.Is_initialized():
+        return
+    library = next((line.split()[-1] for line in open("/proc/self/maps") if "/libmpi" in line), None)
+    if library is None:
+        MPI.Init_thread(_thread_level(MPI, mpi4py.rc.thread_level))  # (not on Linux: holding the GIL)
+        return
+    provided = ctypes.c_int()
+    code = ctypes.CDLL(library).MPI_Init_thread(None, None, ctypes.c_int(_thread_level(MPI, mpi4py.rc.thread_level)),
+                                                ctypes.byref(provided))
+    if code != 0:
+        raise SystemError("MPI_Init_thread failed with MPI error %d" % code)
+
+
+def _thread_level(MPI, name):
+    return {"single": MPI.THREAD_SINGLE, "funneled": MPI.THREAD_FUNNELED, "serialized": MPI.THREAD_SERIALIZED}.get(
+        name, MPI.THREAD_MULTIPLE)
+
+
 def from_mpi():
     """The topology and the MPI communicators of an MPI-launched job."""
+    start_mpi()
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD

@@ -2,15 +2,17 @@
 """Chaos: jobs of 4 ranks, started by shmcommrun, in which one random rank is killed (SIGKILL) or stopped (SIGSTOP)
 at a random moment of a random phase: init, collectives of every kind, the engine's negotiation (asynchronous
 operations), holding a Soft Memory Box lock, shutdown. Each run checks that every surviving rank raised an error
-naming the victim within 10 s (SIGKILL) or SHMCOMM_TIMEOUT plus that (SIGSTOP), or finished its shutdown; that the
-launcher exited non-zero and its output names the victim; that nothing of the job is left in /dev/shm; and that no
-process of it is left.
+naming the victim within 10 s (SIGKILL) or SHMCOMM_TIMEOUT + 5 s (SIGSTOP), or finished its shutdown; that the
+launcher exited non-zero and its output names the victim; that nothing of the job is left in /dev/shm (its segments,
+process sets' included, and MPICH's); and that no process of it is left.
 
-    python tests/chaos.py [--runs 50] [--signal KILL|STOP] [--hosts 1|2] [--seed N]
+    python tests/chaos.py [--runs 50] [--first-run 0] [--signal KILL|STOP] [--hosts 1|2] [--seed N]
 
-prints one line per run and a summary, and exits non-zero if any run failed. --hosts 2 runs across two simulated
-hosts (shmcomm/testing/simhosts.py; needs root and network namespaces). There hydra, which carries the job, stops
-every rank as soon as one dies, often before a survivor can raise: errors are checked where survivors recorded one.
+prints one line per run and a summary (with the median and largest time from the signal to the last survivor's error
+and to the launcher's exit), and exits non-zero if any run failed. Run i of a campaign depends only on --seed and i,
+so a campaign can run in chunks (--first-run 0 --runs 10, --first-run 10 --runs 10, ...). --hosts 2 runs across two
+simulated hosts (shmcomm/testing/simhosts.py; needs root and network namespaces); there the launcher gives the
+survivors --kill-grace-seconds to report before hydra stops the job.
 
 The job's ranks ignore SIGTERM, so that the launcher's stop (SIGTERM, then SIGKILL after its grace period) does not
 end them before they say what they raised (shmcomm.testing.outcomes)."""
@@ -19,6 +21,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +33,8 @@ RANKS = 4
 TIMEOUT_S = 3.0          # SHMCOMM_TIMEOUT of the jobs: a stopped rank is named within this
 START_TIMEOUT_S = 4.0    # SHMCOMM_START_TIMEOUT: a rank killed before it attached is named within this
 KILL_BOUND_S = 10.0      # a killed rank is named within this
+STOP_MARGIN_S = 5.0      # a stopped rank is named within TIMEOUT_S + this
+GRACE_S = 6.0            # --kill-grace-seconds: the survivors' time to report, from the first failure
 
 
 # ---- the job (python tests/chaos.py job DIR PHASE) ----
@@ -96,14 +101,16 @@ def _mark(directory, name, text):
 
 # ---- the controller ----
 
-def one_run(rng, signum, sim=None):
+def one_run(rng, signum, sim=None, phases=None):
     """Starts a job, picks a victim and a moment, signals it, and returns the list of what went wrong (empty: the
-    run passed) and a summary."""
+    run passed), a summary, and the seconds from the signal to the last survivor's error (None if none raised) and
+    to the launcher's exit."""
     from shmcomm.testing import outcomes
 
     # A rank stopped in its shutdown, after the others finished theirs, is waited for by the launcher as long as it
     # stays stopped: nothing is left to time out.
     phase = rng.choice(PHASES if signum == signal.SIGKILL else [p for p in PHASES if p != "shutdown"])
+    phase = phase if phases is None or phase in phases else phases[rng.randrange(len(phases))]
     victim = rng.randrange(RANKS)
     directory = tempfile.mkdtemp(prefix="chaos-")
     before = set(os.listdir("/dev/shm"))
@@ -111,7 +118,7 @@ def one_run(rng, signum, sim=None):
                SHMCOMM_TIMEOUT=str(TIMEOUT_S), SHMCOMM_START_TIMEOUT=str(START_TIMEOUT_S))
     for name in [k for k in env if k.startswith(("SHMCOMM_RANK", "HOROVOD_", "PMI_"))]:
         del env[name]
-    launch = [sys.executable, "-m", "shmcomm.runner"]
+    launch = [sys.executable, "-m", "shmcomm.runner", "--kill-grace-seconds", str(GRACE_S)]
     launch += sim.shmcommrun_args(RANKS // 2) if sim is not None else ["-np", str(RANKS)]
     command = launch + [sys.executable, os.path.abspath(__file__), "job", directory, phase]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -126,7 +133,9 @@ def one_run(rng, signum, sim=None):
             pid = None
     try:
         output, _ = proc.communicate(timeout=60)
+        ended = time.monotonic() - killed_at
     except subprocess.TimeoutExpired:
+        ended = None
         os.killpg(proc.pid, signal.SIGKILL)
         problems.append("the launcher did not exit within 60 s")
         for rank_pid in _pids(directory):  # the ranks may have process groups of their own
@@ -141,18 +150,22 @@ def one_run(rng, signum, sim=None):
     if pid is None:
         problems.append("the victim (rank %d) could not be signalled: the job %s:\n%s" % (
             victim, "ended first" if proc.returncode is not None else "never started it", output[-3000:]))
-        return problems, (phase, victim, proc.returncode, {})
+        return problems, (phase, victim, proc.returncode, {}), None, ended
     raised = outcomes.read(directory)
-    bound = KILL_BOUND_S if signum == signal.SIGKILL else TIMEOUT_S + KILL_BOUND_S
+    bound = KILL_BOUND_S if signum == signal.SIGKILL else TIMEOUT_S + STOP_MARGIN_S
     survivors = [r for r in range(RANKS) if r != victim]
     shut_down = {r for r in survivors if os.path.exists(os.path.join(directory, "shutdown.%d" % r))}
     for r in survivors:
         got = raised.get(r)
         if got is None:
-            if phase != "shutdown" and sim is None:
+            if phase != "shutdown":
                 problems.append("rank %d raised nothing" % r)
             continue
-        named = _names(got, victim)
+        # A rank stopped or killed before MPI had started everywhere (or its first collectives had completed) holds
+        # the others in MPI, which cannot say which rank is missing: they time out saying so, and the launcher names
+        # the rank (its guard sees it stopped, or killed).
+        named = _names(got, victim) or (phase == "init" and "MPI cannot say which" in got["message"] and
+                                        _launcher_names(output, victim, signum))
         late = got["seconds"] - killed_at
         if not named:
             problems.append("rank %d raised %s without naming rank %d: %s" % (r, got["type"], victim,
@@ -163,8 +176,19 @@ def one_run(rng, signum, sim=None):
         problems.append("the launcher exited 0")
     elif not _text_names(output, victim) and not (phase == "shutdown" and shut_down):
         problems.append("the launcher's output does not name rank %d:\n%s" % (victim, output[-2000:]))
-    problems += _leftovers(directory, before, sim is not None)
-    return problems, (phase, victim, proc.returncode, raised)
+    if sim is not None and proc.returncode != 0:  # the launcher's own last word names it too
+        final = [line for line in output.splitlines() if line.startswith("shmcommrun: mpiexec exited")]
+        if not final or not _text_names(final[-1], victim):
+            problems.append("the launcher's last line does not name rank %d: %s" % (victim, final[-1:]))
+    problems += _leftovers(directory, before, sim)
+    times = [raised[r]["seconds"] - killed_at for r in survivors if r in raised]
+    return problems, (phase, victim, proc.returncode, raised), max(times) if times else None, ended
+
+
+def _launcher_names(output, victim, signum):
+    """Whether the guard of the victim said what happened to it."""
+    said = "is stopped" if signum == signal.SIGSTOP else "was killed by signal %d" % signal.SIGKILL
+    return re.search(r"shmcommrun: rank %d (\(pid \d+\) )?on \S+ %s" % (victim, re.escape(said)), output) is not None
 
 
 def _names(raised, victim):
@@ -173,9 +197,10 @@ def _names(raised, victim):
 
 
 def _text_names(text, victim):
-    """Whether a text names rank `victim`: "rank V", or init's "missing ranks: ..., V"."""
+    """Whether a text names rank `victim`: "rank V", or a list: "ranks 1, V are gone", init's "missing ranks: V"."""
     return re.search(r"\brank %d\b" % victim, text) is not None or any(
-        str(victim) in found.replace(" ", "").split(",") for found in re.findall(r"missing ranks: ([\d, ]+)", text))
+        str(victim) in found.replace(" ", "").split(",")
+        for found in re.findall(r"(?:missing ranks: |\branks )(\d+(?:, \d+)*)", text))
 
 
 def _wait_for_victim(directory, victim, phase, rng, proc, limit=30.0):
@@ -229,30 +254,56 @@ def _rank_of(pid):
     return int(value) if value is not None else None
 
 
-def _leftovers(directory, before, mpi):
+def _leftovers(directory, before, sim):
+    """What the run left: processes (the ranks, and any process whose command names the run's directory: the
+    launcher, hydra, the rank guards; on simulated hosts anything still in their namespaces), and files in /dev/shm
+    (the job's segments, whatever their suffix, and new MPICH segments that no process maps)."""
     problems = []
     pids = _pids(directory)
     deadline = time.monotonic() + 10
     alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
+    while time.monotonic() < deadline:
+        alive = sorted(set(p for p in pids if _alive(p)) | set(_stragglers(directory, sim)))
+        if not alive:
+            break
         time.sleep(0.05)
     if alive:
-        problems.append("processes left behind: %s" % alive)
+        problems.append("processes left behind: %s" % ", ".join("%d (%s)" % (p, _command(p)[:80]) for p in alive))
     deadline = time.monotonic() + 5
     left = None
     token_path = os.path.join(directory, "token")
     token = open(token_path).read() if os.path.exists(token_path) else None
     while time.monotonic() < deadline:
-        # New segments that no process maps: another job running on this machine meanwhile maps its own.
-        left = _unmapped([n for n in set(os.listdir("/dev/shm")) - before if (token and token in n) or
-                          (mpi and n.startswith("mpich_shm_"))])
+        new = set(os.listdir("/dev/shm")) - before
+        # MPICH's: those no process maps (another job running on this machine meanwhile maps its own).
+        left = sorted(n for n in new if token and token in n) + _unmapped(
+            [n for n in new if sim is not None and n.startswith("mpich_shm_")])
         if not left:
             break
         time.sleep(0.05)
     if left:
         problems.append("left in /dev/shm: %s" % left)
     return problems
+
+
+def _stragglers(directory, sim):
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid() and directory in _command(int(pid)) and _alive(int(pid)):
+            found.append(int(pid))
+    if sim is not None:
+        for ns in sim.namespaces:
+            listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
+            found += [int(p) for p in listed.split() if _alive(int(p))]
+    return found
+
+
+def _command(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 def _pids(directory):
@@ -280,23 +331,27 @@ def _alive(pid):
         return False
 
 
-def campaign(runs, signum, hosts=1, seed=None, out=sys.stdout):
-    """Runs `runs` chaos runs; returns (failures, lines)."""
+def campaign(runs, signum, hosts=1, seed=None, out=sys.stdout, first_run=0, phases=None):
+    """Runs runs first_run .. first_run + runs - 1 of the campaign `seed`; returns (failures, lines)."""
     seed = random.randrange(1 << 30) if seed is None else seed
-    rng = random.Random(seed)
     sim = None
     if hosts > 1:
         from shmcomm.testing.simhosts import SimulatedHosts
 
         sim = SimulatedHosts(hosts).__enter__()
-    failures, lines = [], []
+    failures, lines, errors_at, ends_at = [], [], [], []
     try:
-        for i in range(runs):
+        for i in range(first_run, first_run + runs):
             started = time.monotonic()
-            problems, (phase, victim, code, raised) = one_run(rng, signum, sim)
+            rng = random.Random(seed * 1_000_003 + i)  # run i is the same whichever chunk runs it
+            problems, (phase, victim, code, raised), error_s, end_s = one_run(rng, signum, sim, phases)
+            errors_at += [error_s] if error_s is not None else []
+            ends_at += [end_s] if end_s is not None else []
             kinds = sorted({v["type"] for v in raised.values()})
-            line = "run %2d seed %d: SIG%s rank %d in %-11s -> launcher %s, survivors raised %s, %.1f s: %s" % (
+            line = ("run %2d seed %d: SIG%s rank %d in %-11s -> launcher %s, survivors raised %s (last %s s), "
+                    "launcher ended %s s, run %.1f s: %s") % (
                 i, seed, signal.Signals(signum).name[3:], victim, phase, code, ",".join(kinds) or "-",
+                "-" if error_s is None else "%.1f" % error_s, "-" if end_s is None else "%.1f" % end_s,
                 time.monotonic() - started, "ok" if not problems else "FAILED: " + "; ".join(problems))
             print(line, file=out, flush=True)
             lines.append(line)
@@ -305,6 +360,12 @@ def campaign(runs, signum, hosts=1, seed=None, out=sys.stdout):
     finally:
         if sim is not None:
             sim.close()
+    summary = "%d of %d runs passed" % (len(lines) - len(failures), len(lines))
+    for name, values in (("the last survivor's error", errors_at), ("the launcher's exit", ends_at)):
+        if values:
+            summary += "; signal to %s: median %.1f s, largest %.1f s" % (name, statistics.median(values),
+                                                                            max(values))
+    print(summary, file=out, flush=True)
     return failures, lines
 
 
@@ -313,12 +374,14 @@ def main():
         sys.exit(job(sys.argv[2], sys.argv[3]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--first-run", type=int, default=0, help="the campaign's first run to do (chunks)")
     parser.add_argument("--signal", choices=("KILL", "STOP"), default="KILL")
     parser.add_argument("--hosts", type=int, choices=(1, 2), default=1)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--phase", action="append", choices=PHASES, help="only these phases (repeatable)")
     args = parser.parse_args()
-    failures, lines = campaign(args.runs, getattr(signal, "SIG" + args.signal), args.hosts, args.seed)
-    print("%d of %d runs passed" % (len(lines) - len(failures), len(lines)), flush=True)
+    failures, lines = campaign(args.runs, getattr(signal, "SIG" + args.signal), args.hosts, args.seed,
+                               first_run=args.first_run, phases=args.phase)
     sys.exit(1 if failures else 0)
 
 

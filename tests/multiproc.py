@@ -11,7 +11,7 @@ import signal
 import time
 import traceback
 
-from shmcomm.runner.cleanup import remove_job_segments, segment_prefix
+from shmcomm.runner.cleanup import job_segment_pattern, remove_job_segments
 
 
 class RankError(AssertionError):
@@ -93,5 +93,5 @@ def Event():
 
 
 def job_segments_exist(token):
-    prefix = segment_prefix(token)
-    return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    pattern = job_segment_pattern(token)
+    return [n for n in os.listdir("/dev/shm") if pattern.match(n)]

@@ -252,28 +252,37 @@ def test_output_filename_writes_raw_output_per_rank(tmp_path):
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 @pytest.mark.parametrize("failing", [True, False])
 def test_job_segments_are_removed_and_other_jobs_are_left_alone(failing):
-    decoy = Path(f"/dev/shm/shmcomm-{secrets.token_hex(16)}-x")
+    """The host segment, a process set's, and a host's across hosts (shmcomm-TOKEN-G, shmcomm-TOKEN_s1-G,
+    shmcomm-TOKEN_h0-G) go; another job's stay, even one whose token starts with this job's."""
+    decoy = Path(f"/dev/shm/shmcomm-{secrets.token_hex(16)}-1")
     decoy.write_bytes(b"another job's segment")
     program = rank_program(f"""
         import os, sys, time
-        token, rank, size = os.environ["SHMCOMM_JOB_TOKEN"], os.environ["SHMCOMM_RANK"], 3
-        with open(f"/dev/shm/shmcomm-{{token}}-x{{rank}}", "wb") as segment:
+        token, rank, size = os.environ["SHMCOMM_JOB_TOKEN"], int(os.environ["SHMCOMM_RANK"]), 3
+        with open("/dev/shm/shmcomm-" + token + ["", "_s1", "_h0"][rank] + "-1", "wb") as segment:
             segment.write(b"data")
+        if rank == 0:
+            with open("/dev/shm/shmcomm-" + token + "x-1", "wb") as segment:  # a job whose token starts with it
+                segment.write(b"another job's segment")
         print("token", token, flush=True)
-        if rank == "1":
-            while len([n for n in os.listdir("/dev/shm") if n.startswith(f"shmcomm-{{token}}-")]) < size:
+        if rank == 1:
+            while len([n for n in os.listdir("/dev/shm") if n.startswith("shmcomm-" + token)]) < size + 1:
                 time.sleep(0.05)
             sys.exit(1 if {failing!r} else 0)
         time.sleep(60 if {failing!r} else 0)
     """)
+    token = None
     try:
         result = launch("-np", 3, *program)
         assert result.returncode == (1 if failing else 0), result.stderr
         token = rank_lines(result.stdout)[0][0].split()[1]
-        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"shmcomm-{token}-")] == []
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"shmcomm-{token}")] == [f"shmcomm-{token}x-1"]
         assert decoy.read_bytes() == b"another job's segment"
     finally:
         decoy.unlink()
+        for name in os.listdir("/dev/shm"):
+            if token and name.startswith(f"shmcomm-{token}x"):
+                os.unlink(f"/dev/shm/{name}")
 
 
 def _has(module):

@@ -160,8 +160,8 @@ def test_a_failing_rank_fails_the_job_promptly(sim):
     failing = """
         import os, sys, time
         if os.environ["PMI_RANK"] == "3":
-            segment = "/dev/shm/shmcomm-%s-left-behind" % os.environ["SHMCOMM_JOB_TOKEN"]
-            open(segment, "w").close()  # as a rank that dies before unlinking its segment
+            segment = "/dev/shm/shmcomm-%s_h1-1" % os.environ["SHMCOMM_JOB_TOKEN"]
+            open(segment, "w").close()  # as a rank that dies before unlinking its host's segment
             print(segment, flush=True)
             sys.exit(5)
         time.sleep(60)

@@ -6,6 +6,8 @@ algorithm choice.py picks (torus, ring or MPI's own); the other collectives go t
 hosts, or through the host's shared memory when the whole grid is on one host. Every collective starts with the
 agreement (through the torus's route when there is a torus), so that ranks that disagree, or call different
 collectives, all raise instead of corrupting data or waiting in MPI."""
+import functools
+
 import numpy as np
 
 from shmcomm import description, ops
@@ -16,8 +18,28 @@ from shmcomm.algorithms.communicator import Communicator
 from shmcomm.algorithms.disagreement import disagreement_error
 from shmcomm.algorithms.ring import ring_allreduce
 from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
-from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
+from shmcomm.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, RankFailure,
+                                ShmCommError, TimeoutError)
 from shmcomm.transport import kernels
+from shmcomm.transport.rollcall import name_silent_ranks
+
+
+def _naming_holdups(method):
+    """A collective that timed out or failed (not for a bad argument or a mismatch) names the ranks that do not
+    answer a roll call (stopped, hung or gone): the rank it waited for, or whose step failed, may itself have been
+    waiting for them."""
+    @functools.wraps(method)
+    def named(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (TimeoutError, RankFailure, BrokenCommunicatorError) as error:
+            name_silent_ranks(error, self.roll_call)
+            raise
+        except ShmCommError as error:
+            if type(error) is ShmCommError:  # a step that failed elsewhere ("its own error says why")
+                name_silent_ranks(error, self.roll_call)
+            raise
+    return named
 
 
 class WorldComm(Communicator):
@@ -35,8 +57,10 @@ class WorldComm(Communicator):
         self.torus_min_bytes = paths.torus_min_bytes
         # Without a torus, every cross-host collective starts with this.
         self.agreement = Agreement(mpi) if mpi is not None and torus is None else None
+        self.roll_call = None  # transport.rollcall.RollCall across hosts: a timeout names the ranks holding it up
 
     # ---- allreduce ----
+    @_naming_holdups
     def allreduce(self, x, output, op, prescale, postscale, what):
         inplace = output is x
         src = wrap(x, what, inplace)
@@ -49,6 +73,7 @@ class WorldComm(Communicator):
                         description.describe("allreduce", src.code, src.shape, op, float(prescale), float(postscale)))
         return out
 
+    @_naming_holdups
     def allreduce_raw(self, ptr, count, code, op, prescale, postscale, what, divisor=None):
         self._allreduce(ptr, ptr, count, code, kernels.itemsize(code), op, prescale, postscale, what, divisor,
                         description.describe("allreduce", code, (count,), op, float(prescale), float(postscale)))
@@ -89,6 +114,7 @@ class WorldComm(Communicator):
         if narrow is not None:
             kernels.narrow_into(narrow[0], wide, narrow[1])
 
+    @_naming_holdups
     def adasum(self, ptr, dst_ptr, count, code, sizes, prescale, postscale, what, shape=None):
         """Adasum (algorithms/adasum.py), hierarchical where there is a torus: the levels inside a host over its
         shared memory, then the levels between hosts over the column; over the world's MPI otherwise (hosts of
@@ -143,6 +169,7 @@ class WorldComm(Communicator):
 
     # ---- the rest: MPI across hosts, shared memory on one host. Each starts with the agreement, so that ranks
     # calling different collectives find out as surely as ranks passing different tensors. ----
+    @_naming_holdups
     def broadcast(self, x, output, root, what):
         src = wrap(x, what, writable=output is x)
         out, dst = (x, src) if output is x else output_for(src, output, src.shape, what)  # before the agreement:
@@ -152,6 +179,7 @@ class WorldComm(Communicator):
         self.mpi.broadcast(src.ptr, dst.ptr, src.nbytes, root, 0, what)
         return out
 
+    @_naming_holdups
     def allgather(self, x, what, output=None):
         src = self._check_rows(x, "allgather", what)
         if self.mpi is None:
@@ -162,6 +190,7 @@ class WorldComm(Communicator):
         return self._into(src, output, (sum(rows),) + shape[1:], what, lambda dst: self.mpi.allgatherv(
             src.ptr, src.nbytes, dst.ptr, [r * size for r in rows], 0, what))
 
+    @_naming_holdups
     def alltoall(self, x, splits, what, output=None):
         src = self._check_rows(x, "alltoall", what)
         if self.mpi is None:
@@ -196,6 +225,7 @@ class WorldComm(Communicator):
         self.mpi.allgatherv(ffi.from_buffer(mine), 8, ffi.from_buffer(every), [8] * self.size, 0, what)
         return [int(d) for d in every]
 
+    @_naming_holdups
     def reducescatter(self, x, op, prescale, postscale, what, output=None):
         """This rank's rows of the reduction. MPI's own reduce-scatter where MPI's allreduce would be chosen; else
         the allreduce, then this rank's rows: twice the traffic of a true reduce-scatter, but the torus's."""
@@ -223,11 +253,13 @@ class WorldComm(Communicator):
             raise error
         return out
 
+    @_naming_holdups
     def barrier(self, what="barrier"):
         self._checked(what, description.describe("barrier"))
         if self.mpi is None:
             self.host.barrier(what)
 
+    @_naming_holdups
     def allgather_bytes(self, payload):
         if self.mpi is None:
             return self.host.allgather_bytes(payload)

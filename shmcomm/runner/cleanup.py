@@ -19,22 +19,32 @@ _TOKEN_PATTERN = re.compile(r"[A-Za-z0-9_]{8,64}\Z")
 
 
 def segment_prefix(token: str) -> str:
-    """The name prefix shared by every shared-memory segment of the job with this token."""
+    """The name prefix of the job's host segment on one host (`shmcomm-<token>-<generation>`); its other segments
+    carry a suffix after the token (job_segment_pattern)."""
     if not _TOKEN_PATTERN.match(token):
         raise ValueError(f"invalid job token {token!r}: expected 8 to 64 characters of [A-Za-z0-9_]")
     return f"shmcomm-{token}-"
 
 
+def job_segment_pattern(token: str) -> "re.Pattern":
+    """The names of every segment of the job with this token: `shmcomm-<token><suffix>-<generation>`, where the
+    suffix names a host across hosts (_h0), a process set (_s1), a grid's row or column (_r0, _c0), or is empty
+    (shmcomm/bootstrap.py). A token may hold '_', so the suffixes are matched exactly, not as a prefix: another job's
+    token that starts with this one is not this job's."""
+    segment_prefix(token)  # checks it
+    return re.compile(rf"shmcomm-{re.escape(token)}(?:_[hsrc]\d+)?-\d+\Z")
+
+
 def remove_job_segments(token: str, shm_dir: str = SHM_DIR) -> "list[str]":
-    """Removes every `<shm_dir>/shmcomm-<token>-*` and returns the names removed (sorted)."""
-    prefix = segment_prefix(token)
+    """Removes every segment of the job (job_segment_pattern) from shm_dir and returns the names removed (sorted)."""
+    pattern = job_segment_pattern(token)
     try:
         names = os.listdir(shm_dir)
     except (FileNotFoundError, NotADirectoryError):
         return []
     removed = []
     for name in sorted(names):
-        if not name.startswith(prefix):
+        if not pattern.match(name):
             continue
         try:
             os.unlink(os.path.join(shm_dir, name))

@@ -190,7 +190,8 @@ def build_parser(prog):
     parser.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", action="store_true",
                         dest="prefix_output_with_timestamp", help="start each line of the ranks' output with the time")
     parser.add_argument("--kill-grace-seconds", type=float, default=5.0, metavar="S",
-                        help="after a failure, seconds between SIGTERM and SIGKILL (default 5)")
+                        help="after a failure, seconds between SIGTERM and SIGKILL (default 5); across hosts, the "
+                             "other ranks' time to report their errors before the job is stopped")
     parser.add_argument("--verbose", action="store_true", help="print the launch plan to stderr")
 
     hosts = parser.add_argument_group("hosts").add_mutually_exclusive_group()

@@ -11,29 +11,38 @@ Nothing here imports mpi4py: the launcher stays a plain process.
 """
 
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from .cleanup import remove_job_segments, remove_orphaned_mpi_segments
-from .spawn import FORWARDED_SIGNALS, exit_code_of, say, signal_name
+from .spawn import FORWARDED_SIGNALS, exit_code_of, say, signal_name, write_console
 
 _IDENTITY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
 _VERSION_TIMEOUT_S = 10
 _POLL_SECONDS = 0.1
+_TEARDOWN_S = 10.0  # once a rank failed, hydra's time to stop the job beyond the guard's grace
+_OUTPUT_DRAIN_S = 3.0
+_MAX_LINE_BYTES = 1 << 20
 
-# Runs each rank's command under hydra (as `python -c RANK_GUARD command...`, with this launcher's Python, so
-# the hosts need it at the same path, as they need the same environment anyway). It does two things hydra does
+# Runs each rank's command under hydra (as `python -c RANK_GUARD GRACE command...`, with this launcher's Python,
+# so the hosts need it at the same path, as they need the same environment anyway). It does two things hydra does
 # not: it prefixes every output line with the rank, as on one host (hydra's -prepend-pattern marks every chunk
 # it reads, even mid-line), and it turns a rank's failure into one hydra acts on. Hydra stops the job when a
-# process dies by a signal, but waits for all the others when one merely exits non-zero; so the guard reports
-# the failure and then kills itself.
+# process dies by a signal (SIGKILL to every other rank at once, stopped ones included), but waits for all the
+# others when one merely exits non-zero; so the guard reports the failure and then kills itself. It waits GRACE
+# seconds first (--kill-grace-seconds, as one host's launcher waits between SIGTERM and SIGKILL): the other ranks
+# are failing too, and their errors, which name the rank that failed or held the job up, are what a user needs
+# to read. It also says when its rank has been stopped for two seconds, which only this host can see.
 RANK_GUARD = r"""
-import os, signal, socket, subprocess, sys, threading
+import os, signal, socket, subprocess, sys, threading, time
 rank = os.environ.get("PMI_RANK", "?")
+grace = float(sys.argv.pop(1))
 def put(fd, data):
     while data:
         data = data[os.write(fd, data):]
@@ -54,15 +63,35 @@ else:
              for pipe, fd, label in ((child.stdout, 1, "stdout"), (child.stderr, 2, "stderr"))]
     for thread in pumps:
         thread.start()
-    code = child.wait()
+    stopped = 0  # seconds the rank has been seen stopped: said once, since no rank can tell which one it is
+    while True:
+        try:
+            code = child.wait(1.0)
+            break
+        except subprocess.TimeoutExpired:
+            try:
+                with open("/proc/%d/stat" % child.pid) as stat:
+                    state = stat.read().rpartition(") ")[2][:1]
+            except OSError:
+                state = ""
+            stopped = stopped + 1 if state in ("T", "t") else 0
+            if stopped == 2:
+                put(2, ("[%s]<stderr>: shmcommrun: rank %s (pid %d) on %s is stopped (SIGSTOP, or a debugger)\n"
+                        % (rank, rank, child.pid, socket.gethostname())).encode())
     for thread in pumps:
         thread.join(3)
 if code != 0:
     how = "was killed by signal %d" % -code if code < 0 else "exited with code %d" % code
-    put(2, ("[%s]<stderr>: shmcommrun: rank %s on %s %s; stopping the job\n"
-            % (rank, rank, socket.gethostname(), how)).encode())
+    put(2, ("[%s]<stderr>: shmcommrun: rank %s on %s %s; stopping the job in %g s\n"
+            % (rank, rank, socket.gethostname(), how, grace)).encode())
+    time.sleep(grace)
     os.kill(os.getpid(), signal.SIGKILL)
 """
+# What the launcher reads in the job's output to say, at the end, which rank failed first and which held it up.
+_GUARD_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: (rank \d+ on \S+ .*); stopping the job")
+_SILENT_LINE = re.compile(r"^\[\d+\]<stderr>: .*\b(ranks? [\d, ]+) do(?:es)? not answer at all")
+_STOPPED_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: rank (\d+) \(pid \d+\) on \S+ is stopped")
+_GONE_LINE = re.compile(r"^\[\d+\]<stderr>: .*\b(ranks? [\d, ]+) (?:is|are) gone")
 
 
 def find_mpiexec():
@@ -98,9 +127,11 @@ def interface_settings(interfaces):
             "-genv", "FI_TCP_IFACE", interfaces[0]]
 
 
-def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=None, interfaces=(), mpi_args=()):
+def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=None, interfaces=(), mpi_args=(),
+                    grace_s=5.0):
     """The hydra command line; hosts is [(host, slots)], job_env what every rank gets on top of the launcher's
-    environment. mpi_args come last among the options, so they can override the rest."""
+    environment. mpi_args come last among the options, so they can override the rest. grace_s: how long the other
+    ranks have to report their errors once one failed (RANK_GUARD)."""
     args = [mpiexec, "-launcher", "ssh"]
     if launcher_agent:
         args += ["-launcher-exec", launcher_agent]
@@ -108,7 +139,7 @@ def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=N
     args += interface_settings(list(interfaces))
     for name, value in job_env.items():
         args += ["-genv", name, value]
-    return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD] + list(command)
+    return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD, "%g" % grace_s] + list(command)
 
 
 # --tcp: MPICH's network modules on TCP sockets only (UCX's and libfabric's spellings), as horovodrun's --tcp keeps
@@ -149,17 +180,26 @@ def launcher_environment(base_env, ssh_port=None, ssh_identity_file=None):
 def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
     """Runs hydra and returns the job's exit code: hydra's, which is non-zero when any rank failed (hydra stops
     the others once the failed rank's guard is gone). A signal to the launcher goes to hydra, which passes it
-    on to the ranks; a second signal, or hydra still running kill_grace_seconds after the first, kills it."""
+    on to the ranks; a second signal, or hydra still running kill_grace_seconds after the first, kills it. Once a
+    rank failed, hydra has the guard's grace (kill_grace_seconds) and _TEARDOWN_S more to stop the job, or is
+    killed too. The job's output passes through here, so that the end can say which rank failed first and which
+    ranks held the job up."""
     if verbose:
         say("mpiexec command: " + shlex.join(mpiexec_args))
     started = time.time() - 1.0  # file times have coarse clocks: a margin, not a race
     try:
         # Its own session: a Ctrl-C in the terminal reaches only the launcher, which passes it on once.
-        process = subprocess.Popen(mpiexec_args, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(mpiexec_args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, start_new_session=True)
     except OSError as error:
         say(f"cannot run {mpiexec_args[0]!r}: {error.strerror or error}")
         return 127 if isinstance(error, FileNotFoundError) else 126
     received = []  # (signum, when)
+    report = _Report()
+    relays = [threading.Thread(target=_relay, args=(pipe, stream, report), daemon=True)
+              for pipe, stream in ((process.stdout, sys.stdout), (process.stderr, sys.stderr))]
+    for relay in relays:
+        relay.start()
 
     def on_signal(signum, frame):
         received.append((signum, time.monotonic()))
@@ -176,9 +216,14 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
     previous = {signum: signal.signal(signum, on_signal) for signum in FORWARDED_SIGNALS}
     try:
         while process.poll() is None:
+            late = None
             if received and time.monotonic() - received[0][1] > kill_grace_seconds:
-                say(f"mpiexec still running {kill_grace_seconds:g} s after {signal_name(received[0][0])}; "
-                    "killing it")
+                late = f"{kill_grace_seconds:g} s after {signal_name(received[0][0])}"
+            elif report.failed_at is not None and \
+                    time.monotonic() - report.failed_at > kill_grace_seconds + _TEARDOWN_S:
+                late = f"{kill_grace_seconds + _TEARDOWN_S:g} s after a rank failed"
+            if late:
+                say(f"mpiexec still running {late}; killing it")
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
                 break
@@ -189,6 +234,9 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
         if process.poll() is None:  # an unexpected error in the launcher
             _signal_group(process, signal.SIGKILL)
             process.wait()
+        deadline = time.monotonic() + _OUTPUT_DRAIN_S  # a process that outlived hydra may hold its pipes open
+        for relay in relays:
+            relay.join(max(0.0, deadline - time.monotonic()))
         # Ranks unlink their segments once all of them have attached; this removes what a failed job left on
         # this host. Simulated hosts share this host's /dev/shm, so it covers them all. On real hosts each
         # host's ranks unlink their own segments right after attaching; a crash before that leaves files there.
@@ -199,8 +247,58 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
         return 128 + received[0][0]  # as on one host: the job was stopped, whatever hydra made of it
     code = exit_code_of(process.returncode)
     if code != 0:
-        say(f"mpiexec exited with code {code}: a rank failed or could not be started")
+        say(f"mpiexec exited with code {code}: " + (report.summary() or "a rank failed or could not be started"))
     return code
+
+
+class _Report:
+    """What the job's output said about its failure: the guards' lines, in order, the ranks errors named as not
+    answering a roll call (shmcomm/transport/rollcall.py), and those the first such error named as gone (later ones
+    also find the ranks that failed and ended meanwhile)."""
+
+    def __init__(self):
+        self.failures = []
+        self.failed_at = None  # time.monotonic() of the first guard line
+        self.silent = set()
+        self.gone = None
+
+    def read(self, line):
+        found = _GUARD_LINE.match(line)
+        if found:
+            self.failures.append(found.group(1))
+            if self.failed_at is None:
+                self.failed_at = time.monotonic()
+        found = _SILENT_LINE.match(line) or _STOPPED_LINE.match(line)
+        if found:
+            self.silent.update(int(r) for r in re.findall(r"\d+", found.group(1)))
+        found = _GONE_LINE.match(line)
+        if found and self.gone is None:
+            self.gone = sorted(int(r) for r in re.findall(r"\d+", found.group(1)))
+
+    def summary(self):
+        parts = [f"{self.failures[0]} first"] if self.failures else []
+        if self.silent:
+            ranks = sorted(self.silent)
+            parts.append(f"{_ranks_text(ranks)} did not answer the others (stopped or hung): "
+                         f"{'they' if len(ranks) > 1 else 'it'} held the job up")
+        elif self.gone:
+            parts.append(f"the first error found {_ranks_text(self.gone)} gone")
+        return "; ".join(parts)
+
+
+def _ranks_text(ranks):
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _relay(pipe, stream, report):
+    """Copies hydra's output (already prefixed by the guards) to the launcher's, line by line, reading it."""
+    try:
+        for raw in iter(lambda: pipe.readline(_MAX_LINE_BYTES), b""):
+            line = raw.decode("utf-8", errors="replace")
+            report.read(line)
+            write_console(stream, line if line.endswith("\n") else line + "\n")
+    finally:
+        pipe.close()
 
 
 def _signal_group(process, signum):

@@ -26,7 +26,7 @@ _POLL_SECONDS = 0.1
 _console_lock = threading.RLock()
 
 
-def _write_console(stream, text):
+def write_console(stream, text):
     with _console_lock:
         try:
             stream.flush()
@@ -43,7 +43,7 @@ def _write_console(stream, text):
 
 def say(message):
     """Prints one of the launcher's own messages to stderr."""
-    _write_console(sys.stderr, f"{PROG}: {message}\n")
+    write_console(sys.stderr, f"{PROG}: {message}\n")
 
 
 def signal_name(signum):
@@ -82,7 +82,7 @@ def _forward_output(rank, pipe, stream, label, raw_file, stamp=False):
                 raw_file.flush()
             text = line.decode("utf-8", errors="replace")
             line_prefix = time.strftime("%a %b %d %H:%M:%S %Y") + prefix if stamp else prefix
-            _write_console(stream, line_prefix + (text if text.endswith("\n") else text + "\n"))
+            write_console(stream, line_prefix + (text if text.endswith("\n") else text + "\n"))
     finally:
         pipe.close()
         if raw_file is not None:

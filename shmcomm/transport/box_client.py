@@ -14,6 +14,7 @@ from shmcomm._native import ffi
 from shmcomm.exceptions import HostFailure, InvalidArgumentError
 from shmcomm.transport import box_wire as wire
 from shmcomm.transport import kernels
+from shmcomm.transport.rollcall import name_silent_ranks
 
 _CONNECT_TIMEOUT_S = 5.0  # per address tried; a host has few
 
@@ -32,6 +33,7 @@ class BoxNetwork:
         self.host_names = host_names
         self.host_ranks = host_ranks
         self.timeout_s = timeout_s
+        self.roll_call = None  # rollcall.RollCall of the job: a failing home host names the ranks that hold it up
 
     def describe(self, host):
         ranks = self.host_ranks[host]
@@ -90,7 +92,9 @@ class RemoteBoxHandle:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
-        return HostFailure(self._broken, host=self._network.host_names[self._host])
+        error = HostFailure(self._broken, host=self._network.host_names[self._host])
+        name_silent_ranks(error, self._network.roll_call)
+        return error
 
     def _call(self, request, wait_s, payload=None, into=None):
         """Sends one request (and the elements it carries), awaits the reply (and the elements it carries, into

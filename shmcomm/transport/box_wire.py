@@ -16,10 +16,10 @@ REQUEST = struct.Struct("<BBHIQQddd")
 # status (0: success, else the error's class follows as text), text length, version, count, dtype, flags
 REPLY = struct.Struct("<iIQQII")
 
-CREATE, ATTACH, READ, WRITE, ACCUMULATE, LOCK, UNLOCK, WAIT, VERSION, DESTROY, CLOSE, TOUCH = range(1, 13)
+CREATE, ATTACH, READ, WRITE, ACCUMULATE, LOCK, UNLOCK, WAIT, VERSION, DESTROY, CLOSE, TOUCH, PING = range(1, 14)
 NAMES = {CREATE: "create", ATTACH: "attach", READ: "read", WRITE: "write", ACCUMULATE: "accumulate", LOCK: "lock",
          UNLOCK: "unlock", WAIT: "wait_version", VERSION: "version", DESTROY: "destroy", CLOSE: "close",
-         TOUCH: "touch"}
+         TOUCH: "touch", PING: "ping"}  # ping: the roll call's (rollcall.py), answered at once
 FLAG_EXIST_OK = 1   # create: attach to an equal box instead of failing
 FLAG_STRIPED = 1    # attach's reply: the name belongs to a striped box; its description was found instead
 

@@ -81,6 +81,18 @@ def poll(requests, deadline, late):
     wait_all(requests, deadline, late)
 
 
+def spin(requests, deadline, late):
+    """Waits for MPI requests as MPI's own blocking wait does, testing them (which drives MPI's progress) and yielding
+    the core in between, but only until `deadline`; then raises what late() returns, leaving them pending. For data
+    phases, whose steps progress only while they are tested: a sleep would stall them."""
+    from mpi4py import MPI
+
+    while not MPI.Request.Testall(requests):
+        if time.monotonic() > deadline:
+            raise late()
+        os.sched_yield()
+
+
 def wait_all(requests, deadline, late):
     """Waits for MPI requests until `deadline`, polling; then raises what late() returns, leaving them pending (the
     caller's communicator is then unusable)."""

@@ -6,9 +6,11 @@ MPI checks no arguments and has no timeouts. The arguments are the algorithms' b
 timeouts are this module's: every wait that can outlast a peer that stopped (the agreement's exchanges, the
 engine's negotiation, a barrier) has the deadline of SHMCOMM_TIMEOUT (deadline.py), and a transport whose wait was
 abandoned refuses every later collective (BrokenCommunicatorError), since its messages are out of step from then
-on. Data phases that start after a successful agreement (Allreduce, Reduce_scatter, Bcast, Allgatherv, Alltoallv, the
-ring's Sendrecv) are MPI's own blocking calls: every rank has arrived by then, and a rank that dies there is caught by
-the launcher, which stops the job.
+on. The data phases after a successful agreement (allreduce, reduce-scatter, broadcast, allgatherv, alltoallv, the
+ring's steps) are MPI's nonblocking collectives, waited for as MPI's blocking calls would (spinning, yielding the core)
+but only until the same deadline: every rank has arrived by then, but one stopped mid-way (SIGSTOP, a debugger, a
+hung thread holding the GIL) would otherwise hold the others in MPI for ever. (The communicator then names the
+ranks holding the job up: rollcall.py.)
 
 MPI has no 16-bit float reductions, so float16 and bfloat16 are widened to float32, scaled and reduced there, and
 rounded back once (kernels.widened). Scale factors use the core's kernels, so they follow the same rules as
@@ -21,7 +23,7 @@ import numpy as np
 from shmcomm._native import ffi, lib
 from shmcomm.exceptions import BrokenCommunicatorError, TimeoutError
 from shmcomm.transport import Transport, allgather_bytes_over, kernels
-from shmcomm.transport.deadline import Watchdog, poll
+from shmcomm.transport.deadline import Watchdog, poll, spin
 
 _NUMPY_OF = {lib.SMC_FLOAT32: np.float32, lib.SMC_FLOAT64: np.float64, lib.SMC_INT8: np.int8,
              lib.SMC_UINT8: np.uint8, lib.SMC_INT16: np.int16, lib.SMC_INT32: np.int32, lib.SMC_INT64: np.int64}
@@ -89,7 +91,7 @@ class Mpi(Transport):
             work, work_dtype = _bytes(dst, count * esize).view(_NUMPY_OF[dtype]), dtype
         work_ptr = ffi.from_buffer(work)
         kernels.scale(work_ptr, count, work_dtype, prescale)
-        self.comm.Allreduce(MPI.IN_PLACE, work, op=self._ops[op])
+        self._data_phase(self.comm.Iallreduce(MPI.IN_PLACE, work, op=self._ops[op]), what)
         kernels.scale(work_ptr, count, work_dtype, postscale, divisor)
         if dtype in kernels.HALF:
             kernels.narrow_into(_bytes(dst, count * esize), work, dtype)
@@ -106,7 +108,7 @@ class Mpi(Transport):
             work = _bytes(src, total * esize).view(_NUMPY_OF[dtype]).copy()  # the input stays as it was
             out, work_dtype = _bytes(dst, mine * esize).view(_NUMPY_OF[dtype]), dtype
         kernels.scale(ffi.from_buffer(work), total, work_dtype, prescale)
-        self.comm.Reduce_scatter(work, out, list(counts), op=self._ops[op])
+        self._data_phase(self.comm.Ireduce_scatter(work, out, list(counts), op=self._ops[op]), what)
         kernels.scale(ffi.from_buffer(out), mine, work_dtype, postscale, divisor)
         if dtype in kernels.HALF:
             kernels.narrow_into(_bytes(dst, mine * esize), out, dtype)
@@ -115,17 +117,18 @@ class Mpi(Transport):
         self.usable(what)
         if dst != src and self.rank == root:
             ffi.memmove(dst, src, nbytes)
-        self.comm.Bcast(_bytes(dst, nbytes), root=root)
+        self._data_phase(self.comm.Ibcast(_bytes(dst, nbytes), root=root), what)
 
     def allgatherv(self, src, nbytes, dst, sizes, tag, what):
         self.usable(what)
-        self.comm.Allgatherv([_bytes(src, nbytes), self._byte], [_bytes(dst, sum(sizes)), (list(sizes), None),
-                                                                 self._byte])
+        self._data_phase(self.comm.Iallgatherv([_bytes(src, nbytes), self._byte],
+                                               [_bytes(dst, sum(sizes)), (list(sizes), None), self._byte]), what)
 
     def alltoallv(self, src, send_sizes, dst, recv_sizes, tag, what):
         self.usable(what)
-        self.comm.Alltoallv([_bytes(src, sum(send_sizes)), (list(send_sizes), None), self._byte],
-                            [_bytes(dst, sum(recv_sizes)), (list(recv_sizes), None), self._byte])
+        self._data_phase(self.comm.Ialltoallv([_bytes(src, sum(send_sizes)), (list(send_sizes), None), self._byte],
+                                              [_bytes(dst, sum(recv_sizes)), (list(recv_sizes), None), self._byte]),
+                         what)
 
     def barrier(self, what="barrier"):
         self.usable(what)
@@ -174,10 +177,22 @@ class Mpi(Transport):
             # soon as the bytes are through. (Sends are not cancelled: not every MPI can.)
             poll([outgoing], deadline, late)
 
-    def sendrecv(self, send, dest, recv, source, tag):
+    def sendrecv(self, send, dest, recv, source, tag, what="ring allreduce"):
         """One ring step: send to `dest` while receiving from `source` (uint8 arrays)."""
-        self.comm.Sendrecv([send, self._byte], dest=dest, sendtag=tag, recvbuf=[recv, self._byte], source=source,
-                           recvtag=tag)
+        incoming = self.comm.Irecv([recv, self._byte], source, tag)
+        outgoing = self.comm.Isend([send, self._byte], dest, tag)
+        self._data_phase([incoming, outgoing], what, "ranks %d and %d" % (self.ranks[source], self.ranks[dest]))
+
+    def _data_phase(self, requests, what, peers="the other ranks"):
+        """Waits for a data phase's requests as MPI's blocking call would, until SHMCOMM_TIMEOUT."""
+        def late():
+            return TimeoutError("%s: timed out after %.0f s in the data exchange with %s across hosts (a rank stopped "
+                                "or hung mid-way; SHMCOMM_TIMEOUT sets the limit)" % (what, self.timeout_s, peers))
+        try:
+            spin(requests if isinstance(requests, list) else [requests], self.deadline(), late)
+        except TimeoutError as error:
+            self.broken = str(error)
+            raise
 
     def _late_all(self, what):
         return TimeoutError("%s: timed out after %.0f s waiting for the other ranks across hosts (a rank is stuck, or "

@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Who is holding a job up, across hosts: a roll call that every rank's box server answers.
+
+A rank whose wait across hosts times out knows only whom it waited for, which is often a rank that waits in turn for
+the one that stopped (a torus column waits on a rank whose host waits on the stopped one). Before it raises, it asks
+every other rank to answer (check()): it connects to the rank's box server (box_server.py, a thread in every rank of
+a job across hosts) and sends a ping, which the server answers at once, whatever its rank is doing, unless the process
+is stopped or hung with the GIL held (it does not answer) or gone (the connection is refused). Those ranks are named
+in the error: they hold the job up. The roll call travels on TCP, not MPI, whose library may crash when a peer
+process is gone.
+
+A process that found ranks holding the job up (stopped or hung) must not call MPI_Finalize at exit:
+MPICH's waits there for every process of the job, stopped ones included, for ever. It exits without it
+(exit_without_finalize), with code 1, and the launcher stops the job."""
+import atexit
+import errno
+import os
+import selectors
+import socket
+import sys
+import time
+
+from shmcomm.transport import box_wire as wire
+
+_GRACE_S = 1.0  # how long a roll call waits for answers; a server thread answers within milliseconds
+SILENT, GONE = "does not answer", "is gone"
+
+
+class RollCall:
+    """`network`: the job's box_client.BoxNetwork (where every rank's box server listens); `rank`: this one's."""
+
+    def __init__(self, network, rank):
+        self.rank = rank
+        self.servers = {}  # job rank: (addresses, port)
+        for host, ranks in enumerate(network.host_ranks):
+            for local, job_rank in enumerate(ranks):
+                self.servers[job_rank] = network.servers[host][local]
+        self.silent = []  # the ranks a roll call found silent (stopped or hung)
+
+    def check(self, grace_s=_GRACE_S):
+        """{rank: SILENT or GONE} for the other ranks that do not answer within grace_s."""
+        deadline = time.monotonic() + grace_s
+        selector = selectors.DefaultSelector()
+        failed = {}
+        ping = wire.REQUEST.pack(wire.PING, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0)
+        for rank, (addresses, port) in self.servers.items():
+            if rank == self.rank:
+                continue
+            if not addresses:
+                failed[rank] = GONE
+                continue
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            code = sock.connect_ex((addresses[0], port))
+            if code not in (0, errno.EINPROGRESS):
+                sock.close()
+                failed[rank] = GONE
+                continue
+            selector.register(sock, selectors.EVENT_WRITE, [rank, b""])
+        try:
+            while selector.get_map() and time.monotonic() < deadline:
+                for key, events in selector.select(max(0.0, deadline - time.monotonic())):
+                    rank, got = key.data
+                    sock = key.fileobj
+                    try:
+                        if events & selectors.EVENT_WRITE:  # connected (or refused): send the ping
+                            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                            if error:
+                                raise OSError(error, os.strerror(error))
+                            sock.send(ping)  # a few bytes into an empty buffer: all of them go
+                            selector.modify(sock, selectors.EVENT_READ, key.data)
+                            continue
+                        data = sock.recv(wire.REPLY.size - len(got))
+                        if not data:
+                            raise OSError(errno.ECONNRESET, "closed")
+                        key.data[1] = got + data
+                        if len(key.data[1]) < wire.REPLY.size:
+                            continue
+                    except OSError:
+                        failed[rank] = GONE
+                    selector.unregister(sock)
+                    sock.close()
+            for key in list(selector.get_map().values()):
+                failed[key.data[0]] = SILENT
+                key.fileobj.close()
+        finally:
+            selector.close()
+        self.silent = sorted(set(self.silent) | {r for r, state in failed.items() if state == SILENT})
+        return dict(sorted(failed.items()))
+
+    def why_not_finalize(self):
+        """Why this process must not call MPI_Finalize (a roll call found ranks stopped or hung: MPICH's finalize
+        would wait for them for ever), or None. Ranks found gone may have ended well and wait in MPI_Finalize
+        themselves; one that was killed makes hydra stop the job anyway."""
+        if self.silent:
+            return "rank(s) %s did not answer" % ", ".join(map(str, self.silent))
+        return None
+
+
+def exit_without_finalize(why):
+    """At exit (registered after mpi4py's import, so it runs before MPI_Finalize): if why() says why MPI_Finalize
+    would wait for ever, flushes the output and exits with code 1 instead."""
+    def check():
+        reason = why()
+        if reason is None:
+            return
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os.write(2, ("shmcomm: exiting with code 1 without MPI_Finalize, which would wait for every rank: %s\n"
+                     % reason).encode())
+        os._exit(1)
+    atexit.register(check)
+
+
+def name_silent_ranks(error, roll_call):
+    """Adds to an error (a timeout, a host that failed) the ranks that do not answer a roll call, once (nested calls
+    see it done); a RankFailure naming no rank names the failed one, if it is one."""
+    if roll_call is None or getattr(error, "roll_called", False):
+        return
+    error.roll_called = True
+    failed = roll_call.check()
+    if failed and error.args:
+        error.args = (str(error.args[0]) + describe(failed),) + error.args[1:]
+        if len(failed) == 1 and getattr(error, "rank", 0) is None:
+            error.rank = next(iter(failed))
+
+
+def describe(failed):
+    """The sentence an error adds about ranks that did not answer a roll call ({rank: SILENT or GONE})."""
+    silent = [r for r, state in failed.items() if state == SILENT]
+    gone = [r for r, state in failed.items() if state == GONE]
+    parts = []
+    if silent:  # what holds the job up: ranks that ended have failed already, or will be reported by others
+        parts.append("%s not answer at all (stopped, or hung outside shmcomm): the job waits on %s"
+                     % (_ranks(silent, "does", "do"), "it" if len(silent) == 1 else "them"))
+    if gone:
+        parts.append("%s gone (the process ended)" % _ranks(gone, "is", "are"))
+    return "; " + "; ".join(parts)
+
+
+def _ranks(ranks, one, many):
+    if len(ranks) == 1:
+        return "rank %d %s" % (ranks[0], one)
+    return "ranks %s %s" % (", ".join(map(str, ranks)), many)
