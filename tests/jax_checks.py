@@ -273,6 +273,41 @@ def check_ordered_hlo(rank, size):
         previous = call
 
 
+def _thp_eligible(address):
+    """Whether the kernel may back the page at `address` with a transparent huge page (smaps' THPeligible)."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "THPeligible:":
+                return line.split()[1] == "1"
+    raise AssertionError("no mapping holds %#x" % address)
+
+
+def check_large_results(rank, size):
+    """A jitted reduction of a jit argument is written out of place, straight into XLA's result (no copy of the
+    argument first), and a large result's whole 2 MiB pages are offered to transparent huge pages, where the kernel
+    grants them on request."""
+    big = np.full(2 << 20, rank + 1.0, np.float32)  # 8 MiB
+    fn = jax.jit(lambda a: sj.allreduce(a, op=sj.Sum))
+    text = fn.lower(big).compile().as_text()
+    assert " copy(" not in text, text
+    out = fn(big)
+    same(out, np.full(2 << 20, size * (size + 1) / 2, np.float32))
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+            on_request = "[madvise]" in mode.read()
+    except OSError:
+        on_request = False
+    if on_request:
+        start = out.unsafe_buffer_pointer()
+        huge = 2 << 20
+        assert _thp_eligible((start + huge - 1) // huge * huge + huge), hex(start)
+
+
 def check_with_engine(rank, size):
     """With the background engine running (asynchronous numpy collectives started it), jitted collectives go through
     its queue: both kinds keep one order on every rank. Last: the engine runs until shutdown."""

@@ -210,4 +210,5 @@ def test_jax_benchmark_against_mpi4jax_and_the_training_step():
     assert any("jit allreduce, float32 Sum, 2 ranks" in line for line in lines), proc.stdout
     rows = [line.split() for line in lines if line.strip().startswith(("4K", "64K"))]
     assert [row[0] for row in rows] == ["4K", "64K"] and all(float(row[1]) > 0 for row in rows), proc.stdout
-    assert any("distributed / (local + allreduce)" in line for line in lines), proc.stdout
+    steps = [line for line in lines if "distributed / (local + allreduce)" in line]
+    assert len(steps) == 2 and "one step per jit call" in steps[0] and "fori_loop" in steps[1], proc.stdout

@@ -20,7 +20,8 @@ pytest.importorskip("optax", reason="shmcomm.jax's optimizer needs optax: pip in
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = os.path.join(ROOT, "tests", "jax_checks.py")
-ALL = ["collectives", "gradients", "mismatches", "optimizer", "ordered_hlo", "ordering", "vmap", "with_engine"]
+ALL = ["collectives", "gradients", "large_results", "mismatches", "optimizer", "ordered_hlo", "ordering", "vmap",
+       "with_engine"]
 
 
 def _launch(args, timeout=400, **env):

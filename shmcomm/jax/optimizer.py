@@ -75,8 +75,8 @@ def fused_allreduce(tree, op=ops.Average, compression=Compression.none, name="gr
 
 class DistributedState(NamedTuple):
     inner: Any          # the wrapped transformation's state
-    accumulated: Any    # the sum of this rank's gradients since the last step (backward_passes_per_step > 1)
-    passes: Any         # how many are in it
+    accumulated: Any    # the sum of this rank's gradients since the last step (None for backward_passes_per_step=1)
+    passes: Any         # how many are in it (None likewise)
 
 
 def DistributedOptimizer(tx, op=ops.Average, backward_passes_per_step=1, compression=Compression.none,
@@ -96,8 +96,10 @@ def DistributedOptimizer(tx, op=ops.Average, backward_passes_per_step=1, compres
     passes = backward_passes_per_step
 
     def init(params):
-        accumulated = jax.tree_util.tree_map(jnp.zeros_like, params) if passes > 1 else None
-        return DistributedState(tx.init(params), accumulated, jnp.zeros((), jnp.int32))
+        if passes == 1:  # nothing to count: no extra argument and result for every jitted step to pass around
+            return DistributedState(tx.init(params), None, None)
+        return DistributedState(tx.init(params), jax.tree_util.tree_map(jnp.zeros_like, params),
+                                jnp.zeros((), jnp.int32))
 
     def apply(grads, inner, params):
         reduced = fused_allreduce(grads, op, compression, name)
