@@ -200,8 +200,8 @@ def memory_limit_lines(results, ops, machine, half=None, at=64 << 20):
             measured = row[summary_half(op, half)].get("time_us")
             copied = ideal_copies(op, row["size"], n)
             limit_us = copied / bytes_per_s * 1e6
-            lines.append("   %-13s %12d %12.3f %12.1f %12s %9s" % (
-                op, row["size"], copied / 1e6, limit_us, "%.1f" % measured if measured else "N/A",
+            lines.append("   %-13s %12d %12.3f %12.4g %12s %9s" % (
+                op, row["size"], copied / 1e6, limit_us, "%.4g" % measured if measured else "N/A",
                 "%.2f" % (limit_us / measured) if measured else "-"))
     return lines
 

@@ -34,7 +34,7 @@ TIMEOUT_S = 3.0          # SHMCOMM_TIMEOUT of the jobs: a stopped rank is named 
 START_TIMEOUT_S = 4.0    # SHMCOMM_START_TIMEOUT: a rank killed before it attached is named within this
 KILL_BOUND_S = 10.0      # a killed rank is named within this
 STOP_MARGIN_S = 5.0      # a stopped rank is named within TIMEOUT_S + this
-GRACE_S = 10.0           # --kill-grace-seconds: the survivors' time to report, from the first failure (the issue's 10 s)
+GRACE_S = 10.0  # --kill-grace-seconds: the survivors' time to report, from the first failure (the issue's 10 s)
 
 
 # ---- the job (python tests/chaos.py job DIR PHASE) ----

@@ -203,13 +203,16 @@ class _Session:
         return wire.REPLY.pack(0, 0, version, count, dtype, striped), out
 
     def _release(self):
-        """Locks the client still held when it left: released, and the version bumped so that readers can tell."""
+        """Locks the client still held when it left: the version bumped so that readers can tell, then released.
+        The bump comes first, under the lock (recursive, and held by this connection's thread): bumped after the
+        unlock, a waiting writer would get in before it, and the version would no longer say where the lost
+        holder's work ended."""
         if self.box is None or self.held <= 0:
             return
+        self.box.accumulate(0, 0, ffi.NULL, 1.0, 1.0)
         while self.held > 0:
             self.box.unlock()
             self.held -= 1
-        self.box.accumulate(0, 0, ffi.NULL, 1.0, 1.0)
 
     def end(self):
         if self.box is not None:
