@@ -16,8 +16,7 @@ Bad values raise ValueError naming the variable. The README's "Tuning" table doc
   mpi:        MPI_THREADS_DISABLE
   gpu:        GPU_PATH (auto, nccl or host: how CUDA tensors travel, shmcomm/devices.py)
   logging:    LOG_LEVEL, LOG_HIDE_TIME
-  horovod:    ELASTIC (a world of one still reduces gradients); GLOO_TIMEOUT_SECONDS stands for TIMEOUT when that is
-              unset
+  horovod:    ELASTIC (a world of one still reduces gradients); GLOO_TIMEOUT_SECONDS (TIMEOUT, when that is unset)
   elastic:    ELASTIC_DRIVER, ELASTIC_WORKER, ELASTIC_TIMEOUT (set by shmcommrun --min-np/--max-np for its workers)"""
 import os
 import secrets
@@ -69,23 +68,14 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _flag(name, default=False, environ=None):
-    """A yes/no setting: 1/true/yes/on or 0/false/no/off (any case); anything else raises ValueError naming it."""
-    value = _get(name, environ=environ)
-    if value is None:
-        return default
-    if value.strip().lower() in _TRUE:
-        return True
-    if value.strip().lower() in _FALSE:
-        return False
-    raise ValueError("environment variable SHMCOMM_%s=%r: expected 1 or 0 (true/false, yes/no, on/off)"
-                     % (name, value))
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+    """A yes/no setting (switch), `default` when unset."""
+    value = switch(name, environ)
+    return default if value is None else value
 
 
 def switch(name, environ=None):
-    """A Horovod on/off variable: None when unset, else True or False; ValueError for anything else."""
+    """A Horovod on/off variable: None when unset, else True (1/true/yes/on, any case) or False (0/false/no/off);
+    anything else raises ValueError naming it."""
     value = _get(name, environ=environ)
     if value is None:
         return None
@@ -93,7 +83,8 @@ def switch(name, environ=None):
         return True
     if value.strip().lower() in _FALSE:
         return False
-    raise ValueError("environment variable SHMCOMM_%s=%r: expected 1 or 0" % (name, value))
+    raise ValueError("environment variable SHMCOMM_%s=%r: expected 1 or 0 (true/false, yes/no, on/off)"
+                     % (name, value))
 
 
 def is_set(name, environ=None):

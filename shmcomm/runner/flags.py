@@ -110,7 +110,7 @@ ENV_FLAGS = (
      "seconds before shutting down a stalled job"),
     ("--thread-affinity", _cores, _both("THREAD_AFFINITY"), "CORE[,CORE...]",
      "pin each rank's background thread to this core (or one core per local rank)"),
-    ("--num-nccl-streams", _count, ("HOROVOD_NUM_NCCL_STREAMS",), "N", "NCCL streams (no NCCL here: noted)"),
+    ("--num-nccl-streams", _count, ("HOROVOD_NUM_NCCL_STREAMS",), "N", "NCCL streams (one per rank here: noted)"),
     ("--log-level", _log_level, _both("LOG_LEVEL"), "LEVEL", "one of " + ", ".join(LOG_LEVELS)),
     ("--allreduce-algo", _algorithm, _both("ALLREDUCE_ALGO"), "ALGO",
      "allreduce across hosts: auto, torus, ring or mpi"),
@@ -301,7 +301,7 @@ def notes(args, across_hosts):
     if args.disable_cache:
         lines.append("--disable-cache: shmcommrun keeps no cache of host checks, so there is nothing to disable")
     if args.num_nccl_streams is not None:
-        lines.append("--num-nccl-streams: shmcomm reduces on the CPU and uses no NCCL streams")
+        lines.append("--num-nccl-streams: CUDA tensors use one NCCL stream per rank, the device communicator's own")
     if args.hierarchical_allgather is not None:
         lines.append("--[no-]hierarchical-allgather: allgather inside a host is shared memory and across hosts "
                      "MPI's own; there is no other to choose")
