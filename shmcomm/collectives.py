@@ -92,6 +92,23 @@ def allreduce_request(tensor, output, op, average, prescale_factor, postscale_fa
     return on_device(req)
 
 
+def _engine_free(tensor, process_set):
+    """Whether a blocking call may go straight to the world communicator: no engine to keep in order with, the global
+    set, a host tensor. The small-message latency of every collective is decided here: no Request, no dispatch."""
+    return process_set is None and current_engine() is None and not is_cuda(tensor)
+
+
+def _direct(kind, name, call):
+    """call(comm, what) on the world communicator; a failure of this rank's own checks fails the collective on every
+    rank at once, as execute() does for requests."""
+    comm = session.communicator()
+    what = kind if name is None else "%s.%s" % (kind, name)
+    try:
+        return call(comm, what)
+    except InvalidArgumentError as error:
+        raise comm.refused(kind, error, what) from None
+
+
 def _latency_path(tensor, output, op, prescale_factor, postscale_factor, name):
     """A blocking allreduce on the global set without the engine: straight to the communicator, no Request."""
     comm = session.communicator()
@@ -105,14 +122,14 @@ def _latency_path(tensor, output, op, prescale_factor, postscale_factor, name):
 def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None,
               process_set=None):
     """The reduction of `tensor` over all ranks (default op: Average), in a new tensor or in `output`."""
-    if process_set is None and average is None and current_engine() is None and not is_cuda(tensor):
+    if average is None and _engine_free(tensor, process_set):
         return _latency_path(tensor, output, op, prescale_factor, postscale_factor, name)
     return run(allreduce_request(tensor, output, op, average, prescale_factor, postscale_factor, name, process_set))
 
 
 def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=None):
     """Reduces `tensor` over all ranks in place and returns it."""
-    if process_set is None and average is None and current_engine() is None and not is_cuda(tensor):
+    if average is None and _engine_free(tensor, process_set):
         return _latency_path(tensor, tensor, op, prescale_factor, postscale_factor, name)
     return run(allreduce_request(tensor, tensor, op, average, prescale_factor, postscale_factor, name, process_set))
 
@@ -126,11 +143,17 @@ def broadcast_request(tensor, output, root_rank, name, process_set):
 
 def broadcast(tensor, root_rank, name=None, output=None, process_set=None):
     """root_rank's `tensor` on every rank, in a new tensor or in `output`."""
+    if _engine_free(tensor, process_set):
+        return _direct("broadcast", name, lambda comm, what: comm.broadcast(
+            tensor, output, root_index(comm, root_rank, what), what))
     return run(broadcast_request(tensor, output, root_rank, name, process_set))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """Overwrites `tensor` with root_rank's on every rank; returns it."""
+    if _engine_free(tensor, process_set):
+        return _direct("broadcast", name, lambda comm, what: comm.broadcast(
+            tensor, tensor, root_index(comm, root_rank, what), what))
     return run(broadcast_request(tensor, tensor, root_rank, name, process_set))
 
 
@@ -142,6 +165,8 @@ def allgather_request(tensor, name, process_set, output=None):
 def allgather(tensor, name=None, process_set=None, output=None):
     """Concatenation of every rank's `tensor` along the first dimension, which may differ between ranks; in a new
     array, or in `output` (which must have the concatenation's shape and the tensor's dtype)."""
+    if _engine_free(tensor, process_set):
+        return _direct("allgather", name, lambda comm, what: comm.allgather(tensor, what, output))
     return run(allgather_request(tensor, name, process_set, output))
 
 
@@ -165,6 +190,9 @@ def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postsc
     """Rank r receives its share of the reduction of `tensor` along the first dimension; with rows that do not
     divide evenly, the first (rows % size) ranks get one extra row (Horovod's rule). In a new array, or in
     `output`."""
+    if _engine_free(tensor, process_set):
+        return _direct("reducescatter", name, lambda comm, what: comm.reducescatter(
+            tensor, _reducescatter_op(op), prescale_factor, postscale_factor, what, output))
     return run(reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set, output))
 
 
@@ -175,6 +203,11 @@ def alltoall_request(tensor, splits, name, process_set, output=None):
     if buf is not None:
         req.splits = req.checked(splits_list, splits, (tuple(buf.shape) or (1,))[0], comm.size, req.what)
     return on_device(req)
+
+
+def _rows_per_rank(tensor, splits, n, what):
+    shape = wrap(tensor, what).shape  # checks what the tensor is before its shape is read
+    return splits_list(splits, (tuple(shape) or (1,))[0], n, what)
 
 
 def received_splits(tensor, got):
@@ -191,10 +224,17 @@ def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
     """Sends splits[j] rows of `tensor` (in order) to rank j and returns the rows received, in rank order, in a new
     array or in `output` (which must have exactly the rows received). With `splits`, also returns how many rows came
     from each rank (as Horovod does)."""
+    if _engine_free(tensor, process_set):
+        out, got = _direct("alltoall", name, lambda comm, what: comm.alltoall(
+            tensor, _rows_per_rank(tensor, splits, comm.size, what), what, output))
+        return out if splits is None else (out, received_splits(tensor, got))
     out, got = run(alltoall_request(tensor, splits, name, process_set, output))
     return out if splits is None else (out, received_splits(tensor, got))
 
 
 def barrier(process_set=None):
+    if process_set is None and current_engine() is None:
+        session.communicator().barrier()
+        return
     comm, set_id = resolve_set(process_set)
     run(Request("barrier", None, None, comm, set_id))

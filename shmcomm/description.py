@@ -141,9 +141,10 @@ def disagreement(every, names=None):
                                                                                    key=lambda g: g[1][0]))
 
 
+@functools.lru_cache(maxsize=256)  # the same split every step of a training loop
 def shares(count, parts):
     """Horovod's split of `count` rows (or elements) over `parts` ranks: the first (count % parts) get one more."""
-    return [count // parts + (1 if i < count % parts else 0) for i in range(parts)]
+    return tuple(count // parts + (1 if i < count % parts else 0) for i in range(parts))
 
 
 def _ranks(ranks):

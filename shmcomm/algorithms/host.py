@@ -19,6 +19,11 @@ class HostComm(Communicator):
 
     def __init__(self, shm):
         super().__init__(shm, shm.topology, shm.tuning, shm.ranks)
+        # The row counts allgather and alltoall learn, reused by every call: one communicator runs one collective at a
+        # time, and a fresh array per call is a measurable share of a small one.
+        self._every = ffi.new("uint64_t[]", self.size)
+        self._matrix = ffi.new("uint64_t[]", self.size * self.size)  # [j * size + i]: rows rank j sends rank i
+        self._splits = {}  # (rows, elements per row): reducescatter's split (_split)
 
     def allreduce(self, x, output, op, prescale, postscale, what):
         """Reduces `x` into `output` (which may be `x` itself, or None for a new array); returns the result.
@@ -70,11 +75,11 @@ class HostComm(Communicator):
         src = wrap(x, what)
         shape = tuple(src.shape) or (1,)
         size = row_bytes(src, shape)
-        every = np.empty(self.size, dtype=np.uint64)
-        rows = ffi.from_buffer("uint64_t[]", every)
+        rows = self._every
         tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
         self._step(self.shm.allgather_begin, src, what, src.ptr, shape[0], size, rows, tag, what)
-        return self._finish(self.shm.allgather_finish, src, output, (int(every.sum()),) + shape[1:], what, size, rows)
+        return self._finish(self.shm.allgather_finish, src, output, (sum(rows[0:self.size]),) + shape[1:], what, size,
+                            rows)
 
     def reducescatter(self, x, op, prescale, postscale, what, output=None):
         """This rank's share of the reduction, split along the first dimension by Horovod's rule; into `output`
@@ -85,10 +90,10 @@ class HostComm(Communicator):
             raise InvalidArgumentError("%s: a tensor with at least one dimension is required" % what)
         rows = src.shape[0]
         per_row = src.count // rows if rows else 0
-        shares = description.shares(rows, self.size)
-        out, dst, error = output_or_scratch(src, output, (shares[self.rank],) + tuple(src.shape[1:]), what)
+        mine, counts = self._split(rows, per_row)
+        out, dst, error = output_or_scratch(src, output, (mine,) + tuple(src.shape[1:]), what)
         try:
-            self.shm.reducescatter(src.ptr, dst.ptr, [s * per_row for s in shares], src.code, ops.C_OP[op],
+            self.shm.reducescatter(src.ptr, dst.ptr, counts, src.code, ops.C_OP[op],
                                    float(prescale), float(postscale), self.size if op == ops.Average else 1,
                                    description.tag(src.code, src.shape), what)
         except MismatchError as mismatch:
@@ -97,21 +102,33 @@ class HostComm(Communicator):
             raise error
         return out
 
+    def _split(self, rows, per_row):
+        """(this rank's rows, elements per rank as a uint64_t[]) of a reducescatter of `rows` rows, kept for the next
+        call of the same shape: a training loop repeats its shapes, and building the array is a share of a small
+        call."""
+        split = self._splits.get((rows, per_row))
+        if split is None:
+            if len(self._splits) >= 64:
+                self._splits.clear()
+            shares = description.shares(rows, self.size)
+            split = self._splits[(rows, per_row)] = (shares[self.rank], ffi.new("uint64_t[]",
+                                                                                [s * per_row for s in shares]))
+        return split
+
     def alltoall(self, x, splits, what, output=None):
         """Sends splits[j] rows to rank j; returns (rows received in rank order, rows received from each rank). The
         counts travel with the first window of data, so a small alltoall is one synchronisation."""
         src = wrap(x, what)
         shape = tuple(src.shape) or (1,)
         size = row_bytes(src, shape)
-        sent = np.array(splits, dtype=np.uint64)
-        matrix = np.empty((self.size, self.size), dtype=np.uint64)  # [j, i]: rows rank j sends rank i
-        rows = ffi.from_buffer("uint64_t[]", matrix)
+        matrix = self._matrix
         tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
-        self._step(self.shm.alltoall_begin, src, what, src.ptr, ffi.from_buffer("uint64_t[]", sent), size, rows, tag,
+        self._step(self.shm.alltoall_begin, src, what, src.ptr, ffi.new("uint64_t[]", splits), size, matrix, tag,
                    what)
-        got = matrix[:, self.rank].astype(np.int64)
-        return self._finish(self.shm.alltoall_finish, src, output, (int(got.sum()),) + shape[1:], what, size,
-                            rows), got
+        n, me = self.size, self.rank
+        got = [matrix[j * n + me] for j in range(n)]
+        return self._finish(self.shm.alltoall_finish, src, output, (sum(got),) + shape[1:], what, size,
+                            matrix), np.array(got, dtype=np.int64)
 
     @staticmethod
     def _finish(finish, src, output, shape, what, *args):

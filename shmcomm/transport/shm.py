@@ -69,8 +69,10 @@ class SharedMemory(Transport):
 
     # Each checks its return code inline: a helper call costs a measurable share of a small step.
     def reducescatter(self, src, dst, counts, dtype, op, prescale, postscale, divisor, tag, what):
-        rc = lib.smc_reducescatter(self.handle, src, dst, ffi.new("uint64_t[]", counts), dtype, op, prescale,
-                                   postscale, divisor, tag)
+        """`counts`: elements per rank, a sequence or a uint64_t[] the caller keeps for calls of the same split."""
+        if not isinstance(counts, ffi.CData):
+            counts = ffi.new("uint64_t[]", counts)
+        rc = lib.smc_reducescatter(self.handle, src, dst, counts, dtype, op, prescale, postscale, divisor, tag)
         if rc != 0:
             raise _error(rc, what)
 
