@@ -111,12 +111,8 @@ def _direct(kind, name, call):
 
 def _latency_path(tensor, output, op, prescale_factor, postscale_factor, name):
     """A blocking allreduce on the global set without the engine: straight to the communicator, no Request."""
-    comm = session.communicator()
-    what = "allreduce" if name is None else "allreduce." + name
-    try:
-        return comm.allreduce(tensor, output, ops.resolve(op), prescale_factor, postscale_factor, what)
-    except InvalidArgumentError as error:
-        raise comm.refused("allreduce", error, what) from None
+    return _direct("allreduce", name, lambda comm, what: comm.allreduce(tensor, output, ops.resolve(op),
+                                                                         prescale_factor, postscale_factor, what))
 
 
 def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None,
@@ -199,14 +195,12 @@ def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postsc
 def alltoall_request(tensor, splits, name, process_set, output=None):
     comm, set_id = resolve_set(process_set)
     req = Request("alltoall", _name("alltoall", name), tensor, comm, set_id, output=output)
-    buf = req.checked(wrap_device if is_cuda(tensor) else wrap, tensor, req.what)
-    if buf is not None:
-        req.splits = req.checked(splits_list, splits, (tuple(buf.shape) or (1,))[0], comm.size, req.what)
+    req.splits = req.checked(_rows_per_rank, tensor, splits, comm.size, req.what)
     return on_device(req)
 
 
 def _rows_per_rank(tensor, splits, n, what):
-    shape = wrap(tensor, what).shape  # checks what the tensor is before its shape is read
+    shape = (wrap_device if is_cuda(tensor) else wrap)(tensor, what).shape  # checks the tensor before reading it
     return splits_list(splits, (tuple(shape) or (1,))[0], n, what)
 
 
@@ -227,8 +221,8 @@ def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
     if _engine_free(tensor, process_set):
         out, got = _direct("alltoall", name, lambda comm, what: comm.alltoall(
             tensor, _rows_per_rank(tensor, splits, comm.size, what), what, output))
-        return out if splits is None else (out, received_splits(tensor, got))
-    out, got = run(alltoall_request(tensor, splits, name, process_set, output))
+    else:
+        out, got = run(alltoall_request(tensor, splits, name, process_set, output))
     return out if splits is None else (out, received_splits(tensor, got))
 
 
