@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Soft Memory Boxes across simulated hosts: exact concurrent accumulates from every rank (with the home host's
-ranks busy in numpy), atomic exchanges, the lock across hosts, versions waking ranks on other hosts, striped boxes, bad inputs, and
-the failures: the home host killed, a lock holder on another host killed."""
+ranks busy in numpy), atomic exchanges, the lock across hosts, versions waking ranks on other hosts, striped boxes,
+bad inputs, and the failures: the home host killed, a lock holder on another host killed."""
 import functools
 import json
 import os
