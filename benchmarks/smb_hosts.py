@@ -10,9 +10,10 @@ scenarios for the home host's ranks while the remote rank works:
     in sequence  they wait in MPI_Barrier (MPI progresses: the best case for one-sided MPI)
     overlapped   they compute (numpy steps of about --step-ms each) and poll MPI once per step (MPI_Iprobe), as a
                  training rank that calls MPI between steps; the box servers need no call at all
-Parameter exchange of one step, every rank: push a delta and pull the centre (box striped over the hosts; the
-ElasticCentre's exchange) against MPI_Allreduce of the same bytes; in sequence (nothing else running) and overlapped
-(the push, or MPI_Iallreduce, in flight during a --step-ms compute step; time per step).
+Parameter exchange of one step, every rank: the ElasticCentre's exchange (x goes to each stripe's host, d comes back
+and the centre takes it, one atomic box exchange per stripe; box striped over the hosts) against MPI_Allreduce of the
+same bytes; in sequence (nothing else running) and overlapped (the exchange, or MPI_Iallreduce, in flight during a
+--step-ms compute step; time per step).
 
 Times are medians over each measurement's iterations; the box and MPI take turns round by round (--rounds) and the
 table shows the median over rounds; ratios are MPI's time over the box's (above 1: the box is faster)."""
@@ -196,7 +197,7 @@ def report(results, step_s):
             lines.append("%10d  %-12s  %10.3f %10.3f %7.2f  %10.3f %10.3f %7.2f" % (size, scenario, a * 1e3, b * 1e3,
                                                                                    b / a, c * 1e3, d * 1e3, d / c))
     lines.append("")
-    lines.append("Parameter exchange of one step (push delta + pull centre, box striped over the hosts) vs "
+    lines.append("Parameter exchange of one step (x out, d back, box striped over the hosts) vs "
                  "MPI_Allreduce of the same bytes; ms per step, slowest rank; overlapped: inside a %.1f ms compute "
                  "step" % (step_s * 1e3))
     lines.append("%10s  %-12s  %10s %10s %7s" % ("bytes", "scenario", "smb", "MPI", "ratio"))

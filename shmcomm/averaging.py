@@ -4,7 +4,7 @@ the building blocks any framework uses (shmcomm.torch.ElasticAveragingOptimizer 
 
 Each worker steps on its own; every few steps it exchanges with the centre c held in the box:
 
-    d = alpha * (x - c);  x -= d;  c += d        (c += d is one atomic box accumulate)
+    d = alpha * (x - c);  x -= d;  c += d        (the read of c and c += d: one atomic box exchange)
 
 without waiting for any other worker (asynchronous). In the hybrid mode the ranks of a host average their gradients
 synchronously and one rank per host exchanges for the host, then broadcasts to it (host_process_set gives the set).
@@ -19,8 +19,14 @@ synchronously and one rank per host exchanges for the host, then broadcasts to i
             centre.exchange(x, alpha=0.2)
     centre.flush(); centre.pull()                  # the centre, for evaluation
 
-overlap=True sends the centre's update from a background thread while the caller computes (ShmCaffe's update
-thread); the read of the centre before the pull stays in line, so that the pull is not staler than one exchange."""
+The exchange is one request to each host of the centre (SoftMemoryBox.exchange: x goes, d comes back, and the home
+host applies c += d under the box's lock): one round trip, where a read of c and an accumulate of d took two, and
+nobody's update comes between the read and the accumulate.
+
+overlap=True sends the exchange from a background thread while the caller computes (ShmCaffe's update thread): the
+exchange takes a copy of x, and the d it brings back is subtracted from x at the next exchange (or flush), so the
+worker's pull lands one exchange late, as the centre's push did when only the push went in the background. In line
+an exchange then costs a copy of x and a subtraction, whatever the network."""
 import concurrent.futures
 import itertools
 
@@ -40,13 +46,10 @@ class ElasticCentre:
         self.name = name
         self.dtype = self.box.dtype
         self.count = self.box.count
-        self._centre = np.empty(self.count, dtype=self.dtype)
+        self._sent = np.empty(self.count, dtype=self.dtype)  # x as sent, then d as it comes back
         self._pusher = None
-        self._pending = None
+        self._pending = None  # (the exchange in flight, the x that its d is for)
         if overlap:
-            # A second handle: the pushes travel on their own connection, so a pull never queues behind them.
-            self._push_box = SoftMemoryBox(name, shape=(self.count,), dtype=dtype, home=self.box.home,
-                                           stripes=len(self.box.hosts))
             self._pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shmcomm-elastic")
 
     def initialise(self, x):
@@ -69,25 +72,27 @@ class ElasticCentre:
         return x
 
     def exchange(self, x, alpha):
-        """x -= alpha * (x - c) in place, and c += alpha * (x - c) atomically in the box (x before the pull)."""
+        """x -= alpha * (x - c) in place, and c += alpha * (x - c) atomically in the box (x before the pull). With
+        overlap, this exchange's d reaches x at the next exchange or flush; the previous one's lands now."""
         self._checked(x, "exchange")
         if not 0.0 < alpha <= 1.0:
             raise InvalidArgumentError("elastic centre '%s': alpha must be in (0, 1], got %r" % (self.name, alpha))
-        self.flush()  # one push in flight at most: the centre read next has seen it
-        self.box.read(out=self._centre)
-        diff = x - self._centre
-        diff *= alpha
-        x -= diff
+        self.flush()  # one exchange in flight at most, and its d applied
+        np.copyto(self._sent, x)
         if self._pusher is None:
-            return self.box.accumulate(diff)
-        self._pending = self._pusher.submit(self._push_box.accumulate, diff)
+            version = self.box.exchange(self._sent, alpha)
+            x -= self._sent
+            return version
+        self._pending = (self._pusher.submit(self.box.exchange, self._sent, alpha), x)
         return None
 
     def flush(self):
-        """Waits for the push in flight, if any; raises what it raised."""
+        """Waits for the exchange in flight, if any, and applies its d to its x; raises what it raised."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
+            future, x = pending
+            future.result()
+            x -= self._sent
 
     def close(self):
         try:
@@ -95,7 +100,6 @@ class ElasticCentre:
         finally:
             if self._pusher is not None:
                 self._pusher.shutdown(wait=True)
-                self._push_box.close()
                 self._pusher = None
             self.box.close()
 

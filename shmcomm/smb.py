@@ -161,6 +161,18 @@ class SoftMemoryBox:
         return box.accumulate(self._index(offset, "offset", "accumulate"), buf.count, buf.ptr, float(alpha),
                               float(beta))
 
+    def exchange(self, buf, alpha, offset=0):
+        """Elastic averaging's exchange in one step, atomic against every other writer (shmcomm/averaging.py builds
+        on it): `buf` (a writable contiguous array of the box's dtype) holds x; with c the box's elements from
+        `offset`, d = alpha * (x - c) replaces x in `buf`, and c += d. The caller then does x -= d. One round trip
+        to a box on another host (a read and an accumulate would take two). Returns the new version."""
+        box = self._handle()
+        out = wrap(buf, "box '%s' exchange" % self.name, writable=True)
+        if out.code != self._box.dtype:
+            raise InvalidArgumentError("box '%s' exchange: got %s, the box holds %s" % (self.name, out.type_name(),
+                                                                                        self.dtype))
+        return box.exchange(self._index(offset, "offset", "exchange"), out.count, out.ptr, float(alpha))
+
     def lock(self, timeout=None):
         try:
             self._handle().lock(self._timeout if timeout is None else float(timeout))

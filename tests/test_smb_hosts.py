@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Soft Memory Boxes across simulated hosts: exact concurrent accumulates from every rank (with the home host's
-ranks busy in numpy), the lock across hosts, versions waking ranks on other hosts, striped boxes, bad inputs, and
-the failures: the home host killed, a lock holder on another host killed."""
+ranks busy in numpy), atomic exchanges, the lock across hosts, versions waking ranks on other hosts, striped boxes,
+bad inputs, and the failures: the home host killed, a lock holder on another host killed."""
 import functools
 import json
 import os
@@ -94,6 +94,37 @@ shmcomm.barrier()
 report["striped_attach"] = [list(attached.shape), str(attached.dtype), list(attached.hosts)]
 report["striped_sum"] = bool((attached.read() == 10 * n + n * np.arange(attached.count)).all())
 
+# Exchanges (elastic averaging's one-step read and accumulate) from every rank at once, into a box homed on one
+# host and into a striped one. alpha 1 swaps x and the centre: atomic swaps only permute the values, where a read
+# and an accumulate apart would make new ones. alpha 0.5 keeps the sum of the workers and the centre (exact: few
+# halvings of integers in float64). Each exchange bumps the version once.
+report["exchange"] = {}
+for stripes in (1, hosts):
+    centre = shmcomm.SoftMemoryBox("elastic%d" % stripes, shape=(1000,), dtype=np.float64, home=hosts - 1,
+                                   stripes=stripes)
+    start = centre.version
+    shmcomm.barrier()
+    x = r * 1000.0 + np.arange(1000) + 1
+    for i in range(5):
+        d = x.copy()
+        centre.exchange(d, 1.0)
+        x -= d
+    shmcomm.barrier()
+    values = np.sort(np.concatenate([shmcomm.allgather(x.reshape(1, -1)), centre.read().reshape(1, -1)]), axis=0)
+    permuted = bool((values == np.sort(np.vstack([np.zeros(1000)] + [q * 1000.0 + np.arange(1000) + 1
+                                                                      for q in range(n)]), axis=0)).all())
+    before = shmcomm.allreduce(x, op=shmcomm.Sum) + centre.read()
+    shmcomm.barrier()
+    for i in range(3):
+        d = x.copy()
+        centre.exchange(d, 0.5)
+        x -= d
+    shmcomm.barrier()
+    kept = bool((shmcomm.allreduce(x, op=shmcomm.Sum) + centre.read() == before).all())
+    report["exchange"][stripes] = [permuted, kept, centre.version - start == 8 * n]
+    shmcomm.barrier()
+    centre.close()
+
 # wait_version wakes the ranks of the last host when rank 0 writes.
 bell = shmcomm.SoftMemoryBox("bell", shape=(4,), dtype=np.float64, home=0)
 ready = shmcomm.SoftMemoryBox("ready", shape=(1,), dtype=np.float64, home=0)
@@ -123,6 +154,8 @@ report["bad"] = {
     "write past the end": raised(lambda: far.write(np.ones(3, np.int32), offset=6)),
     "float into int": raised(lambda: far.accumulate(np.ones(2, np.float64))),
     "negative offset": raised(lambda: far.read(offset=-1)),
+    "exchange past the end": raised(lambda: far.exchange(np.ones(3, np.int32), 0.5, offset=6)),
+    "exchange of floats": raised(lambda: far.exchange(np.ones(2), 0.5)),
     "other shape": raised(lambda: shmcomm.SoftMemoryBox("far", shape=(9,), dtype=np.int32, home=(host + 1) % hosts)),
     "create twice": raised(lambda: shmcomm.SoftMemoryBox("far", shape=(8,), dtype=np.int32, create=True,
                                                          home=(host + 1) % hosts)),
@@ -201,6 +234,12 @@ def test_striped_boxes_attach_by_name_and_sum_exactly(reports):
         assert report["striped_sum"]
 
 
+def test_exchanges_from_every_rank_are_atomic(reports):
+    hosts, found = reports
+    for r, report in found.items():
+        assert report["exchange"] == {"1": [True, True, True], str(hosts): [True, True, True]}, (r, report)
+
+
 def test_wait_version_wakes_ranks_on_another_host(reports):
     hosts, found = reports
     woken = [report["woken"] for report in found.values() if "woken" in report]
@@ -216,6 +255,7 @@ def test_bad_inputs_raise_typed_errors_naming_the_box(reports):
         assert types == {
             "read past the end": "InvalidArgumentError", "write past the end": "InvalidArgumentError",
             "float into int": "InvalidArgumentError", "negative offset": "InvalidArgumentError",
+            "exchange past the end": "InvalidArgumentError", "exchange of floats": "InvalidArgumentError",
             "other shape": "BoxExistsError", "create twice": "BoxExistsError", "missing": "BoxNotFoundError",
             "too many stripes": "InvalidArgumentError", "no stripes": "InvalidArgumentError",
             "home out of range": "InvalidArgumentError", "view of a remote box": "InvalidArgumentError",

@@ -194,6 +194,11 @@ smc_result_t smc_box_write(smc_box_t* box, size_t offset, size_t count, const vo
 /* dst = beta*dst + alpha*src over [offset, offset+count), atomic against every other writer; bumps the version. */
 smc_result_t smc_box_accumulate(smc_box_t* box, size_t offset, size_t count, const void* src, double alpha,
                                 double beta, uint64_t* version);
+/* Elastic averaging's exchange in one step, atomic against every other writer: with c the elements
+ * [offset, offset+count), d = alpha*(x - c), then c += d; x_to_d holds x on entry and d on return (the caller does
+ * x -= d). Bumps the version. */
+smc_result_t smc_box_exchange(smc_box_t* box, size_t offset, size_t count, void* x_to_d, double alpha,
+                              uint64_t* version);
 /* The box lock is recursive for its holder: read/write/accumulate inside lock/unlock do not deadlock. */
 smc_result_t smc_box_lock(smc_box_t* box, double timeout_s);
 smc_result_t smc_box_unlock(smc_box_t* box);

@@ -288,6 +288,23 @@ smc_result_t smc_box_accumulate(smc_box_t* b, size_t offset, size_t count, const
   return rc;
 }
 
+/* d = alpha*x - alpha*c computed into the caller's buffer by the same axpby as accumulate (no kernel of its own),
+ * then c += d: a read and an accumulate under one lock hold, so that a remote worker pays one round trip, not two,
+ * and no other writer comes between the read of c and the update. */
+smc_result_t smc_box_exchange(smc_box_t* b, size_t offset, size_t count, void* x_to_d, double alpha,
+                              uint64_t* version) {
+  SMC_CHECK(check_range(b, offset, count, x_to_d, "box exchange"));
+  SMC_CHECK(smc_box_lock(b, b->timeout_s));
+  smc_datatype_t dtype = (smc_datatype_t)b->entry->dtype;
+  uint8_t* c = b->data + offset * b->esize;
+  smc_result_t rc = smc_axpby(x_to_d, c, count, dtype, -alpha, alpha);
+  if (rc == SMC_SUCCESS) rc = smc_axpby(c, x_to_d, count, dtype, 1.0, 1.0);
+  uint64_t v = rc == SMC_SUCCESS ? bump_version(b->entry) : 0;
+  unlock_box(b->entry);
+  if (version != NULL) *version = v;
+  return rc;
+}
+
 smc_result_t smc_box_wait_version(smc_box_t* b, uint64_t min_version, double timeout_s, uint64_t* version) {
   if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box wait: box is NULL");
   if (!smc_timeout_ok(timeout_s)) return smc_set_error(SMC_ERR_INVALID, "box wait: timeout %g s", timeout_s);

@@ -6,14 +6,14 @@ Box) and hybrid (synchronous inside a host, asynchronous between hosts) training
                                               period=1, hybrid=False)
 
 Asynchronous: each rank steps on its own gradients; every `period` steps it exchanges with the centre
-(shmcomm/averaging.py: x -= alpha (x - c), c += alpha (x - c), the latter one atomic accumulate) and never waits for
-another rank, so a slow rank slows only itself. Hybrid: gradients are averaged over the host's ranks every step (one
-blocking allreduce in the host's shared memory; a DistributedOptimizer where the job has one host), and every
-`period` steps the host's first rank exchanges with the centre for the host, then hands the parameters to the host's
-other ranks (through a box of the host).
+(shmcomm/averaging.py: x -= alpha (x - c), c += alpha (x - c), the read of c and its update one atomic box exchange)
+and never waits for another rank, so a slow rank slows only itself. Hybrid: gradients are averaged over the host's
+ranks every step (one blocking allreduce in the host's shared memory; a DistributedOptimizer where the job has one
+host), and every `period` steps the host's first rank exchanges with the centre for the host, then hands the
+parameters to the host's other ranks (through a box of the host).
 
 The parameters are moved into one flat buffer (each parameter's .data becomes a view of it), so that an exchange
-is one read and one accumulate of the whole model. centre_state_dict() returns the centre as a state dict of the
+is one box exchange of the whole model. centre_state_dict() returns the centre as a state dict of the
 parameters, for evaluation and checkpoints (model.load_state_dict(..., strict=False))."""
 import collections
 
@@ -73,7 +73,8 @@ class _ElasticAveraging:
         return out
 
     def finish(self):
-        """Waits for this rank's last push to the centre (before evaluating or shutting down)."""
+        """Waits for this rank's last exchange with the centre and applies it (before evaluating or shutting
+        down)."""
         self._centre.flush()
 
 
@@ -83,9 +84,9 @@ def ElasticAveragingOptimizer(optimizer, named_parameters=None, alpha=0.2, perio
 
     Every rank calls it at the same point, after broadcast_parameters: rank 0's parameters start the centre.
     alpha: the moving rate (ShmCaffe uses 0.2); period: steps between exchanges (tau); hybrid: synchronous inside
-    each host; home, stripes: where the centre lives (as SoftMemoryBox); overlap: send the centre's update from a
-    background thread while the next steps compute. The result is an instance of a subclass of the optimizer's own
-    class (of DistributedOptimizer's, with hybrid) sharing its state."""
+    each host; home, stripes: where the centre lives (as SoftMemoryBox); overlap: exchange from a background thread
+    while the next steps compute (the worker's pull then lands at the next exchange). The result is an instance of
+    a subclass of the optimizer's own class (of DistributedOptimizer's, with hybrid) sharing its state."""
     if not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
         raise InvalidArgumentError("ElasticAveragingOptimizer: alpha must be in (0, 1], got %r" % (alpha,))
     if not isinstance(period, int) or isinstance(period, bool) or period < 1:

@@ -78,6 +78,12 @@ class BoxHandle:
         check(lib.smc_box_accumulate(self._box, offset, count, src, alpha, beta, version))
         return int(version[0])
 
+    def exchange(self, offset, count, x_to_d, alpha):
+        """Elastic averaging's exchange (smc_box_exchange): x_to_d holds x, then d = alpha * (x - c); c += d."""
+        version = ffi.new("uint64_t *")
+        check(lib.smc_box_exchange(self._box, offset, count, x_to_d, alpha, version))
+        return int(version[0])
+
     def touch(self):
         """Bumps the version without changing an element."""
         version = ffi.new("uint64_t *")

@@ -67,6 +67,7 @@ class RemoteBoxHandle:
         self._broken = None
         self._lock = threading.Lock()  # one request at a time on the connection
         self._sock = network.connect(host, self._what)
+        self._sock_timeout = None  # what the socket's timeout is set to (each change costs system calls)
         self.esize = 0
         encoded = name.encode()
         if count is not None:
@@ -109,10 +110,11 @@ class RemoteBoxHandle:
                 raise HostFailure(self._broken, host=self._network.host_names[self._host]) if self._broken else \
                     InvalidArgumentError("%s is closed" % self._what)
             started = time.monotonic()
-            self._sock.settimeout(self._network.timeout_s + wait_s)
-            self._sock.sendall(request)
-            if payload is not None:
-                self._sock.sendall(payload)
+            timeout_s = self._network.timeout_s + wait_s
+            if timeout_s != self._sock_timeout:
+                self._sock.settimeout(timeout_s)
+                self._sock_timeout = timeout_s
+            wire.send_parts(self._sock, (request, payload))
             return started
         except BaseException as error:
             self._lock.release()
@@ -148,14 +150,18 @@ class RemoteBoxHandle:
                               % (time.monotonic() - started))
         return self._fail("is unreachable: %s" % error)
 
-    def start(self, op, offset, count, ptr, alpha=1.0, beta=1.0):
-        """Sends a read, write or accumulate ("read", "write", "accumulate") without waiting for its reply; the
-        returned function waits for it (and returns the version). A striped box sends to all its hosts first."""
+    def start(self, op, offset, count, ptr, alpha=1.0, beta=1.0, then_touch=None):
+        """Sends a read, write, accumulate or exchange ("read", "write", "accumulate", "exchange") without waiting
+        for its reply; the returned function waits for it (and returns the version). A striped box sends to all its
+        hosts first. then_touch: the name of a box at the same home whose version the home bumps once this operation
+        is done (and whose version comes back instead), in the same round trip."""
         nbytes = count * self.esize
-        code = {"read": wire.READ, "write": wire.WRITE, "accumulate": wire.ACCUMULATE}[op]
-        request = wire.REQUEST.pack(code, 0, 0, 0, offset, count, alpha, beta, 0.0)
+        code = {"read": wire.READ, "write": wire.WRITE, "accumulate": wire.ACCUMULATE, "exchange": wire.EXCHANGE}[op]
+        touch = then_touch.encode() if then_touch is not None and op != "read" else b""
+        request = wire.REQUEST.pack(code, wire.FLAG_THEN_TOUCH if touch else 0, len(touch), 0, offset, count, alpha,
+                                    beta, 0.0) + touch
         started = self._send(request, 0.0, ffi.buffer(ptr, nbytes) if count and op != "read" else None)
-        into = memoryview(ffi.buffer(ptr, nbytes)) if count and op == "read" else None
+        into = memoryview(ffi.buffer(ptr, nbytes)) if count and op in ("read", "exchange") else None
         return lambda: self._receive(started, into)[0]
 
     def _simple(self, op, offset=0, count=0, alpha=0.0, beta=0.0, timeout_s=0.0, payload=None, into=None):
@@ -179,6 +185,10 @@ class RemoteBoxHandle:
     def accumulate(self, offset, count, src, alpha, beta):
         return self._simple(wire.ACCUMULATE, offset, count, alpha, beta,
                             payload=ffi.buffer(src, count * self.esize) if count else None)
+
+    def exchange(self, offset, count, x_to_d, alpha):
+        """box.BoxHandle.exchange at the home: x goes, d comes back into the same buffer."""
+        return self.start("exchange", offset, count, x_to_d, alpha)()
 
     def touch(self):
         """Bumps the version without changing an element."""

@@ -2,10 +2,15 @@
 """The messages between a Soft Memory Box client on one host and the box server on the box's home host
 (box_server.py), over one TCP connection per client handle.
 
-A request is a fixed header (REQUEST), then the box name (create and attach) or the elements written or accumulated;
-a reply is a fixed header (REPLY), then an error text or the elements read. Every operation is one request and one
-reply, so a connection carries one operation at a time and a reply that does not come in time means the home host
-stopped answering."""
+A request is a fixed header (REQUEST), then the box name (create and attach; with FLAG_THEN_TOUCH the name of the
+box whose version to bump after the operation), then the elements written, accumulated or exchanged; a reply is a
+fixed header (REPLY), then an error text or the elements read (an exchange's d). Every operation is one request and
+one reply, so a connection carries one operation at a time and a reply that does not come in time means the home host
+stopped answering.
+
+Each message leaves in one sendmsg of its header and its elements (send_parts): sent as two, a small request crossed
+the network as two segments, and the receiver woke for the header and then again for the elements (a remote 4 KiB
+accumulate took 0.09 ms against 0.04 ms for a version query)."""
 import socket
 import struct
 
@@ -16,11 +21,14 @@ REQUEST = struct.Struct("<BBHIQQddd")
 # status (0: success, else the error's class follows as text), text length, version, count, dtype, flags
 REPLY = struct.Struct("<iIQQII")
 
-CREATE, ATTACH, READ, WRITE, ACCUMULATE, LOCK, UNLOCK, WAIT, VERSION, DESTROY, CLOSE, TOUCH, PING = range(1, 14)
+CREATE, ATTACH, READ, WRITE, ACCUMULATE, LOCK, UNLOCK, WAIT, VERSION, DESTROY, CLOSE, TOUCH, PING, EXCHANGE = \
+    range(1, 15)
 NAMES = {CREATE: "create", ATTACH: "attach", READ: "read", WRITE: "write", ACCUMULATE: "accumulate", LOCK: "lock",
          UNLOCK: "unlock", WAIT: "wait_version", VERSION: "version", DESTROY: "destroy", CLOSE: "close",
-         TOUCH: "touch", PING: "ping"}  # ping: the roll call's (rollcall.py), answered at once
+         TOUCH: "touch", PING: "ping", EXCHANGE: "exchange"}  # ping: the roll call's (rollcall.py), answered at once
+CARRY_ELEMENTS = (WRITE, ACCUMULATE, EXCHANGE)  # requests followed by `count` elements
 FLAG_EXIST_OK = 1   # create: attach to an equal box instead of failing
+FLAG_THEN_TOUCH = 2  # write, accumulate, exchange: then bump the version of the named box; the reply carries it
 FLAG_STRIPED = 1    # attach's reply: the name belongs to a striped box; its description was found instead
 
 # The error classes a reply may name; anything else arrives as ShmCommError.
@@ -53,6 +61,18 @@ def recv_exactly(sock, view):
 def recv_bytes(sock, n):
     buf = bytearray(n)
     return bytes(buf) if recv_exactly(sock, memoryview(buf)) else None
+
+
+def send_parts(sock, parts):
+    """Sends the buffers in `parts` (None skipped) in order, in as few sendmsg calls as the socket takes."""
+    views = [memoryview(p).cast("B") for p in parts if p is not None and len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0], sent = views[0][sent:], 0
 
 
 def tuned(sock):
