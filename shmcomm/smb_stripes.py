@@ -56,13 +56,9 @@ class StripedHandle:
         self._name = name
         self._held = 0  # how many times this handle holds the box's lock (lock() is recursive as a box's is)
         if count is not None:
-            if description.version() == 0:
-                done = [count, dtype, stripes]
-            else:  # another rank created it: it must describe the same box
-                done = self._described(timeout_s)
-                if done != [count, dtype, stripes]:
-                    raise BoxExistsError("box '%s' exists with %d elements of dtype %d in %d stripes, not %d of "
-                                         "dtype %d in %d" % (name, *done, count, dtype, stripes))
+            done = [count, dtype, stripes]
+            if description.version() != 0:  # another rank created it: it must describe the same box
+                self._check_same(done, timeout_s)
         else:
             done = self._described(timeout_s)
         self.count, self.dtype, self.stripes = done
@@ -77,8 +73,28 @@ class StripedHandle:
         except BaseException:
             self.close()
             raise
-        if count is not None and description.version() == 0:
-            description.write(0, 3, ffi.from_buffer(np.array(done, dtype=np.int64)))  # version 1: ready
+        if count is not None:
+            self._publish(done, timeout_s)
+
+    def _publish(self, done, timeout_s):
+        """Writes the description, once: the check and the write are one step under the description's lock, for
+        ranks that create the box at once would otherwise both write it, making version 2, which every rank takes
+        for the box's first write (an initialising write could then land after, and erase, another rank's
+        accumulate)."""
+        self._description.lock(timeout_s)
+        try:
+            if self._description.version() == 0:
+                self._description.write(0, 3, ffi.from_buffer(np.array(done, dtype=np.int64)))  # version 1: ready
+                return
+        finally:
+            self._description.unlock()
+        self._check_same(done, timeout_s)
+
+    def _check_same(self, done, timeout_s):
+        there = self._described(timeout_s)
+        if there != done:
+            raise BoxExistsError("box '%s' exists with %d elements of dtype %d in %d stripes, not %d of dtype %d in "
+                                 "%d" % (self._name, *there, *done))
 
     def _described(self, timeout_s):
         self._description.wait_version(1, timeout_s)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Soft Memory Boxes across simulated hosts: exact concurrent accumulates from every rank (with the home host's
-ranks busy in numpy), atomic exchanges, the lock across hosts, versions waking ranks on other hosts, striped boxes,
-bad inputs, and the failures: the home host killed, a lock holder on another host killed."""
+ranks busy in numpy), atomic exchanges, the lock across hosts, striped boxes (created by every rank at once),
+versions waking ranks on other hosts, bad inputs, and the failures: the home host killed, a lock holder on another
+host killed."""
 import functools
 import json
 import os
@@ -86,6 +87,18 @@ report["lock"] = int(counter.read()[0])
 report["striped_lock"] = striped.read().tolist()
 report["striped_hosts"] = list(striped.hosts)
 shmcomm.barrier()  # read before anyone accumulates below
+
+# Every rank creates the same striped boxes at once: one description write between them, so each box is at
+# version 0 (a second write would pass for the first write to the box, and wake its readers too early).
+fresh = []
+for i in range(12):
+    shmcomm.barrier()
+    fresh.append(shmcomm.SoftMemoryBox("race%d" % i, shape=(64,), dtype=np.float64, stripes=hosts))
+shmcomm.barrier()
+report["fresh_versions"] = [box.version for box in fresh]
+shmcomm.barrier()
+for box in fresh:
+    box.close()
 
 # A striped box found by name, without shape or stripes, and its exact sum.
 attached = shmcomm.SoftMemoryBox("scounter", timeout=30)
@@ -232,6 +245,12 @@ def test_striped_boxes_attach_by_name_and_sum_exactly(reports):
         assert report["striped_attach"][:2] == [[3 * hosts + 1], "int64"]
         assert sorted(report["striped_attach"][2]) == list(range(hosts))
         assert report["striped_sum"]
+
+
+def test_ranks_creating_a_striped_box_at_once_leave_it_at_version_0(reports):
+    hosts, found = reports
+    for r, report in found.items():
+        assert report["fresh_versions"] == [0] * 12, (r, report["fresh_versions"])
 
 
 def test_exchanges_from_every_rank_are_atomic(reports):
