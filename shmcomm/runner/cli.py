@@ -199,11 +199,21 @@ def main(argv=None):
             say(line)
     try:
         return run_job(command, environments, args.kill_grace_seconds, args.output_filename,
-                       args.prefix_output_with_timestamp)
+                       args.prefix_output_with_timestamp, _timeout_s(environments[0]))
     finally:
         removed = remove_job_segments(token)
         if args.verbose and removed:
             say(f"removed {len(removed)} shared-memory segment(s) the job left: {', '.join(removed)}")
+
+
+def _timeout_s(environ):
+    """The ranks' SHMCOMM_TIMEOUT; a bad value is theirs to refuse, naming it (init checks every setting)."""
+    from shmcomm import env
+
+    try:
+        return env.timeout_s(environ)
+    except ValueError:
+        return env.timeout_s({})
 
 
 def launch_across_hosts(parser, args, command, hosts):
