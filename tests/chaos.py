@@ -112,10 +112,7 @@ def one_run(rng, signum, sim=None, phases=None):
     to the launcher's exit."""
     from shmcomm.testing import outcomes
 
-    # Across hosts a rank stopped in its shutdown, after the others finished theirs, holds them in MPI_Finalize
-    # until hydra is stopped: nothing there times out on it. (On one host the launcher kills it as failed after
-    # SHMCOMM_TIMEOUT once every other rank has ended.)
-    phase = rng.choice(PHASES if signum == signal.SIGKILL or sim is None else [p for p in PHASES if p != "shutdown"])
+    phase = rng.choice(PHASES)
     phase = phase if phases is None or phase in phases else phases[rng.randrange(len(phases))]
     victim = rng.randrange(RANKS)
     directory = tempfile.mkdtemp(prefix="chaos-")

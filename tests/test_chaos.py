@@ -53,6 +53,16 @@ def test_a_rank_killed_in_init_across_two_simulated_hosts_is_named_and_the_job_e
     _campaign(1, signal.SIGKILL, hosts=2, seed=2027, phases=["init"])
 
 
+@pytest.mark.slow
+def test_a_rank_stopped_in_shutdown_across_two_simulated_hosts_is_killed_and_named():
+    """SIGSTOP of one rank in its shutdown, the others finished and waiting in MPI_Finalize: its guard kills it
+    SHMCOMM_TIMEOUT (+ 2 s) later, the launcher exits non-zero naming it, nothing is left behind."""
+    from test_simhosts import open_hosts
+
+    open_hosts(1).close()  # skips, with the reason, where simulated hosts cannot be made
+    _campaign(1, signal.SIGSTOP, hosts=2, seed=2027, phases=["shutdown"])
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["KILL", "STOP"])
 def test_fifty_chaos_runs_across_two_simulated_hosts(signum):

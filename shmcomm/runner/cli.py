@@ -252,7 +252,8 @@ def launch_across_hosts(parser, args, command, hosts):
     job_env = mpi_launch.job_environment(token, env_from_flags(args), base_env, ranks_per_host, _cores(),
                                          args.tcp_flag)
     mpiexec_args = mpi_launch.mpiexec_command(mpiexec, args.num_proc, hosts, job_env, command, agent,
-                                              interfaces, mpi_args, args.kill_grace_seconds)
+                                              interfaces, mpi_args, args.kill_grace_seconds,
+                                              _timeout_s({**base_env, **job_env}))
     if args.verbose:
         say(f"launching {args.num_proc} rank(s) on {', '.join(f'{h}:{n}' for h, n in hosts)} with mpiexec")
     env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file)
