@@ -60,9 +60,10 @@ def _prefer_ofi(library_version):
     otherwise; shmcomm asks for libfabric's (ofi) instead, unless MPIR_CVAR_CH4_NETMOD is set. Why: a rank killed
     while UCX connects to it (MPI's start, or the first message to it) crashes its peers with SIGSEGV in UCX, or
     makes MPI_Init abort them, so they die without saying which rank failed; with ofi they stay alive and raise
-    an error naming it (tests/chaos.py, across simulated hosts). Measured side by side on 2 simulated hosts x 2 ranks
-    (benchmarks/RESULTS.md): the torus allreduce is unchanged up to 64 KiB and 10% faster at 4 MiB; MPI's own
-    collectives (broadcast, allgather, alltoall across hosts) are about 10% slower below 64 KiB, 15% faster at 4 MiB."""
+    an error naming it (tests/chaos.py, across simulated hosts). The price, measured side by side on 2 simulated hosts
+    x 2 ranks over TCP (benchmarks/RESULTS.md): the torus allreduce is about 10% slower from 4 to 64 KiB and 10%
+    faster at 4 MiB; MPI's own collectives (broadcast, allgather, alltoall across hosts) are 33-41% slower at 4-64
+    KiB. A job that prefers UCX's latency to naming a killed rank sets MPIR_CVAR_CH4_NETMOD=ucx."""
     device = next((line for line in library_version.splitlines() if line.startswith("MPICH Device:")), "")
     if "ofi" in device.split(":", 1)[-1] and "MPIR_CVAR_CH4_NETMOD" not in os.environ:
         os.environ["MPIR_CVAR_CH4_NETMOD"] = "ofi"
