@@ -200,6 +200,13 @@ class Tuning:
     single_copy_bytes: int  # allgather/alltoall/broadcast inputs from this size read peers' memory directly; 0: never
 
 
+def timeout_s(environ=None):
+    """SHMCOMM_TIMEOUT, the bound of every wait on another rank (of `environ`: the launcher reads the ranks')."""
+    # Horovod's Gloo timeout bounds its collectives as SHMCOMM_TIMEOUT bounds these.
+    return _number("TIMEOUT", _number("GLOO_TIMEOUT_SECONDS", 300.0, environ=environ, positive=True, high=MAX_SECONDS),
+                   environ=environ, positive=True, high=MAX_SECONDS)
+
+
 def tuning(local_size):
     # With more ranks than cores, a spinning waiter steals the core its peer needs: sleep almost at once.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -207,9 +214,7 @@ def tuning(local_size):
     # otherwise turn a 70 us allreduce into a futex wake-up chain ten times slower.
     default_spin_us = 1000 if local_size <= cores else 2
     return Tuning(
-        # Horovod's Gloo timeout bounds its collectives as SHMCOMM_TIMEOUT bounds these.
-        timeout_s=_number("TIMEOUT", _number("GLOO_TIMEOUT_SECONDS", 300.0, positive=True, high=MAX_SECONDS),
-                          positive=True, high=MAX_SECONDS),
+        timeout_s=timeout_s(),
         start_timeout_s=_number("START_TIMEOUT", 60.0, positive=True, high=MAX_SECONDS),
         liveness_s=_number("LIVENESS_INTERVAL", 0.1, positive=True, high=MAX_SECONDS),
         # More ranks than cores: every synchronisation costs context switches, so take fewer, larger steps. The

@@ -4,6 +4,7 @@
 A job started by mpiexec/mpirun (directly, through shmcommrun -H, or by srun) has no SHMCOMM_RANK of its own; MPI
 knows the ranks, and MPI_Comm_split_type(SHARED) groups them by host. Only such a job imports mpi4py: a single-host
 job never pays for MPI's start-up."""
+import os
 import secrets
 import sys
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ def start_mpi():
 
     if MPI.Is_initialized():
         return
+    _prefer_ofi(MPI.Get_library_version())
     library = next((line.split()[-1] for line in open("/proc/self/maps") if "/libmpi" in line), None)
     if library is None:
         MPI.Init_thread(_thread_level(MPI, mpi4py.rc.thread_level))  # (not on Linux: holding the GIL)
@@ -51,6 +53,20 @@ def start_mpi():
                                                 ctypes.byref(provided))
     if code != 0:
         raise SystemError("MPI_Init_thread failed with MPI error %d" % code)
+
+
+def _prefer_ofi(library_version):
+    """MPICH built with both network modules (the mpich wheel: "MPICH Device: ch4:ucx ofi") uses UCX unless told
+    otherwise; shmcomm asks for libfabric's (ofi) instead, unless MPIR_CVAR_CH4_NETMOD is set. Why: a rank killed
+    while UCX connects to it (MPI's start, or the first message to it) crashes its peers with SIGSEGV in UCX, or
+    makes MPI_Init abort them, so they die without saying which rank failed; with ofi they stay alive and raise
+    an error naming it (tests/chaos.py, across simulated hosts). The price, measured side by side on 2 simulated hosts
+    x 2 ranks over TCP (benchmarks/RESULTS.md): the torus allreduce is about 10% slower from 4 to 64 KiB and 10%
+    faster at 4 MiB; MPI's own collectives (broadcast, allgather, alltoall across hosts) are 33-41% slower at 4-64
+    KiB. A job that prefers UCX's latency to naming a killed rank sets MPIR_CVAR_CH4_NETMOD=ucx."""
+    device = next((line for line in library_version.splitlines() if line.startswith("MPICH Device:")), "")
+    if "ofi" in device.split(":", 1)[-1] and "MPIR_CVAR_CH4_NETMOD" not in os.environ:
+        os.environ["MPIR_CVAR_CH4_NETMOD"] = "ofi"
 
 
 def _thread_level(MPI, name):

@@ -17,14 +17,17 @@ survivors --kill-grace-seconds to report before hydra stops the job.
 The job's ranks ignore SIGTERM, so that the launcher's stop (SIGTERM, then SIGKILL after its grace period) does not
 end them before they say what they raised (shmcomm.testing.outcomes)."""
 import argparse
+import faulthandler
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +44,8 @@ GRACE_S = 10.0  # --kill-grace-seconds: the survivors' time to report, from the 
 
 def job(directory, phase):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The controller asks a survivor that has not raised near the bound for its threads' stacks (a post-mortem).
+    faulthandler.register(signal.SIGUSR1, open(os.path.join(directory, "stack.%d" % os.getpid()), "w"))
     rank = int(os.environ.get("SHMCOMM_RANK") or os.environ.get("PMI_RANK") or -1)
     _mark(directory, "pid.%d" % os.getpid(), "")
     _mark(directory, "token", os.environ.get("SHMCOMM_JOB_TOKEN", ""))
@@ -107,9 +112,7 @@ def one_run(rng, signum, sim=None, phases=None):
     to the launcher's exit."""
     from shmcomm.testing import outcomes
 
-    # A rank stopped in its shutdown, after the others finished theirs, is waited for by the launcher as long as it
-    # stays stopped: nothing is left to time out.
-    phase = rng.choice(PHASES if signum == signal.SIGKILL else [p for p in PHASES if p != "shutdown"])
+    phase = rng.choice(PHASES)
     phase = phase if phases is None or phase in phases else phases[rng.randrange(len(phases))]
     victim = rng.randrange(RANKS)
     directory = tempfile.mkdtemp(prefix="chaos-")
@@ -131,6 +134,9 @@ def one_run(rng, signum, sim=None, phases=None):
             os.kill(pid, signum)
         except ProcessLookupError:
             pid = None
+    bound = KILL_BOUND_S if signum == signal.SIGKILL else TIMEOUT_S + STOP_MARGIN_S
+    post_mortem = threading.Timer(bound - 1.0, _ask_for_stacks, (directory, pid))
+    post_mortem.start()
     try:
         output, _ = proc.communicate(timeout=60)
         ended = time.monotonic() - killed_at
@@ -147,12 +153,14 @@ def one_run(rng, signum, sim=None, phases=None):
             output, _ = proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:
             output = ""
+    with open(os.path.join(directory, "launcher.out"), "w") as f:  # kept for a failed run's post-mortem
+        f.write(output)
+    post_mortem.cancel()
     if pid is None:
         problems.append("the victim (rank %d) could not be signalled: the job %s:\n%s" % (
             victim, "ended first" if proc.returncode is not None else "never started it", output[-3000:]))
         return problems, (phase, victim, proc.returncode, {}), None, ended
     raised = outcomes.read(directory)
-    bound = KILL_BOUND_S if signum == signal.SIGKILL else TIMEOUT_S + STOP_MARGIN_S
     survivors = [r for r in range(RANKS) if r != victim]
     shut_down = {r for r in survivors if os.path.exists(os.path.join(directory, "shutdown.%d" % r))}
     for r in survivors:
@@ -181,8 +189,26 @@ def one_run(rng, signum, sim=None, phases=None):
         if not final or not _text_names(final[-1], victim):
             problems.append("the launcher's last line does not name rank %d: %s" % (victim, final[-1:]))
     problems += _leftovers(directory, before, sim)
+    if problems:
+        problems.append("output in %s" % os.path.join(directory, "launcher.out"))
+    else:
+        shutil.rmtree(directory, ignore_errors=True)
     times = [raised[r]["seconds"] - killed_at for r in survivors if r in raised]
     return problems, (phase, victim, proc.returncode, raised), max(times) if times else None, ended
+
+
+def _ask_for_stacks(directory, victim_pid):
+    """Near the bound, asks every rank still alive that has not raised for its stacks (stack.PID in the run's
+    directory), to tell where a late survivor waits."""
+    from shmcomm.testing import outcomes
+
+    raised = outcomes.read(directory)
+    for pid in _pids(directory):
+        if pid != victim_pid and _alive(pid) and _rank_of(pid) not in raised:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
 
 
 def _launcher_names(output, victim, signum):

@@ -42,6 +42,27 @@ def test_a_rank_stopped_across_two_simulated_hosts_is_named_and_the_job_ends():
     _campaign(1, signal.SIGSTOP, hosts=2, seed=14, phases=["collectives"])
 
 
+@pytest.mark.slow
+def test_a_rank_killed_in_init_across_two_simulated_hosts_is_named_and_the_job_ends():
+    """SIGKILL of one rank during init (MPI's start among it) across two simulated hosts: no survivor dies in MPI
+    (UCX crashed or aborted them when it connected to the dead rank: MPICH's ofi module is used instead), each
+    raises within 10 s, the launcher names the killed rank."""
+    from test_simhosts import open_hosts
+
+    open_hosts(1).close()  # skips, with the reason, where simulated hosts cannot be made
+    _campaign(1, signal.SIGKILL, hosts=2, seed=2027, phases=["init"])
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_in_shutdown_across_two_simulated_hosts_is_killed_and_named():
+    """SIGSTOP of one rank in its shutdown, the others finished and waiting in MPI_Finalize: its guard kills it
+    SHMCOMM_TIMEOUT (+ 2 s) later, the launcher exits non-zero naming it, nothing is left behind."""
+    from test_simhosts import open_hosts
+
+    open_hosts(1).close()  # skips, with the reason, where simulated hosts cannot be made
+    _campaign(1, signal.SIGSTOP, hosts=2, seed=2027, phases=["shutdown"])
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["KILL", "STOP"])
 def test_fifty_chaos_runs_across_two_simulated_hosts(signum):

@@ -7,6 +7,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from shmcomm.testing import outcomes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,5 +51,33 @@ def test_sigkill_mid_collective_stops_the_job(tmp_path):
     for outcome in raised.values():
         assert outcome["type"] == "RankFailure" and outcome["rank"] == 1, outcome
         assert "rank 1" in outcome["message"] and "died" in outcome["message"], outcome
+    token = run.stdout.split("segment ")[1].split()[0]
+    assert not [n for n in os.listdir("/dev/shm") if token in n]
+
+
+STOPPED_LAST = textwrap.dedent("""
+    import os, signal, numpy as np, shmcomm
+    shmcomm.init()
+    print("segment", os.environ["SHMCOMM_JOB_TOKEN"], "pid", os.getpid(), flush=True)
+    shmcomm.allreduce(np.ones(16, np.float32))
+    me = shmcomm.rank()
+    shmcomm.shutdown()
+    if me == 1:  # stopped after its shutdown: the others end well, nothing is left to time out on it
+        os.kill(os.getpid(), signal.SIGSTOP)
+""")
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_after_the_others_ended_fails_the_job(tmp_path):
+    """The launcher waits for a stopped rank no longer than SHMCOMM_TIMEOUT once the others have ended: it names
+    it, kills it and exits non-zero."""
+    script = tmp_path / "job.py"
+    script.write_text(STOPPED_LAST)
+    run = subprocess.run([sys.executable, "-m", "shmcomm.runner", "-np", "3", sys.executable, str(script)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, SHMCOMM_TIMEOUT="2"))
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert "rank 1 (pid" in run.stderr and "is stopped" in run.stderr and "SHMCOMM_TIMEOUT" in run.stderr, run.stderr
+    pid = int(next(line for line in run.stdout.splitlines() if line.startswith("[1]")).split("pid ")[1])
+    assert not os.path.exists("/proc/%d" % pid) or open("/proc/%d/stat" % pid).read().split(") ")[1][0] == "Z"
     token = run.stdout.split("segment ")[1].split()[0]
     assert not [n for n in os.listdir("/dev/shm") if token in n]

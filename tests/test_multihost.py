@@ -179,3 +179,22 @@ def test_a_bad_argument_on_one_host_fails_every_rank_across_hosts(two_hosts, tmp
     assert run.returncode == 0, run.stdout + run.stderr
     expected = {3: "o" * 10 + "p" * 10, 0: "p" * 10 + "o" * 10, 1: "p" * 20, 2: "p" * 20}
     assert {r: (tmp_path / ("rank%d" % r)).read_text() for r in range(4)} == expected
+
+
+@pytest.mark.parametrize("device, set_before, chosen", [
+    ("MPICH Device:       ch4:ucx ofi", None, "ofi"),   # the mpich wheel: both network modules
+    ("MPICH Device:       ch4:ucx ofi", "ucx", "ucx"),  # the user's choice stands
+    ("MPICH Device:       ch4:ucx", None, None),        # no ofi to choose
+    ("Open MPI v5.0.3", None, None),
+])
+def test_mpich_is_asked_for_its_ofi_network_module(monkeypatch, device, set_before, chosen):
+    """A rank killed while UCX connects to it crashes its peers in UCX (SIGSEGV) or aborts their MPI_Init; with
+    libfabric's module they live to name it (topology._prefer_ofi; tests/README.md, chaos across hosts)."""
+    from shmcomm import topology
+
+    if set_before is None:
+        monkeypatch.delenv("MPIR_CVAR_CH4_NETMOD", raising=False)
+    else:
+        monkeypatch.setenv("MPIR_CVAR_CH4_NETMOD", set_before)
+    topology._prefer_ofi("MPICH Version:      5.0.2\n%s\nMPICH configure:    --with-device=ch4:ucx,ofi\n" % device)
+    assert os.environ.get("MPIR_CVAR_CH4_NETMOD") == chosen

@@ -199,11 +199,21 @@ def main(argv=None):
             say(line)
     try:
         return run_job(command, environments, args.kill_grace_seconds, args.output_filename,
-                       args.prefix_output_with_timestamp)
+                       args.prefix_output_with_timestamp, _timeout_s(environments[0]))
     finally:
         removed = remove_job_segments(token)
         if args.verbose and removed:
             say(f"removed {len(removed)} shared-memory segment(s) the job left: {', '.join(removed)}")
+
+
+def _timeout_s(environ):
+    """The ranks' SHMCOMM_TIMEOUT; a bad value is theirs to refuse, naming it (init checks every setting)."""
+    from shmcomm import env
+
+    try:
+        return env.timeout_s(environ)
+    except ValueError:
+        return env.timeout_s({})
 
 
 def launch_across_hosts(parser, args, command, hosts):
@@ -242,7 +252,8 @@ def launch_across_hosts(parser, args, command, hosts):
     job_env = mpi_launch.job_environment(token, env_from_flags(args), base_env, ranks_per_host, _cores(),
                                          args.tcp_flag)
     mpiexec_args = mpi_launch.mpiexec_command(mpiexec, args.num_proc, hosts, job_env, command, agent,
-                                              interfaces, mpi_args, args.kill_grace_seconds)
+                                              interfaces, mpi_args, args.kill_grace_seconds,
+                                              _timeout_s({**base_env, **job_env}))
     if args.verbose:
         say(f"launching {args.num_proc} rank(s) on {', '.join(f'{h}:{n}' for h, n in hosts)} with mpiexec")
     env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file)

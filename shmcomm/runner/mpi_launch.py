@@ -38,11 +38,16 @@ _MAX_LINE_BYTES = 1 << 20
 # others when one merely exits non-zero; so the guard reports the failure and then kills itself. It waits GRACE
 # seconds first (--kill-grace-seconds, as one host's launcher waits between SIGTERM and SIGKILL): the other ranks
 # are failing too, and their errors, which name the rank that failed or held the job up, are what a user needs
-# to read. It also says when its rank has been stopped for two seconds, which only this host can see.
+# to read. It also says when its rank has been stopped for two seconds, which only this host can see, and kills a
+# rank stopped for 2 s more than STOPPED_LIMIT (SHMCOMM_TIMEOUT, the bound of every wait on a rank), as failed: the
+# others may have ended and wait for it in MPI_Finalize, where nothing times out. (The 2 s: ranks that wait on it
+# time out and call the roll first, and so find it stopped, not gone: rollcall.py.)
 RANK_GUARD = r"""
 import os, signal, socket, subprocess, sys, threading, time
 rank = os.environ.get("PMI_RANK", "?")
 grace = float(sys.argv.pop(1))
+stopped_limit = float(sys.argv.pop(1))
+how = None
 def put(fd, data):
     while data:
         data = data[os.write(fd, data):]
@@ -78,10 +83,13 @@ else:
             if stopped == 2:
                 put(2, ("[%s]<stderr>: shmcommrun: rank %s (pid %d) on %s is stopped (SIGSTOP, or a debugger)\n"
                         % (rank, rank, child.pid, socket.gethostname())).encode())
+            if stopped >= stopped_limit + 2:
+                how = "stayed stopped for %d s (SHMCOMM_TIMEOUT is %g s) and was killed" % (stopped, stopped_limit)
+                child.kill()
     for thread in pumps:
         thread.join(3)
 if code != 0:
-    how = "was killed by signal %d" % -code if code < 0 else "exited with code %d" % code
+    how = how or ("was killed by signal %d" % -code if code < 0 else "exited with code %d" % code)
     put(2, ("[%s]<stderr>: shmcommrun: rank %s on %s %s; stopping the job in %g s\n"
             % (rank, rank, socket.gethostname(), how, grace)).encode())
     time.sleep(grace)
@@ -128,10 +136,11 @@ def interface_settings(interfaces):
 
 
 def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=None, interfaces=(), mpi_args=(),
-                    grace_s=5.0):
+                    grace_s=5.0, stopped_limit_s=300.0):
     """The hydra command line; hosts is [(host, slots)], job_env what every rank gets on top of the launcher's
     environment. mpi_args come last among the options, so they can override the rest. grace_s: how long the other
-    ranks have to report their errors once one failed (RANK_GUARD)."""
+    ranks have to report their errors once one failed; stopped_limit_s: how long a rank may stay stopped
+    (RANK_GUARD)."""
     args = [mpiexec, "-launcher", "ssh"]
     if launcher_agent:
         args += ["-launcher-exec", launcher_agent]
@@ -139,7 +148,8 @@ def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=N
     args += interface_settings(list(interfaces))
     for name, value in job_env.items():
         args += ["-genv", name, value]
-    return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD, "%g" % grace_s] + list(command)
+    return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD, "%g" % grace_s, "%g" % stopped_limit_s] + \
+        list(command)
 
 
 # --tcp: MPICH's network modules on TCP sockets only (UCX's and libfabric's spellings), as horovodrun's --tcp keeps

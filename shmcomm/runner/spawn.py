@@ -4,7 +4,9 @@
 Every rank runs in its own session (so its own process group): a signal to the group reaches the rank and any
 children it started, and a Ctrl-C in the terminal reaches only the launcher, which decides what the ranks get.
 When one rank fails, the others are stopped with SIGTERM, then SIGKILL after a grace period: peers of a dead
-rank would otherwise wait on it until their collective timeout.
+rank would otherwise wait on it until their collective timeout. A rank stopped (SIGSTOP, a debugger) once every
+other rank has ended is waited for SHMCOMM_TIMEOUT, the bound of every wait on a rank, and then killed as failed:
+nothing else is left to time out on it.
 """
 
 import os
@@ -101,8 +103,10 @@ def open_output_files(output_dir, num_proc):
 
 
 class _Job:
-    def __init__(self, kill_grace_seconds, stamp=False):
+    def __init__(self, kill_grace_seconds, stamp=False, stopped_limit_s=300.0):
         self.kill_grace_seconds = kill_grace_seconds
+        self.stopped_limit_s = stopped_limit_s
+        self.stopped_since = {}  # rank: when it was first seen stopped, since every running rank has been stopped
         self.stamp = stamp
         self.processes = []  # index = rank
         self.readers = []
@@ -173,6 +177,21 @@ class _Job:
                 f"stop ({', '.join(map(str, left))}); sending SIGKILL")
             self.kill()
 
+    def _stopped_too_long(self):
+        """The rank that has been stopped for stopped_limit_s while no running rank was not (None if none): no rank
+        is left that could time out on it."""
+        if self.stopping:
+            return None
+        states = {rank: _state(self.processes[rank].pid) for rank in self.running()}
+        if not states or any(state not in ("T", "t") for state in states.values()):
+            self.stopped_since.clear()
+            return None
+        now = time.monotonic()
+        for rank in states:
+            self.stopped_since.setdefault(rank, now)
+        rank = min(states, key=self.stopped_since.get)
+        return rank if now - self.stopped_since[rank] >= self.stopped_limit_s else None
+
     def _explained_by_stop(self, returncode):
         sent = {signal.SIGTERM, signal.SIGKILL, self.signal_received}
         return any(returncode in (-signum, 128 + signum) for signum in sent if signum is not None)
@@ -187,6 +206,13 @@ class _Job:
                 rank, returncode = self.exits.get(timeout=_POLL_SECONDS)
             except queue.Empty:
                 self._kill_after_grace()
+                stopped = self._stopped_too_long()
+                if stopped is not None:
+                    first_failure = (stopped, -signal.SIGKILL)
+                    say(f"rank {stopped} (pid {self.processes[stopped].pid}) is stopped (SIGSTOP, or a debugger) and "
+                        f"has been for {self.stopped_limit_s:g} s (SHMCOMM_TIMEOUT) since the other ranks ended or "
+                        f"stopped; killing it")
+                    self.kill()
                 continue
             left -= 1
             if returncode == 0:
@@ -217,6 +243,15 @@ class _Job:
                 "not waiting for it")
 
 
+def _state(pid):
+    """A process's state letter (/proc/PID/stat: R, S, T stopped, t stopped by a tracer, ...), "" if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(") ")[2][:1]
+    except OSError:
+        return ""
+
+
 def _start_failure_message(command, error):
     if isinstance(error, FileNotFoundError):
         return f"cannot run {command[0]!r}: command not found", 127
@@ -225,15 +260,16 @@ def _start_failure_message(command, error):
     return f"cannot run {command[0]!r}: {error.strerror or error}", 126
 
 
-def run_job(command, environments, kill_grace_seconds, output_dir=None, stamp=False):
+def run_job(command, environments, kill_grace_seconds, output_dir=None, stamp=False, stopped_limit_s=300.0):
     """Runs len(environments) ranks of command, rank r with environments[r]; returns the job's exit code. `stamp`
-    starts every forwarded line with the time."""
+    starts every forwarded line with the time; a rank stopped for stopped_limit_s once no other is running is
+    killed as failed."""
     try:
         output_files = open_output_files(output_dir, len(environments)) if output_dir else None
     except OSError as error:
         say(f"cannot create the output files under {output_dir!r}: {error}")
         return 1
-    job = _Job(kill_grace_seconds, stamp)
+    job = _Job(kill_grace_seconds, stamp, stopped_limit_s)
     previous_handlers = {signum: signal.signal(signum, job.on_signal) for signum in FORWARDED_SIGNALS}
     try:
         try:
