@@ -104,21 +104,11 @@ static smc_result_t wait_ready(smc_comm_t* c, double timeout_s) {
 
 typedef struct {
   smc_comm_t* comm;
+  int reported; /* the check's own timeout error, which wait_all_attached keeps */
 } attach_check_t;
 
-/* While waiting for the others to attach, fail fast if one that already attached has died. */
-static smc_result_t check_attached_peers(void* arg) {
-  smc_comm_t* c = ((attach_check_t*)arg)->comm;
-  for (int r = 0; r < c->size; r++)
-    if (r != c->rank && c->ctl[r].pid != 0) SMC_CHECK(smc_peer_check(c, r, "init"));
-  return SMC_SUCCESS;
-}
-
-static smc_result_t wait_all_attached(smc_comm_t* c, double timeout_s) {
-  attach_check_t arg = {c};
-  smc_wait_opts_t opts = {c->spin_us, timeout_s, c->liveness_s, check_attached_peers, &arg};
-  smc_result_t rc = smc_wait_reach(&c->hdr->attached, &c->hdr->attach_sleepers, (uint32_t)c->size, &opts);
-  if (rc != SMC_ERR_TIMEOUT) return rc;
+/* The ranks that have not attached, named: "init: <why>; missing ranks: 1, 3". */
+static smc_result_t missing_error(smc_comm_t* c, smc_result_t code, const char* why) {
   char missing[256] = "";
   size_t used = 0;
   int first_missing = -1;
@@ -127,9 +117,36 @@ static smc_result_t wait_all_attached(smc_comm_t* c, double timeout_s) {
     if (first_missing < 0) first_missing = smc_job_rank(c, r);
     used += (size_t)snprintf(missing + used, sizeof(missing) - used, "%s%d", used ? ", " : "", smc_job_rank(c, r));
   }
-  return smc_set_peer_error(SMC_ERR_TIMEOUT, first_missing, SMC_FIELD_NONE,
-                            "init: only %u of %d ranks attached within %.1f s; missing ranks: %s",
-                            atomic_load(&c->hdr->attached), c->size, timeout_s, missing);
+  return smc_set_peer_error(code, first_missing, SMC_FIELD_NONE, "init: %s; missing ranks: %s", why, missing);
+}
+
+/* While waiting for the others to attach, fail fast if one that already attached has died. One that has left
+ * (departed) gave up waiting for the same missing ranks, a moment sooner: the missing ranks are the ones to name. */
+static smc_result_t check_attached_peers(void* arg) {
+  attach_check_t* check = arg;
+  smc_comm_t* c = check->comm;
+  int left = -1;
+  for (int r = 0; r < c->size; r++) {
+    if (r == c->rank || c->ctl[r].pid == 0) continue;
+    if (atomic_load(&c->ctl[r].departed) && left < 0) left = r;
+    if (!atomic_load(&c->ctl[r].departed)) SMC_CHECK(smc_peer_check(c, r, "init"));
+  }
+  if (left < 0) return SMC_SUCCESS;
+  char why[96];
+  snprintf(why, sizeof(why), "rank %d gave up waiting for every rank to attach", smc_job_rank(c, left));
+  check->reported = 1;
+  return missing_error(c, SMC_ERR_TIMEOUT, why);
+}
+
+static smc_result_t wait_all_attached(smc_comm_t* c, double timeout_s) {
+  attach_check_t arg = {c, 0};
+  smc_wait_opts_t opts = {c->spin_us, timeout_s, c->liveness_s, check_attached_peers, &arg};
+  smc_result_t rc = smc_wait_reach(&c->hdr->attached, &c->hdr->attach_sleepers, (uint32_t)c->size, &opts);
+  if (rc != SMC_ERR_TIMEOUT || arg.reported) return rc;
+  char why[96];
+  snprintf(why, sizeof(why), "only %u of %d ranks attached within %.1f s", atomic_load(&c->hdr->attached), c->size,
+           timeout_s);
+  return missing_error(c, SMC_ERR_TIMEOUT, why);
 }
 
 smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {

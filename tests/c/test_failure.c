@@ -187,9 +187,25 @@ static void test_init(void) {
   EXPECT_FAILURE(SMC_ERR_INVALID, -1, SMC_FIELD_NONE, "a bad config names no peer");
 }
 
+/* Ranks 20 and 21 of 3 start; 22 never does. 21 gives up first (a shorter start timeout) and leaves: 20 still
+ * names the rank that never came, not the one that left. */
+static int one_never_comes(int rank, void* arg) {
+  smc_config_t cfg = config(arg, rank, 3);
+  cfg.job_ranks = JOB_RANKS;
+  cfg.start_timeout_s = rank == 0 ? 5.0 : 0.3;
+  smc_comm_t* comm = NULL;
+  EXPECT(smc_comm_create(&cfg, &comm) == SMC_ERR_TIMEOUT, "rank %d: %s", rank, smc_last_error());
+  EXPECT_FAILURE(SMC_ERR_TIMEOUT, 22, SMC_FIELD_NONE, "the rank that never came");
+  EXPECT(strstr(smc_last_error(), "missing ranks: 22") != NULL, "text: %s", smc_last_error());
+  EXPECT(rank == 1 || strstr(smc_last_error(), "rank 21 gave up waiting") != NULL, "text: %s", smc_last_error());
+  return failed ? 1 : 0;
+}
+
 int main(void) {
   char token[64];
   test_init();
+  make_token(token, sizeof(token), "never");
+  EXPECT(fork_ranks(2, one_never_comes, token) == 0, "a rank that left init early is not blamed for one missing");
   make_token(token, sizeof(token), "mismatch");
   EXPECT(fork_ranks(3, mismatches, token) == 0, "mismatches name the first differing rank and field");
   make_token(token, sizeof(token), "dead");
