@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from shmcomm import description
 from shmcomm._native import ffi, lib
 from shmcomm.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
 from shmcomm.transport import Transport, kernels
@@ -32,10 +33,6 @@ _HELLO = struct.Struct("<64sQ")  # the world's token, the connecting rank
 
 def _bytes(ptr, nbytes):
     return np.frombuffer(ffi.buffer(ptr, nbytes), dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
-
-
-def _shares(count, n):
-    return [count // n + (1 if r < count % n else 0) for r in range(n)]
 
 
 def connect_mesh(listener, addresses, rank, token, timeout_s, superseded=lambda: None):
@@ -305,7 +302,7 @@ class Tcp(Transport):
                 ffi.memmove(dst, src, count * esize)
             work, work_dtype = _bytes(dst, count * esize), dtype
         work = work.view(np.uint8)
-        shares = _shares(count, self.size)
+        shares = description.shares(count, self.size)
         mine = self._reduce_shares(work, count, work_dtype, shares, op, prescale, postscale, divisor, what)
         wsize = kernels.itemsize(work_dtype)
         self.allgatherv(ffi.from_buffer(mine), mine.nbytes, ffi.from_buffer(work), [s * wsize for s in shares],
