@@ -2,6 +2,7 @@
 """The checks of shmcomm.jax that run on every rank of a job (tests/test_jax.py launches it with shmcommrun):
 `python tests/jax_checks.py [check ...]`. Each check asserts exact expectations, computed here with numpy from what
 every rank contributes, and prints "ok <check>"; any failure exits non-zero."""
+import os
 import sys
 
 import jax
@@ -289,8 +290,24 @@ def _thp_eligible(address):
 
 def check_large_results(rank, size):
     """A jitted reduction of a jit argument is written out of place, straight into XLA's result (no copy of the
-    argument first), and a large result's whole 2 MiB pages are offered to transparent huge pages, where the kernel
-    grants them on request."""
+    argument first), and a large result's whole huge pages (of the size the kernel reports) are offered to
+    transparent huge pages, where the kernel grants them on request."""
+    import tempfile
+
+    from shmcomm.jax import context
+
+    with tempfile.TemporaryDirectory() as fake:  # the size is the kernel's, and none where none are granted
+        def sysfs(mode, size_text):
+            for name, text in (("enabled", mode), ("hpage_pmd_size", size_text)):
+                with open(os.path.join(fake, name), "w") as f:
+                    f.write(text + "\n")
+            return context.huge_page_size(fake)
+        assert sysfs("always [madvise] never", "524288") == 512 << 10
+        assert sysfs("always madvise [never]", "2097152") == 0
+        assert sysfs("[always] madvise never", "3000") == 0  # not a power of two
+        assert context.huge_page_size(os.path.join(fake, "missing")) == 0
+    huge = context.huge_page_size()
+    assert context._context.huge_page == huge
     big = np.full(2 << 20, rank + 1.0, np.float32)  # 8 MiB
     fn = jax.jit(lambda a: sj.allreduce(a, op=sj.Sum))
     text = fn.lower(big).compile().as_text()
@@ -302,9 +319,8 @@ def check_large_results(rank, size):
             on_request = "[madvise]" in mode.read()
     except OSError:
         on_request = False
-    if on_request:
+    if on_request and 0 < huge <= big.nbytes // 2:
         start = out.unsafe_buffer_pointer()
-        huge = 2 << 20
         assert _thp_eligible((start + huge - 1) // huge * huge + huge), hex(start)
 
 

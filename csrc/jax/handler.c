@@ -88,17 +88,19 @@ static XLA_FFI_Buffer* data_buffer(int64_t size, void** items) {
   return NULL;
 }
 
-/* XLA allocates each large result afresh (mmap'd by malloc, then unmapped when freed), so the collective's writes
- * fault it in page by page: 16384 faults for 64 MiB of 4 KiB pages, which cost more than the collective itself.
- * Where transparent huge pages are granted on request (the kernel's usual "madvise" mode, as numpy requests them
- * for its large arrays), asking for them on the result's whole 2 MiB pages makes that 32 faults. Only a hint: the
- * kernel may ignore it, and the memory is XLA's either way. */
-#define SMC_JAX_HUGE_PAGE ((uintptr_t)2 << 20)
-
-static void want_huge_pages(void* dst, size_t bytes) {
-  if (bytes < 2 * SMC_JAX_HUGE_PAGE) return;
-  uintptr_t start = ((uintptr_t)dst + SMC_JAX_HUGE_PAGE - 1) & ~(SMC_JAX_HUGE_PAGE - 1);
-  uintptr_t end = ((uintptr_t)dst + bytes) & ~(SMC_JAX_HUGE_PAGE - 1);
+/* XLA mallocs each result. glibc serves a freed block of up to 32 MiB again from its heap (its mmap threshold rises
+ * to the largest block freed; measured: no faults per call at 1-16 MiB once warm), but a larger one is mapped afresh
+ * on every call and unmapped when freed, and the collective's writes then fault it in page by page: 16384 faults
+ * for 64 MiB of 4 KiB pages, which cost more than the collective itself. Where transparent huge pages are granted on request (the
+ * kernel's usual "madvise" mode, as numpy requests them for its large arrays), asking for them on the result's whole
+ * huge pages makes that 32 faults at 2 MiB. The size is the kernel's (ctx->huge_page, read by Python from
+ * /sys/kernel/mm/transparent_hugepage/hpage_pmd_size; 0 where there are none). Only a hint: the kernel may ignore
+ * it, and the memory is XLA's either way. */
+static void want_huge_pages(const smc_jax_context_t* ctx, void* dst, size_t bytes) {
+  uintptr_t page = (uintptr_t)ctx->huge_page;
+  if (page == 0 || (page & (page - 1)) != 0 || bytes < 2 * page) return;
+  uintptr_t start = ((uintptr_t)dst + page - 1) & ~(page - 1);
+  uintptr_t end = ((uintptr_t)dst + bytes) & ~(page - 1);
 #ifdef MADV_HUGEPAGE
   if (end > start) (void)madvise((void*)start, end - start, MADV_HUGEPAGE);
 #else
@@ -215,7 +217,7 @@ static XLA_FFI_Error* collective(XLA_FFI_CallFrame* frame) {
     esize = (size_t)itemsize;
     call.src_bytes = count * esize;
     call.dst_bytes = dst_count * esize;
-    want_huge_pages(call.dst, call.dst_bytes);
+    want_huge_pages(ctx, call.dst, call.dst_bytes);
   }
 
   if (ctx->comm == NULL) {  /* across hosts, with the engine running, or after shutdown: Python decides */

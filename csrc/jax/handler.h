@@ -34,6 +34,7 @@ typedef struct {
   smc_comm_t* comm;   /* the host's segment while the handler may call the core itself; NULL otherwise */
   smc_jax_core_t core;
   int max_ranks;      /* the longest per-rank list a call may carry */
+  uint64_t huge_page; /* the kernel's transparent huge page size in bytes; 0: none to ask for */
 } smc_jax_context_t;
 
 /* One collective as the handler decoded it, for Python: to run it (comm is NULL: across hosts, or the engine runs)

@@ -38,6 +38,23 @@ ffi, lib = native.load()
 _context = ffi.new("smc_jax_context_t *")  # lives as long as the process: executables hold its address
 _context.pid = os.getpid()
 _context.max_ranks = 1 << 16
+
+
+def huge_page_size(root="/sys/kernel/mm/transparent_hugepage"):
+    """The transparent huge page size the kernel grants on request (madvise), in bytes; 0 where it grants none (no
+    THP, mode "never", or an unreadable or odd value). The handler asks for it on large results."""
+    try:
+        with open(os.path.join(root, "enabled")) as f:
+            if "[never]" in f.read():
+                return 0
+        with open(os.path.join(root, "hpage_pmd_size")) as f:
+            size = int(f.read().strip())
+    except (OSError, ValueError):
+        return 0
+    return size if size > 0 and size & (size - 1) == 0 else 0
+
+
+_context.huge_page = huge_page_size()
 _lock = threading.Lock()
 
 
