@@ -7,6 +7,7 @@ below --min-np the job ends with an error naming why; the example loses a rank e
 every sample exactly once per epoch and reaches the accuracy of an undisturbed run."""
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -28,10 +29,24 @@ def _discovery(tmp_path, slots):
 
 
 def _run(args, timeout=240):
+    """(the launcher's CompletedProcess, seconds). A job still running after `timeout` is stopped as a user would
+    (SIGTERM to the launcher, which stops its workers; then SIGKILL to its session), and its output comes back with
+    a line saying so: a hang fails the test with what the job printed, and leaves nothing running."""
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "shmcomm.runner"] + args, cwd=ROOT, capture_output=True, text=True,
-                         timeout=timeout)
-    return run, time.monotonic() - start
+    command = [sys.executable, "-m", "shmcomm.runner"] + args
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        err += "\n[the job was still running after %d s and was stopped]\n" % timeout
+    return subprocess.CompletedProcess(command, proc.returncode, out, err), time.monotonic() - start
 
 
 def _done(stdout):
@@ -75,7 +90,7 @@ def test_flags_are_checked():
     assert run.returncode == 2 and "not an executable" in run.stderr
 
 
-def _example(args, epochs, timeout=300, run=None):
+def _example(args, epochs, timeout=240, run=None):
     """The example on 4 workers, by `run(args, timeout)` (this host's launcher by default); (launcher's output,
     test accuracy, the job's wall time)."""
     command = [sys.executable, "examples/torch_elastic_recovery.py", "--epochs", str(epochs)] + args
