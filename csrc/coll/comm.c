@@ -128,8 +128,10 @@ static smc_result_t check_attached_peers(void* arg) {
   int left = -1;
   for (int r = 0; r < c->size; r++) {
     if (r == c->rank || c->ctl[r].pid == 0) continue;
-    if (atomic_load(&c->ctl[r].departed) && left < 0) left = r;
-    if (!atomic_load(&c->ctl[r].departed)) SMC_CHECK(smc_peer_check(c, r, "init"));
+    if (!atomic_load(&c->ctl[r].departed))
+      SMC_CHECK(smc_peer_check(c, r, "init")); /* a death is named first */
+    else if (left < 0)
+      left = r;
   }
   if (left < 0) return SMC_SUCCESS;
   char why[96];
