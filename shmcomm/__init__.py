@@ -26,7 +26,7 @@ _EXPORTS = {
     "shmcomm.exceptions": ["ShmCommError", "NotInitializedError", "InvalidArgumentError", "MismatchError",
                            "TimeoutError", "RankFailure", "HostFailure", "BrokenCommunicatorError",
                            "OutOfMemoryError", "BoxExistsError", "BoxNotFoundError", "PeerArgumentError",
-                           "NotSupportedError"],
+                           "NotSupportedError", "AbandonedError"],
     "shmcomm.torch.optimizer": ["DistributedOptimizer"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -20,6 +20,7 @@ _ERRORS = {
     lib.SMC_ERR_NOT_FOUND: exc.BoxNotFoundError,
     lib.SMC_ERR_BROKEN: exc.BrokenCommunicatorError,
     lib.SMC_ERR_REFUSED: exc.PeerArgumentError,
+    lib.SMC_ERR_ABANDONED: exc.AbandonedError,
 }
 # MismatchError.field for the core's smc_field_t. The tag digests the shapes and the per-rank counts.
 _FIELDS = {

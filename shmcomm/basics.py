@@ -3,6 +3,7 @@
 import atexit
 
 from shmcomm import bootstrap, engine, env, log, membership, process_sets, session
+from shmcomm.exceptions import AbandonedError
 
 
 def init(engine=None):
@@ -20,14 +21,27 @@ def init(engine=None):
         if state.comm is None:
             log.configure(env.log_level(), env.log_with_time())
             if env.elastic_driver():  # an elastic job: this world's identity comes from the launcher's membership
-                membership.join()
                 state.generation = 0  # each membership has a token of its own: every member counts from 0
-            state.comm = bootstrap.build_world(state.generation)
+                state.comm = _newest_elastic_world()
+            else:
+                state.comm = bootstrap.build_world(state.generation)
             state.generation += 1
             log.joined(state.comm)
     session.changed()
     if engine:
         start_engine()
+
+
+def _newest_elastic_world():
+    """Joins the launcher's newest membership and forms its world; when a newer one replaces it while it forms (a
+    worker died or came meanwhile: the others went on to the newer one), joins that one instead. Ends with a
+    MembershipError when the launcher gives up or no membership comes within SHMCOMM_ELASTIC_TIMEOUT."""
+    while True:
+        membership.join()
+        try:
+            return bootstrap.build_world(0)
+        except AbandonedError as error:
+            log.logger.info("%s: joining the newer membership", error)
 
 
 def start_engine():

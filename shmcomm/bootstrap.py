@@ -8,7 +8,10 @@
 - several hosts (launched by mpiexec, shmcommrun -H, srun): each host's shared memory for the rows, MPI for the
   columns and for the collectives that are not allreduce;
 - an elastic world that spans hosts (membership.py): each host's shared memory under a TCP mesh between all the
-  ranks (transport/tcp.py), formed anew at every membership; MPI cannot lose or gain a process."""
+  ranks (transport/tcp.py), formed anew at every membership; MPI cannot lose or gain a process.
+
+In an elastic job every shared-memory init watches membership's abandon word: a world that a newer membership
+replaces while it forms is given up at once (AbandonedError), not waited for until SHMCOMM_START_TIMEOUT."""
 import threading
 
 from shmcomm import env, membership, topology
@@ -26,13 +29,17 @@ def build_world(generation):
     topo = env.topology()
     tuning = env.tuning(topo.local_size)
     if env.grid(topo.size) is None:  # the other path settings choose among cross-host paths: not read here
-        return HostComm(SharedMemory(topo, tuning, generation, arena=True))
+        return HostComm(_shm(topo, tuning, generation, arena=True))
     return _logical_grid(topo, tuning, generation, env.paths(topo.size))
 
 
 def process_set(world, ranks, set_id, generation):
     """The communicator of a process set's members (its own segment among this host's ranks)."""
-    return HostComm(SharedMemory(world.topology, world.tuning, generation, ranks=ranks, suffix="_s%d" % set_id))
+    return HostComm(_shm(world.topology, world.tuning, generation, ranks=ranks, suffix="_s%d" % set_id))
+
+
+def _shm(topo, tuning, generation, **where):
+    return SharedMemory(topo, tuning, generation, abandon=membership.abandon_word(), **where)
 
 
 def _logical_grid(topo, tuning, generation, paths):
@@ -43,12 +50,12 @@ def _logical_grid(topo, tuning, generation, paths):
     row_index, column_index = topo.rank // x, topo.rank % x
     opened = []
     try:  # whatever fails, the segments opened so far are left
-        host = HostComm(SharedMemory(topo, tuning, generation, arena=True))
+        host = HostComm(_shm(topo, tuning, generation, arena=True))
         opened.append(host)
-        row = SharedMemory(topo, tuning, generation, ranks=[row_index * x + i for i in range(x)],
+        row = _shm(topo, tuning, generation, ranks=[row_index * x + i for i in range(x)],
                            suffix="_r%d" % row_index)
         opened.append(row)
-        column = SharedMemory(topo, tuning, generation, ranks=[j * x + column_index for j in range(y)],
+        column = _shm(topo, tuning, generation, ranks=[j * x + column_index for j in range(y)],
                               suffix="_c%d" % column_index)
         opened.append(column)
         world = WorldComm(topo, tuning, host, Torus(row, ShmColumn(column), paths.torus_small_bytes,
@@ -97,8 +104,7 @@ def _elastic_across_hosts(generation):
         raise ValueError("SHMCOMM_TORUS_GRID=%s: an elastic job across hosts has no torus" % paths.grid_text)
     hosts = record["hosts"]
     groups = [[r for r in range(topo.size) if hosts[r] == h] for h in dict.fromkeys(hosts)]
-    shm = SharedMemory(topo, tuning, generation, ranks=groups[topo.cross_rank], suffix="_h%d" % topo.cross_rank,
-                       arena=True)
+    shm = _shm(topo, tuning, generation, ranks=groups[topo.cross_rank], suffix="_h%d" % topo.cross_rank, arena=True)
     mesh = None
     try:
         sockets = connect_mesh(membership.listener(), record["addresses"], topo.rank, record["token"],

@@ -72,6 +72,10 @@ class HostFailure(RankFailure):
         return (type(self), (self.args[0], self.host))
 
 
+class AbandonedError(ShmCommError):
+    """Init gave up forming a world that will not be: a newer one replaced it (an elastic job's next membership)."""
+
+
 class BrokenCommunicatorError(ShmCommError):
     """An earlier failure left the communicator unusable; shut down and init again."""
 

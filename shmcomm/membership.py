@@ -26,6 +26,7 @@ import threading
 import time
 
 from shmcomm import env
+from shmcomm._native import ffi
 from shmcomm.exceptions import ShmCommError
 
 log = logging.getLogger("shmcomm.elastic")
@@ -46,6 +47,14 @@ class _Link:
     lost = None  # why the connection is gone
     leaving = False  # this process is exiting: a closed connection is expected
     changed = threading.Condition()
+    # 1 while superseded() would say why (a newer record came, or the launcher is gone), 0 otherwise: the C core
+    # reads it in init's waits (smc_config_t.abandon), where Python cannot be asked.
+    abandon = ffi.new("uint32_t[1]")
+
+
+def _update_abandon():
+    """Called with _Link.changed held, after the record, the joined record or `lost` changed."""
+    _Link.abandon[0] = 1 if superseded() is not None else 0
 
 
 def joined_generation():
@@ -75,6 +84,11 @@ def superseded():
         return "a newer membership (generation %d) replaced generation %d while it formed" % (
             current_generation(), joined_generation())
     return None
+
+
+def abandon_word():
+    """The word init's shared-memory waits watch (transport/shm.py's `abandon`), or None outside an elastic job."""
+    return None if _Link.joined is None else _Link.abandon
 
 
 def spans_hosts():
@@ -115,6 +129,7 @@ def _listen(sock):
             record = json.loads(line)
             with _Link.changed:
                 _Link.record = record
+                _update_abandon()
                 _Link.changed.notify_all()
             if record["abort"]:
                 reason = "the launcher stopped the job: %s" % record["abort"]
@@ -123,6 +138,7 @@ def _listen(sock):
         reason = "the connection to the launcher failed: %s" % error
     with _Link.changed:
         _Link.lost = reason
+        _update_abandon()
         _Link.changed.notify_all()
     if not _Link.leaving:
         log.warning("elastic worker %d stops: %s", env.elastic_worker(), reason)
@@ -154,6 +170,8 @@ def join(timeout_s=None):
                 log.info("elastic worker %d leaves the job: the launcher retired it", me)
                 raise SystemExit(0)
             if record is not None and record["generation"] > joined_generation() and me in record["members"]:
+                _Link.joined = record
+                _update_abandon()
                 break
             if _Link.lost:
                 raise MembershipError("elastic worker %d: %s" % (me, _Link.lost))
@@ -169,5 +187,4 @@ def join(timeout_s=None):
                 "CROSS_RANK": order.index(hosts[rank]), "CROSS_SIZE": len(order), "JOB_TOKEN": record["token"]}
     for key, value in identity.items():
         os.environ["SHMCOMM_" + key] = os.environ["HOROVOD_" + key] = str(value)
-    _Link.joined = record
     return record

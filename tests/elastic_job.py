@@ -6,7 +6,11 @@ DIR/slots is what the test's discovery script reports. With GROW_AT, training go
 is back to its first size. At step KILL_AT rank 1 lowers the slots by one and kills
 itself; at GROW_AT rank 0 raises them by one. A process set of ranks [0, 1] is registered before training and used
 at every step, so a re-formed world must have registered it again. At the end each rank prints its size, the
-weights' digest and the sizes its world has had."""
+weights' digest and the sizes its world has had.
+
+ELASTIC_JOB_DIE_FORMING=W: elastic worker W kills itself when it has joined its second membership and is about to
+form that world (after the launcher told everyone of it, before its shared memory is attached), so that the others
+wait for a rank that will never come until a newer membership replaces the one they are forming."""
 import os
 import signal
 import sys
@@ -15,6 +19,19 @@ import time
 import torch
 
 import shmcomm.torch as hvd
+from shmcomm import bootstrap, env
+
+
+def die_forming_second_world():
+    """Wraps bootstrap.build_world so that this worker dies (SIGKILL) the second time it forms a world."""
+    build_world, formed = bootstrap.build_world, []
+
+    def build_or_die(generation):
+        formed.append(generation)
+        if len(formed) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return build_world(generation)
+    bootstrap.build_world = build_or_die
 
 
 def bump(directory, delta):
@@ -30,6 +47,8 @@ def main():
     directory, steps = sys.argv[1], int(sys.argv[2])
     kill_at = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     grow_at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
+    if os.environ.get("ELASTIC_JOB_DIE_FORMING") == str(env.elastic_worker()):
+        die_forming_second_world()
     hvd.init()
     pair = hvd.add_process_set([0, 1])
     model = torch.nn.Linear(4, 1)

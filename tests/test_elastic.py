@@ -28,14 +28,14 @@ def _discovery(tmp_path, slots):
     return str(script)
 
 
-def _run(args, timeout=240):
+def _run(args, timeout=240, env=None):
     """(the launcher's CompletedProcess, seconds). A job still running after `timeout` is stopped as a user would
     (SIGTERM to the launcher, which stops its workers; then SIGKILL to its session), and its output comes back with
     a line saying so: a hang fails the test with what the job printed, and leaves nothing running."""
     start = time.monotonic()
     command = [sys.executable, "-m", "shmcomm.runner"] + args
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -65,6 +65,24 @@ def test_lost_worker_shrinks_the_world_and_a_discovered_slot_grows_it(tmp_path):
     assert {d[0] for d in done} == {"3"} and {d[1] for d in done} == {"1"}  # the set keeps its id
     assert len({d[2] for d in done}) == 1  # one model everywhere: the newcomer received the state
     assert all(d[3].startswith("3,2") and d[3].endswith(",3") for d in done if d[3] != "3"), done
+
+
+def test_a_worker_dying_while_the_world_forms_does_not_hold_up_the_others(tmp_path):
+    """Worker 1 dies at step 30; worker 2 dies too, after it heard of the next membership and before it attached to
+    that world, so worker 0 waits for it there. The launcher's next membership (worker 0 and a replacement) must end
+    that wait at once (AbandonedError, then the newer world), not after SHMCOMM_START_TIMEOUT (600 s here: the
+    elastic timeout's default), and the job finishes."""
+    pytest.importorskip("torch")
+    script = _discovery(tmp_path, 3)
+    env = dict(os.environ, ELASTIC_JOB_DIE_FORMING="2", SHMCOMM_LOG_LEVEL="info")
+    run, _ = _run(["-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script", script,
+                   sys.executable, JOB, str(tmp_path), "60", "30"], env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "worker 1 (rank 1) was killed by signal 9" in run.stderr
+    assert "worker 2 (rank 1) was killed by signal 9" in run.stderr, run.stderr
+    assert "a newer world replaced this one" in run.stderr, run.stderr  # worker 0 gave up the world worker 2 left
+    done = _done(run.stdout)
+    assert len(done) == 2 and len({d[2] for d in done}) == 1, run.stdout  # worker 0 and the replacement, alike
 
 
 def test_below_min_np_the_job_ends_with_an_error(tmp_path):

@@ -79,18 +79,30 @@ static smc_result_t init_header(smc_comm_t* c, const smc_config_t* cfg, size_t c
   return SMC_SUCCESS;
 }
 
+/* The caller's abandon word (smc_config_t.abandon), set by another of its threads. */
+static int abandoned(const uint32_t* abandon) {
+  return abandon != NULL && __atomic_load_n(abandon, __ATOMIC_ACQUIRE) != 0;
+}
+
+static smc_result_t abandoned_error(smc_comm_t* c, const char* waiting_for) {
+  return smc_set_error(SMC_ERR_ABANDONED, "init: gave up waiting for %s of segment %s: a newer world replaced this one",
+                       waiting_for, c->name);
+}
+
 /* Rank 0 creates the segment: when it never appears, rank 0 is the one to name. */
-static smc_result_t open_segment(smc_comm_t* c, double timeout_s, void** base) {
-  smc_result_t rc = smc_segment_open(c->name, c->total_bytes, timeout_s, base, &c->fd);
+static smc_result_t open_segment(smc_comm_t* c, double timeout_s, const uint32_t* abandon, void** base) {
+  smc_result_t rc = smc_segment_open(c->name, c->total_bytes, timeout_s, abandon, base, &c->fd);
+  if (rc == SMC_ERR_ABANDONED) return abandoned_error(c, "its creator");
   if (rc != SMC_ERR_TIMEOUT) return rc;
   return smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, 0), SMC_FIELD_NONE,
                             "segment %s did not appear within %.1f s: did rank %d start?", c->name, timeout_s,
                             smc_job_rank(c, 0));
 }
 
-static smc_result_t wait_ready(smc_comm_t* c, double timeout_s) {
+static smc_result_t wait_ready(smc_comm_t* c, double timeout_s, const uint32_t* abandon) {
   double deadline = smc_now() + timeout_s;
   while (atomic_load(&c->hdr->ready) == 0) {
+    if (abandoned(abandon)) return abandoned_error(c, "its creator");
     if (smc_now() > deadline)
       return smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, 0), SMC_FIELD_NONE,
                                 "init: segment %s never became ready", c->name);
@@ -104,6 +116,7 @@ static smc_result_t wait_ready(smc_comm_t* c, double timeout_s) {
 
 typedef struct {
   smc_comm_t* comm;
+  const uint32_t* abandon;
   int reported; /* the check's own timeout error, which wait_all_attached keeps */
 } attach_check_t;
 
@@ -125,6 +138,11 @@ static smc_result_t missing_error(smc_comm_t* c, smc_result_t code, const char* 
 static smc_result_t check_attached_peers(void* arg) {
   attach_check_t* check = arg;
   smc_comm_t* c = check->comm;
+  if (abandoned(check->abandon)) {
+    check->reported = 1;
+    return missing_error(c, SMC_ERR_ABANDONED,
+                         "gave up waiting for every rank to attach: a newer world replaced this one");
+  }
   int left = -1;
   for (int r = 0; r < c->size; r++) {
     if (r == c->rank || c->ctl[r].pid == 0) continue;
@@ -140,8 +158,8 @@ static smc_result_t check_attached_peers(void* arg) {
   return missing_error(c, SMC_ERR_TIMEOUT, why);
 }
 
-static smc_result_t wait_all_attached(smc_comm_t* c, double timeout_s) {
-  attach_check_t arg = {c, 0};
+static smc_result_t wait_all_attached(smc_comm_t* c, double timeout_s, const uint32_t* abandon) {
+  attach_check_t arg = {c, abandon, 0};
   smc_wait_opts_t opts = {c->spin_us, timeout_s, c->liveness_s, check_attached_peers, &arg};
   smc_result_t rc = smc_wait_reach(&c->hdr->attached, &c->hdr->attach_sleepers, (uint32_t)c->size, &opts);
   if (rc != SMC_ERR_TIMEOUT || arg.reported) return rc;
@@ -179,7 +197,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   if (c->rank == 0)  /* the header, the ranks' control blocks and slots are touched at once; boxes when created */
     SMC_CHECK_GOTO(smc_segment_create(c->name, c->total_bytes, arena_off, &base, &c->fd), res, fail);
   else
-    SMC_CHECK_GOTO(open_segment(c, cfg->start_timeout_s, &base), res, fail);
+    SMC_CHECK_GOTO(open_segment(c, cfg->start_timeout_s, cfg->abandon, &base), res, fail);
   c->base = base;
   c->hdr = base;
   c->ctl = (smc_rank_ctl_t*)(c->base + ctl_off);
@@ -187,7 +205,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   if (c->rank == 0)
     SMC_CHECK_GOTO(init_header(c, cfg, ctl_off, slots_off, arena_off), res, fail_unmap);
   else
-    SMC_CHECK_GOTO(wait_ready(c, cfg->start_timeout_s), res, fail_unmap);
+    SMC_CHECK_GOTO(wait_ready(c, cfg->start_timeout_s, cfg->abandon), res, fail_unmap);
 
   smc_rank_ctl_t* me = &c->ctl[c->rank];
   if (me->pid != 0) {
@@ -205,7 +223,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   atomic_fetch_add(&c->hdr->refcount, 1);
   atomic_fetch_add(&c->hdr->attached, 1);
   smc_futex_wake_all(&c->hdr->attached);
-  SMC_CHECK_GOTO(wait_all_attached(c, cfg->start_timeout_s), res, fail_leave);
+  SMC_CHECK_GOTO(wait_all_attached(c, cfg->start_timeout_s, cfg->abandon), res, fail_leave);
   SMC_CHECK_GOTO(smc_cma_probe(c, cfg->start_timeout_s), res, fail_leave);
   if (c->rank == 0) {
     smc_segment_unlink(c->name);

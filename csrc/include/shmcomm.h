@@ -25,9 +25,10 @@ typedef enum {
   SMC_ERR_EXISTS = 7,      /* a box of that name exists already */
   SMC_ERR_NOT_FOUND = 8,   /* no box of that name */
   SMC_ERR_BROKEN = 9,      /* an earlier failure left the communicator unusable */
-  SMC_ERR_REFUSED = 10     /* a peer's call of the same collective failed its own checks (smc_coll_refuse); every
+  SMC_ERR_REFUSED = 10,    /* a peer's call of the same collective failed its own checks (smc_coll_refuse); every
                             * other rank gets it at once, naming that rank and its error; the communicator stays
                             * usable */
+  SMC_ERR_ABANDONED = 11   /* init gave up because the caller set its abandon word (smc_config_t.abandon) */
 } smc_result_t;
 
 typedef enum {
@@ -100,6 +101,11 @@ typedef struct {
                              * (process_vm_readv) where every rank may read its peers' memory; 0: never */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL
                            * means rank r is job rank r. Copied by smc_comm_create. */
+  const uint32_t* abandon;  /* NULL, or a word another thread of the caller sets to non-zero when the world being
+                             * formed will not be (an elastic job's newer membership replaced it): init's waits for
+                             * the other ranks then stop within liveness_s with SMC_ERR_ABANDONED, instead of
+                             * waiting out start_timeout_s for ranks that went on to the newer world. Read only
+                             * during smc_comm_create. */
 } smc_config_t;
 
 typedef struct smc_comm smc_comm_t;

@@ -63,7 +63,8 @@ fail_unlink:
   return res;
 }
 
-smc_result_t smc_segment_open(const char* name, size_t bytes, double timeout_s, void** base, int* fd_out) {
+smc_result_t smc_segment_open(const char* name, size_t bytes, double timeout_s, const uint32_t* abandon, void** base,
+                              int* fd_out) {
   smc_result_t res = SMC_SUCCESS;
   double deadline = smc_now() + timeout_s;
   double pause = 0.0005;
@@ -93,6 +94,7 @@ smc_result_t smc_segment_open(const char* name, size_t bytes, double timeout_s, 
     } else if (errno != ENOENT) {
       return smc_set_error(SMC_ERR_SYSTEM, "shm_open(%s) failed: %s", name, strerror(errno));
     }
+    if (abandon != NULL && __atomic_load_n(abandon, __ATOMIC_ACQUIRE)) return SMC_ERR_ABANDONED;
     if (smc_now() > deadline) return SMC_ERR_TIMEOUT; /* the caller knows whom it waited for */
     smc_sleep(pause);
     if (pause < 0.01) pause *= 2;

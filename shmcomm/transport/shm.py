@@ -25,11 +25,13 @@ def _error(rc, what):
 class SharedMemory(Transport):
     """A communicator over some ranks of this host: all of them, or a subset (a process set, a row or column of a
     logical grid). `ranks` are the job ranks it holds, in order; `rank` is this process's index among them.
-    `arena`: whether the segment holds the Soft Memory Box arena (only a host's main communicator does)."""
+    `arena`: whether the segment holds the Soft Memory Box arena (only a host's main communicator does).
+    `abandon`: None, or a uint32_t[1] that another thread sets when the world being formed will not be (init then
+    raises AbandonedError instead of waiting for ranks that went on to a newer world); kept for as long as init runs."""
 
     doorbell_reaches_all = True  # every rank of this communicator shares the segment
 
-    def __init__(self, topology, tuning, generation, ranks=None, suffix="", arena=False):
+    def __init__(self, topology, tuning, generation, ranks=None, suffix="", arena=False, abandon=None):
         self.topology = topology
         self.tuning = tuning
         self.ranks = list(range(topology.size)) if ranks is None else list(ranks)
@@ -51,6 +53,7 @@ class SharedMemory(Transport):
         cfg.single_copy_bytes = tuning.single_copy_bytes
         job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
         cfg.job_ranks = job_ranks
+        cfg.abandon = ffi.NULL if abandon is None else abandon
         out = ffi.new("smc_comm_t **")
         rc = lib.smc_comm_create(cfg, out)
         if rc != 0:

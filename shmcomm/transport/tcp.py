@@ -23,7 +23,7 @@ import numpy as np
 
 from shmcomm import description
 from shmcomm._native import ffi, lib
-from shmcomm.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
+from shmcomm.exceptions import AbandonedError, BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
 from shmcomm.transport import Transport, kernels
 from shmcomm.transport.box_wire import tuned  # small messages at once, big buffers for megabytes
 
@@ -39,7 +39,7 @@ def connect_mesh(listener, addresses, rank, token, timeout_s, superseded=lambda:
     """The sockets to every other rank of a world ({rank: socket}): this rank connects to the lower ranks and
     accepts the higher ones on `listener` (its own, whose address is addresses[rank]). A connection from an older
     world (another token) is closed. Raises TimeoutError naming the ranks that did not connect in time, or
-    ShmCommError as soon as superseded() says why this world will not form (a newer membership came)."""
+    AbandonedError as soon as superseded() says why this world will not form (a newer membership came)."""
     deadline = time.monotonic() + timeout_s
     hello = _HELLO.pack(token.encode(), rank)
     sockets = {}
@@ -99,7 +99,7 @@ def _step(deadline):
 def _check_superseded(superseded):
     reason = superseded()
     if reason:
-        raise ShmCommError(reason)
+        raise AbandonedError(reason)
 
 
 def _recv_exactly(sock, n):

@@ -38,12 +38,12 @@ static void test_segment(void) {
   EXPECT(smc_segment_create(name, 8192, 0, &again, &again_fd) == SMC_ERR_SYSTEM && strstr(smc_last_error(), "exists"),
          "second create: %s", smc_last_error());
   void* other = NULL;
-  EXPECT(smc_segment_open(name, 8192, 1, &other, &other_fd) == SMC_SUCCESS, "open: %s", smc_last_error());
+  EXPECT(smc_segment_open(name, 8192, 1, NULL, &other, &other_fd) == SMC_SUCCESS, "open: %s", smc_last_error());
   ((char*)base)[100] = 42;
   EXPECT(((char*)other)[100] == 42, "both mappings see the same bytes");
-  EXPECT(smc_segment_open(name, 4096, 1, &again, &again_fd) == SMC_ERR_INVALID, "a size mismatch is refused");
+  EXPECT(smc_segment_open(name, 4096, 1, NULL, &again, &again_fd) == SMC_ERR_INVALID, "a size mismatch is refused");
   chmod(path, 0644);
-  EXPECT(smc_segment_open(name, 8192, 1, &again, &again_fd) == SMC_ERR_SYSTEM && strstr(smc_last_error(), "refusing"),
+  EXPECT(smc_segment_open(name, 8192, 1, NULL, &again, &again_fd) == SMC_ERR_SYSTEM && strstr(smc_last_error(), "refusing"),
          "a segment readable by others is refused: %s", smc_last_error());
   smc_segment_unmap(other, 8192);
   smc_segment_unmap(base, 8192);
@@ -52,7 +52,7 @@ static void test_segment(void) {
   smc_segment_unlink(name);
   EXPECT(!shm_exists(name), "unlinked");
   double t0 = smc_now();
-  EXPECT(smc_segment_open(name, 8192, 0.1, &again, &again_fd) == SMC_ERR_TIMEOUT, "absent segment times out");
+  EXPECT(smc_segment_open(name, 8192, 0.1, NULL, &again, &again_fd) == SMC_ERR_TIMEOUT, "absent segment times out");
   EXPECT(smc_now() - t0 < 1.0, "and promptly");
 }
 

@@ -3,6 +3,7 @@
  * failure names, by its job rank, in the data and in the text; the field of a mismatch; a reset on other errors.
  * The communicators here number their ranks 20, 21, 22 in the job, so a local index in a message would show.
  * Prints "N passed, N failed". */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -201,9 +202,45 @@ static int one_never_comes(int rank, void* arg) {
   return failed ? 1 : 0;
 }
 
+static void* abandon_soon(void* word) {
+  smc_sleep(0.2);
+  __atomic_store_n((uint32_t*)word, 1, __ATOMIC_RELEASE);
+  return NULL;
+}
+
+/* Rank `rank` of 3 starts alone, with a start timeout of 20 s; another thread sets the abandon word after 0.2 s.
+ * Rank 1 waits for rank 0's segment to appear, rank 0 for the others to attach: both stop within a second with
+ * SMC_ERR_ABANDONED, and leave nothing behind (the segment's name is free for the next try). */
+static void abandoned_world(const char* token, int rank) {
+  uint32_t word = 0;
+  smc_config_t cfg = config(token, rank, 3);
+  cfg.job_ranks = JOB_RANKS;
+  cfg.abandon = &word;
+  pthread_t setter;
+  pthread_create(&setter, NULL, abandon_soon, &word);
+  smc_comm_t* comm = NULL;
+  double started = smc_now();
+  smc_result_t rc = smc_comm_create(&cfg, &comm);
+  double took = smc_now() - started;
+  pthread_join(setter, NULL);
+  EXPECT(rc == SMC_ERR_ABANDONED && comm == NULL, "rank %d: got %d: %s", rank, (int)rc, smc_last_error());
+  EXPECT(took < 1.5, "rank %d gave up after %.2f s", rank, took);
+  EXPECT(strstr(smc_last_error(), "a newer world replaced this one") != NULL, "text: %s", smc_last_error());
+  EXPECT(rank != 0 || strstr(smc_last_error(), "missing ranks: 21, 22") != NULL, "text: %s", smc_last_error());
+  cfg.abandon = NULL; /* the name is free again: a lone world of one forms under it */
+  cfg.rank = 0;
+  cfg.size = 1;
+  EXPECT(smc_comm_create(&cfg, &comm) == SMC_SUCCESS, "after abandoning: %s", smc_last_error());
+  smc_comm_destroy(comm);
+}
+
 int main(void) {
   char token[64];
   test_init();
+  make_token(token, sizeof(token), "abandon0");
+  abandoned_world(token, 0);
+  make_token(token, sizeof(token), "abandon1");
+  abandoned_world(token, 1);
   make_token(token, sizeof(token), "never");
   EXPECT(fork_ranks(2, one_never_comes, token) == 0, "a rank that left init early is not blamed for one missing");
   make_token(token, sizeof(token), "mismatch");
