@@ -13,10 +13,12 @@
 In an elastic job every shared-memory init watches membership's abandon word: a world that a newer membership
 replaces while it forms is given up at once (AbandonedError), not waited for until SHMCOMM_START_TIMEOUT."""
 import threading
+import time
 
 from shmcomm import env, membership, topology
 from shmcomm.algorithms.host import HostComm
-from shmcomm.exceptions import TimeoutError
+from shmcomm.exceptions import RankFailure, TimeoutError
+from shmcomm.transport.notices import LauncherNotices
 from shmcomm.transport.rollcall import exit_without_finalize
 from shmcomm.transport.shm import SharedMemory
 
@@ -72,23 +74,28 @@ def _across_hosts(generation):
     from shmcomm.transport.mpi import choose_thread_level
 
     choose_thread_level(env.mpi_threads_disabled())
-    topo, ctx = _within(env.tuning(1).start_timeout_s, "MPI's start across hosts", _start_mpi)
-    tuning = env.tuning(topo.local_size)
-    shm = SharedMemory(topo, tuning, generation, ranks=ctx.host_ranks, suffix="_h%d" % ctx.host_index, arena=True)
+    notices = LauncherNotices(env.launcher_notices())  # which rank failed, while MPI cannot say
     try:
-        if ctx.hosts == 1 and env.grid(topo.size) is None:
-            shm.ranks = list(range(topo.size))  # one host: the host communicator is the world
-            return HostComm(shm)
-        paths = env.paths(topo.size)
-        if paths.grid is not None and (paths.grid[0] != topo.local_size or not ctx.homogeneous):
-            raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
-                             % (paths.grid_text, topo.local_size))
-        return _within(tuning.start_timeout_s, "init across hosts", _world_across_hosts, topo, ctx, tuning, shm,
-                       paths)
-    except BaseException as error:
-        if not getattr(error, "thread_stuck", False):  # else that thread may still use the segment: left as it is
-            shm.close()
-        raise
+        topo, ctx = _within(env.tuning(1).start_timeout_s, "MPI's start across hosts", notices, _start_mpi)
+        tuning = env.tuning(topo.local_size)
+        shm = SharedMemory(topo, tuning, generation, ranks=ctx.host_ranks, suffix="_h%d" % ctx.host_index,
+                           arena=True)
+        try:
+            if ctx.hosts == 1 and env.grid(topo.size) is None:
+                shm.ranks = list(range(topo.size))  # one host: the host communicator is the world
+                return HostComm(shm)
+            paths = env.paths(topo.size)
+            if paths.grid is not None and (paths.grid[0] != topo.local_size or not ctx.homogeneous):
+                raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
+                                 % (paths.grid_text, topo.local_size))
+            return _within(tuning.start_timeout_s, "init across hosts", notices, _world_across_hosts, topo, ctx,
+                           tuning, shm, paths)
+        except BaseException as error:
+            if not getattr(error, "thread_stuck", False):  # else that thread may still use the segment: left as is
+                shm.close()
+            raise
+    finally:
+        notices.close()
 
 
 def _elastic_across_hosts(generation):
@@ -146,10 +153,14 @@ def _world_across_hosts(topo, ctx, tuning, shm, paths):
     return world
 
 
-def _within(timeout_s, what, fn, *args):
+_STOP_NOTICE_S = 2.5  # how long after a rank stopped its guard says so (mpi_launch.RANK_GUARD), and a margin
+
+
+def _within(timeout_s, what, notices, fn, *args):
     """fn(*args), in a thread, within timeout_s: MPI's start and its first collectives have no deadline of their own,
-    and wait for ever for a rank that is stopped, hung or never starts. On time out the thread is left in MPI, and
-    the process will exit without MPI_Finalize."""
+    and wait for ever for a rank that is stopped, hung or never starts. The launcher's `notices` name that rank:
+    RankFailure as soon as one died, or a TimeoutError naming the stopped one. Either way the thread is left in MPI,
+    and the process will exit without MPI_Finalize."""
     outcome = {}
 
     def run():
@@ -160,12 +171,25 @@ def _within(timeout_s, what, fn, *args):
 
     thread = threading.Thread(target=run, name="shmcomm-start", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and notices.failed is None and time.monotonic() < deadline:
+        thread.join(min(0.1, max(0.0, deadline - time.monotonic())))
+    # A guard reports its rank stopped after 2 s of it: one stopped just now is named if the wait goes on that long.
+    deadline += _STOP_NOTICE_S if notices.listening else 0.0
+    while thread.is_alive() and notices.failed is None and notices.stopped is None and time.monotonic() < deadline:
+        thread.join(min(0.1, max(0.0, deadline - time.monotonic())))
     if thread.is_alive():
-        why = ("%s: not done after %g s (SHMCOMM_START_TIMEOUT): a rank of the job is stopped, hung or did not start "
-               "(MPI cannot say which; shmcommrun names a stopped rank)" % (what, timeout_s))
+        if notices.failed is not None:
+            rank, text = notices.failed
+            why = "%s: %s (the launcher says), and MPI cannot go on without it" % (what, text)
+            error = RankFailure(why, rank)
+        else:
+            held_up_by = "%s (the launcher says)" % notices.stopped[1] if notices.stopped else \
+                "a rank of the job is stopped, hung or did not start (MPI cannot say which; shmcommrun names a " \
+                "stopped rank)"
+            why = "%s: not done after %g s (SHMCOMM_START_TIMEOUT): %s" % (what, timeout_s, held_up_by)
+            error = TimeoutError(why)
         exit_without_finalize(lambda: why)
-        error = TimeoutError(why)
         error.thread_stuck = True
         raise error
     if "error" in outcome:

@@ -4,7 +4,8 @@
 Every SHMCOMM_* name is also read under its HOROVOD_* spelling, so a job started the Horovod way finds its ranks.
 Bad values raise ValueError naming the variable. The README's "Tuning" table documents each one:
 
-  launch:     RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, JOB_TOKEN
+  launch:     RANK, SIZE, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, JOB_TOKEN, LAUNCHER_NOTICES (set by
+              shmcommrun -H: where its failure notices reach the ranks while MPI starts)
   waits:      TIMEOUT, START_TIMEOUT, LIVENESS_INTERVAL, SPIN_US
   memory:     SLOT_BYTES, SMALL_BYTES, SMB_BYTES
   engine:     ENGINE, CYCLE_TIME, FUSION_THRESHOLD, BUCKET_BYTES, CACHE_CAPACITY, STALL_CHECK_DISABLE,
@@ -168,6 +169,11 @@ def elastic():
     """HOROVOD_ELASTIC=1 (Horovod's elastic mode): a world of one still installs the optimizer's hooks, since ranks
     may join later."""
     return _flag("ELASTIC")
+
+
+def launcher_notices():
+    """The multi-host launcher's notice server, "ip:port,ip:port" (transport/notices.py); None without one."""
+    return _get("LAUNCHER_NOTICES")
 
 
 def elastic_driver():

@@ -169,11 +169,9 @@ def one_run(rng, signum, sim=None, phases=None):
             if phase != "shutdown":
                 problems.append("rank %d raised nothing" % r)
             continue
-        # A rank stopped or killed before MPI had started everywhere (or its first collectives had completed) holds
-        # the others in MPI, which cannot say which rank is missing: they time out saying so, and the launcher names
-        # the rank (its guard sees it stopped, or killed).
-        named = _names(got, victim) or (phase == "init" and "MPI cannot say which" in got["message"] and
-                                        _launcher_names(output, victim, signum))
+        # A rank stopped or killed before MPI had started everywhere holds the others in MPI, which cannot say which
+        # rank is missing: the launcher's notice names it (transport/notices.py).
+        named = _names(got, victim)
         late = got["seconds"] - killed_at
         if not named:
             problems.append("rank %d raised %s without naming rank %d: %s" % (r, got["type"], victim,
@@ -209,12 +207,6 @@ def _ask_for_stacks(directory, victim_pid):
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
-
-
-def _launcher_names(output, victim, signum):
-    """Whether the guard of the victim said what happened to it."""
-    said = "is stopped" if signum == signal.SIGSTOP else "was killed by signal %d" % signal.SIGKILL
-    return re.search(r"shmcommrun: rank %d (\(pid \d+\) )?on \S+ %s" % (victim, re.escape(said)), output) is not None
 
 
 def _names(raised, victim):

@@ -160,6 +160,38 @@ def test_survivors_of_a_rank_killed_on_another_host_name_it(two_hosts, tmp_path)
     assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith(("shmcomm-", "mpich_shm_"))]
 
 
+KILLED_BEFORE_MPI = """
+    import os, signal, sys, time, shmcomm
+    from shmcomm.testing import outcomes
+    me = int(os.environ["PMI_RANK"])
+    if me == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # before MPI has started anywhere: MPI cannot say who is missing
+    started = time.monotonic()
+    try:
+        shmcomm.init()
+    except shmcomm.ShmCommError as error:
+        outcomes.record(sys.argv[1], me, error, started)
+    outcomes.wait_for(sys.argv[1], [0, 1, 2], timeout=60)
+    os._exit(1)  # the MPI thread is still in MPI's start
+"""
+
+
+def test_survivors_of_a_rank_killed_before_mpi_started_name_it(two_hosts, tmp_path):
+    """The launcher's notice (runner/notice_server.py) names the rank its guard saw killed, to ranks that wait in
+    MPI's start for it: each raises RankFailure naming it at once, not a TimeoutError after SHMCOMM_START_TIMEOUT
+    (60 s here) that cannot say which rank is missing."""
+    run = _shmcommrun(two_hosts, 2, ["--kill-grace-seconds", "20", sys.executable, "-c",
+                                     textwrap.dedent(KILLED_BEFORE_MPI), str(tmp_path)], timeout=120,
+                      SHMCOMM_START_TIMEOUT="60")
+    assert run.returncode != 0, run.stdout + run.stderr
+    raised = outcomes.read(tmp_path)
+    assert sorted(raised) == [0, 1, 2], run.stdout + run.stderr
+    for got in raised.values():
+        assert got["type"] == "RankFailure" and got["rank"] == 3, raised
+        assert "rank 3 on " in got["message"] and "killed by signal 9" in got["message"], raised
+        assert got["seconds"] < 30, raised  # far from the start timeout, with room for a busy machine
+
+
 @pytest.mark.parametrize("engine", ["0", "1"])
 def test_a_bad_argument_on_one_host_fails_every_rank_across_hosts(two_hosts, tmp_path, engine):
     """One rank's bad argument: it raises its own error, every other rank, on its host and the other, raises

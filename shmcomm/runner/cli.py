@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 from . import config_file
+from .notice_server import NoticeServer
 from .flags import ALLREDUCE_ALGORITHMS, build_parser as _build_parser, check, env_from_flags, notes
 
 from . import elastic
@@ -251,10 +252,12 @@ def launch_across_hosts(parser, args, command, hosts):
     ranks_per_host = min(args.num_proc, max(count for _, count in hosts))
     job_env = mpi_launch.job_environment(token, env_from_flags(args), base_env, ranks_per_host, _cores(),
                                          args.tcp_flag)
+    notices = NoticeServer(interfaces)  # tells ranks still in MPI's start which rank failed
+    job_env["SHMCOMM_LAUNCHER_NOTICES"] = ",".join(notices.addresses)
     mpiexec_args = mpi_launch.mpiexec_command(mpiexec, args.num_proc, hosts, job_env, command, agent,
                                               interfaces, mpi_args, args.kill_grace_seconds,
                                               _timeout_s({**base_env, **job_env}))
     if args.verbose:
         say(f"launching {args.num_proc} rank(s) on {', '.join(f'{h}:{n}' for h, n in hosts)} with mpiexec")
     env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file)
-    return mpi_launch.run_mpi_job(mpiexec_args, env, token, args.kill_grace_seconds, args.verbose)
+    return mpi_launch.run_mpi_job(mpiexec_args, env, token, args.kill_grace_seconds, args.verbose, notices)

@@ -36,29 +36,48 @@ def local_addresses(interfaces=None):
     return sorted(dict.fromkeys(found), key=lambda a: a.startswith("127."))
 
 
+def open_listener(interfaces=None):
+    """(a TCP listener on every interface, its addresses "ip:port" in the order clients should try them)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("", 0))
+    listener.listen(1024)
+    port = listener.getsockname()[1]
+    return listener, ["%s:%d" % (a, port) for a in local_addresses(interfaces)]
+
+
+def accept_until_closed(listener, serve, name):
+    """Accepts connections on `listener` in a thread until it is closed; each is served by serve(sock), in a thread
+    of its own."""
+    def accept():
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=serve, args=(sock,), name=name, daemon=True).start()
+    threading.Thread(target=accept, name=name + "-accept", daemon=True).start()
+
+
+def hang_up(sockets):
+    for sock in sockets:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+
+
 class MembershipServer:
     def __init__(self, interfaces=None):
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("", 0))
-        self.listener.listen(256)
-        port = self.listener.getsockname()[1]
-        self.addresses = ["%s:%d" % (a, port) for a in local_addresses(interfaces)]
+        self.listener, self.addresses = open_listener(interfaces)
         self.lock = threading.Lock()
         self.workers = {}  # worker id -> {"address", "host", "pid"} once it said hello
         self.connections = {}  # worker id -> socket
         self.gone = set()  # workers whose connection closed
         self.record = None
         self.closed = False
-        threading.Thread(target=self._accept, name="elastic-accept", daemon=True).start()
-
-    def _accept(self):
-        while not self.closed:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="elastic-worker", daemon=True).start()
+        accept_until_closed(self.listener, self._serve, "elastic-worker")
 
     def _serve(self, sock):
         """Reads the worker's hello, then waits for its connection to close."""
@@ -111,10 +130,5 @@ class MembershipServer:
         self.closed = True
         self.listener.close()
         with self.lock:
-            for sock in self.connections.values():
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                sock.close()
+            hang_up(self.connections.values())
             self.connections = {}

@@ -98,7 +98,8 @@ if code != 0:
 # What the launcher reads in the job's output to say, at the end, which rank failed first and which held it up.
 _GUARD_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: (rank \d+ on \S+ .*); stopping the job")
 _SILENT_LINE = re.compile(r"^\[\d+\]<stderr>: .*\b(ranks? [\d, ]+) do(?:es)? not answer at all")
-_STOPPED_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: rank (\d+) \(pid \d+\) on \S+ is stopped")
+_STOPPED_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: rank (\d+) \(pid \d+\) on (\S+) is stopped")
+_FAILURE = re.compile(r"^rank (\d+) on (\S+) (.*)$")  # a guard line's failure: rank, host, how
 _GONE_LINE = re.compile(r"^\[\d+\]<stderr>: .*\b(ranks? [\d, ]+) (?:is|are) gone")
 
 
@@ -187,13 +188,14 @@ def launcher_environment(base_env, ssh_port=None, ssh_identity_file=None):
     return env
 
 
-def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
+def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False, notices=None):
     """Runs hydra and returns the job's exit code: hydra's, which is non-zero when any rank failed (hydra stops
     the others once the failed rank's guard is gone). A signal to the launcher goes to hydra, which passes it
     on to the ranks; a second signal, or hydra still running kill_grace_seconds after the first, kills it. Once a
     rank failed, hydra has the guard's grace (kill_grace_seconds) and _TEARDOWN_S more to stop the job, or is
     killed too. The job's output passes through here, so that the end can say which rank failed first and which
-    ranks held the job up."""
+    ranks held the job up, and so that `notices` (a notice_server.NoticeServer, closed here) tells the ranks still
+    starting which rank failed or is stopped."""
     if verbose:
         say("mpiexec command: " + shlex.join(mpiexec_args))
     started = time.time() - 1.0  # file times have coarse clocks: a margin, not a race
@@ -205,7 +207,7 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
         say(f"cannot run {mpiexec_args[0]!r}: {error.strerror or error}")
         return 127 if isinstance(error, FileNotFoundError) else 126
     received = []  # (signum, when)
-    report = _Report()
+    report = _Report(notices)
     relays = [threading.Thread(target=_relay, args=(pipe, stream, report), daemon=True)
               for pipe, stream in ((process.stdout, sys.stdout), (process.stderr, sys.stderr))]
     for relay in relays:
@@ -250,6 +252,8 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
         # Ranks unlink their segments once all of them have attached; this removes what a failed job left on
         # this host. Simulated hosts share this host's /dev/shm, so it covers them all. On real hosts each
         # host's ranks unlink their own segments right after attaching; a crash before that leaves files there.
+        if notices is not None:
+            notices.close()
         removed = remove_job_segments(token) + remove_orphaned_mpi_segments(started)
         if verbose and removed:
             say(f"removed {len(removed)} shared-memory segment(s) the job left: {', '.join(removed)}")
@@ -264,9 +268,10 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False):
 class _Report:
     """What the job's output said about its failure: the guards' lines, in order, the ranks errors named as not
     answering a roll call (shmcomm/transport/rollcall.py), and those the first such error named as gone (later ones
-    also find the ranks that failed and ended meanwhile)."""
+    also find the ranks that failed and ended meanwhile). Failures and stopped ranks go to `notices` as they come."""
 
-    def __init__(self):
+    def __init__(self, notices=None):
+        self.notices = notices
         self.failures = []
         self.failed_at = None  # time.monotonic() of the first guard line
         self.silent = set()
@@ -278,7 +283,14 @@ class _Report:
             self.failures.append(found.group(1))
             if self.failed_at is None:
                 self.failed_at = time.monotonic()
-        found = _SILENT_LINE.match(line) or _STOPPED_LINE.match(line)
+            parts = _FAILURE.match(found.group(1))
+            if parts and self.notices is not None:
+                self.notices.publish(int(parts.group(1)), parts.group(2), parts.group(3))
+        found = _STOPPED_LINE.match(line)
+        if found and self.notices is not None:
+            self.notices.publish(int(found.group(1)), found.group(2), "is stopped (SIGSTOP, or a debugger)",
+                                 stopped=True)
+        found = _SILENT_LINE.match(line) or found
         if found:
             self.silent.update(int(r) for r in re.findall(r"\d+", found.group(1)))
         found = _GONE_LINE.match(line)

@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The multi-host launcher's failure notices (the ranks' side is shmcomm/transport/notices.py): a TCP server every
+rank connects to while MPI starts, on whatever host it runs.
+
+Until MPI has started everywhere, a rank cannot learn from MPI which rank is missing: MPI_Init waits for all of
+them and says nothing. The launcher can: each rank's guard (mpi_launch.RANK_GUARD) prints a line when its rank dies,
+exits or stays stopped, and those lines pass through the launcher. It sends each one to every rank here, as one JSON
+line, {"rank": 3, "host": "h1", "what": "was killed by signal 9", "stopped": false}, and every notice so far to a
+rank that connects later; the ranks' init then raises an error naming that rank instead of waiting out
+SHMCOMM_START_TIMEOUT. Ranks say nothing; a connection that closes is forgotten."""
+import json
+import socket
+import struct
+import threading
+
+from .elastic_server import accept_until_closed, hang_up, open_listener
+
+_SEND_TIMEOUT_S = 2
+
+
+class NoticeServer:
+    def __init__(self, interfaces=None):
+        self.listener, self.addresses = open_listener(interfaces)
+        self.lock = threading.Lock()
+        self.notices = []  # every line sent so far, for ranks that connect later
+        self.connections = set()
+        self.closed = False
+        accept_until_closed(self.listener, self._serve, "notice-rank")
+
+    def _serve(self, sock):
+        """Sends the notices so far, then the new ones (publish), until the connection closes."""
+        # A rank that stops reading (stopped, hung) must not hold up publish(), called as the job's output passes.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_TIMEOUT_S, 0))
+        with self.lock:
+            if self.closed:
+                sock.close()
+                return
+            self.connections.add(sock)
+            for line in self.notices:
+                self._send(sock, line)
+        try:
+            while sock.recv(4096):  # ranks say nothing: this returns when the connection closes
+                pass
+        except OSError:
+            pass
+        with self.lock:
+            self.connections.discard(sock)
+        sock.close()
+
+    def _send(self, sock, line):
+        """Called with the lock held. A rank that stopped reading is as good as gone."""
+        try:
+            sock.sendall(line)
+        except OSError:
+            self.connections.discard(sock)
+            sock.close()
+
+    def publish(self, rank, host, what, stopped=False):
+        line = (json.dumps({"rank": rank, "host": host, "what": what, "stopped": stopped}) + "\n").encode()
+        with self.lock:
+            self.notices.append(line)
+            for sock in list(self.connections):
+                self._send(sock, line)
+
+    def close(self):
+        with self.lock:
+            self.closed = True
+            connections, self.connections = self.connections, set()
+        self.listener.close()
+        hang_up(connections)

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The multi-host launcher's failure notices on their own (runner/notice_server.py to transport/notices.py): a rank
+hears every notice, those sent before it connected included, at the first of the launcher's addresses that answers;
+the first failure and the first stop are kept apart. tests/test_multihost.py shows them naming a rank killed before
+MPI had started, across simulated hosts."""
+import socket
+import time
+
+from shmcomm.runner.notice_server import NoticeServer
+from shmcomm.transport.notices import LauncherNotices
+
+
+def _until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return predicate()
+
+
+def _closed_port():
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now: a connection is refused
+    return "127.0.0.1:%d" % port
+
+
+def test_a_rank_hears_every_notice_at_the_first_address_that_answers():
+    server = NoticeServer()
+    try:
+        server.publish(2, "hostb", "is stopped (SIGSTOP, or a debugger)", stopped=True)
+        notices = LauncherNotices(",".join([_closed_port()] + server.addresses))
+        try:
+            assert _until(lambda: notices.stopped is not None)
+            assert notices.stopped == (2, "rank 2 on hostb is stopped (SIGSTOP, or a debugger)")
+            assert notices.failed is None and notices.listening
+            server.publish(3, "hosta", "was killed by signal 9")
+            server.publish(1, "hosta", "exited with code 1")
+            assert _until(lambda: notices.failed is not None)
+            assert _until(lambda: len(server.connections) == 1)
+            time.sleep(0.1)
+            assert notices.failed == (3, "rank 3 on hosta was killed by signal 9")  # the first one stays
+        finally:
+            notices.close()
+        assert _until(lambda: not server.connections)  # the server forgets a rank that hung up
+    finally:
+        server.close()
+
+
+def test_without_a_launcher_nothing_is_heard():
+    notices = LauncherNotices(None)
+    assert notices.failed is None and notices.stopped is None and not notices.listening
+    notices.close()
+    unreachable = LauncherNotices(_closed_port())
+    time.sleep(0.2)
+    assert unreachable.failed is None and not unreachable.listening
+    unreachable.close()
