@@ -171,7 +171,8 @@ def _within(timeout_s, what, notices, fn, *args):
 
     thread = threading.Thread(target=run, name="shmcomm-start", daemon=True)
     thread.start()
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     while thread.is_alive() and notices.failed is None and time.monotonic() < deadline:
         thread.join(min(0.1, max(0.0, deadline - time.monotonic())))
     # A guard reports its rank stopped after 2 s of it: one stopped just now is named if the wait goes on that long.
@@ -179,22 +180,26 @@ def _within(timeout_s, what, notices, fn, *args):
     while thread.is_alive() and notices.failed is None and notices.stopped is None and time.monotonic() < deadline:
         thread.join(min(0.1, max(0.0, deadline - time.monotonic())))
     if thread.is_alive():
-        if notices.failed is not None:
-            rank, text = notices.failed
-            why = "%s: %s (the launcher says), and MPI cannot go on without it" % (what, text)
-            error = RankFailure(why, rank)
-        else:
-            held_up_by = "%s (the launcher says)" % notices.stopped[1] if notices.stopped else \
-                "a rank of the job is stopped, hung or did not start (MPI cannot say which; shmcommrun names a " \
-                "stopped rank)"
-            why = "%s: not done after %g s (SHMCOMM_START_TIMEOUT): %s" % (what, timeout_s, held_up_by)
-            error = TimeoutError(why)
-        exit_without_finalize(lambda: why)
+        error = _held_up(what, time.monotonic() - started, notices)
+        exit_without_finalize(lambda: str(error))
         error.thread_stuck = True
         raise error
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def _held_up(what, waited_s, notices):
+    """The error for a start that is not done: the rank that the launcher's notices say holds it up."""
+    if notices.stopped is not None:  # it holds up everyone: a rank that failed meanwhile gave up waiting for it
+        failed = ", and %s meanwhile" % notices.failed[1] if notices.failed is not None else ""
+        return TimeoutError("%s: not done after %.0f s: %s%s (the launcher says)" % (what, waited_s, notices.stopped[1],
+                                                                                     failed))
+    if notices.failed is not None:
+        rank, text = notices.failed
+        return RankFailure("%s: %s (the launcher says), and MPI cannot go on without it" % (what, text), rank)
+    return TimeoutError("%s: not done after %.0f s (SHMCOMM_START_TIMEOUT): a rank of the job is stopped, hung or did "
+                        "not start (MPI cannot say which; shmcommrun names a stopped rank)" % (what, waited_s))
 
 
 def _box_network(ctx, topo, tuning, shm):

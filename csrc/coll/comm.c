@@ -105,7 +105,9 @@ static smc_result_t wait_ready(smc_comm_t* c, double timeout_s, const uint32_t* 
     if (abandoned(abandon)) return abandoned_error(c, "its creator");
     if (smc_now() > deadline)
       return smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, 0), SMC_FIELD_NONE,
-                                "init: segment %s never became ready", c->name);
+                                "init: segment %s never became ready: rank %d, its creator, did not finish making it "
+                                "within %.1f s",
+                                c->name, smc_job_rank(c, 0), timeout_s);
     smc_futex_sleep(&c->hdr->ready, 0, 0.01);
   }
   if (c->hdr->magic != SMC_MAGIC || c->hdr->layout_version != SMC_LAYOUT_VERSION || c->hdr->size != c->size)
