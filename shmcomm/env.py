@@ -24,72 +24,7 @@ import secrets
 from dataclasses import dataclass
 
 from shmcomm import machine
-
-
-def _get(name, default=None, environ=None):
-    environ = os.environ if environ is None else environ
-    for prefix in ("SHMCOMM_", "HOROVOD_"):
-        value = environ.get(prefix + name)
-        if value not in (None, ""):
-            return value
-    return default
-
-
-MAX_BYTES = 1 << 57      # the C core's SMC_MAX_BYTES: no buffer is larger than the address space
-MAX_SECONDS = 1e9        # the C core's longest wait (smc_timeout_ok)
-
-
-def _number(name, default, kind=float, environ=None, low=None, high=None, positive=False):
-    """The setting as a number of `kind`, at least `low` (above 0 if `positive`) and at most `high`; a value
-    that is not such a number (NaN, infinite, negative where that means nothing) raises ValueError naming it."""
-    value = _get(name, environ=environ)
-    if value is None:
-        return default
-    try:
-        number = kind(value)
-    except ValueError:
-        raise ValueError("environment variable SHMCOMM_%s=%r is not a valid %s" % (name, value, kind.__name__))
-    if number != number or (low is not None and number < low) or (high is not None and number > high) or \
-            (positive and not number > 0):
-        raise ValueError("environment variable SHMCOMM_%s=%r is out of range: expected %s" % (
-            name, value, _range_text(kind, low, high, positive)))
-    return number
-
-
-def _range_text(kind, low, high, positive):
-    what = "an integer" if kind is int else "a number"
-    if positive:
-        what += " above 0"
-    elif low is not None:
-        what += " of at least %s" % low
-    return what + (" and at most %g" % high if high is not None else "")
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _flag(name, default=False, environ=None):
-    """A yes/no setting (switch), `default` when unset."""
-    value = switch(name, environ)
-    return default if value is None else value
-
-
-def switch(name, environ=None):
-    """A Horovod on/off variable: None when unset, else True (1/true/yes/on, any case) or False (0/false/no/off);
-    anything else raises ValueError naming it."""
-    value = _get(name, environ=environ)
-    if value is None:
-        return None
-    if value.strip().lower() in _TRUE:
-        return True
-    if value.strip().lower() in _FALSE:
-        return False
-    raise ValueError("environment variable SHMCOMM_%s=%r: expected 1 or 0 (true/false, yes/no, on/off)"
-                     % (name, value))
-
-
-def is_set(name, environ=None):
-    return _get(name, environ=environ) is not None
+from shmcomm.env_values import MAX_BYTES, MAX_SECONDS, flag as _flag, get as _get, is_set, number as _number, switch
 
 
 @dataclass(frozen=True)
