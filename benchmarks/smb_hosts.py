@@ -10,6 +10,8 @@ scenarios for the home host's ranks while the remote rank works:
     in sequence  they wait in MPI_Barrier (MPI progresses: the best case for one-sided MPI)
     overlapped   they compute (numpy steps of about --step-ms each) and poll MPI once per step (MPI_Iprobe), as a
                  training rank that calls MPI between steps; the box servers need no call at all
+    in Python    the same, with steps of pure Python (the interpreter lock held, as a loop of small torch operations
+                 holds it): the box servers never need that lock, MPI still progresses only in MPI_Iprobe
 Parameter exchange of one step, every rank: the ElasticCentre's exchange (x goes to each stripe's host, d comes back
 and the centre takes it, one atomic box exchange per stripe; box striped over the hosts) against MPI_Allreduce of the
 same bytes; in sequence (nothing else running) and overlapped (the exchange, or MPI_Iallreduce, in flight during a
@@ -30,6 +32,7 @@ TAG = "SMB_HOSTS "
 BUDGET_S = 0.4   # per measurement, at most (iterations are cut to fit, at least MIN_ITERS)
 MIN_ITERS = 3
 MAX_ITERS = 200
+REMOTE_SCENARIOS = ("in sequence", "overlapped", "in Python")
 
 
 def _timed(run, budget_s=BUDGET_S):
@@ -56,6 +59,7 @@ class Busy:
             self._one()
             k += 1
         self.repeat = max(1, int(step_ms / 1e3 / ((time.perf_counter() - t0) / k)))
+        self.step_s = step_ms / 1e3
 
     def _one(self):
         self.a = np.tanh(self.a @ self.a)
@@ -63,6 +67,14 @@ class Busy:
     def step(self):
         for _ in range(self.repeat):
             self._one()
+
+    def python_step(self):
+        """About as long as step(), in bytecode: the interpreter lock is given up only at the switch interval."""
+        deadline = time.perf_counter() + self.step_s
+        while time.perf_counter() < deadline:
+            total = 0
+            for i in range(1000):
+                total += i * i
 
 
 def worker(sizes, rounds, step_ms):
@@ -104,7 +116,7 @@ def worker(sizes, rounds, step_ms):
     for size in sizes:
         count = size // 4
         data, out = np.ones(largest, np.float32), np.empty(largest, np.float32)
-        for scenario in ("in sequence", "overlapped"):
+        for scenario in REMOTE_SCENARIOS:
             for rnd in range(rounds):
                 for op in ("smb accumulate", "mpi accumulate", "smb read", "mpi read"):
                     world.Barrier()
@@ -115,9 +127,9 @@ def worker(sizes, rounds, step_ms):
                         results.append({"kind": "remote", "op": op, "scenario": scenario, "bytes": size,
                                         "round": rnd, "seconds": seconds})
                         done.accumulate(np.zeros(1, np.float32))  # a new version: the home host stops computing
-                    elif net.host == 0 and scenario == "overlapped":
+                    elif net.host == 0 and scenario != "in sequence":
                         while done.version == seen:
-                            busy.step()
+                            busy.step() if scenario == "overlapped" else busy.python_step()
                             world.Iprobe()
                     world.Barrier()
         results += _exchange(world, size, rounds, busy, ElasticCentre, net.hosts, rank)
@@ -190,7 +202,7 @@ def report(results, step_s):
              "ratio = MPI / box"]
     lines.append("%10s  %-12s  %10s %10s %7s  %10s %10s %7s" % ("bytes", "scenario", "smb acc", "MPI_Acc", "ratio",
                                                                  "smb read", "MPI_Get", "ratio"))
-    for scenario in ("in sequence", "overlapped"):
+    for scenario in REMOTE_SCENARIOS:
         for size in sizes:
             a, b = med[("remote", "smb accumulate", scenario, size)], med[("remote", "mpi accumulate", scenario, size)]
             c, d = med[("remote", "smb read", scenario, size)], med[("remote", "mpi read", scenario, size)]

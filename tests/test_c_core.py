@@ -43,7 +43,7 @@ def _build_and_run(tmp_path, test, extra):
     return run.stdout
 
 
-@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_reduce.c"])
+@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_reduce.c", "test_box_server.c"])
 def test_c_units(tmp_path, test):
     _build_and_run(tmp_path, test, ["-O2"])
 
@@ -60,7 +60,7 @@ def _require_sanitizers(tmp_path):
         pytest.skip(why)
 
 
-@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c"])
+@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_box_server.c"])
 def test_core_units_under_sanitizers(tmp_path, test):
     """test_reduce.c runs under them through `make asan`, below, without -fwrapv."""
     _require_sanitizers(tmp_path)

@@ -73,6 +73,29 @@ else:
 shmcomm.barrier()
 report["busy_sum"] = bool((busy.read() == K * remote_ranks).all())
 
+# The home host's ranks hold the interpreter lock without a break (one C call through ctypes.PyDLL, which keeps it)
+# while the others exchange and read: the box servers serve without the interpreter. The remote ranks start once
+# every home rank has said it goes in, and check afterwards that none has come out yet.
+import ctypes
+held = shmcomm.SoftMemoryBox("held", shape=(1 << 12,), dtype=np.float64, home=0)
+holding = shmcomm.SoftMemoryBox("holding", shape=(1,), dtype=np.float32, home=0)
+home_ranks = len(net.host_ranks[0])
+shmcomm.barrier()
+if host == 0:
+    holding.accumulate(np.ones(1, np.float32))
+    ctypes.PyDLL(None).poll(None, 0, 4000)  # 4 s inside C with the interpreter lock held
+    holding.accumulate(np.ones(1, np.float32))
+else:
+    holding.wait_version(home_ranks, timeout=60)
+    x = np.full(held.count, r + 1.0)
+    for i in range(K):
+        d = x.copy()
+        held.exchange(d, 0.5)
+        x -= d
+        held.read()
+    report["served_while_held"] = holding.version == home_ranks
+shmcomm.barrier()
+
 # Read-modify-write under the lock from every rank: nothing lost, on a box of one home and on a striped one.
 counter = shmcomm.SoftMemoryBox("counter", shape=(1,), dtype=np.int64, home=hosts - 1)
 striped = shmcomm.SoftMemoryBox("scounter", shape=(3 * hosts + 1,), dtype=np.int64, stripes=hosts)
@@ -228,6 +251,12 @@ def test_the_home_hosts_ranks_compute_while_others_accumulate(reports):
     assert all(report["busy_sum"] for report in found.values())
     home = [report for report in found.values() if report["host"] == 0]
     assert home and all(report["busy_products"] > 1 and report["busy_finished"] for report in home)
+
+
+def test_boxes_are_served_while_the_home_ranks_hold_the_interpreter_lock(reports):
+    hosts, found = reports
+    remote = [report for report in found.values() if report["host"] != 0]
+    assert remote and all(report["served_while_held"] for report in remote), found
 
 
 def test_the_lock_excludes_every_rank_of_every_host(reports):

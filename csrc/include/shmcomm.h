@@ -211,6 +211,16 @@ smc_result_t smc_box_unlock(smc_box_t* box);
 /* Waits until the version is at least min_version; *version gets the version seen. */
 smc_result_t smc_box_wait_version(smc_box_t* box, uint64_t min_version, double timeout_s, uint64_t* version);
 
+/* ---- box server (csrc/net/box_server.c): this host's boxes served to the other hosts, without Python ---- */
+typedef struct smc_box_server smc_box_server_t;
+/* Listens on every interface, on a port the system picks, and serves each connection in a thread of its own. */
+smc_result_t smc_box_server_start(smc_comm_t* comm, smc_box_server_t** server);
+int smc_box_server_port(const smc_box_server_t* server);
+/* Stops accepting, ends every connection (releasing the box locks they held) and joins their threads, each by
+ * timeout_s (a thread in a lock or version wait leaves when that wait ends). Returns 1 when every thread has left;
+ * 0 if some had not by then (they are left to finish; the server's memory stays theirs). */
+int smc_box_server_stop(smc_box_server_t* server, double timeout_s);
+
 /* ---- kernels (csrc/reduce/), exposed for tests and benchmarks ---- */
 size_t smc_dtype_size(smc_datatype_t dtype);
 /* dst[i] = postscale * op_k(prescale * srcs[k][i]) / divisor, accumulated in float for 16-bit floats. dst may be

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The messages between a Soft Memory Box client on one host and the box server on the box's home host
-(box_server.py), over one TCP connection per client handle.
+(box_server.py; the server reads and writes the same layout in C, csrc/net/box_server.c), over one TCP connection per
+client handle.
 
 A request is a fixed header (REQUEST), then the box name (create and attach; with FLAG_THEN_TOUCH the name of the
 box whose version to bump after the operation), then the elements written, accumulated or exchanged; a reply is a
@@ -23,10 +24,7 @@ REPLY = struct.Struct("<iIQQII")
 
 CREATE, ATTACH, READ, WRITE, ACCUMULATE, LOCK, UNLOCK, WAIT, VERSION, DESTROY, CLOSE, TOUCH, PING, EXCHANGE = \
     range(1, 15)
-NAMES = {CREATE: "create", ATTACH: "attach", READ: "read", WRITE: "write", ACCUMULATE: "accumulate", LOCK: "lock",
-         UNLOCK: "unlock", WAIT: "wait_version", VERSION: "version", DESTROY: "destroy", CLOSE: "close",
-         TOUCH: "touch", PING: "ping", EXCHANGE: "exchange"}  # ping: the roll call's (rollcall.py), answered at once
-CARRY_ELEMENTS = (WRITE, ACCUMULATE, EXCHANGE)  # requests followed by `count` elements
+# PING is the roll call's (rollcall.py), answered at once; WRITE, ACCUMULATE and EXCHANGE carry `count` elements.
 FLAG_EXIST_OK = 1   # create: attach to an equal box instead of failing
 FLAG_THEN_TOUCH = 2  # write, accumulate, exchange: then bump the version of the named box; the reply carries it
 FLAG_STRIPED = 1    # attach's reply: the name belongs to a striped box; its description was found instead
@@ -39,12 +37,6 @@ _ERRORS = {cls.__name__: cls for cls in (exc.InvalidArgumentError, exc.TimeoutEr
 
 def error_from(class_name, text):
     return _ERRORS.get(class_name, exc.ShmCommError)(text)
-
-
-def error_reply(error):
-    text = ("%s\n%s" % (type(error).__name__ if type(error).__name__ in _ERRORS else "ShmCommError",
-                        error)).encode("utf-8", "replace")
-    return REPLY.pack(1, len(text), 0, 0, 0, 0) + text
 
 
 def recv_exactly(sock, view):

@@ -3,11 +3,12 @@
 
 A rank whose wait across hosts times out knows only whom it waited for, which is often a rank that waits in turn for
 the one that stopped (a torus column waits on a rank whose host waits on the stopped one). Before it raises, it asks
-every other rank to answer (check()): it connects to the rank's box server (box_server.py, a thread in every rank of
-a job across hosts) and sends a ping, which the server answers at once, whatever its rank is doing, unless the process
-is stopped or hung with the GIL held (it does not answer) or gone (the connection is refused). Those ranks are named
-in the error: they hold the job up. The roll call travels on TCP, not MPI, whose library may crash when a peer
-process is gone.
+every other rank to answer (check()): it connects to the rank's box server (box_server.py, C threads in every rank of
+a job across hosts) and sends a ping, which the server answers at once, whatever its rank is doing (its threads never
+need the interpreter), unless the process is stopped or frozen, say by SIGSTOP or a debugger (it does not answer), or
+gone (the connection is refused). The silent and the gone are named in the error: they hold the job up. (A rank hung
+in its own code still answers; the ranks that wait for it name it.) The roll call travels on TCP, not MPI, whose
+library may crash when a peer process is gone.
 
 A process that found ranks holding the job up (stopped or hung) must not call MPI_Finalize at exit:
 MPICH's waits there for every process of the job, stopped ones included, for ever. It exits without it
@@ -134,7 +135,7 @@ def describe(failed):
     gone = [r for r, state in failed.items() if state == GONE]
     parts = []
     if silent:  # what holds the job up: ranks that ended have failed already, or will be reported by others
-        parts.append("%s not answer at all (stopped, or hung outside shmcomm): the job waits on %s"
+        parts.append("%s not answer at all (the process is stopped or frozen): the job waits on %s"
                      % (_ranks(silent, "does", "do"), "it" if len(silent) == 1 else "them"))
     if gone:
         parts.append("%s gone (the process ended)" % _ranks(gone, "is", "are"))

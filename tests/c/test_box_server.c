@@ -1,0 +1,189 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The box server (csrc/net/box_server.c) through its wire, as a client on another host sees it: every operation, the
+ * typed errors, the stream staying in step after a refused request, a lock lost with its connection, and a stop that
+ * ends every connection. Built with the sanitizers too (tests/test_c_core.py). */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+
+#include "harness.h"
+
+enum { CREATE = 1, ATTACH, READ, WRITE, ACCUMULATE, LOCK, UNLOCK, WAIT, VERSION, DESTROY, CLOSE, TOUCH, PING,
+       EXCHANGE };
+
+typedef struct {
+  int32_t status;
+  uint64_t version, count;
+  uint32_t dtype, flags;
+  char text[512];
+} reply_t;
+
+static int connect_to(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in addr;
+  memset(&addr, 0, sizeof(addr));
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons((uint16_t)port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, (struct sockaddr*)&addr, sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+static int recv_all(int fd, void* buf, size_t n) {
+  uint8_t* p = buf;
+  while (n > 0) {
+    ssize_t got = recv(fd, p, n, 0);
+    if (got <= 0) return 0;
+    p += got;
+    n -= (size_t)got;
+  }
+  return 1;
+}
+
+/* One request (header, name, elements) and its reply (header, error text or `out_bytes` of elements); 0 if the
+ * connection ended instead. */
+static int call(int fd, int op, int flags, const char* name, uint32_t dtype, uint64_t offset, uint64_t count,
+                double alpha, double beta, double timeout_s, const void* data, size_t data_bytes, void* out,
+                size_t out_bytes, reply_t* r) {
+  uint8_t head[48];
+  uint16_t name_len = (uint16_t)strlen(name);
+  head[0] = (uint8_t)op;
+  head[1] = (uint8_t)flags;
+  memcpy(head + 2, &name_len, 2);
+  memcpy(head + 4, &dtype, 4);
+  memcpy(head + 8, &offset, 8);
+  memcpy(head + 16, &count, 8);
+  memcpy(head + 24, &alpha, 8);
+  memcpy(head + 32, &beta, 8);
+  memcpy(head + 40, &timeout_s, 8);
+  if (send(fd, head, sizeof(head), MSG_NOSIGNAL) != (ssize_t)sizeof(head)) return 0;
+  if (name_len && send(fd, name, name_len, MSG_NOSIGNAL) != (ssize_t)name_len) return 0;
+  if (data_bytes && send(fd, data, data_bytes, MSG_NOSIGNAL) != (ssize_t)data_bytes) return 0;
+  uint8_t reply[32];
+  if (!recv_all(fd, reply, sizeof(reply))) return 0;
+  uint32_t text_len;
+  memcpy(&r->status, reply, 4);
+  memcpy(&text_len, reply + 4, 4);
+  memcpy(&r->version, reply + 8, 8);
+  memcpy(&r->count, reply + 16, 8);
+  memcpy(&r->dtype, reply + 24, 4);
+  memcpy(&r->flags, reply + 28, 4);
+  r->text[0] = '\0';
+  if (r->status != 0) {
+    char* text = malloc(text_len + 1);
+    if (!recv_all(fd, text, text_len)) return free(text), 0;
+    text[text_len] = '\0';
+    snprintf(r->text, sizeof(r->text), "%s", text);
+    free(text);
+  } else if (out_bytes && !recv_all(fd, out, out_bytes)) {
+    return 0;
+  }
+  return 1;
+}
+
+static int starts_with(const char* text, const char* prefix) { return strncmp(text, prefix, strlen(prefix)) == 0; }
+
+static int closed_by_peer(int fd) {
+  char byte;
+  return recv(fd, &byte, 1, 0) == 0;
+}
+
+int main(void) {
+  char token[64];
+  make_token(token, sizeof(token), "bs");
+  smc_config_t cfg = config(token, 0, 1);
+  smc_comm_t* comm = NULL;
+  if (smc_comm_create(&cfg, &comm) != SMC_SUCCESS) {
+    fprintf(stderr, "create: %s\n", smc_last_error());
+    return 1;
+  }
+  smc_box_server_t* server = NULL;
+  EXPECT(smc_box_server_start(comm, &server) == SMC_SUCCESS, "start: %s", smc_last_error());
+  int port = smc_box_server_port(server);
+  EXPECT(port > 0, "a port: %d", port);
+  reply_t r;
+
+  /* A ping is answered, then the server ends the connection (the roll call's use). */
+  int fd = connect_to(port);
+  EXPECT(call(fd, PING, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "ping");
+  EXPECT(closed_by_peer(fd), "a ping's connection ends");
+  close(fd);
+
+  /* Every data operation on one box, as elastic averaging uses it. */
+  int a = connect_to(port);
+  double x[8], out[8];
+  for (int i = 0; i < 8; i++) x[i] = i + 1;
+  EXPECT(call(a, CREATE, 0, "centre", SMC_FLOAT64, 0, 8, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0 &&
+             r.count == 8 && r.dtype == SMC_FLOAT64 && r.version == 0,
+         "create: %d %s", r.status, r.text);
+  EXPECT(call(a, WRITE, 0, "", 0, 0, 8, 0, 0, 0, x, sizeof(x), NULL, 0, &r) && r.status == 0 && r.version == 1,
+         "write: %s", r.text);
+  EXPECT(call(a, ACCUMULATE, 0, "", 0, 0, 8, 2.0, 1.0, 0, x, sizeof(x), NULL, 0, &r) && r.version == 2,
+         "accumulate: %s", r.text);
+  EXPECT(call(a, READ, 0, "", 0, 0, 8, 0, 0, 0, NULL, 0, out, sizeof(out), &r) && r.status == 0 && out[7] == 24,
+         "read: %s %g", r.text, out[7]);
+  double d[8];
+  for (int i = 0; i < 8; i++) d[i] = 5 * (i + 1);  /* x = 5c/3: d = 0.5 (x - c) */
+  EXPECT(call(a, EXCHANGE, 0, "", 0, 0, 8, 0.5, 0, 0, d, sizeof(d), d, sizeof(d), &r) && r.version == 3 &&
+             d[2] == 3.0,
+         "exchange: %s d[2]=%g", r.text, d[2]);
+  EXPECT(call(a, READ, 0, "", 0, 2, 1, 0, 0, 0, NULL, 0, out, sizeof(double), &r) && out[0] == 12,
+         "the centre took d: %g", out[0]);
+
+  /* Refused requests say why in the client's terms, and the stream stays in step (their elements are read). */
+  EXPECT(call(a, ACCUMULATE, 0, "", 0, 6, 4, 1, 1, 0, x, 4 * sizeof(double), NULL, 0, &r) && r.status == 1 &&
+             starts_with(r.text, "InvalidArgumentError\n"),
+         "past the end: %s", r.text);
+  EXPECT(call(a, 99, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 1, "unknown op: %s", r.text);
+  EXPECT(call(a, VERSION, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0 && r.version == 3,
+         "in step after refusals: %s", r.text);
+  EXPECT(call(a, CREATE, 0, "other", SMC_FLOAT32, 0, 4, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 1,
+         "one box per connection: %s", r.text);
+  int b = connect_to(port);
+  EXPECT(call(b, WRITE, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 1, "no box open: %s", r.text);
+  EXPECT(call(b, ATTACH, 0, "absent", 0, 0, 0, 0, 0, 0.1, NULL, 0, NULL, 0, &r) && r.status == 1 &&
+             starts_with(r.text, "BoxNotFoundError\n"),
+         "attach of a missing box: %s", r.text);
+
+  /* A lock held by a connection that ends is released, and the version says so. */
+  EXPECT(call(b, ATTACH, 0, "centre", 0, 0, 0, 0, 0, 1.0, NULL, 0, NULL, 0, &r) && r.status == 0 && r.count == 8,
+         "attach: %s", r.text);
+  EXPECT(call(a, LOCK, 0, "", 0, 0, 0, 0, 0, 1.0, NULL, 0, NULL, 0, &r) && r.status == 0, "lock: %s", r.text);
+  EXPECT(call(b, LOCK, 0, "", 0, 0, 0, 0, 0, 0.2, NULL, 0, NULL, 0, &r) && r.status == 1 &&
+             starts_with(r.text, "TimeoutError\n"),
+         "the lock excludes: %s", r.text);
+  close(a);  /* its holder gone */
+  EXPECT(call(b, LOCK, 0, "", 0, 0, 0, 0, 0, 5.0, NULL, 0, NULL, 0, &r) && r.status == 0, "lock recovered: %s",
+         r.text);
+  EXPECT(call(b, VERSION, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.version == 4, "bumped: %llu",
+         (unsigned long long)r.version);
+  EXPECT(call(b, UNLOCK, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "unlock: %s", r.text);
+  EXPECT(call(b, UNLOCK, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 1, "unlock unheld: %s",
+         r.text);
+
+  /* A version wait ends by its timeout; a write with FLAG_THEN_TOUCH bumps the named box and returns its version. */
+  EXPECT(call(b, WAIT, 0, "", 0, 100, 0, 0, 0, 0.1, NULL, 0, NULL, 0, &r) && starts_with(r.text, "TimeoutError\n"),
+         "wait past the timeout: %s", r.text);
+  int c = connect_to(port);
+  EXPECT(call(c, CREATE, 0, "described", SMC_INT64, 0, 3, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0,
+         "create: %s", r.text);
+  EXPECT(call(b, WRITE, 2, "described", 0, 0, 1, 0, 0, 0, x, sizeof(double), NULL, 0, &r) && r.status == 0 &&
+             r.version == 1,
+         "then touch: %s %llu", r.text, (unsigned long long)r.version);
+
+  /* Destroy frees the name; stop ends the connections still open. */
+  EXPECT(call(c, DESTROY, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "destroy: %s", r.text);
+  EXPECT(closed_by_peer(c), "a destroy's connection ends");
+  close(c);
+  EXPECT(smc_box_server_stop(server, 5.0) == 1, "every thread left");
+  EXPECT(closed_by_peer(b), "stop ends the connections");
+  close(b);
+  smc_comm_destroy(comm);
+  printf("%d passed, %d failed\n", passed, failed);
+  return failed ? 1 : 0;
+}
