@@ -69,6 +69,7 @@ typedef struct connection {
 
 struct smc_box_server {
   smc_comm_t* comm;
+  pid_t pid;                      /* the process whose threads serve: a forked child has none of them */
   int listener;
   int wake[2];                    /* a byte on wake[1] ends the accept loop */
   int port;
@@ -478,6 +479,7 @@ smc_result_t smc_box_server_start(smc_comm_t* comm, smc_box_server_t** out) {
   smc_box_server_t* s = (smc_box_server_t*)calloc(1, sizeof(*s));
   if (s == NULL) return smc_set_error(SMC_ERR_NOMEM, "box server: out of memory");
   s->comm = comm;
+  s->pid = getpid();
   s->listener = s->wake[0] = s->wake[1] = -1;
   pthread_mutex_init(&s->mutex, NULL);
   smc_result_t rc = SMC_SUCCESS;
@@ -530,6 +532,14 @@ static int join_by(pthread_t thread, double deadline) {
 
 int smc_box_server_stop(smc_box_server_t* s, double timeout_s) {
   if (s == NULL) return 1;
+  if (getpid() != s->pid) {
+    /* A forked child (a data loader's worker, say) stopping its copy: the threads and the connections are the
+     * parent's, and shutting the shared sockets down would end the parent's serving. Only the copies go. */
+    close(s->listener);
+    close(s->wake[0]);
+    close(s->wake[1]);
+    return 1;
+  }
   double deadline = now_s() + (smc_timeout_ok(timeout_s) ? timeout_s : 0.0);
   pthread_mutex_lock(&s->mutex);
   s->closed = 1;

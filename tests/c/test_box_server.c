@@ -176,6 +176,19 @@ int main(void) {
              r.version == 1,
          "then touch: %s %llu", r.text, (unsigned long long)r.version);
 
+  /* A forked child that stops its copy of the server leaves the parent's serving alone. */
+  pid_t child = fork();
+  if (child == 0) _exit(smc_box_server_stop(server, 1.0) == 1 ? 0 : 1);
+  int status = -1;
+  waitpid(child, &status, 0);
+  EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child's stop: %d", status);
+  fd = connect_to(port);
+  EXPECT(fd >= 0 && call(fd, PING, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0,
+         "still serving after a child's stop");
+  close(fd);
+  EXPECT(call(b, VERSION, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0,
+         "a connection of the parent survives it");
+
   /* Destroy frees the name; stop ends the connections still open. */
   EXPECT(call(c, DESTROY, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "destroy: %s", r.text);
   EXPECT(closed_by_peer(c), "a destroy's connection ends");
