@@ -42,7 +42,10 @@ def test_torch_digits_two_ranks_match_one():
     two_run = _launch("-np", "2", *args)
     two = _accuracy(two_run)
     assert_same_on_every_rank(two_run.stdout, 2)
-    assert one >= 95 and two >= 95 and abs(one - two) <= 1.0, (one, two)
+    # Not the same computation: two ranks take half as many steps of a twice larger global batch at twice the
+    # learning rate (Horovod's rule), so the accuracies differ by a few of the 360 test images, by how much depending
+    # on the CPU's torch kernels: 1.11 points on an AMD EPYC, every run. A broken average costs far more than 2.
+    assert one >= 95 and two >= 95 and abs(one - two) <= 2.0, (one, two)
     assert "training" in two_run.stderr  # rank 0's progress bar
 
 
