@@ -230,8 +230,13 @@ static smc_result_t touch_named(connection_t* c, const char* name, uint64_t* ver
       smc_box_close(box);
       return smc_set_error(SMC_ERR_INVALID, "box server: more than %d boxes touched on one connection", MAX_TOUCHED);
     }
+    char* copy = strdup(name);
+    if (copy == NULL) {
+      smc_box_close(box);
+      return smc_set_error(SMC_ERR_NOMEM, "box server: out of memory");
+    }
     c->touched[c->ntouched] = box;
-    c->touched_names[c->ntouched] = strdup(name);
+    c->touched_names[c->ntouched] = copy;
     c->ntouched++;
   }
   return smc_box_accumulate(box, 0, 0, NULL, 1.0, 1.0, version);
@@ -372,11 +377,12 @@ static int serve_one(connection_t* c) {
   uint64_t in_bytes = carries ? q.count * (uint64_t)c->esize : 0;
   smc_result_t rc = SMC_SUCCESS;
   const char* refused = NULL;
-  if (carries && c->box != NULL && (q.count > smc_box_count(c->box) || q.offset > smc_box_count(c->box) - q.count)) {
+  int sized = carries || q.op == OP_READ;  /* the server allocates count elements for these */
+  if (sized && c->box != NULL && (q.count > smc_box_count(c->box) || q.offset > smc_box_count(c->box) - q.count)) {
     /* Checked before anything is allocated for it: the client checks too, so this is a confused or hostile one. */
-    rc = smc_set_error(SMC_ERR_INVALID, "box server: elements [%llu, %llu) are outside the box of %zu",
-                       (unsigned long long)q.offset, (unsigned long long)(q.offset + q.count),
-                       smc_box_count(c->box));
+    rc = smc_set_error(SMC_ERR_INVALID, "box '%s': elements [%llu, %llu) are outside its %zu (box server)",
+                       c->box_name ? c->box_name : "?", (unsigned long long)q.offset,
+                       (unsigned long long)(q.offset + q.count), smc_box_count(c->box));
     refused = smc_last_error();
   } else if (in_bytes && !grow_payload(c, (size_t)in_bytes)) {
     rc = smc_set_error(SMC_ERR_NOMEM, "box server: out of memory for %llu bytes", (unsigned long long)in_bytes);

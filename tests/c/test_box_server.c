@@ -139,6 +139,9 @@ int main(void) {
   EXPECT(call(a, ACCUMULATE, 0, "", 0, 6, 4, 1, 1, 0, x, 4 * sizeof(double), NULL, 0, &r) && r.status == 1 &&
              starts_with(r.text, "InvalidArgumentError\n"),
          "past the end: %s", r.text);
+  EXPECT(call(a, READ, 0, "", 0, 4, 1u << 30, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 1 &&
+             strstr(r.text, "box 'centre'") != NULL,
+         "a read past the end, refused before anything is allocated for it: %s", r.text);
   EXPECT(call(a, 99, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 1, "unknown op: %s", r.text);
   EXPECT(call(a, VERSION, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0 && r.version == 3,
          "in step after refusals: %s", r.text);
