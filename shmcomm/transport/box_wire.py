@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The messages between a Soft Memory Box client on one host and the box server on the box's home host
-(box_server.py; the server reads and writes the same layout in C, csrc/net/box_server.c), over one TCP connection per
+(box_server.py; the server reads and writes the same layout in C, csrc/net/wire.c), over one TCP connection per
 client handle.
 
 A request is a fixed header (REQUEST), then the box name (create and attach; with FLAG_THEN_TOUCH the name of the

@@ -1,0 +1,262 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* One connection of the box server (net/box_session.h): what it opened (its box, the boxes whose versions it bumps
+ * after an operation, the box lock it holds) and each request applied with the box calls of csrc/shm/box.c. */
+#define _GNU_SOURCE
+#include "net/box_session.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/clock.h"
+#include "core/error.h"
+#include "net/wire.h"
+
+enum { MAX_TOUCHED = 16 };
+static const char STRIPED_SUFFIX[] = "@stripes";
+
+typedef struct {
+  smc_comm_t* comm;
+  int fd;
+  smc_box_t* box;                 /* the box this connection opened, and its name */
+  char* box_name;
+  size_t esize;
+  long held;                      /* times it holds the box's lock */
+  smc_box_t* touched[MAX_TOUCHED];
+  char* touched_names[MAX_TOUCHED];
+  int ntouched;
+  uint8_t* payload;               /* elements in and out, grown as needed */
+  size_t payload_cap;
+} session_t;
+
+static int grow_payload(session_t* c, size_t bytes) {
+  if (bytes <= c->payload_cap) return 1;
+  uint8_t* p = (uint8_t*)realloc(c->payload, bytes);
+  if (p == NULL) return 0;
+  c->payload = p;
+  c->payload_cap = bytes;
+  return 1;
+}
+
+/* The locks a lost client held: the version bumped first, under the lock (recursive, held by this thread), so that
+ * a waiting writer cannot get in between and the version still says where the lost holder's work ended. */
+static void release_held(session_t* c) {
+  if (c->box == NULL || c->held <= 0) return;
+  uint64_t version;
+  (void)smc_box_accumulate(c->box, 0, 0, NULL, 1.0, 1.0, &version);
+  while (c->held > 0) {
+    (void)smc_box_unlock(c->box);
+    c->held--;
+  }
+}
+
+static void close_box(session_t* c) {
+  release_held(c);
+  if (c->box != NULL) smc_box_close(c->box);
+  c->box = NULL;
+  free(c->box_name);
+  c->box_name = NULL;
+}
+
+static void end_session(session_t* c) {
+  for (int i = 0; i < c->ntouched; i++) {
+    smc_box_close(c->touched[i]);
+    free(c->touched_names[i]);
+  }
+  c->ntouched = 0;
+  close_box(c);
+}
+
+/* Bumps the version of box `name` (a striped box's description, after its home stripe's part of an operation). */
+static smc_result_t touch_named(session_t* c, const char* name, uint64_t* version) {
+  smc_box_t* box = NULL;
+  for (int i = 0; i < c->ntouched && box == NULL; i++)
+    if (strcmp(c->touched_names[i], name) == 0) box = c->touched[i];
+  if (box == NULL) {
+    SMC_CHECK(smc_box_attach(c->comm, name, 0.0, &box));
+    if (c->ntouched == MAX_TOUCHED) {  /* a connection serves one box; more names than this is a confused client */
+      smc_box_close(box);
+      return smc_set_error(SMC_ERR_INVALID, "box server: more than %d boxes touched on one connection", MAX_TOUCHED);
+    }
+    char* copy = strdup(name);
+    if (copy == NULL) {
+      smc_box_close(box);
+      return smc_set_error(SMC_ERR_NOMEM, "box server: out of memory");
+    }
+    c->touched[c->ntouched] = box;
+    c->touched_names[c->ntouched] = copy;
+    c->ntouched++;
+  }
+  return smc_box_accumulate(box, 0, 0, NULL, 1.0, 1.0, version);
+}
+
+/* The box `name`, or the description of the striped box of that name, waiting up to timeout_s for either
+ * (transport/box.py's find_box). */
+static smc_result_t find_box(session_t* c, const char* name, double timeout_s, int* striped) {
+  size_t len = strlen(name);
+  char* described = (char*)malloc(len + sizeof(STRIPED_SUFFIX));
+  if (described == NULL) return smc_set_error(SMC_ERR_NOMEM, "box server: out of memory");
+  memcpy(described, name, len);
+  memcpy(described + len, STRIPED_SUFFIX, sizeof(STRIPED_SUFFIX));
+  double deadline = smc_now() + (smc_timeout_ok(timeout_s) ? timeout_s : 0.0);
+  double pause = 0.0005;
+  smc_result_t rc;
+  for (;;) {
+    const char* candidates[2] = {name, described};
+    for (int i = 0; i < 2; i++) {
+      rc = smc_box_attach(c->comm, candidates[i], 0.0, &c->box);
+      if (rc == SMC_SUCCESS) {
+        c->box_name = strdup(candidates[i]);
+        *striped = i == 1;
+        free(described);
+        return SMC_SUCCESS;
+      }
+      if (rc != SMC_ERR_NOT_FOUND) {
+        free(described);
+        return rc;
+      }
+    }
+    if (smc_now() >= deadline) break;
+    smc_sleep(pause);
+    pause = pause * 2 < 0.02 ? pause * 2 : 0.02;
+  }
+  free(described);
+  return smc_set_error(SMC_ERR_NOT_FOUND, "box '%s' does not exist (waited %.1f s)", name, timeout_s);
+}
+
+/* Applies one request whose name (NUL-terminated) and elements (in c->payload) have been read. Fills the reply and
+ * says how many bytes of c->payload follow it; returns the core's code. */
+static smc_result_t apply(session_t* c, const smc_wire_request_t* q, const char* name, smc_wire_reply_t* r, size_t* out_bytes) {
+  uint64_t version = 0;
+  r->count = q->count;
+  r->dtype = q->dtype;
+  *out_bytes = 0;
+  if (q->op == SMC_OP_PING) return SMC_SUCCESS;
+  if (q->op == SMC_OP_CREATE || q->op == SMC_OP_ATTACH) {
+    if (c->box != NULL) return smc_set_error(SMC_ERR_INVALID, "box server: this connection holds a box already");
+    int striped = 0;
+    if (q->op == SMC_OP_CREATE) {
+      SMC_CHECK(smc_box_create(c->comm, name, (size_t)q->count, (smc_datatype_t)q->dtype,
+                               (q->flags & SMC_FLAG_EXIST_OK) != 0, &c->box));
+      c->box_name = strdup(name);
+    } else {
+      SMC_CHECK(find_box(c, name, q->timeout_s, &striped));
+    }
+    c->esize = smc_dtype_size(smc_box_dtype(c->box));
+    r->count = smc_box_count(c->box);
+    r->dtype = (uint32_t)smc_box_dtype(c->box);
+    r->flags = striped ? SMC_FLAG_STRIPED : 0;
+    r->version = smc_box_version(c->box);
+    return SMC_SUCCESS;
+  }
+  if (c->box == NULL) return smc_set_error(SMC_ERR_INVALID, "box server: no box is open on this connection");
+  size_t count = (size_t)q->count;
+  switch (q->op) {
+    case SMC_OP_READ:
+      if (!grow_payload(c, count * c->esize)) return smc_set_error(SMC_ERR_NOMEM, "box server: out of memory");
+      SMC_CHECK(smc_box_read(c->box, (size_t)q->offset, count, c->payload, NULL));
+      *out_bytes = count * c->esize;
+      break;
+    case SMC_OP_WRITE:
+      SMC_CHECK(smc_box_write(c->box, (size_t)q->offset, count, count ? c->payload : NULL, &version));
+      break;
+    case SMC_OP_ACCUMULATE:
+      SMC_CHECK(smc_box_accumulate(c->box, (size_t)q->offset, count, count ? c->payload : NULL, q->alpha, q->beta,
+                                   &version));
+      break;
+    case SMC_OP_EXCHANGE:  /* the payload becomes d, which goes back */
+      SMC_CHECK(smc_box_exchange(c->box, (size_t)q->offset, count, count ? c->payload : NULL, q->alpha, &version));
+      *out_bytes = count * c->esize;
+      break;
+    case SMC_OP_TOUCH:
+      SMC_CHECK(smc_box_accumulate(c->box, 0, 0, NULL, 1.0, 1.0, &version));
+      break;
+    case SMC_OP_LOCK:
+      SMC_CHECK(smc_box_lock(c->box, q->timeout_s));
+      c->held++;
+      break;
+    case SMC_OP_UNLOCK:
+      SMC_CHECK(smc_box_unlock(c->box));
+      c->held--;
+      break;
+    case SMC_OP_WAIT:
+      SMC_CHECK(smc_box_wait_version(c->box, q->offset, q->timeout_s, &version));
+      break;
+    case SMC_OP_DESTROY: {
+      char* box_name = c->box_name;
+      c->box_name = NULL;
+      close_box(c);
+      smc_result_t rc = smc_box_destroy(c->comm, box_name);
+      free(box_name);
+      SMC_CHECK(rc);
+      break;
+    }
+    case SMC_OP_CLOSE:
+      end_session(c);
+      break;
+    case SMC_OP_VERSION:
+      break;
+    default:
+      return smc_set_error(SMC_ERR_INVALID, "box server: unknown operation %u", (unsigned)q->op);
+  }
+  int carries = q->op == SMC_OP_WRITE || q->op == SMC_OP_ACCUMULATE || q->op == SMC_OP_EXCHANGE;
+  if (q->op != SMC_OP_WAIT && q->op != SMC_OP_TOUCH && !carries && c->box != NULL) version = smc_box_version(c->box);
+  r->version = version;
+  return SMC_SUCCESS;
+}
+
+/* Serves one request; 0 when the connection is to end (the client left, or asked to close). */
+static int serve_one(session_t* c) {
+  uint8_t head[SMC_REQUEST_BYTES];
+  if (!smc_wire_recv(c->fd, head, sizeof(head))) return 0;
+  smc_wire_request_t q;
+  smc_wire_parse_request(head, &q);
+  char name[65536];
+  if (q.name_len && !smc_wire_recv(c->fd, name, q.name_len)) return 0;
+  name[q.name_len] = '\0';
+  int carries = q.op == SMC_OP_WRITE || q.op == SMC_OP_ACCUMULATE || q.op == SMC_OP_EXCHANGE;
+  uint64_t in_bytes = carries ? q.count * (uint64_t)c->esize : 0;
+  smc_result_t rc = SMC_SUCCESS;
+  const char* refused = NULL;
+  int sized = carries || q.op == SMC_OP_READ;  /* the server allocates count elements for these */
+  if (sized && c->box != NULL && (q.count > smc_box_count(c->box) || q.offset > smc_box_count(c->box) - q.count)) {
+    /* Checked before anything is allocated for it: the client checks too, so this is a confused or hostile one. */
+    rc = smc_set_error(SMC_ERR_INVALID, "box '%s': elements [%llu, %llu) are outside its %zu (box server)",
+                       c->box_name ? c->box_name : "?", (unsigned long long)q.offset,
+                       (unsigned long long)(q.offset + q.count), smc_box_count(c->box));
+    refused = smc_last_error();
+  } else if (in_bytes && !grow_payload(c, (size_t)in_bytes)) {
+    rc = smc_set_error(SMC_ERR_NOMEM, "box server: out of memory for %llu bytes", (unsigned long long)in_bytes);
+    refused = smc_last_error();
+  }
+  if (refused != NULL) {
+    if (!smc_wire_drain(c->fd, in_bytes)) return 0;
+    return smc_wire_send_error(c->fd, rc, refused) && q.op != SMC_OP_CLOSE && q.op != SMC_OP_DESTROY;
+  }
+  if (in_bytes && !smc_wire_recv(c->fd, c->payload, (size_t)in_bytes)) return 0;  /* nothing half-received is applied */
+
+  smc_wire_reply_t r = {0, 0, 0, 0, 0};
+  size_t out_bytes = 0;
+  rc = apply(c, &q, name, &r, &out_bytes);
+  if (rc == SMC_SUCCESS && carries && (q.flags & SMC_FLAG_THEN_TOUCH)) rc = touch_named(c, name, &r.version);
+  int ok;
+  if (rc != SMC_SUCCESS) {
+    ok = smc_wire_send_error(c->fd, rc, smc_last_error());
+  } else {
+    uint8_t reply[SMC_REPLY_BYTES];
+    smc_wire_pack_reply(reply, &r, 0);
+    ok = smc_wire_send(c->fd, reply, sizeof(reply), c->payload, out_bytes);
+  }
+  return ok && q.op != SMC_OP_CLOSE && q.op != SMC_OP_DESTROY && q.op != SMC_OP_PING;
+}
+
+
+void smc_box_session_serve(smc_comm_t* comm, int fd) {
+  session_t c;
+  memset(&c, 0, sizeof(c));
+  c.comm = comm;
+  c.fd = fd;
+  while (serve_one(&c)) {
+  }
+  end_session(&c);
+  free(c.payload);
+}
