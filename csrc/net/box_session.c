@@ -4,15 +4,14 @@
 #define _GNU_SOURCE
 #include "net/box_session.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/clock.h"
 #include "core/error.h"
 #include "net/wire.h"
 
 enum { MAX_TOUCHED = 16 };
-static const char STRIPED_SUFFIX[] = "@stripes";
 
 typedef struct {
   smc_comm_t* comm;
@@ -89,43 +88,10 @@ static smc_result_t touch_named(session_t* c, const char* name, uint64_t* versio
   return smc_box_accumulate(box, 0, 0, NULL, 1.0, 1.0, version);
 }
 
-/* The box `name`, or the description of the striped box of that name, waiting up to timeout_s for either
- * (transport/box.py's find_box). */
-static smc_result_t find_box(session_t* c, const char* name, double timeout_s, int* striped) {
-  size_t len = strlen(name);
-  char* described = (char*)malloc(len + sizeof(STRIPED_SUFFIX));
-  if (described == NULL) return smc_set_error(SMC_ERR_NOMEM, "box server: out of memory");
-  memcpy(described, name, len);
-  memcpy(described + len, STRIPED_SUFFIX, sizeof(STRIPED_SUFFIX));
-  double deadline = smc_now() + (smc_timeout_ok(timeout_s) ? timeout_s : 0.0);
-  double pause = 0.0005;
-  smc_result_t rc;
-  for (;;) {
-    const char* candidates[2] = {name, described};
-    for (int i = 0; i < 2; i++) {
-      rc = smc_box_attach(c->comm, candidates[i], 0.0, &c->box);
-      if (rc == SMC_SUCCESS) {
-        c->box_name = strdup(candidates[i]);
-        *striped = i == 1;
-        free(described);
-        return SMC_SUCCESS;
-      }
-      if (rc != SMC_ERR_NOT_FOUND) {
-        free(described);
-        return rc;
-      }
-    }
-    if (smc_now() >= deadline) break;
-    smc_sleep(pause);
-    pause = pause * 2 < 0.02 ? pause * 2 : 0.02;
-  }
-  free(described);
-  return smc_set_error(SMC_ERR_NOT_FOUND, "box '%s' does not exist (waited %.1f s)", name, timeout_s);
-}
-
 /* Applies one request whose name (NUL-terminated) and elements (in c->payload) have been read. Fills the reply and
  * says how many bytes of c->payload follow it; returns the core's code. */
-static smc_result_t apply(session_t* c, const smc_wire_request_t* q, const char* name, smc_wire_reply_t* r, size_t* out_bytes) {
+static smc_result_t apply(session_t* c, const smc_wire_request_t* q, const char* name, smc_wire_reply_t* r,
+                          size_t* out_bytes) {
   uint64_t version = 0;
   r->count = q->count;
   r->dtype = q->dtype;
@@ -134,13 +100,18 @@ static smc_result_t apply(session_t* c, const smc_wire_request_t* q, const char*
   if (q->op == SMC_OP_CREATE || q->op == SMC_OP_ATTACH) {
     if (c->box != NULL) return smc_set_error(SMC_ERR_INVALID, "box server: this connection holds a box already");
     int striped = 0;
-    if (q->op == SMC_OP_CREATE) {
+    if (q->op == SMC_OP_CREATE)
       SMC_CHECK(smc_box_create(c->comm, name, (size_t)q->count, (smc_datatype_t)q->dtype,
                                (q->flags & SMC_FLAG_EXIST_OK) != 0, &c->box));
-      c->box_name = strdup(name);
-    } else {
-      SMC_CHECK(find_box(c, name, q->timeout_s, &striped));
+    else
+      SMC_CHECK(smc_box_find(c->comm, name, q->timeout_s, &c->box, &striped));
+    size_t size = strlen(name) + sizeof(SMC_BOX_STRIPED_SUFFIX);  /* the name destroy() removes */
+    c->box_name = (char*)malloc(size);
+    if (c->box_name == NULL) {
+      close_box(c);
+      return smc_set_error(SMC_ERR_NOMEM, "box server: out of memory");
     }
+    snprintf(c->box_name, size, "%s%s", name, striped ? SMC_BOX_STRIPED_SUFFIX : "");
     c->esize = smc_dtype_size(smc_box_dtype(c->box));
     r->count = smc_box_count(c->box);
     r->dtype = (uint32_t)smc_box_dtype(c->box);
@@ -232,7 +203,7 @@ static int serve_one(session_t* c) {
     if (!smc_wire_drain(c->fd, in_bytes)) return 0;
     return smc_wire_send_error(c->fd, rc, refused) && q.op != SMC_OP_CLOSE && q.op != SMC_OP_DESTROY;
   }
-  if (in_bytes && !smc_wire_recv(c->fd, c->payload, (size_t)in_bytes)) return 0;  /* nothing half-received is applied */
+  if (in_bytes && !smc_wire_recv(c->fd, c->payload, (size_t)in_bytes)) return 0;  /* nothing half-read is applied */
 
   smc_wire_reply_t r = {0, 0, 0, 0, 0};
   size_t out_bytes = 0;
@@ -248,7 +219,6 @@ static int serve_one(session_t* c) {
   }
   return ok && q.op != SMC_OP_CLOSE && q.op != SMC_OP_DESTROY && q.op != SMC_OP_PING;
 }
-
 
 void smc_box_session_serve(smc_comm_t* comm, int fd) {
   session_t c;

@@ -106,4 +106,3 @@ int smc_wire_drain(int fd, uint64_t n) {
   }
   return 1;
 }
-

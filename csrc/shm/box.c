@@ -6,6 +6,7 @@
  * marks it consistent, bumps the version (what was under way may be half done) and goes on: boxes are meant to
  * outlive a lost worker. */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -155,23 +156,49 @@ out:
   return rc;
 }
 
+/* Attaches the first of names[0..n) that exists, waiting up to timeout_s for any of them; *which says which. */
+static smc_result_t attach_first(smc_comm_t* c, const char* const* names, int n, double timeout_s, smc_box_t** box,
+                                 int* which) {
+  double deadline = smc_now() + timeout_s, pause = 0.0005;
+  for (;;) {
+    SMC_CHECK(lock_robust(&c->hdr->registry_lock, c->timeout_s, "box registry"));
+    smc_result_t rc = SMC_ERR_NOT_FOUND;
+    for (int i = 0; i < n && rc == SMC_ERR_NOT_FOUND; i++) {
+      smc_box_entry_t* e = find_live(c->hdr, names[i]);
+      if (e != NULL) {
+        rc = open_handle(c, e, box);
+        *which = i;
+      }
+    }
+    pthread_mutex_unlock(&c->hdr->registry_lock);
+    if (rc != SMC_ERR_NOT_FOUND) return rc;
+    if (smc_now() >= deadline)
+      return smc_set_error(SMC_ERR_NOT_FOUND, "box '%s' does not exist (waited %.1f s)", names[0], timeout_s);
+    smc_sleep(pause);
+    if (pause < 0.02) pause *= 2;
+  }
+}
+
 smc_result_t smc_box_attach(smc_comm_t* c, const char* name, double timeout_s, smc_box_t** box) {
   SMC_CHECK(smc_comm_usable(c, "box attach"));
   SMC_CHECK(check_name(name));
   if (!smc_timeout_ok(timeout_s)) return smc_set_error(SMC_ERR_INVALID, "box attach: timeout %g s", timeout_s);
   if (box == NULL) return smc_set_error(SMC_ERR_INVALID, "box attach: output pointer is NULL");
-  double deadline = smc_now() + timeout_s, pause = 0.0005;
-  for (;;) {
-    SMC_CHECK(lock_robust(&c->hdr->registry_lock, c->timeout_s, "box registry"));
-    smc_box_entry_t* e = find_live(c->hdr, name);
-    smc_result_t rc = e != NULL ? open_handle(c, e, box) : SMC_ERR_NOT_FOUND;
-    pthread_mutex_unlock(&c->hdr->registry_lock);
-    if (rc != SMC_ERR_NOT_FOUND) return rc;
-    if (smc_now() >= deadline)
-      return smc_set_error(SMC_ERR_NOT_FOUND, "box '%s' does not exist (waited %.1f s)", name, timeout_s);
-    smc_sleep(pause);
-    if (pause < 0.02) pause *= 2;
-  }
+  int which;
+  return attach_first(c, &name, 1, timeout_s, box, &which);
+}
+
+smc_result_t smc_box_find(smc_comm_t* c, const char* name, double timeout_s, smc_box_t** box, int* striped) {
+  SMC_CHECK(smc_comm_usable(c, "box attach"));
+  SMC_CHECK(check_name(name));
+  if (!smc_timeout_ok(timeout_s)) return smc_set_error(SMC_ERR_INVALID, "box attach: timeout %g s", timeout_s);
+  if (box == NULL || striped == NULL) return smc_set_error(SMC_ERR_INVALID, "box attach: output pointer is NULL");
+  char described[SMC_BOX_NAME_MAX + sizeof(SMC_BOX_STRIPED_SUFFIX)];
+  snprintf(described, sizeof(described), "%s%s", name, SMC_BOX_STRIPED_SUFFIX);
+  const char* names[2] = {name, described};
+  /* A description's name too long for a box cannot exist: then only the name itself is looked for. */
+  int n = strlen(described) < SMC_BOX_NAME_MAX ? 2 : 1;
+  return attach_first(c, names, n, timeout_s, box, striped);
 }
 
 void smc_box_close(smc_box_t* b) {

@@ -3,12 +3,10 @@
 rank of the host reads, writes and accumulates into under a robust per-box lock. shmcomm/smb.py is the user's API
 over this; box_client.RemoteBoxHandle is the same handle for a box in another host's arena (served there by
 box_server.py), and shmcomm/smb_stripes.py composes handles into a striped box."""
-import time
-
 from shmcomm._native import check, ffi, lib
-from shmcomm.exceptions import BoxNotFoundError
 
-STRIPED_SUFFIX = "@stripes"  # the box that describes a striped box: int64 [count, dtype, stripes]
+# The box that describes a striped box: int64 [count, dtype, stripes] (the core's SMC_BOX_STRIPED_SUFFIX).
+STRIPED_SUFFIX = "@stripes"
 
 
 def stripe_name(name, index):
@@ -17,31 +15,24 @@ def stripe_name(name, index):
 
 def find_box(shm, name, timeout_s):
     """A handle to the box `name`, or to the description of the striped box of that name, waiting up to timeout_s
-    for either to appear: (handle, striped)."""
-    deadline = time.monotonic() + timeout_s
-    pause = 0.0005
-    while True:
-        for candidate, striped in ((name, False), (name + STRIPED_SUFFIX, True)):
-            try:
-                return BoxHandle(shm, candidate, timeout_s=0.0), striped
-            except BoxNotFoundError:
-                pass
-        if time.monotonic() >= deadline:
-            raise BoxNotFoundError("box '%s' does not exist (waited %.1f s)" % (name, timeout_s))
-        time.sleep(pause)
-        pause = min(2 * pause, 0.02)
+    for either to appear (smc_box_find): (handle, striped)."""
+    out, striped = ffi.new("smc_box_t **"), ffi.new("int *")
+    check(lib.smc_box_find(shm.handle, name.encode(), timeout_s, out, striped))
+    return BoxHandle(shm, name + STRIPED_SUFFIX if striped[0] else name, found=out[0]), bool(striped[0])
 
 
 class BoxHandle:
     """One process's handle to a box in `shm`'s arena (a transport.shm.SharedMemory with the arena)."""
 
-    def __init__(self, shm, name, count=None, dtype=None, exist_ok=True, timeout_s=0.0):
+    def __init__(self, shm, name, count=None, dtype=None, exist_ok=True, timeout_s=0.0, found=None):
         """With `count` and `dtype`: create the box (or attach to an equal one if exist_ok). Without: attach to a box
-        another rank creates, waiting up to timeout_s for it."""
+        another rank creates, waiting up to timeout_s for it. `found`: a handle find_box opened already."""
         self._shm = shm
         self._name = name.encode()
         out = ffi.new("smc_box_t **")
-        if count is not None:
+        if found is not None:
+            out[0] = found
+        elif count is not None:
             check(lib.smc_box_create(shm.handle, self._name, count, dtype, 1 if exist_ok else 0, out))
         else:
             check(lib.smc_box_attach(shm.handle, self._name, timeout_s, out))

@@ -192,6 +192,22 @@ int main(void) {
   EXPECT(call(b, VERSION, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0,
          "a connection of the parent survives it");
 
+  /* Attaching a striped box's name finds its description; destroying through that handle removes the description. */
+  int maker = connect_to(port), e = connect_to(port);
+  EXPECT(call(maker, CREATE, 0, "wide@stripes", SMC_INT64, 0, 3, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0,
+         "create a description: %s", r.text);
+  EXPECT(call(e, ATTACH, 0, "wide", 0, 0, 0, 0, 0, 1.0, NULL, 0, NULL, 0, &r) && r.status == 0 && r.flags == 1 &&
+             r.count == 3,
+         "attach finds the description: %s flags %u", r.text, r.flags);
+  EXPECT(call(e, DESTROY, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "destroy: %s", r.text);
+  close(e);
+  e = connect_to(port);
+  EXPECT(call(e, ATTACH, 0, "wide", 0, 0, 0, 0, 0, 0.1, NULL, 0, NULL, 0, &r) && r.status == 1 &&
+             starts_with(r.text, "BoxNotFoundError\n"),
+         "the description is gone: %s", r.text);
+  close(e);
+  close(maker);
+
   /* Destroy frees the name; stop ends the connections still open. */
   EXPECT(call(c, DESTROY, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "destroy: %s", r.text);
   EXPECT(closed_by_peer(c), "a destroy's connection ends");
