@@ -2,6 +2,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))  # the multiproc harness
 
 try:
@@ -20,3 +22,25 @@ def pytest_configure(config):
     # Every run lists its skips with their reasons (-rs): a skipped test must never pass for a passing one.
     if "s" not in config.option.reportchars and "a" not in config.option.reportchars:
         config.option.reportchars += "s"
+
+
+# Every compiled program is kept, however quick its compilation or small its executable.
+_KEEP_EVERY_PROGRAM = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def jax_compilation_cache(tmp_path_factory):
+    """One persistent XLA compilation cache for every JAX job of the session. The jobs of tests/test_jax.py, the
+    JAX example and the JAX benchmark compile the same hundred-odd small programs on every rank, and compiling them
+    is most of those tests' time on 2 cores; what they test (the collectives, their order, their results) runs the
+    same from a cached executable. Set in the environment, which every job's ranks inherit."""
+    settings = dict(_KEEP_EVERY_PROGRAM, JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla-cache")))
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

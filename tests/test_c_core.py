@@ -33,9 +33,36 @@ def _core_sources():
                   if os.path.basename(os.path.dirname(p)) != "jax")
 
 
-def _build_and_run(tmp_path, test, extra):
+@pytest.fixture(scope="module")
+def core_objects(tmp_path_factory):
+    """core_objects(flags): the core's object files built with FLAGS + flags, once per set of flags for the module
+    (each test used to compile the whole core again), two compilers at a time."""
+    built = {}
+
+    def objects(extra):
+        key = tuple(extra)
+        if key not in built:
+            out = tmp_path_factory.mktemp("core")
+            sources = _core_sources()
+            names = [str(out / (os.path.relpath(p, os.path.join(ROOT, "csrc")).replace(os.sep, "_")[:-2] + ".o"))
+                     for p in sources]
+            pending = list(zip(sources, names))
+            running = []
+            while pending or running:
+                while pending and len(running) < max(2, os.cpu_count() or 1):
+                    source, name = pending.pop()
+                    running.append(subprocess.Popen([CC] + FLAGS + extra + ["-c", source, "-o", name]))
+                if running[0].wait(timeout=300) != 0:
+                    pytest.fail("the core did not compile with %s" % " ".join(extra))
+                running.pop(0)
+            built[key] = names
+        return built[key]
+    return objects
+
+
+def _build_and_run(tmp_path, test, extra, objects):
     exe = str(tmp_path / os.path.basename(test).replace(".c", ""))
-    subprocess.run([CC] + FLAGS + extra + [os.path.join(C_DIR, test)] + _core_sources() + ["-o", exe, "-lrt", "-lm"],
+    subprocess.run([CC] + FLAGS + extra + [os.path.join(C_DIR, test)] + objects + ["-o", exe, "-lrt", "-lm"],
                    check=True, timeout=300)
     run = subprocess.run([exe], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -44,8 +71,8 @@ def _build_and_run(tmp_path, test, extra):
 
 
 @pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_reduce.c", "test_box_server.c"])
-def test_c_units(tmp_path, test):
-    _build_and_run(tmp_path, test, ["-O2"])
+def test_c_units(tmp_path, test, core_objects):
+    _build_and_run(tmp_path, test, ["-O2"], core_objects(["-O2"]))
 
 
 def _require_sanitizers(tmp_path):
@@ -61,10 +88,10 @@ def _require_sanitizers(tmp_path):
 
 
 @pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_box_server.c"])
-def test_core_units_under_sanitizers(tmp_path, test):
+def test_core_units_under_sanitizers(tmp_path, test, core_objects):
     """test_reduce.c runs under them through `make asan`, below, without -fwrapv."""
     _require_sanitizers(tmp_path)
-    _build_and_run(tmp_path, test, SANITIZE)
+    _build_and_run(tmp_path, test, SANITIZE, core_objects(SANITIZE))
 
 
 def _make(tmp_path, target):

@@ -52,8 +52,9 @@ def test_on_a_logical_grid_the_handler_goes_through_python():
     _assert_all_ok(_launch(["-np", 4, sys.executable, CHECKS] + checks, SHMCOMM_TORUS_GRID="2x2"), 4, checks)
 
 
+# MPI's own allreduce under jit takes the same handler path as the torus (through Python); -m long runs it too.
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["torus", "mpi"])
+@pytest.mark.parametrize("algo", ["torus", pytest.param("mpi", marks=pytest.mark.long)])
 def test_across_two_simulated_hosts(two_hosts, algo):  # noqa: F811 (the fixture)
     checks = ["collectives", "mismatches", "optimizer", "ordering"] + (["gradients", "with_engine"]
                                                                        if algo == "torus" else [])

@@ -180,7 +180,7 @@ def test_survivors_of_a_rank_killed_before_mpi_started_name_it(two_hosts, tmp_pa
     """The launcher's notice (runner/notice_server.py) names the rank its guard saw killed, to ranks that wait in
     MPI's start for it: each raises RankFailure naming it at once, not a TimeoutError after SHMCOMM_START_TIMEOUT
     (60 s here) that cannot say which rank is missing."""
-    run = _shmcommrun(two_hosts, 2, ["--kill-grace-seconds", "20", sys.executable, "-c",
+    run = _shmcommrun(two_hosts, 2, ["--kill-grace-seconds", "10", sys.executable, "-c",
                                      textwrap.dedent(KILLED_BEFORE_MPI), str(tmp_path)], timeout=120,
                       SHMCOMM_START_TIMEOUT="60")
     assert run.returncode != 0, run.stdout + run.stderr
