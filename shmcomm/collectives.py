@@ -95,24 +95,34 @@ def allreduce_request(tensor, output, op, average, prescale_factor, postscale_fa
 def _engine_free(tensor, process_set):
     """Whether a blocking call may go straight to the world communicator: no engine to keep in order with, the global
     set, a host tensor. The small-message latency of every collective is decided here: no Request, no dispatch."""
-    return process_set is None and current_engine() is None and not is_cuda(tensor)
+    return process_set is None and current_engine() is None and (type(tensor) is np.ndarray or not is_cuda(tensor))
 
 
-def _direct(kind, name, call):
-    """call(comm, what) on the world communicator; a failure of this rank's own checks fails the collective on every
-    rank at once, as execute() does for requests."""
-    comm = session.communicator()
-    what = kind if name is None else "%s.%s" % (kind, name)
-    try:
-        return call(comm, what)
-    except InvalidArgumentError as error:
-        raise comm.refused(kind, error, what) from None
+# The blocking collectives on the global set without the engine go straight to the world communicator, no Request.
+# Each is written out (no shared helper taking a closure): the smallest call is a few microseconds, and a closure and
+# a call more are a measurable share of it. A failure of this rank's own checks fails the collective on every rank at
+# once, as execute() does for requests (Communicator.refused).
+
+def _what(kind, name):
+    return kind if name is None else "%s.%s" % (kind, name)
 
 
 def _latency_path(tensor, output, op, prescale_factor, postscale_factor, name):
-    """A blocking allreduce on the global set without the engine: straight to the communicator, no Request."""
-    return _direct("allreduce", name, lambda comm, what: comm.allreduce(tensor, output, ops.resolve(op),
-                                                                         prescale_factor, postscale_factor, what))
+    comm = session.communicator()
+    what = _what("allreduce", name)
+    try:
+        return comm.allreduce(tensor, output, ops.resolve(op), prescale_factor, postscale_factor, what)
+    except InvalidArgumentError as error:
+        raise comm.refused("allreduce", error, what) from None
+
+
+def _broadcast_now(tensor, output, root_rank, name):
+    comm = session.communicator()
+    what = _what("broadcast", name)
+    try:
+        return comm.broadcast(tensor, output, root_index(comm, root_rank, what), what)
+    except InvalidArgumentError as error:
+        raise comm.refused("broadcast", error, what) from None
 
 
 def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None,
@@ -140,16 +150,14 @@ def broadcast_request(tensor, output, root_rank, name, process_set):
 def broadcast(tensor, root_rank, name=None, output=None, process_set=None):
     """root_rank's `tensor` on every rank, in a new tensor or in `output`."""
     if _engine_free(tensor, process_set):
-        return _direct("broadcast", name, lambda comm, what: comm.broadcast(
-            tensor, output, root_index(comm, root_rank, what), what))
+        return _broadcast_now(tensor, output, root_rank, name)
     return run(broadcast_request(tensor, output, root_rank, name, process_set))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """Overwrites `tensor` with root_rank's on every rank; returns it."""
     if _engine_free(tensor, process_set):
-        return _direct("broadcast", name, lambda comm, what: comm.broadcast(
-            tensor, tensor, root_index(comm, root_rank, what), what))
+        return _broadcast_now(tensor, tensor, root_rank, name)
     return run(broadcast_request(tensor, tensor, root_rank, name, process_set))
 
 
@@ -162,7 +170,12 @@ def allgather(tensor, name=None, process_set=None, output=None):
     """Concatenation of every rank's `tensor` along the first dimension, which may differ between ranks; in a new
     array, or in `output` (which must have the concatenation's shape and the tensor's dtype)."""
     if _engine_free(tensor, process_set):
-        return _direct("allgather", name, lambda comm, what: comm.allgather(tensor, what, output))
+        comm = session.communicator()
+        what = _what("allgather", name)
+        try:
+            return comm.allgather(tensor, what, output)
+        except InvalidArgumentError as error:
+            raise comm.refused("allgather", error, what) from None
     return run(allgather_request(tensor, name, process_set, output))
 
 
@@ -187,8 +200,12 @@ def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postsc
     divide evenly, the first (rows % size) ranks get one extra row (Horovod's rule). In a new array, or in
     `output`."""
     if _engine_free(tensor, process_set):
-        return _direct("reducescatter", name, lambda comm, what: comm.reducescatter(
-            tensor, _reducescatter_op(op), prescale_factor, postscale_factor, what, output))
+        comm = session.communicator()
+        what = _what("reducescatter", name)
+        try:
+            return comm.reducescatter(tensor, _reducescatter_op(op), prescale_factor, postscale_factor, what, output)
+        except InvalidArgumentError as error:
+            raise comm.refused("reducescatter", error, what) from None
     return run(reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set, output))
 
 
@@ -200,7 +217,10 @@ def alltoall_request(tensor, splits, name, process_set, output=None):
 
 
 def _rows_per_rank(tensor, splits, n, what):
-    shape = (wrap_device if is_cuda(tensor) else wrap)(tensor, what).shape  # checks the tensor before reading it
+    if type(tensor) is np.ndarray:
+        shape = tensor.shape
+    else:
+        shape = (wrap_device if is_cuda(tensor) else wrap)(tensor, what).shape  # checks the tensor before reading it
     return splits_list(splits, (tuple(shape) or (1,))[0], n, what)
 
 
@@ -219,8 +239,12 @@ def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
     array or in `output` (which must have exactly the rows received). With `splits`, also returns how many rows came
     from each rank (as Horovod does)."""
     if _engine_free(tensor, process_set):
-        out, got = _direct("alltoall", name, lambda comm, what: comm.alltoall(
-            tensor, _rows_per_rank(tensor, splits, comm.size, what), what, output))
+        comm = session.communicator()
+        what = _what("alltoall", name)
+        try:
+            out, got = comm.alltoall(tensor, _rows_per_rank(tensor, splits, comm.size, what), what, output)
+        except InvalidArgumentError as error:
+            raise comm.refused("alltoall", error, what) from None
     else:
         out, got = run(alltoall_request(tensor, splits, name, process_set, output))
     return out if splits is None else (out, received_splits(tensor, got))

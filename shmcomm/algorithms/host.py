@@ -10,6 +10,7 @@ from shmcomm import description, ops
 from shmcomm._native import ffi
 from shmcomm.algorithms import adasum
 from shmcomm.algorithms.communicator import Communicator
+from shmcomm.algorithms.known_arrays import KnownArrays
 from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
 from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
 
@@ -24,10 +25,15 @@ class HostComm(Communicator):
         self._every = ffi.new("uint64_t[]", self.size)
         self._matrix = ffi.new("uint64_t[]", self.size * self.size)  # [j * size + i]: rows rank j sends rank i
         self._splits = {}  # (rows, elements per row): reducescatter's split (_split)
+        self.known = KnownArrays(shm, self._every, self._matrix)  # the short path of numpy arrays seen before
 
     def allreduce(self, x, output, op, prescale, postscale, what):
         """Reduces `x` into `output` (which may be `x` itself, or None for a new array); returns the result.
         This is the latency path of the whole library: keep it free of avoidable work."""
+        if type(x) is np.ndarray:
+            out = self._short(self.known.allreduce, x, what, output, op, prescale, postscale, what)
+            if out is not None:
+                return out
         inplace = output is x
         src = wrap(x, what, inplace)
         if src.code is None:
@@ -36,9 +42,11 @@ class HostComm(Communicator):
         if op == ops.Adasum:
             self.adasum(src.ptr, dst.ptr, src.count, src.code, [src.count], prescale, postscale, what, src.shape)
             return out
+        tag = description.tag(src.code, src.shape)
+        self.known.keep("allreduce", x, src.count, src.code, tag)
         try:
             self.shm.allreduce(src.ptr, dst.ptr, src.count, src.code, ops.C_OP[op], prescale, postscale,
-                               self.size if op == ops.Average else 1, description.tag(src.code, src.shape), what)
+                               self.size if op == ops.Average else 1, tag, what)
         except MismatchError as error:
             raise self.explain_mismatch(error, what, src) from None
         return out
@@ -61,10 +69,16 @@ class HostComm(Communicator):
 
     def broadcast(self, x, output, root, what):
         """`root` (an index in the communicator) sends `x`; everyone's result lands in `output` (may be `x`)."""
+        if type(x) is np.ndarray:
+            out = self._short(self.known.broadcast, x, what, output, root, what)
+            if out is not None:
+                return out
         src = wrap(x, what, writable=output is x)
         out, dst = (x, src) if output is x else output_for(src, output, src.shape, what)
+        tag = description.tag(src.dtype_key(), src.shape)
+        self.known.keep("broadcast", x, src.nbytes, tag)
         try:
-            self.shm.broadcast(src.ptr, dst.ptr, src.nbytes, root, description.tag(src.dtype_key(), src.shape), what)
+            self.shm.broadcast(src.ptr, dst.ptr, src.nbytes, root, tag, what)
         except MismatchError as error:
             raise self.explain_mismatch(error, what, src) from None
         return out
@@ -72,11 +86,16 @@ class HostComm(Communicator):
     def allgather(self, x, what, output=None):
         """Concatenation along the first dimension, which may differ between ranks: every rank's row count travels
         with the first window of data, so a small allgather is one synchronisation. Into `output` when given."""
+        if type(x) is np.ndarray:
+            out = self._short(self.known.allgather, x, what, what, output)
+            if out is not None:
+                return out
         src = wrap(x, what)
         shape = tuple(src.shape) or (1,)
         size = row_bytes(src, shape)
         rows = self._every
         tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
+        self.known.keep("allgather", x, shape[0], size, tag)
         self._step(self.shm.allgather_begin, src, what, src.ptr, shape[0], size, rows, tag, what)
         return self._finish(self.shm.allgather_finish, src, output, (sum(rows[0:self.size]),) + shape[1:], what, size,
                             rows)
@@ -84,6 +103,10 @@ class HostComm(Communicator):
     def reducescatter(self, x, op, prescale, postscale, what, output=None):
         """This rank's share of the reduction, split along the first dimension by Horovod's rule; into `output`
         when given."""
+        if type(x) is np.ndarray:
+            out = self._short(self.known.reducescatter, x, what, op, prescale, postscale, what, output)
+            if out is not None:
+                return out
         src = wrap(x, what)
         require_reducible(src, what)
         if len(src.shape) == 0:
@@ -91,11 +114,14 @@ class HostComm(Communicator):
         rows = src.shape[0]
         per_row = src.count // rows if rows else 0
         mine, counts = self._split(rows, per_row)
-        out, dst, error = output_or_scratch(src, output, (mine,) + tuple(src.shape[1:]), what)
+        shape = (mine,) + tuple(src.shape[1:])
+        out, dst, error = output_or_scratch(src, output, shape, what)
+        tag = description.tag(src.code, src.shape)
+        if error is None:
+            self.known.keep("reducescatter", x, src.code, shape, counts, tag)
         try:
             self.shm.reducescatter(src.ptr, dst.ptr, counts, src.code, ops.C_OP[op],
-                                   float(prescale), float(postscale), self.size if op == ops.Average else 1,
-                                   description.tag(src.code, src.shape), what)
+                                   float(prescale), float(postscale), self.size if op == ops.Average else 1, tag, what)
         except MismatchError as mismatch:
             raise self.explain_mismatch(mismatch, what, src) from None
         if error is not None:
@@ -118,13 +144,18 @@ class HostComm(Communicator):
     def alltoall(self, x, splits, what, output=None):
         """Sends splits[j] rows to rank j; returns (rows received in rank order, rows received from each rank). The
         counts travel with the first window of data, so a small alltoall is one synchronisation."""
+        if type(x) is np.ndarray:
+            done = self._short(self.known.alltoall, x, what, splits, what, output)
+            if done is not None:
+                return done
         src = wrap(x, what)
         shape = tuple(src.shape) or (1,)
         size = row_bytes(src, shape)
         matrix = self._matrix
         tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
-        self._step(self.shm.alltoall_begin, src, what, src.ptr, ffi.new("uint64_t[]", splits), size, matrix, tag,
-                   what)
+        sends = ffi.new("uint64_t[]", splits)
+        self.known.keep("alltoall", x, list(splits), sends, size, tag)
+        self._step(self.shm.alltoall_begin, src, what, src.ptr, sends, size, matrix, tag, what)
         n, me = self.size, self.rank
         got = [matrix[j * n + me] for j in range(n)]
         return self._finish(self.shm.alltoall_finish, src, output, (sum(got),) + shape[1:], what, size,
@@ -145,6 +176,14 @@ class HostComm(Communicator):
 
     def allgather_bytes(self, payload):
         return self.shm.allgather_bytes(payload)
+
+    def _short(self, step, x, what, *args):
+        """step(x, *args), a KnownArrays path (None where it does not apply); a mismatch is explained as on the full
+        path."""
+        try:
+            return step(x, *args)
+        except MismatchError as error:
+            raise self.explain_mismatch(error, what, wrap(x, what)) from None
 
     def _step(self, step, src, what, *args):
         try:

@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The short path of a host's collectives for numpy arrays of a dtype and shape that the same collective took before.
+
+A training loop passes arrays of the same dtypes and shapes every step. The first call of a collective with an array
+of a new dtype and shape takes HostComm's full path: buffers.wrap, the output's checks and the tag, several
+microseconds where the core's step takes one. What that path worked out for the core (counts, sizes, the tag) is kept
+here under (collective, dtype, shape), and later calls with such an array go to the core at once. The only checks left
+are the ones two arrays of one dtype and shape can fail differently: contiguous, writable, the output's dtype and
+shape. Each method returns None, before any step, where anything is out of the ordinary; HostComm then takes its full
+path, whose errors say what is wrong."""
+import numpy as np
+
+from shmcomm import ops
+from shmcomm._native import ffi
+from shmcomm.buffers import output_or_scratch, wrap
+
+_REFUSED = (BufferError, TypeError, ValueError)  # what ffi.from_buffer raises for an array it cannot pass
+_MOST_KEPT = 256  # (collective, dtype, shape) entries; a loop that keeps making new shapes starts over
+
+
+class KnownArrays:
+    """The kept arguments of one communicator's collectives (`shm`: its transport.shm.SharedMemory)."""
+
+    def __init__(self, shm, every, matrix):
+        self.shm = shm
+        self.size = shm.size
+        self._kept = {}
+        self._every = every  # allgather's rows per rank (uint64_t[size]), filled by its first step
+        self._matrix = matrix  # alltoall's rows (uint64_t[size * size]), [j * size + i]: rank j sends rank i
+
+    def keep(self, kind, array, *facts):
+        """What the full path of collective `kind` worked out for `array`, if it is a numpy array."""
+        if type(array) is np.ndarray:
+            if len(self._kept) >= _MOST_KEPT:
+                self._kept.clear()
+            self._kept[(kind, array.dtype, array.shape)] = facts
+
+    def allreduce(self, x, output, op, prescale, postscale, what):
+        facts = self._kept.get(("allreduce", x.dtype, x.shape))
+        if facts is None or op not in ops.C_OP:
+            return None
+        count, code, tag = facts
+        places = _in_and_out(x, output, x.shape)
+        if places is None:
+            return None
+        out, src, dst = places
+        self.shm.allreduce(src, dst, count, code, ops.C_OP[op], prescale, postscale,
+                           self.size if op == ops.Average else 1, tag, what)
+        return out
+
+    def broadcast(self, x, output, root, what):
+        facts = self._kept.get(("broadcast", x.dtype, x.shape))
+        if facts is None:
+            return None
+        places = _in_and_out(x, output, x.shape)
+        if places is None:
+            return None
+        out, src, dst = places
+        nbytes, tag = facts
+        self.shm.broadcast(src, dst, nbytes, root, tag, what)
+        return out
+
+    def reducescatter(self, x, op, prescale, postscale, what, output):
+        facts = self._kept.get(("reducescatter", x.dtype, x.shape))
+        if facts is None or op not in ops.C_OP:
+            return None
+        code, shape, counts, tag = facts
+        places = _in_and_out(x, output, shape)
+        if places is None:
+            return None
+        out, src, dst = places
+        self.shm.reducescatter(src, dst, counts, code, ops.C_OP[op], prescale, postscale,
+                               self.size if op == ops.Average else 1, tag, what)
+        return out
+
+    def allgather(self, x, what, output):
+        facts = self._kept.get(("allgather", x.dtype, x.shape))
+        if facts is None:
+            return None
+        rows, row_bytes, tag = facts
+        try:
+            src = ffi.from_buffer(x)
+        except _REFUSED:
+            return None
+        every = self._every
+        self.shm.allgather_begin(src, rows, row_bytes, every, tag, what)
+        shape = (sum(every[0:self.size]),) + x.shape[1:]
+        return self._finish(self.shm.allgather_finish, x, src, output, shape, what, row_bytes, every)
+
+    def alltoall(self, x, splits, what, output):
+        """(rows received in rank order, rows received from each rank), as HostComm.alltoall."""
+        facts = self._kept.get(("alltoall", x.dtype, x.shape))
+        if facts is None or facts[0] != splits:
+            return None
+        _, sends, row_bytes, tag = facts
+        try:
+            src = ffi.from_buffer(x)
+        except _REFUSED:
+            return None
+        matrix, n, me = self._matrix, self.size, self.shm.rank
+        self.shm.alltoall_begin(src, sends, row_bytes, matrix, tag, what)
+        got = ffi.unpack(matrix, n * n)[me::n]
+        shape = (sum(got),) + x.shape[1:]
+        return (self._finish(self.shm.alltoall_finish, x, src, output, shape, what, row_bytes, matrix),
+                np.array(got, dtype=np.int64))
+
+    @staticmethod
+    def _finish(finish, x, src, output, shape, what, *args):
+        """The second step of an allgather or alltoall: it must be taken whatever the output, so an output that does
+        not fit takes it into a new array (buffers.output_or_scratch) before its error is raised."""
+        if output is None or type(output) is np.ndarray and output.dtype == x.dtype and output.shape == shape \
+                and output.flags.writeable:
+            out = np.empty(shape, x.dtype) if output is None else output
+            try:
+                finish(src, ffi.from_buffer(out), *args, what)
+                return out
+            except _REFUSED:
+                pass
+        out, dst, error = output_or_scratch(wrap(x, what), output, shape, what)
+        finish(src, dst.ptr, *args, what)
+        if error is not None:
+            raise error
+        return out
+
+
+def _in_and_out(x, output, shape):
+    """(result, x's pointer, the result's pointer) for a step from `x` into `output` (x itself, None for a new array
+    of `shape`, or an array of x's dtype and that shape); None where the full path must look closer."""
+    try:
+        src = ffi.from_buffer(x)
+    except _REFUSED:
+        return None
+    if output is x:
+        return (x, src, src) if x.flags.writeable and x.shape == shape else None
+    if output is None:
+        out = np.empty(shape, x.dtype)
+        return out, src, ffi.from_buffer(out)
+    if type(output) is not np.ndarray or output.dtype != x.dtype or output.shape != shape or not output.flags.writeable:
+        return None
+    try:
+        return output, src, ffi.from_buffer(output)
+    except _REFUSED:
+        return None

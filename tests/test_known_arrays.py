@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The short path of numpy arrays of a dtype and shape a collective took before (algorithms/known_arrays.py): repeated
+calls of every collective give the same results as the first, into new arrays, outputs and in place, without wrapping
+the arrays again; an array the short path must not take (non-contiguous, read-only, another byte order, an output of
+another dtype or shape) gets the full path's checks and errors, on every rank, and the job goes on."""
+import numpy as np
+import pytest
+
+import multiproc
+
+FAST_TIMEOUT = {"SHMCOMM_TIMEOUT": "20"}
+
+
+def _expected(size, me, step):
+    """(this rank's input, the allreduce sum, the allgather, this rank's reducescatter share, alltoall's input and
+    result) of step `step`: values that change every step, so a stale result cannot pass."""
+    x = np.arange(size * 6, dtype=np.float32).reshape(size * 2, 3) + 10 * me + step
+    total = sum(np.arange(size * 6, dtype=np.float32).reshape(size * 2, 3) + 10 * r + step for r in range(size))
+    gathered = np.concatenate([np.arange(size * 6, dtype=np.float32).reshape(size * 2, 3) + 10 * r + step
+                               for r in range(size)])
+    sent = np.repeat(np.arange(size, dtype=np.int64) + 100 * me + step, 2)
+    received = np.repeat(np.array([100 * j + me + step for j in range(size)], dtype=np.int64), 2)
+    return x, total, gathered, total[me * 2:(me + 1) * 2], sent, received
+
+
+def _repeated_calls():
+    import shmcomm
+    from shmcomm.algorithms import host
+
+    shmcomm.init()
+    size, me = shmcomm.size(), shmcomm.rank()
+    wrapped = []
+    full_wrap = host.wrap
+    for step in range(4):
+        if step == 2:  # the first two steps took the full path; from here on no array may be wrapped
+            host.wrap = lambda *args, **kwargs: wrapped.append(args[1]) or full_wrap(*args, **kwargs)
+        x, total, gathered, share, sent, received = _expected(size, me, step)
+        np.testing.assert_array_equal(shmcomm.allreduce(x, op=shmcomm.Sum), total)
+        out = np.empty_like(x)
+        assert shmcomm.allreduce(x, op=shmcomm.Sum, output=out) is out
+        np.testing.assert_array_equal(out, total)
+        inplace = x.copy()
+        assert shmcomm.allreduce_(inplace, op=shmcomm.Average) is inplace
+        np.testing.assert_allclose(inplace, total / size, rtol=1e-6)
+        np.testing.assert_array_equal(shmcomm.allreduce(x, op=shmcomm.Max), gathered[(size - 1) * size * 2:])
+        root = step % size
+        want = np.arange(size * 6, dtype=np.float32).reshape(size * 2, 3) + 10 * root + step
+        np.testing.assert_array_equal(shmcomm.broadcast(x, root), want)
+        inplace = x.copy()
+        assert shmcomm.broadcast_(inplace, root) is inplace
+        np.testing.assert_array_equal(inplace, want)
+        np.testing.assert_array_equal(shmcomm.allgather(x), gathered)
+        out = np.empty_like(gathered)
+        assert shmcomm.allgather(x, output=out) is out
+        np.testing.assert_array_equal(out, gathered)
+        np.testing.assert_array_equal(shmcomm.reducescatter(x, op=shmcomm.Sum), share)
+        out = np.empty_like(share)
+        assert shmcomm.reducescatter(x, op=shmcomm.Average, output=out) is out
+        np.testing.assert_allclose(out, share / size, rtol=1e-6)
+        np.testing.assert_array_equal(shmcomm.alltoall(sent), received)
+        out = np.empty_like(received)
+        got, counts = shmcomm.alltoall(sent, splits=[2] * size, output=out)
+        assert got is out and list(counts) == [2] * size
+        np.testing.assert_array_equal(out, received)
+    host.wrap = full_wrap
+    assert wrapped == [], "arrays wrapped on the short path: %s" % wrapped
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_repeated_calls_take_the_short_path_and_give_the_same_results(size):
+    assert multiproc.run(size, _repeated_calls, timeout=120, env=FAST_TIMEOUT) == [True] * size
+
+
+def _unusual_arrays():
+    """Rank 1 passes, after a call of the same dtype and shape, an array the short path must not take; it raises the
+    full path's error and every other rank PeerArgumentError naming it (or, for a shape mismatch, every rank
+    MismatchError naming every rank's shape); the next call works."""
+    import shmcomm
+
+    shmcomm.init()
+    size, me = shmcomm.size(), shmcomm.rank()
+    x = np.ones((4, 3), np.float32)
+    seen = []
+
+    def attempt(label, call, good):
+        try:
+            call(good)
+            seen.append((label, "ok"))
+        except shmcomm.PeerArgumentError as error:
+            seen.append((label, "peer %d" % error.rank))
+        except shmcomm.MismatchError as error:
+            seen.append((label, "mismatch" + ("[4, 3]" in str(error) and "[3, 4]" in str(error)) * " named"))
+        except shmcomm.InvalidArgumentError as error:
+            seen.append((label, "own " + str(error).split(": ", 1)[1][:30]))
+        np.testing.assert_array_equal(shmcomm.allreduce(x, op=shmcomm.Sum), np.full((4, 3), size, np.float32))
+
+    strided = np.ones((4, 6), np.float32)[:, ::2]
+    read_only = np.ones((4, 3), np.float32)
+    read_only.flags.writeable = False
+    swapped = np.ones((4, 3), ">f4")
+    cases = [
+        ("non-contiguous", lambda good: shmcomm.allreduce(x if good else strided)),
+        ("read-only in place", lambda good: shmcomm.allreduce_(x.copy() if good else read_only)),
+        ("read-only output", lambda good: shmcomm.allreduce(x, output=np.empty_like(x) if good else read_only)),
+        ("output dtype", lambda good: shmcomm.allreduce(x, output=np.empty((4, 3), np.float32 if good else np.int32))),
+        ("byte order", lambda good: shmcomm.broadcast(x if good else swapped, 0)),
+        ("broadcast output", lambda good: shmcomm.broadcast(x, 0, output=np.empty((4, 3) if good else (3, 4),
+                                                                                     np.float32))),
+        ("reducescatter output", lambda good: shmcomm.reducescatter(
+            x, output=np.empty((4 // size + (me < 4 % size), 3) if good else (9, 3), np.float32))),
+        ("shape", lambda good: shmcomm.allreduce(x if good else np.ones((3, 4), np.float32))),
+    ]
+    for label, call in cases:
+        call(True)  # the dtype and shape are known from here on
+        attempt(label, call, me != 1)
+    # allgather and alltoall take their first step before the output's shape is known: a rank whose output does not
+    # fit still takes part, then raises; the others get their results.
+    for label, call in [("allgather output", lambda out: shmcomm.allgather(x, output=out)),
+                        ("alltoall output", lambda out: shmcomm.alltoall(np.ones((size, 3), np.float32), output=out))]:
+        rows = 4 * size if label.startswith("allgather") else size
+        call(np.empty((rows, 3), np.float32))
+        try:
+            got = call(np.empty((rows, 3) if me != 1 else (rows + 1, 3), np.float32))
+            seen.append((label, "ok %d" % len(got)))
+        except shmcomm.InvalidArgumentError as error:
+            seen.append((label, "own " + str(error).split(": ", 1)[1][:30]))
+    return seen
+
+
+def test_unusual_arrays_get_the_full_paths_errors_on_every_rank():
+    results = multiproc.run(3, _unusual_arrays, timeout=120, env=FAST_TIMEOUT)
+    for me, seen in enumerate(results):
+        got = dict(seen)
+        assert got["shape"] == "mismatch named", seen
+        assert got["byte order"] == "mismatch", seen  # another dtype, as on the full path
+        for label in ("non-contiguous", "read-only in place", "read-only output", "output dtype", "broadcast output"):
+            assert got[label].startswith("own " if me == 1 else "peer 1"), (label, seen)
+        # Reducescatter, allgather and alltoall take part into a new array when the output does not fit (their
+        # steps may have begun), then raise on that rank only.
+        mine = got["reducescatter output"]
+        assert mine == "ok" if me != 1 else mine.startswith("own output is"), seen
+        for label in ("allgather output", "alltoall output"):
+            assert got[label] == ("ok %d" % (12 if label.startswith("allgather") else 3)) if me != 1 else \
+                got[label].startswith("own output is float32"), (label, seen)
