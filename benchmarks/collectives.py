@@ -11,6 +11,7 @@ module again with --worker. Rank 0 of each job writes its rows to a JSON file; t
 backend and operation, then a summary that sets the backends side by side. benchmarks/README.md explains the
 columns and the bus-bandwidth formulas."""
 import argparse
+import copy
 import datetime
 import importlib.util
 import json
@@ -61,12 +62,22 @@ def sweep(min_bytes, max_bytes, factor):
 
 # --- worker: one rank of one backend's job --------------------------------------------------------------------------
 
+def _touched(count, dtype):
+    """A zeroed array whose every page is this process's own. np.zeros of a large array is memory fresh from mmap
+    that nobody has written: every page of it reads the kernel's one shared zero page, which stays in cache, so a
+    collective that only reads its input (allgather, alltoall, broadcast's root) would be timed without reading
+    memory, or not, depending on where malloc found the array."""
+    array = np.zeros(count, dtype)
+    array.fill(0)
+    return array
+
+
 def _buffers(coll, lay, dtype, inplace, rank):
     if inplace:
-        whole = np.zeros(max(lay.send, lay.recv), dtype)
+        whole = _touched(max(lay.send, lay.recv), dtype)
         mine = whole[rank * lay.block:(rank + 1) * lay.block] if coll.gathers else whole[:lay.send]
         return backends.Buffers(send=mine, recv=whole, inplace=True, rank=rank, block=lay.block)
-    return backends.Buffers(send=np.zeros(lay.send, dtype), recv=np.zeros(lay.recv, dtype), inplace=False,
+    return backends.Buffers(send=_touched(lay.send, dtype), recv=_touched(lay.recv, dtype), inplace=False,
                             rank=rank, block=lay.block)
 
 
@@ -195,6 +206,10 @@ def build_parser():
     parser.add_argument("--ops", type=_list(OPS), default=list(OPS), help="comma-separated, default all")
     parser.add_argument("--backends", type=_list(backends.NAMES), default=list(backends.NAMES),
                         help="comma-separated, default %s" % ",".join(backends.NAMES))
+    parser.add_argument("--rounds", type=int, default=1, metavar="R",
+                        help="run the backends in turn R times and report, per size, each one's median round: on a "
+                             "shared machine the load changes within a minute, and interleaved rounds meet it alike "
+                             "(default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--inplace-only", action="store_true", help="measure only the in-place half")
     parser.add_argument("-v", "--verbose", action="store_true", help="add p50 and p99 columns")
@@ -219,6 +234,8 @@ def check_options(parser, options):
         parser.error("-f must be at least 2")
     if options.iters < 1 or options.warmup < 0:
         parser.error("need -n >= 1 and -w >= 0")
+    if options.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
 
 def worker_args(options, name, result_path, port):
@@ -261,19 +278,41 @@ def run_backend(options, name, workdir, reference_only=False):
         return json.load(result)
 
 
+def median_round(results):
+    """One backend's results of several rounds as one: for each row and half, the round with the median time (the
+    lower of the middle two for an even count), with the wrong elements of every round added up."""
+    merged = copy.deepcopy(results[0])
+    for i, row in enumerate(merged["rows"]):
+        for half in ("out_of_place", "in_place"):
+            every = [r["rows"][i][half] for r in results]
+            if "time_us" not in every[0]:
+                continue
+            middle = dict(sorted(every, key=lambda h: h["time_us"])[(len(every) - 1) // 2])
+            middle["wrong"] = sum(h["wrong"] for h in every)
+            row[half] = middle
+    return merged
+
+
 def driver_main(options, argv):
     if options.plot and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the whole sweep
         print("benchmarks.collectives: --plot needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 2
-    results, notes = {}, []
+    rounds, notes = {}, []
     with tempfile.TemporaryDirectory(prefix="shmcomm-bench-") as workdir:
+        available = []
         for name in options.backends:
             why = backends.unavailable(name)
             if why:
                 notes.append("%s skipped: %s" % (name, why))
                 print("# %s" % notes[-1], file=sys.stderr)
-                continue
-            results[name] = run_backend(options, name, workdir)
+            else:
+                available.append(name)
+        for _ in range(options.rounds):
+            for name in available:
+                rounds.setdefault(name, []).append(run_backend(options, name, workdir))
+        results = {name: median_round(every) for name, every in rounds.items()}
+        if options.rounds > 1:
+            notes.append("each row is the backend's median of %d interleaved rounds" % options.rounds)
         memcpy = results.get("memcpy") or run_backend(options, "memcpy", workdir, reference_only=True)
     command = "python -m benchmarks.collectives " + shlex.join(argv)
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

@@ -212,3 +212,16 @@ def test_jax_benchmark_against_mpi4jax_and_the_training_step():
     assert [row[0] for row in rows] == ["4K", "64K"] and all(float(row[1]) > 0 for row in rows), proc.stdout
     steps = [line for line in lines if "distributed / (local + allreduce)" in line]
     assert len(steps) == 2 and "one step per jit call" in steps[0] and "fori_loop" in steps[1], proc.stdout
+
+
+def test_rounds_report_each_rows_median_round_and_every_wrong_element():
+    def round_(times, wrong=0):
+        return {"backend": "x", "rows": [{"op": "allreduce", "out_of_place": {"time_us": t, "busbw": 1 / t,
+                                                                                "wrong": wrong},
+                                          "in_place": {"na": "no in-place form"}} for t in times]}
+    merged = collectives.median_round([round_([5.0, 1.0]), round_([3.0, 9.0], wrong=2), round_([4.0, 2.0])])
+    assert [row["out_of_place"]["time_us"] for row in merged["rows"]] == [4.0, 2.0]
+    assert merged["rows"][0]["out_of_place"]["busbw"] == 1 / 4.0  # the median round's row, whole
+    assert [row["out_of_place"]["wrong"] for row in merged["rows"]] == [2, 2]
+    assert merged["rows"][1]["in_place"] == {"na": "no in-place form"}
+    assert collectives.median_round([round_([3.0]), round_([1.0])])["rows"][0]["out_of_place"]["time_us"] == 1.0
