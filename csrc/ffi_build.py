@@ -6,6 +6,7 @@ compiler against the code they describe."""
 import glob
 import os
 import platform
+import sys
 
 from cffi import FFI
 
@@ -18,8 +19,13 @@ def _cdef_text():
         return "".join(line for line in f if not line.lstrip().startswith("#"))
 
 
+# Not the core: shmcomm.jax's XLA handler (built apart) and the CPython functions compiled into this module only.
+APART = ("jax", "py")
+
+
 def _sources():
-    found = sorted(p for p in glob.glob(os.path.join(HERE, "*", "*.c")) if os.path.basename(os.path.dirname(p)) != "jax")
+    found = sorted(p for p in glob.glob(os.path.join(HERE, "*", "*.c"))
+                   if os.path.basename(os.path.dirname(p)) not in APART)
     # setuptools wants sources relative to where the build runs.
     return [os.path.relpath(p) for p in found]
 
@@ -37,12 +43,21 @@ def _compile_args():
     return args
 
 
+def _limited_api():
+    """csrc/py/quick_calls.c uses the buffer protocol, in the limited API from Python 3.11 (cffi would otherwise
+    declare the oldest one); on older Pythons it compiles to nothing and the collectives keep to their Python path."""
+    return [("Py_LIMITED_API", "0x030B0000")] if sys.version_info >= (3, 11) and not hasattr(sys, "gettotalrefcount") \
+        else []
+
+
 ffibuilder = FFI()
 ffibuilder.cdef(_cdef_text())
+ffibuilder.cdef("void* smc_quick_method(int which);")  # csrc/py/quick_calls.c: a PyMethodDef, or NULL
 ffibuilder.set_source(
     "shmcomm._C",
-    '#include "shmcomm.h"',
+    '#include <string.h>\n#include "shmcomm.h"\n#include "py/quick_calls.c"',
     sources=_sources(),
+    define_macros=_limited_api(),
     include_dirs=[os.path.relpath(os.path.join(HERE, "include")), os.path.relpath(HERE)],
     extra_compile_args=_compile_args(),
     extra_link_args=["-pthread"] + (["-fsanitize=" + os.environ["SHMCOMM_SANITIZE"]]

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The compiled core and the one place where its return codes become exceptions."""
+import ctypes
+
 from shmcomm import exceptions as exc
 
 try:
@@ -66,3 +68,15 @@ def error_for(rc, prefix=None):
 def check(rc):
     if rc != 0:
         raise error_for(rc)
+
+
+def quick_function(which):
+    """Function `which` of csrc/py/quick_calls.c (0: allreduce, 1: broadcast) as a Python callable, or None where
+    this build has none (Python before 3.11). The module holds a PyMethodDef; PyCFunction_NewEx makes it callable."""
+    method = lib.smc_quick_method(which)
+    if method == ffi.NULL:
+        return None
+    new = ctypes.pythonapi.PyCFunction_NewEx
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.py_object, ctypes.py_object]
+    return new(int(ffi.cast("uintptr_t", method)), None, None)

@@ -28,9 +28,10 @@ pytestmark = pytest.mark.skipif(shutil.which(CC) is None, reason="no C compiler"
 
 
 def _core_sources():
-    """The core's sources, as csrc/ffi_build.py builds them: csrc/jax/ is shmcomm.jax's handler, built apart."""
+    """The core's sources, as csrc/ffi_build.py builds them: csrc/jax/ is shmcomm.jax's handler, built apart, and
+    csrc/py/ the CPython functions compiled into the cffi module."""
     return sorted(p for p in glob.glob(os.path.join(ROOT, "csrc", "*", "*.c"))
-                  if os.path.basename(os.path.dirname(p)) != "jax")
+                  if os.path.basename(os.path.dirname(p)) not in ("jax", "py"))
 
 
 @pytest.fixture(scope="module")

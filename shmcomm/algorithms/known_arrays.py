@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The short path of a host's collectives for numpy arrays of a dtype and shape that the same collective took before.
+"""The short path of a host's allgather, reducescatter and alltoall for numpy arrays of a dtype and shape that the same
+collective took before (allreduce and broadcast have a shorter one still: transport.shm's quick calls, in C).
 
 A training loop passes arrays of the same dtypes and shapes every step. The first call of a collective with an array
 of a new dtype and shape takes HostComm's full path: buffers.wrap, the output's checks and the tag, several
@@ -34,31 +35,6 @@ class KnownArrays:
             if len(self._kept) >= _MOST_KEPT:
                 self._kept.clear()
             self._kept[(kind, array.dtype, array.shape)] = facts
-
-    def allreduce(self, x, output, op, prescale, postscale, what):
-        facts = self._kept.get(("allreduce", x.dtype, x.shape))
-        if facts is None or op not in ops.C_OP:
-            return None
-        count, code, tag = facts
-        places = _in_and_out(x, output, x.shape)
-        if places is None:
-            return None
-        out, src, dst = places
-        self.shm.allreduce(src, dst, count, code, ops.C_OP[op], prescale, postscale,
-                           self.size if op == ops.Average else 1, tag, what)
-        return out
-
-    def broadcast(self, x, output, root, what):
-        facts = self._kept.get(("broadcast", x.dtype, x.shape))
-        if facts is None:
-            return None
-        places = _in_and_out(x, output, x.shape)
-        if places is None:
-            return None
-        out, src, dst = places
-        nbytes, tag = facts
-        self.shm.broadcast(src, dst, nbytes, root, tag, what)
-        return out
 
     def reducescatter(self, x, op, prescale, postscale, what, output):
         facts = self._kept.get(("reducescatter", x.dtype, x.shape))

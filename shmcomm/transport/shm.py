@@ -3,11 +3,12 @@
 
 Each call is one C call; this module only converts sizes to C arrays and failures to exceptions. It is on the
 latency path of everything (a small allreduce costs a few microseconds): keep it free of avoidable work."""
-from shmcomm._native import error_for, ffi, lib
+from shmcomm._native import error_for, ffi, lib, quick_function
 from shmcomm.log import logger as log
 from shmcomm.exceptions import RankFailure
 from shmcomm.transport import Transport, allgather_bytes_over
 
+_QUICK_ALLREDUCE, _QUICK_BROADCAST = quick_function(0), quick_function(1)  # csrc/py/quick_calls.c
 SMC_REASON_BYTES = 479  # what peers read of a refusal's reason (SMC_REASON_MAX in csrc/coll/comm.h, less the NUL)
 
 
@@ -59,6 +60,7 @@ class SharedMemory(Transport):
         if rc != 0:
             raise _error(rc, "init")
         self.handle = out[0]
+        self.address = int(ffi.cast("uintptr_t", self.handle))  # for quick_allreduce and quick_broadcast; 0 once closed
         # Single copy is a speed path with a silent fallback: say which one this machine took.
         log.debug("shared memory of %d ranks: inputs from %d bytes move by %s", self.size, tuning.single_copy_bytes,
                   "single copy (process_vm_readv)" if lib.smc_comm_single_copy(self.handle)
@@ -69,6 +71,24 @@ class SharedMemory(Transport):
         rc = lib.smc_allreduce(self.handle, src, dst, count, dtype, op, prescale, postscale, divisor, tag)
         if rc != 0:
             raise _error(rc, what)
+
+    # A numpy array's common case in one C call, arrays and all (csrc/py/quick_calls.c): the result, or NotImplemented
+    # where the caller's full path must look closer (also where this build has no such function).
+    def quick_allreduce(self, x, out, op, prescale, postscale, what):
+        if _QUICK_ALLREDUCE is None:
+            return NotImplemented
+        got = _QUICK_ALLREDUCE(self.address, self.size, x, out, op, prescale, postscale)
+        if type(got) is int:
+            raise _error(got, what)
+        return got
+
+    def quick_broadcast(self, x, out, root, what):
+        if _QUICK_BROADCAST is None:
+            return NotImplemented
+        got = _QUICK_BROADCAST(self.address, x, out, root)
+        if type(got) is int:
+            raise _error(got, what)
+        return got
 
     # Each checks its return code inline: a helper call costs a measurable share of a small step.
     def reducescatter(self, src, dst, counts, dtype, op, prescale, postscale, divisor, tag, what):
@@ -162,5 +182,6 @@ class SharedMemory(Transport):
 
     def close(self):
         if self.handle != ffi.NULL:
+            self.address = 0
             lib.smc_comm_destroy(self.handle)
             self.handle = ffi.NULL  # calls after close are refused by the core (a NULL communicator)

@@ -1,0 +1,169 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The common case of the smallest collectives as CPython functions: a numpy array, straight to the core.
+ *
+ * A small allreduce takes about a microsecond in the core; the Python around it (wrapping the arrays, the checks,
+ * the calls between layers) took several. These functions take the arrays themselves (METH_FASTCALL), get their
+ * memory through the buffer protocol (which refuses what the core must not get: a non-contiguous array, or a
+ * read-only one to write), and call the core with the interpreter lock released, as cffi's calls do.
+ *
+ * Each returns the result, or NotImplemented where anything is out of the ordinary (a dtype the core does not
+ * reduce, an output that does not fit, an op it does not know): the caller then takes the full path, whose checks
+ * say what is wrong. A failed step returns its return code as an int, and the caller raises the core's error.
+ *
+ * This file is compiled into the cffi module (csrc/ffi_build.py includes it), where Python.h is available; the core
+ * itself never includes Python. It needs the buffer protocol of the limited API, which Python has from 3.11; older
+ * builds compile it out and smc_quick_method returns NULL. */
+#if !defined(Py_LIMITED_API) || Py_LIMITED_API + 0 >= 0x030B0000
+#define SMC_QUICK_CALLS 1
+
+/* The core's dtype of a buffer's single-character native format, or -1. */
+static int quick_dtype(const Py_buffer* view) {
+  const char* f = view->format;
+  if (f == NULL || f[0] == 0 || f[1] != 0) return -1; /* a byte-order prefix or a struct: the full path decides */
+  switch (f[0]) {
+    case 'e': return view->itemsize == 2 ? SMC_FLOAT16 : -1;
+    case 'f': return view->itemsize == 4 ? SMC_FLOAT32 : -1;
+    case 'd': return view->itemsize == 8 ? SMC_FLOAT64 : -1;
+    case 'b': return view->itemsize == 1 ? SMC_INT8 : -1;
+    case 'B': return view->itemsize == 1 ? SMC_UINT8 : -1;
+    case 'h': return view->itemsize == 2 ? SMC_INT16 : -1;
+    case 'i': case 'l': case 'q':
+      return view->itemsize == 4 ? SMC_INT32 : view->itemsize == 8 ? SMC_INT64 : -1;
+    default: return -1;
+  }
+}
+
+/* description.tag in C: hash((dtype,) + shape) of Python's own tuple hash, so that a rank on this path and one on the
+ * full path agree. 0 with *ok = 0 if Python could not build the tuple. */
+static uint64_t quick_tag(int dtype, const Py_buffer* view, int* ok) {
+  PyObject* key = PyTuple_New(1 + view->ndim);
+  *ok = 0;
+  if (key == NULL) return 0;
+  PyObject* item = PyLong_FromLong(dtype);
+  if (item == NULL || PyTuple_SetItem(key, 0, item) != 0) goto fail;
+  for (int d = 0; d < view->ndim; d++) {
+    item = PyLong_FromSsize_t(view->shape[d]);
+    if (item == NULL || PyTuple_SetItem(key, 1 + d, item) != 0) goto fail;
+  }
+  Py_hash_t h = PyObject_Hash(key);
+  Py_DECREF(key);
+  if (h == -1 && PyErr_Occurred()) return 0;
+  *ok = 1;
+  return (uint64_t)h;
+fail:
+  Py_DECREF(key);
+  return 0;
+}
+
+static int same_layout(const Py_buffer* a, const Py_buffer* b) {
+  if (a->ndim != b->ndim || a->itemsize != b->itemsize || a->len != b->len || strcmp(a->format, b->format) != 0)
+    return 0;
+  for (int d = 0; d < a->ndim; d++)
+    if (a->shape[d] != b->shape[d]) return 0;
+  return 1;
+}
+
+static PyObject* not_here(void) {
+  PyErr_Clear();
+  Py_INCREF(Py_NotImplemented);
+  return Py_NotImplemented;
+}
+
+/* The output's buffer: x's own (out is x), or out's when it has x's layout. 0 where the full path must decide. */
+static int output_view(PyObject* x, Py_buffer* in, PyObject* out, Py_buffer* view) {
+  if (out == x) {
+    *view = *in;
+    return 1;
+  }
+  if (Py_TYPE(out) != Py_TYPE(x)) return 0;
+  if (PyObject_GetBuffer(out, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0) return 0;
+  if (!same_layout(in, view)) {
+    PyBuffer_Release(view);
+    return 0;
+  }
+  return 1;
+}
+
+/* x's buffer with its core dtype and tag, and the output's buffer (x's own where out is x): 1, or 0 with nothing held
+ * where the full path must decide. */
+static int take_arrays(PyObject* x, PyObject* out, Py_buffer* in, Py_buffer* view, int* dtype, uint64_t* tag) {
+  if (PyObject_GetBuffer(x, in, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (out == x ? PyBUF_WRITABLE : 0)) != 0) return 0;
+  int ok = 0;
+  *dtype = quick_dtype(in); /* broadcast too: for the types the core reduces, the dtype key is the code */
+  *tag = *dtype < 0 ? 0 : quick_tag(*dtype, in, &ok);
+  if (!ok || !output_view(x, in, out, view)) {
+    PyBuffer_Release(in);
+    return 0;
+  }
+  return 1;
+}
+
+static PyObject* finish(PyObject* x, Py_buffer* in, PyObject* out, Py_buffer* view, smc_result_t rc) {
+  if (out != x) PyBuffer_Release(view);
+  PyBuffer_Release(in);
+  if (rc != SMC_SUCCESS) return PyLong_FromLong(rc);
+  Py_INCREF(out);
+  return out;
+}
+
+/* allreduce(communicator address, communicator size, x, out, op, prescale, postscale): op is Horovod's number
+ * (ops.ReduceOp, or None for Average); out is x itself or an array of x's type, dtype and shape. */
+static PyObject* quick_allreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 7) return not_here();
+  smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
+  long size = PyLong_AsLong(args[1]);
+  PyObject *x = args[2], *out = args[3], *op = args[4];
+  long horovod_op = op == Py_None ? 0 : PyLong_Check(op) ? PyLong_AsLong(op) : -1;
+  double prescale = PyFloat_AsDouble(args[5]), postscale = PyFloat_AsDouble(args[6]);
+  /* Horovod's Average, Sum, Adasum (not element-wise: never here), Min, Max, Product */
+  static const int redop[] = {SMC_SUM, SMC_SUM, -1, SMC_MIN, SMC_MAX, SMC_PROD};
+  if (PyErr_Occurred() || comm == NULL || size < 1 || horovod_op < 0 || horovod_op > 5 || redop[horovod_op] < 0)
+    return not_here();
+  Py_buffer in, view;
+  int dtype;
+  uint64_t tag;
+  if (!take_arrays(x, out, &in, &view, &dtype, &tag)) return not_here();
+  smc_result_t rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = smc_allreduce(comm, in.buf, view.buf, (size_t)(in.len / in.itemsize), (smc_datatype_t)dtype,
+                     (smc_redop_t)redop[horovod_op], prescale, postscale, horovod_op == 0 ? (double)size : 1.0, tag);
+  Py_END_ALLOW_THREADS
+  return finish(x, &in, out, &view, rc);
+}
+
+/* broadcast(communicator address, x, out, root index): out is x itself or an array of x's type, dtype and shape. */
+static PyObject* quick_broadcast(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 4) return not_here();
+  smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
+  PyObject *x = args[1], *out = args[2];
+  long root = PyLong_AsLong(args[3]);
+  if (PyErr_Occurred() || comm == NULL || root < 0) return not_here();
+  Py_buffer in, view;
+  int dtype;
+  uint64_t tag;
+  if (!take_arrays(x, out, &in, &view, &dtype, &tag)) return not_here();
+  smc_result_t rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = smc_broadcast(comm, in.buf, view.buf, (size_t)in.len, (int)root, tag);
+  Py_END_ALLOW_THREADS
+  return finish(x, &in, out, &view, rc);
+}
+
+static PyMethodDef smc_quick_methods[] = {
+    {"allreduce", (PyCFunction)(void (*)(void))quick_allreduce, METH_FASTCALL,
+     "allreduce(address, size, x, out, op, prescale, postscale): the result, NotImplemented, or a failed step's code"},
+    {"broadcast", (PyCFunction)(void (*)(void))quick_broadcast, METH_FASTCALL,
+     "broadcast(address, x, out, root): the result, NotImplemented, or a failed step's code"},
+};
+#endif
+
+void* smc_quick_method(int which) {
+#ifdef SMC_QUICK_CALLS
+  if (which >= 0 && which < (int)(sizeof(smc_quick_methods) / sizeof(smc_quick_methods[0])))
+    return &smc_quick_methods[which];
+#endif
+  (void)which;
+  return NULL;
+}

@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The quick calls of csrc/py/quick_calls.c: a numpy allreduce or broadcast in one C call. They must agree with the
+full path bit for bit (a rank on each path in one collective: same tag, same result), cover every dtype the core
+reduces, leave every other array to the full path, and release the interpreter lock while they wait."""
+import sys
+
+import numpy as np
+import pytest
+
+import multiproc
+
+pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="the quick calls need Python 3.11's buffer API")
+FAST_TIMEOUT = {"SHMCOMM_TIMEOUT": "20"}
+
+
+class Plain(np.ndarray):
+    """An ndarray subclass: the quick calls take exact ndarrays only, so a rank passing this takes the full path."""
+
+
+def _mixed_paths():
+    import shmcomm
+    from shmcomm.transport import shm
+
+    shmcomm.init()
+    size, me = shmcomm.size(), shmcomm.rank()
+    calls = []
+    real = shm._QUICK_ALLREDUCE
+    shm._QUICK_ALLREDUCE = lambda *args: calls.append(args[2].dtype) or real(*args)
+    dtypes = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int16, np.int32, np.int64, np.longlong]
+    for step, (dtype, shape) in enumerate((d, s) for d in dtypes for s in [(), (5,), (2, 3), (2, 1, 4)]):
+        mine = np.array(np.arange(int(np.prod(shape))).reshape(shape) % 7 + me, dtype=dtype)  # 0-d included
+        x = mine.view(Plain) if me == 1 else mine  # rank 1 on the full path, the others on the quick one
+        want = sum((np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape) % 7 + r) for r in range(size))
+        got = shmcomm.allreduce(x, op=shmcomm.Sum)
+        assert got.dtype == np.dtype(dtype) and got.shape == shape
+        np.testing.assert_array_equal(np.asarray(got), want.astype(dtype))
+        top = shmcomm.allreduce(x, op=shmcomm.Max)
+        np.testing.assert_array_equal(np.asarray(top), (np.arange(int(np.prod(shape))).reshape(shape) % 7
+                                                        + size - 1).astype(dtype))
+        root = step % size
+        sent = shmcomm.broadcast(x, root)
+        np.testing.assert_array_equal(np.asarray(sent), (np.arange(int(np.prod(shape))).reshape(shape) % 7
+                                                         + root).astype(dtype))
+    average = shmcomm.allreduce_(np.full((3, 2), me + 1.0), op=shmcomm.Average)
+    np.testing.assert_allclose(average, np.full((3, 2), (size + 1) / 2))
+    scaled = shmcomm.allreduce(np.ones(4, np.float32), op=shmcomm.Sum, prescale_factor=2, postscale_factor=0.5)
+    np.testing.assert_array_equal(scaled, np.full(4, size, np.float32))
+    shm._QUICK_ALLREDUCE = real
+    return len(calls)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_rank_on_the_full_path_and_ranks_on_the_quick_one_agree(size):
+    counts = multiproc.run(size, _mixed_paths, timeout=120, env=FAST_TIMEOUT)
+    assert counts[1] == 2  # rank 1 passed a subclass to all but the last two
+    assert all(c == 9 * 4 * 2 + 2 for r, c in enumerate(counts) if r != 1), counts
+
+
+def _left_to_the_full_path():
+    """Arrays the quick calls must not take give the full path's results (bool and bfloat16 broadcast, byte-swapped,
+    non-contiguous inputs), and Adasum never reaches them."""
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    flags = np.array([me == 0, True, False])
+    np.testing.assert_array_equal(shmcomm.broadcast(flags, 0), [True, True, False])
+    swapped = np.arange(4, dtype=">f4") + me
+    np.testing.assert_array_equal(shmcomm.broadcast(swapped, 1), np.arange(4) + 1)
+    strided = (np.arange(8, dtype=np.float32) + me)[::2]
+    np.testing.assert_array_equal(shmcomm.allreduce(strided.copy(), op=shmcomm.Sum), np.arange(0, 8, 2) * 2 + 1)
+    try:
+        import ml_dtypes
+    except ImportError:
+        return True
+    half = np.ones(3, ml_dtypes.bfloat16) * (me + 1)
+    np.testing.assert_array_equal(shmcomm.allreduce(half, op=shmcomm.Sum).astype(np.float32), [3.0] * 3)
+    return True
+
+
+def test_arrays_outside_the_quick_calls_take_the_full_path():
+    assert multiproc.run(2, _left_to_the_full_path, timeout=120, env=FAST_TIMEOUT) == [True, True]
+
+
+def _threads_run_while_waiting():
+    import threading
+    import time
+
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    shmcomm.barrier()
+    if me == 1:
+        time.sleep(1.0)  # rank 0 waits in a quick allreduce meanwhile
+        return shmcomm.allreduce_(np.ones(2), op=shmcomm.Sum).tolist()
+    ticks = [0]
+    stop = threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    start = ticks[0]
+    time.sleep(0.2)  # the counter has the lock to itself: its rate
+    before = ticks[0]
+    waited = time.monotonic()
+    result = shmcomm.allreduce_(np.ones(2), op=shmcomm.Sum).tolist()
+    waited = time.monotonic() - waited
+    during = ticks[0] - before
+    stop.set()
+    counter.join()
+    return result, (before - start) / 0.2, during, waited
+
+
+def test_the_interpreter_lock_is_released_while_a_quick_call_waits():
+    """Rank 0 waits about 0.8 s in a quick allreduce for rank 1. With the lock held the counting thread would stand
+    still (it could count for one switch interval, 5 ms, around the call); released, it counts most of the wait."""
+    (result, rate, during, waited), other = multiproc.run(2, _threads_run_while_waiting, timeout=60,
+                                                          env=FAST_TIMEOUT)
+    assert result == other == [2.0, 2.0]
+    assert waited > 0.5, waited
+    assert during > 0.25 * rate, (during, rate)
