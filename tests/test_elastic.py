@@ -142,8 +142,10 @@ def compare_with_undisturbed(tmp_path, run=None, where="one host"):
     assert accuracy > 85 and abs(accuracy - reference) <= 3, (accuracy, reference)
 
 
+@pytest.mark.long
 def test_example_loses_a_rank_every_50_steps(tmp_path):
-    """Every sample of every epoch in exactly one committed step; ranks lost at steps 50 and 100 at least."""
+    """Every sample of every epoch in exactly one committed step; ranks lost at steps 50 and 100 at least. Half a
+    minute of training: the default run loses and regains workers with tests/elastic_job.py (the tests above)."""
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
     disturbed, accuracy, _ = _example(["--chaos", str(tmp_path / "events")], 3)

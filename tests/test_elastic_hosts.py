@@ -60,7 +60,11 @@ def test_a_rank_lost_on_one_host_a_host_added_and_a_host_dropped(three_hosts, tm
                                                "60", sys.executable, JOB, str(tmp_path), "2", "20"])
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
-    assert re.search(r"worker 3 \(rank 3\) was killed by signal 9 \(SIGKILL\) on simhost1", run.stderr), out
+    # The last rank gives up its slot and kills itself at once: the launcher reports the death, or, when its discovery
+    # ran between the two, retires the worker whose slot went and takes its exit for the retirement. Either way the
+    # job saw the rank lost (the recoveries below).
+    assert re.search(r"worker 3 \(rank 3\) was killed by signal 9 \(SIGKILL\) on simhost1|worker 3 on simhost1 is "
+                     r"retired", run.stderr), out
     assert "started 1 worker(s) on simhost2" in run.stderr, out
     assert "worker 2 on simhost1 is retired" in run.stderr, out
     summary = re.search(r"<stdout>: epochs (\d+) every sample once \[(.*)\] recoveries (\S+)", run.stdout)
