@@ -200,8 +200,10 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
     assert not os.path.exists(tmp_path / "p.png")
 
 
+@pytest.mark.long
 def test_jax_benchmark_against_mpi4jax_and_the_training_step():
-    """Runs with or without mpi4jax (its columns are nan without it); needs jax."""
+    """Runs with or without mpi4jax (its columns are nan without it); needs jax. With -m long: two JAX jobs, a
+    quarter of a minute, for a benchmark that is run by hand."""
     pytest.importorskip("jax", reason="benchmarks.jax needs jax: pip install -e '.[jax]'")
     proc = run_module("benchmarks.jax", ["-np", "2", "-b", "4K", "-e", "64K", "-f", "16", "--rounds", "1", "--budget",
                                          "0.01", "--train"], 240)

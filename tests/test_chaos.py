@@ -22,7 +22,7 @@ def test_a_killed_rank_is_named_and_the_job_is_cleaned_up():
 
 
 def test_a_stopped_rank_is_named_and_the_job_is_cleaned_up():
-    _campaign(2, signal.SIGSTOP, seed=4)
+    _campaign(1, signal.SIGSTOP, seed=4)
 
 
 @pytest.mark.long
