@@ -45,10 +45,10 @@ def test_every_check_on_one_host(ranks):
     _assert_all_ok(_launch(["-np", ranks, sys.executable, CHECKS]), ranks)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_on_a_logical_grid_the_handler_goes_through_python():
     """SHMCOMM_TORUS_GRID makes the world a WorldComm on one host: every collective takes the Python path (the torus
-    for allreduce), as across hosts."""
+    for allreduce), as across hosts. The default run takes that path across two simulated hosts (below)."""
     checks = ["collectives", "mismatches", "ordering", "with_engine"]
     _assert_all_ok(_launch(["-np", 4, sys.executable, CHECKS] + checks, SHMCOMM_TORUS_GRID="2x2"), 4, checks)
 
