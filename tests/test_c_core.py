@@ -71,7 +71,7 @@ def _build_and_run(tmp_path, test, extra, objects):
     return run.stdout
 
 
-@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_reduce.c", "test_box_server.c"])
+@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_reduce.c", "test_box_server.c", "test_copy.c"])
 def test_c_units(tmp_path, test, core_objects):
     _build_and_run(tmp_path, test, ["-O2"], core_objects(["-O2"]))
 
@@ -88,7 +88,7 @@ def _require_sanitizers(tmp_path):
         pytest.skip(why)
 
 
-@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_box_server.c"])
+@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_box_server.c", "test_copy.c"])
 def test_core_units_under_sanitizers(tmp_path, test, core_objects):
     """test_reduce.c runs under them through `make asan`, below, without -fwrapv."""
     _require_sanitizers(tmp_path)

@@ -188,3 +188,55 @@ def test_staged_and_single_copy_paths_agree(case, threshold):
             "alltoall": test_collectives._alltoall}[case]
     env = dict(FAST_TIMEOUT, SHMCOMM_SINGLE_COPY_BYTES=threshold)
     assert multiproc.run(3, body, 3, timeout=120, env=env) == [True] * 3
+
+
+def _at(offset, nbytes, dtype, fill=None):
+    """An array of nbytes at `offset` bytes past a page: where it sits decides which copy the core takes (see
+    csrc/core/copy.h)."""
+    room = np.zeros(nbytes + 2 * 4096 + offset, np.uint8)
+    start = (-room.ctypes.data) % 4096 + offset
+    array = room[start:start + nbytes].view(dtype)
+    if fill is not None:
+        array[...] = fill
+    return array
+
+
+def _placements(size):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    # Output 0, 8, 16, 48, 64, 2064 and 4080 bytes past the input modulo a page, at sizes below and above the copies'
+    # switch to their own loop (2 KiB) and across a staging half.
+    for nbytes in (2056, 6000, 72_008, 300_000):
+        n = nbytes // 4
+        for shift in (0, 8, 16, 48, 64, 2064, 4080):
+            src = _at(16 + (me % 2) * 32, nbytes, np.int32, np.arange(n, dtype=np.int32) * 3 + me)
+            out = _at(16 + shift, nbytes * size, np.int32, -1)
+            got = shmcomm.allgather(src, output=out)
+            want = np.concatenate([np.arange(n, dtype=np.int32) * 3 + r for r in range(size)])
+            np.testing.assert_array_equal(got, want, err_msg="allgather, %d bytes, shift %d" % (nbytes, shift))
+            out = _at(16 + shift, nbytes, np.int32, -1)
+            shmcomm.broadcast(src, 1, output=out)
+            np.testing.assert_array_equal(out, np.arange(n, dtype=np.int32) * 3 + 1, err_msg="broadcast %d" % shift)
+            part = n // size
+            send = _at(16, part * size * 4, np.int32, np.arange(part * size, dtype=np.int32) + 1000 * me)
+            out = _at(16 + shift, part * size * 4, np.int32, -1)
+            shmcomm.alltoall(send, output=out)
+            want = np.concatenate([np.arange(me * part, (me + 1) * part, dtype=np.int32) + 1000 * r
+                                   for r in range(size)])
+            np.testing.assert_array_equal(out, want, err_msg="alltoall, %d bytes, shift %d" % (nbytes, shift))
+            out = _at(16 + shift, nbytes, np.int32, -1)
+            shmcomm.allreduce(src, op=shmcomm.Sum, output=out)
+            np.testing.assert_array_equal(out, np.arange(n, dtype=np.int32) * 3 * size + sum(range(size)),
+                                          err_msg="allreduce, %d bytes, shift %d" % (nbytes, shift))
+    return True
+
+
+@pytest.mark.parametrize("threshold", ["0", "1"])
+def test_buffers_at_every_placement(threshold):
+    """Outputs a few bytes past the input modulo a page take the core's own copy loop and, by single copy, a bounce
+    buffer: both must give the same results as the plain copies, through the staging halves (0) and by single copy
+    at every size (1)."""
+    env = dict(FAST_TIMEOUT, SHMCOMM_SINGLE_COPY_BYTES=threshold)
+    assert multiproc.run(3, _placements, 3, timeout=180, env=env) == [True] * 3

@@ -9,13 +9,14 @@
 #include <stdio.h>
 
 #include "coll/comm.h"
+#include "core/copy.h"
 #include "core/error.h"
 
 /* Step 0 up to its synchronisation: window 0 in this rank's half, `desc` (whose `own` is the row count) compared.
  * An input that will move by single copy stays where it is: the largest input is at least this one. */
 static smc_result_t begin_step(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, smc_desc_t* desc) {
   uint64_t first = send_bytes < c->half_bytes ? send_bytes : c->half_bytes;
-  if (first > 0 && !smc_single_copy(c, send_bytes)) memcpy(smc_half(c, c->rank), sendbuf, (size_t)first);
+  if (first > 0 && !smc_single_copy(c, send_bytes)) smc_copy(smc_half(c, c->rank), sendbuf, (size_t)first);
   desc->addr = (uint64_t)(uintptr_t)sendbuf;
   return smc_coll_begin(c, desc, "allgather");
 }
@@ -33,7 +34,7 @@ static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out
   }
   uint64_t mine = every_rows[c->rank] * row_bytes;
   if (out != NULL && mine > 0 && out + displ[c->rank] != (const uint8_t*)sendbuf)
-    memmove(out + displ[c->rank], sendbuf, (size_t)mine);
+    smc_copy(out + displ[c->rank], sendbuf, (size_t)mine);
   smc_result_t synced = smc_sync(c, "allgather");
   smc_flip(c);
   return synced != SMC_SUCCESS ? synced : rc;
@@ -88,7 +89,7 @@ smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recv
   const uint64_t send_bytes = every_rows[me] * row_bytes;
   uint8_t* out = recvbuf; /* NULL: take part in every step, keep nothing (the caller had no place for the result) */
   if (c->size == 1) {
-    if (out != NULL && send_bytes > 0 && sendbuf != recvbuf) memmove(out, sendbuf, (size_t)send_bytes);
+    if (out != NULL && send_bytes > 0 && sendbuf != recvbuf) smc_copy(out, sendbuf, (size_t)send_bytes);
     return SMC_SUCCESS;
   }
   if (smc_single_copy(c, longest)) return single_copy(c, sendbuf, out, displ, every_rows, row_bytes);
@@ -98,7 +99,7 @@ smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recv
     uint64_t at = k * half;
     if (k > 0) { /* window 0 went out with smc_allgather_begin */
       if (at < send_bytes)
-        memcpy(smc_half(c, me), (const uint8_t*)sendbuf + at, (size_t)(send_bytes - at < half ? send_bytes - at : half));
+        smc_copy(smc_half(c, me), (const uint8_t*)sendbuf + at, (size_t)(send_bytes - at < half ? send_bytes - at : half));
       SMC_CHECK(smc_sync(c, "allgather"));
     }
     for (int j = 0; out != NULL && j < c->size; j++) {
@@ -106,7 +107,7 @@ smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recv
       if (at >= bytes) continue;
       size_t len = (size_t)(bytes - at < half ? bytes - at : half);
       const uint8_t* from = j == me ? (const uint8_t*)sendbuf + at : smc_half(c, j);
-      if (from != out + displ[j] + at) memmove(out + displ[j] + at, from, len);
+      if (from != out + displ[j] + at) smc_copy(out + displ[j] + at, from, len);
     }
     smc_flip(c);
   }

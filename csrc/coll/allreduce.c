@@ -18,6 +18,7 @@
  * Pieces are sized so that a step's working set stays in cache. Reduce-scatter is steps 1-3 with per-rank ranges
  * given by the caller. */
 #include "coll/comm.h"
+#include "core/copy.h"
 #include "core/error.h"
 
 typedef struct {
@@ -47,7 +48,7 @@ static smc_result_t check_args(smc_comm_t* c, const void* send, const void* recv
 
 static smc_result_t one_step(smc_comm_t* c, const plan_t* p, size_t count, smc_desc_t* desc) {
   const void* srcs[SMC_MAX_RANKS];
-  memcpy(smc_half(c, c->rank), p->src, count * p->esize);
+  smc_copy(smc_half(c, c->rank), p->src, count * p->esize);
   SMC_CHECK(smc_coll_begin(c, desc, "allreduce"));
   for (int r = 0; r < c->size; r++) srcs[r] = r == c->rank ? (const void*)p->src : (const void*)smc_half(c, r);
   smc_result_t rc = smc_reduce(p->dst, srcs, c->size, count, p->dtype, p->op, p->prescale, p->postscale, p->divisor);
@@ -76,7 +77,7 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
     uint8_t* mine = smc_half(c, me);
     for (int j = 0; j < n; j++) {
       size_t l = piece_len(p, j, k, per_piece);
-      if (j != me && l > 0) memcpy(mine + (size_t)j * section, p->src + (p->start[j] + k * per_piece) * es, l * es);
+      if (j != me && l > 0) smc_copy(mine + (size_t)j * section, p->src + (p->start[j] + k * per_piece) * es, l * es);
     }
     if (k == 0)
       SMC_CHECK(smc_coll_begin(c, desc, what));
@@ -89,14 +90,14 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
       for (int j = 0; j < n; j++) srcs[j] = j == me ? (const void*)(p->src + at * es) : smc_half(c, j) + (size_t)me * section;
       uint8_t* out = p->gather ? p->dst + at * es : p->dst + k * per_piece * es;
       SMC_CHECK(smc_reduce(out, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor));
-      if (p->gather) memcpy(mine + (size_t)me * section, out, l * es);
+      if (p->gather) smc_copy(mine + (size_t)me * section, out, l * es);
     }
     if (p->gather) {
       SMC_CHECK(smc_sync(c, what));
       for (int j = 0; j < n; j++) {
         size_t lj = piece_len(p, j, k, per_piece);
         if (j != me && lj > 0)
-          memcpy(p->dst + (p->start[j] + k * per_piece) * es, smc_half(c, j) + (size_t)j * section, lj * es);
+          smc_copy(p->dst + (p->start[j] + k * per_piece) * es, smc_half(c, j) + (size_t)j * section, lj * es);
       }
     }
     smc_flip(c);

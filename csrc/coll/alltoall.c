@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "coll/comm.h"
+#include "core/copy.h"
 #include "core/error.h"
 
 typedef struct {
@@ -64,7 +65,7 @@ smc_result_t smc_alltoallv(smc_comm_t* c, const void* sendbuf, const uint64_t* s
                            smc_set_error(SMC_ERR_INVALID, "alltoall: NULL buffer"));
   if (n == 1) {
     if (send_bytes[0] != recv_bytes[0]) return smc_set_error(SMC_ERR_INVALID, "alltoall: send and receive counts differ");
-    if (my_total > 0 && sendbuf != recvbuf) memmove(recvbuf, sendbuf, my_total);
+    if (my_total > 0 && sendbuf != recvbuf) smc_copy(recvbuf, sendbuf, my_total);
     return SMC_SUCCESS;
   }
   route_t* routes = malloc(sizeof(route_t) * (size_t)n);
@@ -83,7 +84,7 @@ smc_result_t smc_alltoallv(smc_comm_t* c, const void* sendbuf, const uint64_t* s
 
   const size_t half = c->half_bytes;
   for (uint64_t at = 0; at < longest; at += half) {
-    if (at < my_total) memcpy(smc_half(c, me), (const uint8_t*)sendbuf + at, my_total - at < half ? my_total - at : half);
+    if (at < my_total) smc_copy(smc_half(c, me), (const uint8_t*)sendbuf + at, my_total - at < half ? my_total - at : half);
     SMC_CHECK_GOTO(smc_sync(c, "alltoall"), rc, out);
     for (int j = 0; j < n; j++) {
       const route_t* r = &routes[j];
@@ -91,7 +92,7 @@ smc_result_t smc_alltoallv(smc_comm_t* c, const void* sendbuf, const uint64_t* s
       uint64_t hi = r->from + r->len < at + half ? r->from + r->len : at + half;
       if (lo >= hi) continue;
       const uint8_t* from = j == me ? (const uint8_t*)sendbuf + lo : smc_half(c, j) + (lo - at);
-      memmove((uint8_t*)recvbuf + r->to + (lo - r->from), from, hi - lo);
+      smc_copy((uint8_t*)recvbuf + r->to + (lo - r->from), from, hi - lo);
     }
     smc_flip(c);
   }
@@ -153,7 +154,7 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
   uint8_t* out = recvbuf; /* NULL: take part in every step, keep nothing */
   if (n == 1) {
     uint64_t bytes = matrix[0] * row_bytes;
-    if (out != NULL && bytes > 0 && sendbuf != recvbuf) memmove(out, sendbuf, (size_t)bytes);
+    if (out != NULL && bytes > 0 && sendbuf != recvbuf) smc_copy(out, sendbuf, (size_t)bytes);
     return SMC_SUCCESS;
   }
   route_t* routes = malloc(sizeof(route_t) * (size_t)n);
@@ -182,7 +183,7 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
         rc = smc_cma_read(c, j, out + r->to, smc_peer_desc(c, j)->addr + r->from, r->len, "alltoall");
     }
     const route_t* own = &routes[me];
-    if (out != NULL && own->len > 0) memmove(out + own->to, (const uint8_t*)sendbuf + own->from, (size_t)own->len);
+    if (out != NULL && own->len > 0) smc_copy(out + own->to, (const uint8_t*)sendbuf + own->from, (size_t)own->len);
     smc_result_t synced = smc_sync(c, "alltoall");
     smc_flip(c);
     free(routes);
@@ -192,7 +193,7 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
   for (uint64_t k = 0; k == 0 || window_start(k, first, half) < longest; k++) {
     uint64_t at = window_start(k, first, half), len = k == 0 ? first : half, skip = k == 0 ? counts_bytes : 0;
     if (k > 0) { /* window 0 went out with smc_alltoall_begin */
-      if (at < my_total) memcpy(smc_half(c, me), (const uint8_t*)sendbuf + at, (size_t)(my_total - at < len ? my_total - at : len));
+      if (at < my_total) smc_copy(smc_half(c, me), (const uint8_t*)sendbuf + at, (size_t)(my_total - at < len ? my_total - at : len));
       SMC_CHECK_GOTO(smc_sync(c, "alltoall"), rc, done);
     }
     for (int j = 0; out != NULL && j < n; j++) {
@@ -201,7 +202,7 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
       uint64_t hi = r->from + r->len < at + len ? r->from + r->len : at + len;
       if (lo >= hi) continue;
       const uint8_t* from = j == me ? (const uint8_t*)sendbuf + lo : smc_half(c, j) + skip + (lo - at);
-      memmove(out + r->to + (lo - r->from), from, (size_t)(hi - lo));
+      smc_copy(out + r->to + (lo - r->from), from, (size_t)(hi - lo));
     }
     smc_flip(c);
   }

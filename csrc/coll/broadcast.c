@@ -2,6 +2,7 @@
 /* Broadcast: the root streams its buffer through its staging half, one half-sized window per step, and every other
  * rank copies each window out. */
 #include "coll/comm.h"
+#include "core/copy.h"
 #include "core/error.h"
 
 smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t bytes, int root, uint64_t tag) {
@@ -22,21 +23,21 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
                                                               "broadcast");
     smc_result_t synced = smc_sync(c, "broadcast"); /* the root keeps its buffer until everyone has read it */
     smc_flip(c);
-    if (me == root && sendbuf != recvbuf) memmove(recvbuf, sendbuf, bytes);
+    if (me == root && sendbuf != recvbuf) smc_copy(recvbuf, sendbuf, bytes);
     return synced != SMC_SUCCESS ? synced : rc;
   }
   size_t steps = bytes == 0 ? 1 : (bytes + c->half_bytes - 1) / c->half_bytes;
   for (size_t k = 0; c->size > 1 && k < steps; k++) {
     size_t at = k * c->half_bytes;
     size_t len = bytes - at < c->half_bytes ? bytes - at : c->half_bytes;
-    if (me == root && len > 0) memcpy(smc_half(c, me), (const uint8_t*)sendbuf + at, len);
+    if (me == root && len > 0) smc_copy(smc_half(c, me), (const uint8_t*)sendbuf + at, len);
     if (k == 0)
       SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
     else
       SMC_CHECK(smc_sync(c, "broadcast"));
-    if (me != root && len > 0) memcpy((uint8_t*)recvbuf + at, smc_half(c, root), len);
+    if (me != root && len > 0) smc_copy((uint8_t*)recvbuf + at, smc_half(c, root), len);
     smc_flip(c);
   }
-  if (me == root && bytes > 0 && sendbuf != recvbuf) memmove(recvbuf, sendbuf, bytes);
+  if (me == root && bytes > 0 && sendbuf != recvbuf) smc_copy(recvbuf, sendbuf, bytes);
   return SMC_SUCCESS;
 }

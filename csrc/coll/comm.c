@@ -255,6 +255,7 @@ void smc_comm_destroy(smc_comm_t* c) {
   if (atomic_fetch_sub(&c->hdr->refcount, 1) == 1 && !atomic_load(&c->hdr->unlinked)) smc_segment_unlink(c->name);
   smc_segment_unmap(c->base, c->total_bytes);
   smc_segment_close(c->fd);
+  free(c->bounce);
   free(c);
 }
 

@@ -36,6 +36,8 @@ struct smc_comm {
   uint64_t single_copy_bytes; /* inputs of at least this size move by single copy (coll/cma.c); 0: never */
   int cma;                    /* every rank can read its peers' memory (decided together at init) */
   uint64_t cma_probe;         /* the value a neighbour reads at init to prove it reads this process */
+  uint8_t* bounce;            /* single-copy reads between misaligned buffers pass through here (coll/cma.c) */
+  size_t bounce_bytes;
 };
 
 /* How messages and failure data name rank r of this communicator. */

@@ -14,6 +14,7 @@
 #include "coll/comm.h"
 #include "shm/segment.h"
 #include "core/clock.h"
+#include "core/copy.h"
 #include "core/error.h"
 
 struct smc_box {
@@ -288,7 +289,7 @@ static uint64_t bump_version(smc_box_entry_t* e) {
 smc_result_t smc_box_read(smc_box_t* b, size_t offset, size_t count, void* dst, uint64_t* version) {
   SMC_CHECK(check_range(b, offset, count, dst, "box read"));
   SMC_CHECK(smc_box_lock(b, b->timeout_s));
-  memcpy(dst, b->data + offset * b->esize, count * b->esize);
+  smc_copy(dst, b->data + offset * b->esize, count * b->esize);
   if (version != NULL) *version = atomic_load(&b->entry->version);
   unlock_box(b->entry);
   return SMC_SUCCESS;
@@ -297,7 +298,7 @@ smc_result_t smc_box_read(smc_box_t* b, size_t offset, size_t count, void* dst, 
 smc_result_t smc_box_write(smc_box_t* b, size_t offset, size_t count, const void* src, uint64_t* version) {
   SMC_CHECK(check_range(b, offset, count, src, "box write"));
   SMC_CHECK(smc_box_lock(b, b->timeout_s));
-  memmove(b->data + offset * b->esize, src, count * b->esize);
+  smc_copy(b->data + offset * b->esize, src, count * b->esize);
   uint64_t v = bump_version(b->entry);
   unlock_box(b->entry);
   if (version != NULL) *version = v;
