@@ -27,7 +27,7 @@ static smc_result_t peer_alive(void* arg) {
 /* Waits until rank r's probe state reaches `state`; a dead rank is named at once, a slow one at the timeout. */
 static smc_result_t wait_state(smc_comm_t* c, int r, uint32_t state, double timeout_s) {
   peer_t peer = {c, r};
-  smc_wait_opts_t opts = {c->spin_us, timeout_s, c->liveness_s, peer_alive, &peer};
+  smc_wait_opts_t opts = {c->spin_us, timeout_s, c->liveness_s, peer_alive, &peer, 0};
   smc_result_t rc = smc_wait_reach(&c->ctl[r].cma_state, &c->ctl[r].cma_sleepers, state, &opts);
   if (rc == SMC_ERR_TIMEOUT)
     return smc_set_peer_error(rc, smc_job_rank(c, r), SMC_FIELD_NONE,

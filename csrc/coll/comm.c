@@ -162,7 +162,7 @@ static smc_result_t check_attached_peers(void* arg) {
 
 static smc_result_t wait_all_attached(smc_comm_t* c, double timeout_s, const uint32_t* abandon) {
   attach_check_t arg = {c, abandon, 0};
-  smc_wait_opts_t opts = {c->spin_us, timeout_s, c->liveness_s, check_attached_peers, &arg};
+  smc_wait_opts_t opts = {c->spin_us, timeout_s, c->liveness_s, check_attached_peers, &arg, 0};
   smc_result_t rc = smc_wait_reach(&c->hdr->attached, &c->hdr->attach_sleepers, (uint32_t)c->size, &opts);
   if (rc != SMC_ERR_TIMEOUT || arg.reported) return rc;
   char why[96];
@@ -186,6 +186,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->timeout_s = cfg->timeout_s;
   c->liveness_s = cfg->liveness_s;
   c->spin_us = cfg->spin_us < 0 ? 0 : cfg->spin_us;
+  c->yield_us = cfg->yield_us < 0 ? 0 : cfg->yield_us;
   c->single_copy_bytes = cfg->single_copy_bytes;
   for (int r = 0; r < c->size; r++) c->job_ranks[r] = cfg->job_ranks != NULL ? cfg->job_ranks[r] : r;
   snprintf(c->name, sizeof(c->name), "/shmcomm-%s-%d", cfg->token, cfg->generation);

@@ -29,6 +29,7 @@ struct smc_comm {
   double timeout_s;
   double liveness_s;
   int spin_us;
+  int yield_us;
   smc_result_t broken;     /* non-success once a failure left the protocol state unknown */
   char broken_msg[512];
   smc_failure_t broken_failure; /* the failure data of that failure, repeated by every later refusal */

@@ -38,7 +38,7 @@ smc_result_t smc_sync(smc_comm_t* c, const char* what) {
   for (int r = 0; r < c->size; r++) {
     if (r == c->rank) continue;
     peer_ref_t ref = {c, r, what};
-    smc_wait_opts_t opts = {c->spin_us, c->timeout_s, c->liveness_s, check_peer, &ref};
+    smc_wait_opts_t opts = {c->spin_us, c->timeout_s, c->liveness_s, check_peer, &ref, c->yield_us};
     smc_result_t rc = smc_wait_reach(&c->ctl[r].seq, &c->ctl[r].sleepers, target, &opts);
     if (rc == SMC_ERR_TIMEOUT) {
       /* Every peer that has not arrived is named: the one waited for may itself wait for another that is stuck. */

@@ -97,6 +97,8 @@ typedef struct {
   size_t small_bytes;     /* allreduce up to this many bytes takes the one-step path */
   size_t arena_bytes;     /* room for Soft Memory Boxes */
   int spin_us;            /* microseconds a waiter polls before it sleeps on a futex */
+  int yield_us;           /* then microseconds a collective's waiter hands its core on (sched_yield) before it
+                           * sleeps: with more ranks than cores, the rank it waits for is often queued behind it */
   size_t single_copy_bytes; /* allgather, alltoall and broadcast inputs of at least this size move by single copy
                              * (process_vm_readv) where every rank may read its peers' memory; 0: never */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL

