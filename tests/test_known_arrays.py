@@ -23,17 +23,27 @@ def _expected(size, me, step):
     return x, total, gathered, total[me * 2:(me + 1) * 2], sent, received
 
 
-def _repeated_calls():
+def _repeated_calls(hide_quick=False):
     import shmcomm
+    from shmcomm import session
     from shmcomm.algorithms import host
+    from shmcomm.transport import shm as transport
 
+    if hide_quick:  # this rank takes the Python form of the short path; the others may take the C one
+        transport._QUICK_ALLGATHER = transport._QUICK_ALLTOALL = transport._QUICK_REDUCESCATTER = None
     shmcomm.init()
     size, me = shmcomm.size(), shmcomm.rank()
-    wrapped = []
+    wrapped, stepped = [], []
     full_wrap = host.wrap
     for step in range(4):
         if step == 2:  # the first two steps took the full path; from here on no array may be wrapped
             host.wrap = lambda *args, **kwargs: wrapped.append(args[1]) or full_wrap(*args, **kwargs)
+            if transport._QUICK_ALLGATHER is not None:  # nor, with the quick calls, a step taken from Python
+                comm = session.communicator()
+                shm = getattr(comm, "host", comm).shm
+                for name in ("allgather_begin", "allgather_finish", "alltoall_begin", "alltoall_finish",
+                             "reducescatter"):
+                    setattr(shm, name, lambda *args, _name=name: stepped.append(_name))
         x, total, gathered, share, sent, received = _expected(size, me, step)
         np.testing.assert_array_equal(shmcomm.allreduce(x, op=shmcomm.Sum), total)
         out = np.empty_like(x)
@@ -64,12 +74,61 @@ def _repeated_calls():
         np.testing.assert_array_equal(out, received)
     host.wrap = full_wrap
     assert wrapped == [], "arrays wrapped on the short path: %s" % wrapped
+    assert stepped == [], "steps taken from Python with the quick calls there: %s" % stepped
     return True
 
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_repeated_calls_take_the_short_path_and_give_the_same_results(size):
     assert multiproc.run(size, _repeated_calls, timeout=120, env=FAST_TIMEOUT) == [True] * size
+
+
+def test_ranks_with_and_without_the_quick_calls_agree():
+    """Rank 0 takes the short path in Python, the others in one C call: the tags and counts they pass agree."""
+    assert multiproc.run(3, _mixed_ranks, timeout=120, env=FAST_TIMEOUT) == [True] * 3
+
+
+def _mixed_ranks():
+    import os
+
+    return _repeated_calls(hide_quick=os.environ["SHMCOMM_RANK"] == "0")
+
+
+def _peers_change_their_rows():
+    """A rank whose own array keeps its dtype and shape while the others send other row counts: the result's shape
+    it guessed from the last call does not fit, and the call is finished from Python, with the right result, into a
+    new array or into an output of the new shape."""
+    import shmcomm
+
+    shmcomm.init()
+    size, me = shmcomm.size(), shmcomm.rank()
+    for step in range(6):
+        peers = 1 + step % 3  # rows each other rank contributes this step
+        rows = [2 if r == 0 else peers for r in range(size)]
+        x = np.full((rows[me], 3), 10 * me + step, np.float32)
+        want = np.concatenate([np.full((rows[r], 3), 10 * r + step, np.float32) for r in range(size)])
+        np.testing.assert_array_equal(shmcomm.allgather(x), want, err_msg="allgather, step %d" % step)
+        out = np.empty_like(want)
+        assert shmcomm.allgather(x, output=out) is out
+        np.testing.assert_array_equal(out, want)
+        # Alltoall: rank 0 sends each rank 1 row; every other rank sends rank 0 `peers` rows and the others 1.
+        splits = [1] * size if me == 0 else [peers] + [1] * (size - 1)
+        sent = np.concatenate([np.full((splits[j], 2), 100 * me + j + step, np.int64) for j in range(size)])
+        from_each = [1] * size if me != 0 else [1] + [peers] * (size - 1)
+        want = np.concatenate([np.full((from_each[j], 2), 100 * j + me + step, np.int64) for j in range(size)])
+        got, counts = shmcomm.alltoall(sent, splits=splits)
+        np.testing.assert_array_equal(got, want, err_msg="alltoall, step %d" % step)
+        assert list(counts) == from_each
+        out = np.empty_like(want)
+        got, counts = shmcomm.alltoall(sent, splits=splits, output=out)
+        assert got is out
+        np.testing.assert_array_equal(out, want)
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_results_whose_shape_changes_with_the_peers(size):
+    assert multiproc.run(size, _peers_change_their_rows, timeout=120, env=FAST_TIMEOUT) == [True] * size
 
 
 def _unusual_arrays():

@@ -10,7 +10,7 @@ from shmcomm import description, ops
 from shmcomm._native import ffi
 from shmcomm.algorithms import adasum
 from shmcomm.algorithms.communicator import Communicator
-from shmcomm.algorithms.known_arrays import KnownArrays
+from shmcomm.algorithms.known_arrays import KnownArrays, address
 from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
 from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
 
@@ -116,7 +116,7 @@ class HostComm(Communicator):
         out, dst, error = output_or_scratch(src, output, shape, what)
         tag = description.tag(src.code, src.shape)
         if error is None:
-            self.known.keep("reducescatter", x, src.code, shape, counts, tag)
+            self.known.keep("reducescatter", x, src.code, shape, counts, tag, address(counts))
         try:
             self.shm.reducescatter(src.ptr, dst.ptr, counts, src.code, ops.C_OP[op],
                                    float(prescale), float(postscale), self.size if op == ops.Average else 1, tag, what)
@@ -152,7 +152,7 @@ class HostComm(Communicator):
         matrix = self._matrix
         tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
         sends = ffi.new("uint64_t[]", splits)
-        self.known.keep("alltoall", x, list(splits), sends, size, tag)
+        self.known.keep("alltoall", x, list(splits), sends, size, tag, address(sends))
         self._step(self.shm.alltoall_begin, src, what, src.ptr, sends, size, matrix, tag, what)
         n, me = self.size, self.rank
         got = [matrix[j * n + me] for j in range(n)]

@@ -8,7 +8,13 @@ microseconds where the core's step takes one. What that path worked out for the 
 here under (collective, dtype, shape), and later calls with such an array go to the core at once. The only checks left
 are the ones two arrays of one dtype and shape can fail differently: contiguous, writable, the output's dtype and
 shape. Each method returns None, before any step, where anything is out of the ordinary; HostComm then takes its full
-path, whose errors say what is wrong."""
+path, whose errors say what is wrong.
+
+Where this build has them, the step itself is one C call (transport.shm's quick_allgather, quick_alltoall and
+quick_reducescatter, in csrc/py/quick_calls.c), given the kept facts and the output. An allgather or alltoall whose
+result shape is not known before the step (no output given, or one that turns out not to fit) gets an array of the
+shape this array's last result had; where the ranks sent other row counts this time, the C call returns after the
+first step and the rest is finished here, as on the full path."""
 import numpy as np
 
 from shmcomm import ops
@@ -17,6 +23,11 @@ from shmcomm.buffers import output_or_scratch, wrap
 
 _REFUSED = (BufferError, TypeError, ValueError)  # what ffi.from_buffer raises for an array it cannot pass
 _MOST_KEPT = 256  # (collective, dtype, shape) entries; a loop that keeps making new shapes starts over
+
+
+def address(cdata):
+    """The address of a cffi array, as the quick calls take it."""
+    return int(ffi.cast("uintptr_t", cdata))
 
 
 class KnownArrays:
@@ -28,57 +39,75 @@ class KnownArrays:
         self._kept = {}
         self._every = every  # allgather's rows per rank (uint64_t[size]), filled by its first step
         self._matrix = matrix  # alltoall's rows (uint64_t[size * size]), [j * size + i]: rank j sends rank i
+        self._every_at, self._matrix_at = address(every), address(matrix)
+        self._shapes = {}  # (collective, dtype, shape) -> the shape of the last allgather's or alltoall's result
 
     def keep(self, kind, array, *facts):
         """What the full path of collective `kind` worked out for `array`, if it is a numpy array."""
         if type(array) is np.ndarray:
             if len(self._kept) >= _MOST_KEPT:
                 self._kept.clear()
+                self._shapes.clear()
             self._kept[(kind, array.dtype, array.shape)] = facts
 
     def reducescatter(self, x, op, prescale, postscale, what, output):
         facts = self._kept.get(("reducescatter", x.dtype, x.shape))
         if facts is None or op not in ops.C_OP:
             return None
-        code, shape, counts, tag = facts
+        code, shape, counts, tag, counts_at = facts
+        divisor = self.size if op == ops.Average else 1
+        out = self.shm.quick_reducescatter(x, np.empty(shape, x.dtype) if output is None else output, counts_at,
+                                           ops.C_OP[op], prescale, postscale, divisor, tag, what)
+        if out is not NotImplemented:
+            return out
         places = _in_and_out(x, output, shape)
         if places is None:
             return None
         out, src, dst = places
-        self.shm.reducescatter(src, dst, counts, code, ops.C_OP[op], prescale, postscale,
-                               self.size if op == ops.Average else 1, tag, what)
+        self.shm.reducescatter(src, dst, counts, code, ops.C_OP[op], prescale, postscale, divisor, tag, what)
         return out
 
     def allgather(self, x, what, output):
-        facts = self._kept.get(("allgather", x.dtype, x.shape))
+        key = ("allgather", x.dtype, x.shape)
+        facts = self._kept.get(key)
         if facts is None:
             return None
         rows, row_bytes, tag = facts
-        try:
-            src = ffi.from_buffer(x)
-        except _REFUSED:
-            return None
         every = self._every
-        self.shm.allgather_begin(src, rows, row_bytes, every, tag, what)
-        shape = (sum(every[0:self.size]),) + x.shape[1:]
+        done = self.shm.quick_allgather(x, self._output(key, x, output), self._every_at, tag, what)
+        if done is not None and done is not NotImplemented:
+            return done
+        src = _source(x, done, self.shm.allgather_begin, rows, row_bytes, every, tag, what)
+        if src is None:
+            return None
+        shape = self._shapes[key] = (sum(every[0:self.size]),) + x.shape[1:]
         return self._finish(self.shm.allgather_finish, x, src, output, shape, what, row_bytes, every)
 
     def alltoall(self, x, splits, what, output):
         """(rows received in rank order, rows received from each rank), as HostComm.alltoall."""
-        facts = self._kept.get(("alltoall", x.dtype, x.shape))
+        key = ("alltoall", x.dtype, x.shape)
+        facts = self._kept.get(key)
         if facts is None or facts[0] != splits:
             return None
-        _, sends, row_bytes, tag = facts
-        try:
-            src = ffi.from_buffer(x)
-        except _REFUSED:
-            return None
+        _, sends, row_bytes, tag, sends_at = facts
         matrix, n, me = self._matrix, self.size, self.shm.rank
-        self.shm.alltoall_begin(src, sends, row_bytes, matrix, tag, what)
+        done = self.shm.quick_alltoall(x, self._output(key, x, output), sends_at, self._matrix_at, tag, what)
+        if done is not None and done is not NotImplemented:
+            return done  # (out, rows received from each rank)
+        src = _source(x, done, self.shm.alltoall_begin, sends, row_bytes, matrix, tag, what)
+        if src is None:
+            return None
         got = ffi.unpack(matrix, n * n)[me::n]
-        shape = (sum(got),) + x.shape[1:]
+        shape = self._shapes[key] = (sum(got),) + x.shape[1:]
         return (self._finish(self.shm.alltoall_finish, x, src, output, shape, what, row_bytes, matrix),
                 np.array(got, dtype=np.int64))
+
+    def _output(self, key, x, output):
+        """The caller's output, or a new array of the shape of the last result (None before the first)."""
+        if output is not None:
+            return output
+        shape = self._shapes.get(key)
+        return None if shape is None else np.empty(shape, x.dtype)
 
     @staticmethod
     def _finish(finish, x, src, output, shape, what, *args):
@@ -97,6 +126,20 @@ class KnownArrays:
         if error is not None:
             raise error
         return out
+
+
+def _source(x, done, begin, *args):
+    """x's pointer for the rest of an allgather or alltoall whose quick call returned `done`: None there means the
+    call began (it took x's buffer, so cffi takes it too); NotImplemented that nothing began, and the first step,
+    begin(src, *args), is taken here. None where cffi refuses x before anything began."""
+    if done is None:
+        return ffi.from_buffer(x)
+    try:
+        src = ffi.from_buffer(x)
+    except _REFUSED:
+        return None
+    begin(src, *args)
+    return src
 
 
 def _in_and_out(x, output, shape):

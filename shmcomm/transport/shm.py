@@ -8,7 +8,9 @@ from shmcomm.log import logger as log
 from shmcomm.exceptions import RankFailure
 from shmcomm.transport import Transport, allgather_bytes_over
 
-_QUICK_ALLREDUCE, _QUICK_BROADCAST = quick_function(0), quick_function(1)  # csrc/py/quick_calls.c
+# csrc/py/quick_calls.c
+_QUICK_ALLREDUCE, _QUICK_BROADCAST, _QUICK_ALLGATHER, _QUICK_ALLTOALL, _QUICK_REDUCESCATTER = (
+    quick_function(k) for k in range(5))
 SMC_REASON_BYTES = 479  # what peers read of a refusal's reason (SMC_REASON_MAX in csrc/coll/comm.h, less the NUL)
 
 
@@ -138,6 +140,36 @@ class SharedMemory(Transport):
         rc = lib.smc_alltoall_finish(self.handle, src, dst, row_bytes, matrix)
         if rc != 0:
             raise _error(rc, what)
+
+    # The same in one C call for a numpy array whose facts algorithms/known_arrays.py kept (`every`, `sends`,
+    # `matrix` and `counts` are addresses of its uint64 arrays): the output once finished (alltoall: with the rows
+    # received from each rank, a tuple); None once begun but not
+    # finished, where `out` was None or did not fit (the caller then finishes with the counts the step left); or
+    # NotImplemented, nothing begun.
+    def quick_allgather(self, x, out, every, tag, what):
+        if _QUICK_ALLGATHER is None:
+            return NotImplemented
+        got = _QUICK_ALLGATHER(self.address, self.size, x, out, every, tag)
+        if type(got) is int:
+            raise _error(got, what)
+        return got
+
+    def quick_alltoall(self, x, out, sends, matrix, tag, what):
+        if _QUICK_ALLTOALL is None:
+            return NotImplemented
+        got = _QUICK_ALLTOALL(self.address, self.size, self.rank, x, out, sends, matrix, tag)
+        if type(got) is int:
+            raise _error(got, what)
+        return got
+
+    def quick_reducescatter(self, x, out, counts, op, prescale, postscale, divisor, tag, what):
+        """Only ever the output or NotImplemented: its shape is known before the step."""
+        if _QUICK_REDUCESCATTER is None:
+            return NotImplemented
+        got = _QUICK_REDUCESCATTER(self.address, self.rank, x, out, counts, op, prescale, postscale, divisor, tag)
+        if type(got) is int:
+            raise _error(got, what)
+        return got
 
     def barrier(self, what="barrier"):
         rc = lib.smc_barrier(self.handle)
