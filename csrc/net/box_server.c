@@ -72,9 +72,20 @@ static void reap(smc_box_server_t* s) {
   }
 }
 
+/* Keepalive: a client whose host vanished (power lost, a link cut) sends nothing more, not even a FIN, and its
+ * thread would wait in recv for ever, holding the box lock it may hold. After KEEP_IDLE_S of silence the kernel
+ * probes the peer; a host that is gone answers with a reset, or not at all (KEEP_COUNT probes KEEP_INTERVAL_S apart),
+ * and recv fails: the session ends and releases what it held within about 7 s. A live client's kernel answers
+ * the probes however busy its process is, so a holder that computes for long keeps its lock. */
+enum { KEEP_IDLE_S = 2, KEEP_INTERVAL_S = 1, KEEP_COUNT = 5 };
+
 static void tune(int fd) {
-  int one = 1, big = 4 << 20;
+  int one = 1, big = 4 << 20, idle = KEEP_IDLE_S, interval = KEEP_INTERVAL_S, count = KEEP_COUNT;
   (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  (void)setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+  (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
   (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &big, sizeof(big));  /* capped by the system: what it allows is fine */
   (void)setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &big, sizeof(big));
 }

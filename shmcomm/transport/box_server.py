@@ -22,7 +22,8 @@ interpreter: they serve at the same speed whatever the home rank's Python does.
 The lock of a box is a robust, recursive pthread mutex: owned by the thread that took it. A remote lock is taken by
 the connection's thread and released by it, so it is released when the connection ends too: a client that dies
 holding a box lock (its process gone, its connection closed by its kernel) has its locks released and the box's
-version bumped, as the C core does for a local holder that dies."""
+version bumped, as the C core does for a local holder that dies. A client whose whole host vanished closes nothing;
+the server's TCP keepalive finds it gone within about 7 s of silence, with the same result."""
 import fcntl
 import socket
 import struct
