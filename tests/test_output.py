@@ -208,27 +208,29 @@ def _placements(size):
     me = shmcomm.rank()
     # Output 0, 8, 16, 48, 64, 2064 and 4080 bytes past the input modulo a page, at sizes below and above the copies'
     # switch to their own loop (2 KiB) and across a staging half.
+    def data(count, plus):  # every byte of every element varies, so no byte lost or stale can pass for the right one
+        return ((np.arange(count, dtype=np.int64) * 2654435761 + plus) % (1 << 32)).astype(np.uint32).view(np.int32)
+
     for nbytes in (2056, 6000, 72_008, 300_000):
         n = nbytes // 4
         for shift in (0, 8, 16, 48, 64, 2064, 4080):
-            src = _at(16 + (me % 2) * 32, nbytes, np.int32, np.arange(n, dtype=np.int32) * 3 + me)
+            src = _at(16 + (me % 2) * 32, nbytes, np.int32, data(n, me))
             out = _at(16 + shift, nbytes * size, np.int32, -1)
             got = shmcomm.allgather(src, output=out)
-            want = np.concatenate([np.arange(n, dtype=np.int32) * 3 + r for r in range(size)])
+            want = np.concatenate([data(n, r) for r in range(size)])
             np.testing.assert_array_equal(got, want, err_msg="allgather, %d bytes, shift %d" % (nbytes, shift))
             out = _at(16 + shift, nbytes, np.int32, -1)
             shmcomm.broadcast(src, 1, output=out)
-            np.testing.assert_array_equal(out, np.arange(n, dtype=np.int32) * 3 + 1, err_msg="broadcast %d" % shift)
+            np.testing.assert_array_equal(out, data(n, 1), err_msg="broadcast, %d bytes, shift %d" % (nbytes, shift))
             part = n // size
-            send = _at(16, part * size * 4, np.int32, np.arange(part * size, dtype=np.int32) + 1000 * me)
+            send = _at(16, part * size * 4, np.int32, data(part * size, 1000 * me))
             out = _at(16 + shift, part * size * 4, np.int32, -1)
             shmcomm.alltoall(send, output=out)
-            want = np.concatenate([np.arange(me * part, (me + 1) * part, dtype=np.int32) + 1000 * r
-                                   for r in range(size)])
+            want = np.concatenate([data(part * size, 1000 * r)[me * part:(me + 1) * part] for r in range(size)])
             np.testing.assert_array_equal(out, want, err_msg="alltoall, %d bytes, shift %d" % (nbytes, shift))
             out = _at(16 + shift, nbytes, np.int32, -1)
             shmcomm.allreduce(src, op=shmcomm.Sum, output=out)
-            np.testing.assert_array_equal(out, np.arange(n, dtype=np.int32) * 3 * size + sum(range(size)),
+            np.testing.assert_array_equal(out, sum(data(n, r) for r in range(size)),
                                           err_msg="allreduce, %d bytes, shift %d" % (nbytes, shift))
     return True
 

@@ -1,6 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Broadcast: the root streams its buffer through its staging half, one half-sized window per step, and every other
- * rank copies each window out. */
+ * rank copies each window out.
+ *
+ * By single copy (large buffers, see coll/comm.h) the root does not idle while the others read its buffer: it
+ * writes the first 1/size of the data into every other rank's buffer itself (process_vm_writev; each published its
+ * buffer's address), while each of them reads the rest. Every rank then moves (size-1)/size of the data, in
+ * parallel, instead of the others moving all of it while the root waits. */
 #include "coll/comm.h"
 #include "core/copy.h"
 #include "core/error.h"
@@ -16,12 +21,21 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   if (bytes > 0 && ((me == root && sendbuf == NULL) || recvbuf == NULL))
     return smc_refuse_here(c, SMC_COLL_BROADCAST, smc_set_error(SMC_ERR_INVALID, "broadcast: NULL buffer"));
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .count = bytes, .tag = tag, .divisor = 1,
-                     .addr = (uint64_t)(uintptr_t)sendbuf, .coll = SMC_COLL_BROADCAST, .root = root};
-  if (c->size > 1 && smc_single_copy(c, bytes)) { /* every rank reads the root's buffer at once */
+                     .addr = (uint64_t)(uintptr_t)(me == root ? sendbuf : recvbuf), .coll = SMC_COLL_BROADCAST,
+                     .root = root};
+  if (c->size > 1 && smc_single_copy(c, bytes)) {
     SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
-    smc_result_t rc = me == root ? SMC_SUCCESS : smc_cma_read(c, root, recvbuf, smc_peer_desc(c, root)->addr, bytes,
-                                                              "broadcast");
-    smc_result_t synced = smc_sync(c, "broadcast"); /* the root keeps its buffer until everyone has read it */
+    const uint64_t share = (bytes / (uint64_t)c->size) & ~(uint64_t)(SMC_CACHE_LINE - 1); /* what the root writes */
+    smc_result_t rc = SMC_SUCCESS;
+    for (int k = 1; me == root && k < c->size; k++) {
+      int j = (root + k) % c->size;
+      if (rc == SMC_SUCCESS) rc = smc_cma_write(c, j, smc_peer_desc(c, j)->addr, sendbuf, share, "broadcast");
+    }
+    if (me != root)
+      rc = smc_cma_read(c, root, (uint8_t*)recvbuf + share, smc_peer_desc(c, root)->addr + share, bytes - share,
+                        "broadcast");
+    /* Every buffer stays as it is until every rank is done: the root's is read, the others' written. */
+    smc_result_t synced = smc_sync(c, "broadcast");
     smc_flip(c);
     if (me == root && sendbuf != recvbuf) smc_copy(recvbuf, sendbuf, bytes);
     return synced != SMC_SUCCESS ? synced : rc;

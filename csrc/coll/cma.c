@@ -65,21 +65,22 @@ smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
   return SMC_SUCCESS;
 }
 
-static smc_result_t read_failed(smc_comm_t* c, int r, ssize_t n, const char* what) {
+static smc_result_t move_failed(smc_comm_t* c, int r, ssize_t n, int write, const char* what) {
   return smc_set_peer_error(n < 0 && errno == ESRCH ? SMC_ERR_RANK_FAILED : SMC_ERR_SYSTEM, smc_job_rank(c, r),
-                            SMC_FIELD_NONE, "%s: reading rank %d's buffer failed: %s", what, smc_job_rank(c, r),
-                            n < 0 ? strerror(errno) : "no progress");
+                            SMC_FIELD_NONE, "%s: %s rank %d's buffer failed: %s", what, write ? "writing into" : "reading",
+                            smc_job_rank(c, r), n < 0 ? strerror(errno) : "no progress");
 }
 
-/* Straight into `local`; the kernel may move less than asked. */
-static smc_result_t read_direct(smc_comm_t* c, int r, uint8_t* to, uint64_t remote, uint64_t bytes,
+/* Between `local` and rank r's `remote`, in the direction `write` says; the kernel may move less than asked. */
+static smc_result_t move_direct(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
                                 const char* what) {
   while (bytes > 0) {
-    struct iovec l = {to, (size_t)bytes};
+    struct iovec l = {local, (size_t)bytes};
     struct iovec rm = {(void*)(uintptr_t)remote, (size_t)bytes};
-    ssize_t n = process_vm_readv((pid_t)c->ctl[r].pid, &l, 1, &rm, 1, 0);
-    if (n <= 0) return read_failed(c, r, n, what);
-    to += n;
+    pid_t pid = (pid_t)c->ctl[r].pid;
+    ssize_t n = write ? process_vm_writev(pid, &l, 1, &rm, 1, 0) : process_vm_readv(pid, &l, 1, &rm, 1, 0);
+    if (n <= 0) return move_failed(c, r, n, write, what);
+    local += n;
     remote += (uint64_t)n;
     bytes -= (uint64_t)n;
   }
@@ -87,41 +88,53 @@ static smc_result_t read_direct(smc_comm_t* c, int r, uint8_t* to, uint64_t remo
 }
 
 /* The kernel's copy is `rep movsb`, with the slow placement core/copy.h describes (measured through process_vm_readv
- * on an AMD EPYC: 1.1-1.9 GB/s with the destination 8 or 16 bytes past the source, 7-9 GB/s otherwise). Such reads
- * land first in a cache-sized bounce buffer at the source's offset, from where memcpy moves each chunk to its place
- * while it is still in cache. The chunk is a quarter of the single-copy threshold (the L2 size by default): the
- * bounce and the lines being written share that cache. */
+ * on an AMD EPYC: 1.1-1.9 GB/s with the destination 8 or 16 bytes past the source, 7-9 GB/s otherwise). Such moves
+ * go through a cache-sized bounce buffer at the remote buffer's offset in a cache line, and memcpy moves each chunk
+ * between it and the local buffer while it is in cache. The chunk is a quarter of the single-copy threshold (the L2
+ * size by default): the bounce and the lines being written share that cache. */
 enum { PAGE = SMC_PAGE_BYTES };
 
-static smc_result_t read_bounced(smc_comm_t* c, int r, uint8_t* to, uint64_t remote, uint64_t bytes,
+static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
                                  const char* what) {
   if (c->bounce == NULL) {
     size_t want = (size_t)(c->single_copy_bytes / 4);
     want = want < (16u << 10) ? (16u << 10) : want > (1u << 20) ? (1u << 20) : want;
     if (posix_memalign((void**)&c->bounce, PAGE, want + PAGE) != 0) {
       c->bounce = NULL;
-      return read_direct(c, r, to, remote, bytes, what); /* slower, still right */
+      return move_direct(c, r, local, remote, bytes, write, what); /* slower, still right */
     }
     c->bounce_bytes = want;
   }
-  /* At the source's offset in a cache line (the kernel's copy then meets no short distance), and half a page from
-   * the destination's offset in a page (nor does memcpy's). */
-  uintptr_t in_page = (((uintptr_t)to + PAGE / 2) & (PAGE - 1) & ~(uintptr_t)(SMC_CACHE_LINE - 1)) |
+  /* At the remote buffer's offset in a cache line (the kernel's copy then meets no short distance), and half a page
+   * from the local buffer's offset in a page (nor does memcpy's). */
+  uintptr_t in_page = (((uintptr_t)local + PAGE / 2) & (PAGE - 1) & ~(uintptr_t)(SMC_CACHE_LINE - 1)) |
                       (uintptr_t)(remote & (SMC_CACHE_LINE - 1));
   uint8_t* at = c->bounce + in_page;
   while (bytes > 0) {
     size_t len = bytes < c->bounce_bytes ? (size_t)bytes : c->bounce_bytes;
-    SMC_CHECK(read_direct(c, r, at, remote, len, what));
-    memcpy(to, at, len);
-    to += len;
+    if (write) memcpy(at, local, len);
+    SMC_CHECK(move_direct(c, r, at, remote, len, write, what));
+    if (!write) memcpy(local, at, len);
+    local += len;
     remote += len;
     bytes -= len;
   }
   return SMC_SUCCESS;
 }
 
+static smc_result_t move(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
+                         const char* what) {
+  const void* far = (const void*)(uintptr_t)remote;
+  if (bytes > 2048 && (write ? smc_short_distance(far, local) : smc_short_distance(local, far)))
+    return move_bounced(c, r, local, remote, bytes, write, what);
+  return move_direct(c, r, local, remote, bytes, write, what);
+}
+
 smc_result_t smc_cma_read(smc_comm_t* c, int r, void* local, uint64_t remote, uint64_t bytes, const char* what) {
-  if (bytes > 2048 && smc_short_distance(local, (const void*)(uintptr_t)remote))
-    return read_bounced(c, r, local, remote, bytes, what);
-  return read_direct(c, r, local, remote, bytes, what);
+  return move(c, r, local, remote, bytes, 0, what);
+}
+
+smc_result_t smc_cma_write(smc_comm_t* c, int r, uint64_t remote, const void* local, uint64_t bytes,
+                           const char* what) {
+  return move(c, r, (uint8_t*)(uintptr_t)local, remote, bytes, 1, what); /* only read from, when writing */
 }

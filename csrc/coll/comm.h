@@ -86,5 +86,8 @@ static inline int smc_single_copy(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && c->single_copy_bytes > 0 && bytes >= c->single_copy_bytes;
 }
 smc_result_t smc_cma_read(smc_comm_t* c, int r, void* local, uint64_t remote, uint64_t bytes, const char* what);
+/* smc_cma_write: copies `bytes` from `local` into rank r's address `remote` (process_vm_writev). */
+smc_result_t smc_cma_write(smc_comm_t* c, int r, uint64_t remote, const void* local, uint64_t bytes,
+                           const char* what);
 
 #endif
