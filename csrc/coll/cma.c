@@ -89,13 +89,14 @@ static smc_result_t move_direct(smc_comm_t* c, int r, uint8_t* local, uint64_t r
 
 /* The kernel's copy is `rep movsb`, with the slow placement core/copy.h describes (measured through process_vm_readv
  * on an AMD EPYC: 1.1-1.9 GB/s with the destination 8 or 16 bytes past the source, 7-9 GB/s otherwise). Such moves
- * go through a cache-sized bounce buffer at the remote buffer's offset in a cache line, and memcpy moves each chunk
- * between it and the local buffer while it is in cache. The chunk is a quarter of the single-copy threshold (the L2
- * size by default): the bounce and the lines being written share that cache. */
+ * go through a cache-sized bounce buffer at the remote buffer's offset in a cache line, and memcpy (streaming
+ * stores, for the largest reads: see move) moves each chunk between it and the local buffer while it is in cache.
+ * The chunk is a quarter of the single-copy threshold (the L2 size by default): the bounce and the lines being
+ * written share that cache. */
 enum { PAGE = SMC_PAGE_BYTES };
 
 static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
-                                 const char* what) {
+                                 int stream, const char* what) {
   if (c->bounce == NULL) {
     size_t want = (size_t)(c->single_copy_bytes / 4);
     want = want < (16u << 10) ? (16u << 10) : want > (1u << 20) ? (1u << 20) : want;
@@ -114,7 +115,10 @@ static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t 
     size_t len = bytes < c->bounce_bytes ? (size_t)bytes : c->bounce_bytes;
     if (write) memcpy(at, local, len);
     SMC_CHECK(move_direct(c, r, at, remote, len, write, what));
-    if (!write) memcpy(local, at, len);
+    if (!write && stream)
+      smc_copy_streaming(local, at, len);
+    else if (!write)
+      memcpy(local, at, len);
     local += len;
     remote += len;
     bytes -= len;
@@ -125,8 +129,13 @@ static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t 
 static smc_result_t move(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
                          const char* what) {
   const void* far = (const void*)(uintptr_t)remote;
-  if (bytes > 2048 && (write ? smc_short_distance(far, local) : smc_short_distance(local, far)))
-    return move_bounced(c, r, local, remote, bytes, write, what);
+  /* A read far larger than the caches also goes through the bounce, and on with streaming stores: the kernel's copy
+   * stores through the cache, reading every destination line first, a third more memory traffic where the memory
+   * is the limit. Measured on an AMD EPYC, np=2 allgather of 32 MiB: 15.5-16.2 ms against 16.8-20.0 ms; no
+   * difference at 8 MiB (4 MiB reads). */
+  int stream = !write && bytes >= 16 * c->single_copy_bytes;
+  if (stream || (bytes > 2048 && (write ? smc_short_distance(far, local) : smc_short_distance(local, far))))
+    return move_bounced(c, r, local, remote, bytes, write, stream, what);
   return move_direct(c, r, local, remote, bytes, write, what);
 }
 

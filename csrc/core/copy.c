@@ -3,6 +3,9 @@
 #include "core/copy.h"
 
 #include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 typedef uint8_t smc_vec32_t __attribute__((vector_size(32)));
 
@@ -33,4 +36,35 @@ void smc_copy(void* dst, const void* src, size_t bytes) {
     copy_backwards(d, s, bytes);
   else if (d != s)
     memmove(d, s, bytes);
+}
+
+void smc_copy_streaming(void* dst, const void* src, size_t bytes) {
+#if defined(__x86_64__)
+  uint8_t* d = dst;
+  const uint8_t* s = src;
+  size_t head = (size_t)(-(uintptr_t)d & 15);
+  if (bytes < head + 64) {
+    memcpy(d, s, bytes);
+    return;
+  }
+  memcpy(d, s, head);
+  d += head;
+  s += head;
+  bytes -= head;
+  while (bytes >= 64) {
+    __m128i a = _mm_loadu_si128((const __m128i*)s), b = _mm_loadu_si128((const __m128i*)(s + 16));
+    __m128i c = _mm_loadu_si128((const __m128i*)(s + 32)), e = _mm_loadu_si128((const __m128i*)(s + 48));
+    _mm_stream_si128((__m128i*)d, a);
+    _mm_stream_si128((__m128i*)(d + 16), b);
+    _mm_stream_si128((__m128i*)(d + 32), c);
+    _mm_stream_si128((__m128i*)(d + 48), e);
+    d += 64;
+    s += 64;
+    bytes -= 64;
+  }
+  _mm_sfence(); /* the streamed lines are ordered before what follows (the step's synchronisation) */
+  memcpy(d, s, bytes);
+#else
+  memcpy(dst, src, bytes);
+#endif
 }

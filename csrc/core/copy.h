@@ -24,4 +24,8 @@ static inline int smc_short_distance(const void* dst, const void* src) {
 /* memmove, that copies such placements with a vector loop that runs backwards instead. */
 void smc_copy(void* dst, const void* src, size_t bytes);
 
+/* memcpy (no overlap) with stores that bypass the cache where the CPU has them: for data that will not be read
+ * again soon, it saves the read of each destination line that a cached store costs first. */
+void smc_copy_streaming(void* dst, const void* src, size_t bytes);
+
 #endif
