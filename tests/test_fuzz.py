@@ -38,6 +38,7 @@ BAD_SETTINGS = [
     ("START_TIMEOUT", ["x", "0", "-5", "nan"]),
     ("LIVENESS_INTERVAL", ["0", "-0.1", "inf"]),
     ("SPIN_US", ["1.5", "-1", "99999999999"]),
+    ("YIELD_US", ["1.5", "-1", "99999999999", "soon"]),
     ("SLOT_BYTES", ["0", "100", "-4096", "4k", str(1 << 60)]),
     ("SMALL_BYTES", ["-1", "x", str(1 << 60)]),
     ("SMB_BYTES", ["-1", "1e6", str(1 << 60)]),
@@ -86,6 +87,20 @@ def test_good_settings_pass_and_horovod_spellings_are_checked_too(monkeypatch):
     monkeypatch.delenv("SHMCOMM_CYCLE_TIME")
     with pytest.raises(ValueError, match="CYCLE_TIME"):
         env.validate()
+
+
+def test_waiters_yield_only_with_more_ranks_than_cores(monkeypatch):
+    """SHMCOMM_YIELD_US's default: 0 while every rank has a core, then 1000 us per rank sharing one."""
+    from shmcomm import env
+
+    for variable in [v for v in os.environ if v.startswith(("SHMCOMM_", "HOROVOD_"))]:
+        monkeypatch.delenv(variable)
+    cores = len(os.sched_getaffinity(0))
+    assert env.tuning(1).yield_us == 0 and env.tuning(cores).yield_us == 0
+    assert env.tuning(cores + 1).yield_us == 2000
+    assert env.tuning(4 * cores).yield_us == 4000 and env.tuning(4 * cores + 1).yield_us == 5000
+    monkeypatch.setenv("SHMCOMM_YIELD_US", "7")
+    assert env.tuning(4 * cores).yield_us == 7
 
 
 def _init_with_bad_setting():

@@ -30,6 +30,7 @@ struct smc_comm {
   double liveness_s;
   int spin_us;
   int yield_us;
+  int yield_now_us;          /* the yield of the next wait: yield_us, less after waits that outlasted it (step.c) */
   smc_result_t broken;     /* non-success once a failure left the protocol state unknown */
   char broken_msg[512];
   smc_failure_t broken_failure; /* the failure data of that failure, repeated by every later refusal */

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "coll/comm.h"
+#include "core/clock.h"
 #include "core/error.h"
 
 typedef struct {
@@ -38,8 +39,16 @@ smc_result_t smc_sync(smc_comm_t* c, const char* what) {
   for (int r = 0; r < c->size; r++) {
     if (r == c->rank) continue;
     peer_ref_t ref = {c, r, what};
-    smc_wait_opts_t opts = {c->spin_us, c->timeout_s, c->liveness_s, check_peer, &ref, c->yield_us};
+    smc_wait_opts_t opts = {c->spin_us, c->timeout_s, c->liveness_s, check_peer, &ref, c->yield_now_us};
+    double waiting_since = c->yield_us > 0 ? smc_now() : 0;
     smc_result_t rc = smc_wait_reach(&c->ctl[r].seq, &c->ctl[r].sleepers, target, &opts);
+    if (c->yield_us > 0) {
+      /* A wait that outlasted the whole yield slept in the end: the peer was computing, and yielding meanwhile took
+       * part of the core from whoever shares it. Each such wait halves the next yield; a wait short enough for the
+       * whole yield to catch it restores it. */
+      double waited_us = 1e6 * (smc_now() - waiting_since);
+      c->yield_now_us = waited_us > c->yield_us ? c->yield_now_us / 2 : c->yield_us;
+    }
     if (rc == SMC_ERR_TIMEOUT) {
       /* Every peer that has not arrived is named: the one waited for may itself wait for another that is stuck. */
       char others[384] = "";
