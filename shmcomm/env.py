@@ -157,7 +157,7 @@ def tuning(local_size):
     default_spin_us = 1000 if local_size <= cores else 2
     # More ranks than cores: a waiter yields its core to the ranks queued on it before sleeping, for about a
     # scheduler slice per rank sharing a core (measured at 4 and 8 ranks on 2 cores: 1-3 ms beat shorter yields, and
-    # sleeping at once by 1.4-3x on small messages; see csrc/shm/wait.c).
+    # small messages took 10-40% less time than sleeping at once; see csrc/shm/wait.c).
     default_yield_us = 0 if local_size <= cores else 1000 * -(-local_size // cores)
     return Tuning(
         timeout_s=timeout_s(),

@@ -8,8 +8,9 @@
  * Between the two, a collective's waiter may yield for `yield_us` (the default with more ranks than cores). A futex
  * wake-up costs the waker a system call and the sleeper a trip through the scheduler, several of them per step;
  * sched_yield gives the core at once to whichever rank is queued on it, often the one being waited for, and costs
- * nothing where the core has no one else to run. Measured with 4 and 8 ranks on 2 cores: small allreduce and
- * broadcast ran 1.4-3x faster than with sleeping alone.
+ * nothing where the core has no one else to run. Measured with 4 and 8 ranks on 2 cores: small allreduce, broadcast
+ * and allgather took 10-40% less time than with sleeping alone (benchmarks/RESULTS.md). The yield lasts at most a
+ * liveness interval, so a dead peer is still found in time.
  *
  * The lost-wake-up race is closed by ordering: the poster stores the word, then reads `sleepers`; the waiter
  * increments `sleepers`, then re-reads the word, and the kernel re-checks the word inside FUTEX_WAIT. Both sides use
@@ -66,7 +67,8 @@ smc_result_t smc_wait_reach(_Atomic uint32_t* word, _Atomic uint32_t* sleepers, 
     }
   }
   if (opts->yield_us > 0) {
-    double until = smc_now() + 1e-6 * opts->yield_us;
+    double yield_s = 1e-6 * opts->yield_us;
+    double until = smc_now() + (yield_s < opts->liveness_s ? yield_s : opts->liveness_s);
     do {
       if (smc_reached(atomic_load_explicit(word, memory_order_acquire), target)) return SMC_SUCCESS;
       sched_yield();
