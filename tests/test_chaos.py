@@ -53,7 +53,7 @@ def test_a_rank_killed_in_init_across_two_simulated_hosts_is_named_and_the_job_e
     _campaign(1, signal.SIGKILL, hosts=2, seed=2027, phases=["init"])
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 17 s; the default run keeps a SIGSTOP across hosts in collectives and a SIGKILL in init
 def test_a_rank_stopped_in_shutdown_across_two_simulated_hosts_is_killed_and_named():
     """SIGSTOP of one rank in its shutdown, the others finished and waiting in MPI_Finalize: its guard kills it
     SHMCOMM_TIMEOUT (+ 2 s) later, the launcher exits non-zero naming it, nothing is left behind."""

@@ -24,6 +24,8 @@ REPORT = rank_program("""
     tid = found[0]
     with open("/proc/self/task/%d/status" % tid) as status:
         cores = next(line.split()[1] for line in status if line.startswith("Cpus_allowed_list"))
+    # A rank's shutdown ends the others' engine threads too: none goes before every rank has read its thread.
+    shmcomm.barrier()
     e, a, t = env.engine(), env.autotune(), env.tuning(1)
     print(json.dumps({"env": dict(os.environ), "engine_cores": cores, "timeout": t.timeout_s,
                       "start_timeout": t.start_timeout_s, "cycle_ms": e.cycle_s * 1000,
