@@ -79,7 +79,10 @@ def test_a_worker_dying_while_the_world_forms_does_not_hold_up_the_others(tmp_pa
                    sys.executable, JOB, str(tmp_path), "60", "30"], env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "worker 1 (rank 1) was killed by signal 9" in run.stderr
-    assert "worker 2 (rank 1) was killed by signal 9" in run.stderr, run.stderr
+    # Worker 2 leaves the world worker 0 waits in: it kills itself, or, when the launcher's discovery saw its slot go
+    # first, the launcher retires it. Either way worker 0 must give that world up at once.
+    assert ("worker 2 (rank 1) was killed by signal 9" in run.stderr
+            or "worker 2 on localhost is retired" in run.stderr), run.stderr
     assert "a newer world replaced this one" in run.stderr, run.stderr  # worker 0 gave up the world worker 2 left
     done = _done(run.stdout)
     assert len(done) == 2 and len({d[2] for d in done}) == 1, run.stdout  # worker 0 and the replacement, alike
