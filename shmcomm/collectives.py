@@ -11,6 +11,7 @@ import numpy as np
 
 from shmcomm import ops, session
 from shmcomm.engine import current as current_engine
+from shmcomm.quick_path import allgather_call, allreduce_call, alltoall_call, broadcast_call, reducescatter_call, world
 from shmcomm.engine.request import Request, execute
 from shmcomm.buffers import is_torch, wrap, wrap_device
 from shmcomm.exceptions import InvalidArgumentError, NotSupportedError
@@ -125,9 +126,28 @@ def _broadcast_now(tensor, output, root_rank, name):
         raise comm.refused("broadcast", error, what) from None
 
 
+def _quick_failed(got, tensor, kind, name, output=None):
+    """Raises the error of a quick call that returned `got`: a failed step's code, explained as the full path explains
+    it, or None: an allgather's or alltoall's output turned out not to fit."""
+    what = _what(kind, name)
+    if got is None:
+        world.comm.output_misfit(kind, tensor, output, what)
+    raise world.comm.step_failure(got, tensor, what)
+
+
+# Each public function tries the quickest way first: a numpy array on the global set of a one-host world without the
+# engine (quick_path.world) goes to the core in one C call (csrc/py/quick_calls.c), which returns NotImplemented for
+# anything out of the ordinary, before any step; the full path then decides, and its checks say what is wrong.
+
 def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None,
               process_set=None):
     """The reduction of `tensor` over all ranks (default op: Average), in a new tensor or in `output`."""
+    if world.address and type(tensor) is np.ndarray and average is None and process_set is None:
+        got = allreduce_call(world.address, world.size, tensor,
+                             np.empty(tensor.shape, tensor.dtype) if output is None else output, op, prescale_factor,
+                             postscale_factor)
+        if got is not NotImplemented:
+            return got if type(got) is not int else _quick_failed(got, tensor, "allreduce", name)
     if average is None and _engine_free(tensor, process_set):
         return _latency_path(tensor, output, op, prescale_factor, postscale_factor, name)
     return run(allreduce_request(tensor, output, op, average, prescale_factor, postscale_factor, name, process_set))
@@ -135,6 +155,10 @@ def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_fact
 
 def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=None):
     """Reduces `tensor` over all ranks in place and returns it."""
+    if world.address and type(tensor) is np.ndarray and average is None and process_set is None:
+        got = allreduce_call(world.address, world.size, tensor, tensor, op, prescale_factor, postscale_factor)
+        if got is not NotImplemented:
+            return got if type(got) is not int else _quick_failed(got, tensor, "allreduce", name)
     if average is None and _engine_free(tensor, process_set):
         return _latency_path(tensor, tensor, op, prescale_factor, postscale_factor, name)
     return run(allreduce_request(tensor, tensor, op, average, prescale_factor, postscale_factor, name, process_set))
@@ -149,6 +173,12 @@ def broadcast_request(tensor, output, root_rank, name, process_set):
 
 def broadcast(tensor, root_rank, name=None, output=None, process_set=None):
     """root_rank's `tensor` on every rank, in a new tensor or in `output`."""
+    if world.address and type(tensor) is np.ndarray and process_set is None and type(root_rank) is int \
+            and 0 <= root_rank < world.size:  # the world's ranks are its indices
+        got = broadcast_call(world.address, tensor, np.empty(tensor.shape, tensor.dtype) if output is None else output,
+                             root_rank)
+        if got is not NotImplemented:
+            return got if type(got) is not int else _quick_failed(got, tensor, "broadcast", name)
     if _engine_free(tensor, process_set):
         return _broadcast_now(tensor, output, root_rank, name)
     return run(broadcast_request(tensor, output, root_rank, name, process_set))
@@ -156,6 +186,11 @@ def broadcast(tensor, root_rank, name=None, output=None, process_set=None):
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """Overwrites `tensor` with root_rank's on every rank; returns it."""
+    if world.address and type(tensor) is np.ndarray and process_set is None and type(root_rank) is int \
+            and 0 <= root_rank < world.size:
+        got = broadcast_call(world.address, tensor, tensor, root_rank)
+        if got is not NotImplemented:
+            return got if type(got) is not int else _quick_failed(got, tensor, "broadcast", name)
     if _engine_free(tensor, process_set):
         return _broadcast_now(tensor, tensor, root_rank, name)
     return run(broadcast_request(tensor, tensor, root_rank, name, process_set))
@@ -169,6 +204,11 @@ def allgather_request(tensor, name, process_set, output=None):
 def allgather(tensor, name=None, process_set=None, output=None):
     """Concatenation of every rank's `tensor` along the first dimension, which may differ between ranks; in a new
     array, or in `output` (which must have the concatenation's shape and the tensor's dtype)."""
+    if world.address and type(tensor) is np.ndarray and process_set is None:
+        got = allgather_call(world.address, world.size, tensor, output, world.every, np.empty)
+        if got is not NotImplemented:
+            return got if got is not None and type(got) is not int else _quick_failed(got, tensor, "allgather", name,
+                                                                                      output)
     if _engine_free(tensor, process_set):
         comm = session.communicator()
         what = _what("allgather", name)
@@ -199,6 +239,11 @@ def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postsc
     """Rank r receives its share of the reduction of `tensor` along the first dimension; with rows that do not
     divide evenly, the first (rows % size) ranks get one extra row (Horovod's rule). In a new array, or in
     `output`."""
+    if world.address and type(tensor) is np.ndarray and process_set is None:
+        got = reducescatter_call(world.address, world.size, world.rank, tensor, output, op, prescale_factor,
+                                 postscale_factor, world.counts, np.empty)
+        if got is not NotImplemented:
+            return got if type(got) is not int else _quick_failed(got, tensor, "reducescatter", name)
     if _engine_free(tensor, process_set):
         comm = session.communicator()
         what = _what("reducescatter", name)
@@ -238,6 +283,13 @@ def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
     """Sends splits[j] rows of `tensor` (in order) to rank j and returns the rows received, in rank order, in a new
     array or in `output` (which must have exactly the rows received). With `splits`, also returns how many rows came
     from each rank (as Horovod does)."""
+    if world.address and type(tensor) is np.ndarray and process_set is None:
+        got = alltoall_call(world.address, world.size, world.rank, tensor, output, splits, world.sends, world.matrix,
+                            np.empty)
+        if got is not NotImplemented:
+            if got is None or type(got) is int:
+                _quick_failed(got, tensor, "alltoall", name, output)
+            return got[0] if splits is None else (got[0], received_splits(tensor, got[1]))
     if _engine_free(tensor, process_set):
         comm = session.communicator()
         what = _what("alltoall", name)

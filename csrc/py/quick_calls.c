@@ -33,17 +33,18 @@ static int quick_dtype(const Py_buffer* view) {
   }
 }
 
-/* description.tag in C: hash((dtype,) + shape) of Python's own tuple hash, so that a rank on this path and one on the
- * full path agree. 0 with *ok = 0 if Python could not build the tuple. */
-static uint64_t quick_tag(int dtype, const Py_buffer* view, int* ok) {
-  PyObject* key = PyTuple_New(1 + view->ndim);
+/* description.tag in C: hash((dtype,) + shape[from:]) of Python's own tuple hash, so that a rank on this path and one
+ * on the full path agree (from 1: the collectives whose first dimension may differ between ranks). 0 with *ok = 0 if
+ * Python could not build the tuple. */
+static uint64_t quick_tag(int dtype, const Py_buffer* view, int from, int* ok) {
+  PyObject* key = PyTuple_New(1 + view->ndim - from);
   *ok = 0;
   if (key == NULL) return 0;
   PyObject* item = PyLong_FromLong(dtype);
   if (item == NULL || PyTuple_SetItem(key, 0, item) != 0) goto fail;
-  for (int d = 0; d < view->ndim; d++) {
+  for (int d = from; d < view->ndim; d++) {
     item = PyLong_FromSsize_t(view->shape[d]);
-    if (item == NULL || PyTuple_SetItem(key, 1 + d, item) != 0) goto fail;
+    if (item == NULL || PyTuple_SetItem(key, 1 + d - from, item) != 0) goto fail;
   }
   Py_hash_t h = PyObject_Hash(key);
   Py_DECREF(key);
@@ -90,12 +91,25 @@ static int take_arrays(PyObject* x, PyObject* out, Py_buffer* in, Py_buffer* vie
   if (PyObject_GetBuffer(x, in, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (out == x ? PyBUF_WRITABLE : 0)) != 0) return 0;
   int ok = 0;
   *dtype = quick_dtype(in); /* broadcast too: for the types the core reduces, the dtype key is the code */
-  *tag = *dtype < 0 ? 0 : quick_tag(*dtype, in, &ok);
+  *tag = *dtype < 0 ? 0 : quick_tag(*dtype, in, 0, &ok);
   if (!ok || !output_view(x, in, out, view)) {
     PyBuffer_Release(in);
     return 0;
   }
   return 1;
+}
+
+/* Horovod's number of an element-wise op (ops.ReduceOp: 0 Average, 1 Sum, 3 Min, 4 Max, 5 Product; None is Average),
+ * or -1 for anything else (Adasum, 2, is not element-wise). */
+static long horovod_number(PyObject* op) {
+  if (op == Py_None) return 0;
+  if (!PyLong_Check(op)) return -1;
+  long n = PyLong_AsLong(op);
+  return n == 0 || n == 1 || n == 3 || n == 4 || n == 5 ? n : -1;
+}
+
+static smc_redop_t core_op(long horovod_op) {
+  return horovod_op == 3 ? SMC_MIN : horovod_op == 4 ? SMC_MAX : horovod_op == 5 ? SMC_PROD : SMC_SUM;
 }
 
 static PyObject* finish(PyObject* x, Py_buffer* in, PyObject* out, Py_buffer* view, smc_result_t rc) {
@@ -114,12 +128,9 @@ static PyObject* quick_allreduce(PyObject* self, PyObject* const* args, Py_ssize
   smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
   long size = PyLong_AsLong(args[1]);
   PyObject *x = args[2], *out = args[3], *op = args[4];
-  long horovod_op = op == Py_None ? 0 : PyLong_Check(op) ? PyLong_AsLong(op) : -1;
+  long horovod_op = horovod_number(op);
   double prescale = PyFloat_AsDouble(args[5]), postscale = PyFloat_AsDouble(args[6]);
-  /* Horovod's Average, Sum, Adasum (not element-wise: never here), Min, Max, Product */
-  static const int redop[] = {SMC_SUM, SMC_SUM, -1, SMC_MIN, SMC_MAX, SMC_PROD};
-  if (PyErr_Occurred() || comm == NULL || size < 1 || horovod_op < 0 || horovod_op > 5 || redop[horovod_op] < 0)
-    return not_here();
+  if (PyErr_Occurred() || comm == NULL || size < 1 || horovod_op < 0) return not_here();
   Py_buffer in, view;
   int dtype;
   uint64_t tag;
@@ -127,7 +138,7 @@ static PyObject* quick_allreduce(PyObject* self, PyObject* const* args, Py_ssize
   smc_result_t rc;
   Py_BEGIN_ALLOW_THREADS
   rc = smc_allreduce(comm, in.buf, view.buf, (size_t)(in.len / in.itemsize), (smc_datatype_t)dtype,
-                     (smc_redop_t)redop[horovod_op], prescale, postscale, horovod_op == 0 ? (double)size : 1.0, tag);
+                     core_op(horovod_op), prescale, postscale, horovod_op == 0 ? (double)size : 1.0, tag);
   Py_END_ALLOW_THREADS
   return finish(x, &in, out, &view, rc);
 }
@@ -151,31 +162,32 @@ static PyObject* quick_broadcast(PyObject* self, PyObject* const* args, Py_ssize
   return finish(x, &in, out, &view, rc);
 }
 
-/* ---- Allgather, alltoall and reducescatter of arrays a rank passed before ----
- * The caller (algorithms/known_arrays.py) passes what the full path worked out for an array of this dtype and shape:
- * the tag, and for alltoall and reducescatter the counts, as addresses of uint64_t arrays it keeps. */
+/* ---- Allgather, alltoall and reducescatter ----
+ * Each works out what the full path works out in Python (the tag, the counts, the result's shape) and takes both
+ * steps in one call. `empty` is numpy.empty, called for a result the caller did not give; the uint64_t arrays named
+ * by address are the communicator's own (algorithms/host.py), reused by every call. */
 
-/* The buffer of `out` when it can take `rows` rows like x's: x's type and format, writable and contiguous, and x's
- * trailing dimensions. 0 otherwise, or when out is None, with a view that holds no object. */
+/* The buffer of `out` when it can take rows like x's: x's type and format, writable and contiguous, and x's trailing
+ * dimensions. 0 otherwise (nothing held). */
 static int rows_output(PyObject* x, const Py_buffer* in, PyObject* out, Py_buffer* view) {
-  view->obj = NULL; /* PyBuffer_Release of such a view does nothing */
-  if (out == Py_None || out == x || Py_TYPE(out) != Py_TYPE(x)) return 0;
+  if (out == x || Py_TYPE(out) != Py_TYPE(x)) return 0;
   if (PyObject_GetBuffer(out, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0) {
     PyErr_Clear();
-    view->obj = NULL;
     return 0;
   }
   int same = view->ndim == in->ndim && view->itemsize == in->itemsize && strcmp(view->format, in->format) == 0;
   for (int d = 1; same && d < in->ndim; d++) same = view->shape[d] == in->shape[d];
-  if (!same) PyBuffer_Release(view); /* which leaves view->obj NULL */
+  if (!same) PyBuffer_Release(view);
   return same;
 }
 
-/* x's buffer, of at least one dimension, and the bytes of one of its rows. 0 (nothing held) where the full path
- * must decide. */
-static int rows_input(PyObject* x, Py_buffer* in, uint64_t* row_bytes) {
+/* x's buffer, of at least one dimension and a dtype the core knows, the bytes of one of its rows, and the tag of its
+ * trailing dimensions (from 1) or of its whole shape (from 0). 0 (nothing held) where the full path must decide. */
+static int rows_input(PyObject* x, Py_buffer* in, uint64_t* row_bytes, int tag_from, uint64_t* tag) {
   if (PyObject_GetBuffer(x, in, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) return 0;
-  if (in->ndim < 1 || quick_dtype(in) < 0) {
+  int ok = 0, dtype = in->ndim < 1 ? -1 : quick_dtype(in);
+  if (dtype >= 0) *tag = quick_tag(dtype, in, tag_from, &ok);
+  if (!ok) {
     PyBuffer_Release(in);
     return 0;
   }
@@ -184,118 +196,204 @@ static int rows_input(PyObject* x, Py_buffer* in, uint64_t* row_bytes) {
   return 1;
 }
 
-/* What a begun allgather or alltoall returns: out once finished, None when begun but not finished (the output did
- * not fit or was not given: the caller finishes, with the counts the step left in its array), or a failed step's
- * code. `view` is out's buffer, or has no object (rows_output took none). */
-static PyObject* begun(PyObject* x, Py_buffer* in, PyObject* out, Py_buffer* view, int finished, smc_result_t rc) {
-  if (finished || rc != SMC_SUCCESS) return finish(x, in, out, view, rc);
-  PyBuffer_Release(view);
-  PyBuffer_Release(in);
-  Py_RETURN_NONE;
+/* A new array from empty((rows,) + x's trailing dimensions, x.dtype), with its buffer in *view; NULL with Python's
+ * error set where that failed. */
+static PyObject* new_rows(PyObject* empty, PyObject* x, const Py_buffer* in, uint64_t rows, Py_buffer* view) {
+  PyObject *shape = PyTuple_New(in->ndim), *dtype = PyObject_GetAttrString(x, "dtype"), *out = NULL;
+  int built = shape != NULL && dtype != NULL;
+  for (int d = 0; built && d < in->ndim; d++) {
+    PyObject* n = d == 0 ? PyLong_FromUnsignedLongLong(rows) : PyLong_FromSsize_t(in->shape[d]);
+    built = n != NULL && PyTuple_SetItem(shape, d, n) == 0;
+  }
+  if (built) out = PyObject_CallFunctionObjArgs(empty, shape, dtype, NULL);
+  Py_XDECREF(shape);
+  Py_XDECREF(dtype);
+  if (out != NULL && PyObject_GetBuffer(out, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) Py_CLEAR(out);
+  return out;
 }
 
-/* allgather(address, size, x, out, every, tag): `every` the address of a uint64_t[size] for the row counts. */
+/* What a collective whose result's rows were known only after its first step (`rows`) does next: into out's buffer
+ * (view, held) when it has that many rows; else into a new array when out is None; else (out does not fit) it takes
+ * part without keeping anything, and returns None for the caller to raise the output's error. The second step is
+ * taken whatever happens, so that no peer waits for this rank. Releases in and view. */
+static PyObject* second_step(smc_result_t (*step)(smc_comm_t*, const void*, void*, uint64_t, const uint64_t*),
+                             smc_comm_t* comm, PyObject* x, Py_buffer* in, PyObject* out, Py_buffer* view,
+                             int have_view, PyObject* empty, uint64_t rows, uint64_t row_bytes, const uint64_t* counts) {
+  PyObject* result = NULL;
+  if (have_view && (uint64_t)view->shape[0] == rows) {
+    result = out;
+    Py_INCREF(out);
+  } else {
+    if (have_view) PyBuffer_Release(view);
+    have_view = 0;
+    if (out == Py_None) {
+      result = new_rows(empty, x, in, rows, view); /* NULL with an error set: the step below still runs */
+      have_view = result != NULL;
+    } else {
+      result = Py_None;
+      Py_INCREF(result);
+    }
+  }
+  smc_result_t rc; /* a failed new array's error stays set meanwhile: no Python runs until it is returned */
+  Py_BEGIN_ALLOW_THREADS
+  rc = step(comm, in->buf, have_view ? view->buf : NULL, row_bytes, counts);
+  Py_END_ALLOW_THREADS
+  if (have_view) PyBuffer_Release(view);
+  PyBuffer_Release(in);
+  if (rc != SMC_SUCCESS) {
+    Py_XDECREF(result);
+    PyErr_Clear();
+    return PyLong_FromLong(rc);
+  }
+  return result;
+}
+
+/* allgather(address, size, x, out, every, empty): every rank's rows of x, concatenated, into out (None: a new array);
+ * `every` the address of a uint64_t[size] for the rows of each rank. Returns the result; None where out turned out
+ * not to have the rows the ranks sent (this rank took part without keeping them: the caller raises the output's
+ * error, knowing the rows from `every`); NotImplemented (nothing begun); or a failed step's code. */
 static PyObject* quick_allgather(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 6) return not_here();
   smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
   long size = PyLong_AsLong(args[1]);
-  PyObject *x = args[2], *out = args[3];
+  PyObject *x = args[2], *out = args[3], *empty = args[5];
   uint64_t* every = PyLong_AsVoidPtr(args[4]);
-  uint64_t tag = (uint64_t)PyLong_AsUnsignedLongLongMask(args[5]);
   if (PyErr_Occurred() || comm == NULL || every == NULL || size < 1) return not_here();
   Py_buffer in, view;
-  uint64_t row_bytes;
-  if (!rows_input(x, &in, &row_bytes)) return not_here();
-  int have_out = rows_output(x, &in, out, &view), finished = 0;
+  uint64_t row_bytes, tag;
+  if (!rows_input(x, &in, &row_bytes, 1, &tag)) return not_here();
+  int have_view = out != Py_None && rows_output(x, &in, out, &view);
+  if (out != Py_None && !have_view) { /* not an output of rows like x's, whatever their number: the full path's */
+    PyBuffer_Release(&in);
+    return not_here();
+  }
   smc_result_t rc;
   Py_BEGIN_ALLOW_THREADS
   rc = smc_allgather_begin(comm, in.buf, (uint64_t)in.shape[0], row_bytes, tag, every);
+  Py_END_ALLOW_THREADS
+  if (rc != SMC_SUCCESS) return finish(x, &in, have_view ? out : x, &view, rc);
   uint64_t total = 0;
   for (long j = 0; j < size; j++) total += every[j];
-  if (rc == SMC_SUCCESS && have_out && total == (uint64_t)view.shape[0]) {
-    rc = smc_allgather_finish(comm, in.buf, view.buf, row_bytes, every);
-    finished = 1;
-  }
-  Py_END_ALLOW_THREADS
-  return begun(x, &in, out, &view, finished, rc);
+  return second_step(smc_allgather_finish, comm, x, &in, out, &view, have_view, empty, total, row_bytes, every);
 }
 
-/* alltoall(address, size, rank, x, out, sends, matrix, tag): `sends` the address of the uint64_t[size] rows this
- * rank sends each rank, `matrix` of a uint64_t[size * size] for every rank's. Once finished, returns (out, the rows
- * received from each rank) instead of out. */
+/* The rows rank j is sent, from alltoall's splits (None: an equal share each, which must divide the rows; or a list
+ * or tuple of size non-negative ints adding up to the rows), into sends. 0 where the full path must decide. */
+static int split_rows(PyObject* splits, long size, uint64_t rows, uint64_t* sends) {
+  if (splits == Py_None) {
+    if (rows % (uint64_t)size) return 0;
+    for (long j = 0; j < size; j++) sends[j] = rows / (uint64_t)size;
+    return 1;
+  }
+  int list = PyList_CheckExact(splits);
+  if (!(list || PyTuple_CheckExact(splits)) || (list ? PyList_Size(splits) : PyTuple_Size(splits)) != size) return 0;
+  uint64_t total = 0;
+  for (long j = 0; j < size; j++) {
+    PyObject* item = list ? PyList_GetItem(splits, j) : PyTuple_GetItem(splits, j); /* borrowed */
+    long long n = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
+    if (n < 0 || PyErr_Occurred()) return 0;
+    sends[j] = (uint64_t)n;
+    total += (uint64_t)n;
+  }
+  return total == rows;
+}
+
+/* alltoall(address, size, rank, x, out, splits, sends, matrix, empty): `sends` the address of a uint64_t[size] for
+ * the rows this rank sends each rank, `matrix` of a uint64_t[size * size] for every rank's. Returns (the result, the
+ * rows received from each rank, a tuple), or as allgather does. */
 static PyObject* quick_alltoall(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
-  if (nargs != 8) return not_here();
+  if (nargs != 9) return not_here();
   smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
   long size = PyLong_AsLong(args[1]), me = PyLong_AsLong(args[2]);
-  PyObject *x = args[3], *out = args[4];
-  const uint64_t* sends = PyLong_AsVoidPtr(args[5]);
-  uint64_t* matrix = PyLong_AsVoidPtr(args[6]);
-  uint64_t tag = (uint64_t)PyLong_AsUnsignedLongLongMask(args[7]);
+  PyObject *x = args[3], *out = args[4], *splits = args[5], *empty = args[8];
+  uint64_t* sends = PyLong_AsVoidPtr(args[6]);
+  uint64_t* matrix = PyLong_AsVoidPtr(args[7]);
   if (PyErr_Occurred() || comm == NULL || sends == NULL || matrix == NULL || size < 1 || me < 0 || me >= size)
     return not_here();
   Py_buffer in, view;
-  uint64_t row_bytes;
-  if (!rows_input(x, &in, &row_bytes)) return not_here();
-  int have_out = rows_output(x, &in, out, &view), finished = 0;
+  uint64_t row_bytes, tag;
+  if (!rows_input(x, &in, &row_bytes, 1, &tag)) return not_here();
+  int have_view = out != Py_None && rows_output(x, &in, out, &view);
+  if ((out != Py_None && !have_view) || !split_rows(splits, size, (uint64_t)in.shape[0], sends)) {
+    if (have_view) PyBuffer_Release(&view);
+    PyBuffer_Release(&in);
+    return not_here();
+  }
   smc_result_t rc;
   Py_BEGIN_ALLOW_THREADS
   rc = smc_alltoall_begin(comm, in.buf, sends, row_bytes, tag, matrix);
+  Py_END_ALLOW_THREADS
+  if (rc != SMC_SUCCESS) return finish(x, &in, have_view ? out : x, &view, rc);
   uint64_t total = 0;
   for (long j = 0; j < size; j++) total += matrix[j * size + me];
-  if (rc == SMC_SUCCESS && have_out && total == (uint64_t)view.shape[0]) {
-    rc = smc_alltoall_finish(comm, in.buf, view.buf, row_bytes, matrix);
-    finished = 1;
-  }
-  Py_END_ALLOW_THREADS
-  PyObject* result = begun(x, &in, out, &view, finished, rc);
-  if (!finished || rc != SMC_SUCCESS) return result;
+  PyObject* result = second_step(smc_alltoall_finish, comm, x, &in, out, &view, have_view, empty, total, row_bytes,
+                                 matrix);
+  if (result == NULL || result == Py_None || PyLong_Check(result)) return result;
   PyObject* got = PyTuple_New(size);
   for (long j = 0; got != NULL && j < size; j++) {
     PyObject* rows = PyLong_FromUnsignedLongLong(matrix[j * size + me]);
     if (rows == NULL || PyTuple_SetItem(got, j, rows) != 0) Py_CLEAR(got);
   }
-  PyObject* pair = got == NULL ? NULL : PyTuple_Pack(2, out, got);
+  PyObject* pair = got == NULL ? NULL : PyTuple_Pack(2, result, got);
   Py_XDECREF(got);
   Py_DECREF(result);
   return pair; /* NULL with Python's error set: out of memory */
 }
 
-/* reducescatter(address, rank, x, out, counts, op, prescale, postscale, divisor, tag): `counts` the address of the
- * uint64_t[size] elements each rank receives, op the core's code; out an array of x's type that holds this rank's
- * share. */
+/* reducescatter(address, size, rank, x, out, op, prescale, postscale, counts, empty): this rank's share of the
+ * reduction along the first dimension (Horovod's split: the first rows % size ranks get a row more), into out (None:
+ * a new array); op as allreduce's; `counts` the address of a uint64_t[size] for the elements of each rank's share. */
 static PyObject* quick_reducescatter(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 10) return not_here();
   smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
-  long me = PyLong_AsLong(args[1]), op = PyLong_AsLong(args[5]);
-  PyObject *x = args[2], *out = args[3];
-  const uint64_t* counts = PyLong_AsVoidPtr(args[4]);
+  long size = PyLong_AsLong(args[1]), me = PyLong_AsLong(args[2]), horovod_op = horovod_number(args[5]);
+  PyObject *x = args[3], *out = args[4], *empty = args[9];
   double prescale = PyFloat_AsDouble(args[6]), postscale = PyFloat_AsDouble(args[7]);
-  long long divisor = PyLong_AsLongLong(args[8]);
-  uint64_t tag = (uint64_t)PyLong_AsUnsignedLongLongMask(args[9]);
-  if (PyErr_Occurred() || comm == NULL || counts == NULL || me < 0 || op < 0 || op >= SMC_NUM_OPS || divisor < 1)
+  uint64_t* counts = PyLong_AsVoidPtr(args[8]);
+  if (PyErr_Occurred() || comm == NULL || counts == NULL || size < 1 || me < 0 || me >= size || horovod_op < 0)
     return not_here();
   Py_buffer in, view;
-  uint64_t row_bytes;
-  if (!rows_input(x, &in, &row_bytes)) return not_here();
-  int dtype = quick_dtype(&in);
-  if (!rows_output(x, &in, out, &view)) {
-    PyBuffer_Release(&in);
-    return not_here();
-  }
-  if ((uint64_t)view.len != counts[me] * (uint64_t)in.itemsize) {
-    PyBuffer_Release(&view);
-    PyBuffer_Release(&in);
-    return not_here();
+  uint64_t row_bytes, tag;
+  if (!rows_input(x, &in, &row_bytes, 0, &tag)) return not_here();
+  uint64_t rows = (uint64_t)in.shape[0], per_row = row_bytes / (uint64_t)in.itemsize;
+  for (long j = 0; j < size; j++)
+    counts[j] = (rows / (uint64_t)size + ((uint64_t)j < rows % (uint64_t)size)) * per_row;
+  uint64_t mine = rows / (uint64_t)size + ((uint64_t)me < rows % (uint64_t)size);
+  PyObject* result = NULL;
+  if (out == Py_None) {
+    result = new_rows(empty, x, &in, mine, &view);
+    if (result == NULL) {
+      PyBuffer_Release(&in);
+      return NULL;
+    }
+  } else {
+    int fits = rows_output(x, &in, out, &view);
+    if (fits && (uint64_t)view.shape[0] != mine) {
+      PyBuffer_Release(&view);
+      fits = 0;
+    }
+    if (!fits) { /* an output that does not fit: the full path takes part with a new array, then raises */
+      PyBuffer_Release(&in);
+      return not_here();
+    }
+    result = out;
+    Py_INCREF(out);
   }
   smc_result_t rc;
   Py_BEGIN_ALLOW_THREADS
-  rc = smc_reducescatter(comm, in.buf, view.buf, counts, (smc_datatype_t)dtype, (smc_redop_t)op, prescale, postscale,
-                         (int64_t)divisor, tag);
+  rc = smc_reducescatter(comm, in.buf, view.buf, counts, (smc_datatype_t)quick_dtype(&in), core_op(horovod_op),
+                         prescale, postscale, horovod_op == 0 ? (int64_t)size : 1, tag);
   Py_END_ALLOW_THREADS
-  return finish(x, &in, out, &view, rc);
+  PyBuffer_Release(&view);
+  PyBuffer_Release(&in);
+  if (rc != SMC_SUCCESS) {
+    Py_DECREF(result);
+    return PyLong_FromLong(rc);
+  }
+  return result;
 }
 
 static PyMethodDef smc_quick_methods[] = {
@@ -304,13 +402,13 @@ static PyMethodDef smc_quick_methods[] = {
     {"broadcast", (PyCFunction)(void (*)(void))quick_broadcast, METH_FASTCALL,
      "broadcast(address, x, out, root): the result, NotImplemented, or a failed step's code"},
     {"allgather", (PyCFunction)(void (*)(void))quick_allgather, METH_FASTCALL,
-     "allgather(address, size, x, out, every, tag): out, None (begun: finish it), NotImplemented, or a code"},
+     "allgather(address, size, x, out, every, empty): the result, None (out did not fit), NotImplemented, or a code"},
     {"alltoall", (PyCFunction)(void (*)(void))quick_alltoall, METH_FASTCALL,
-     "alltoall(address, size, rank, x, out, sends, matrix, tag): out, None (begun: finish it), NotImplemented, or a "
-     "code"},
+     "alltoall(address, size, rank, x, out, splits, sends, matrix, empty): (the result, rows from each rank), None "
+     "(out did not fit), NotImplemented, or a failed step's code"},
     {"reducescatter", (PyCFunction)(void (*)(void))quick_reducescatter, METH_FASTCALL,
-     "reducescatter(address, rank, x, out, counts, op, prescale, postscale, divisor, tag): out, NotImplemented, or a "
-     "failed step's code"},
+     "reducescatter(address, size, rank, x, out, op, prescale, postscale, counts, empty): the result, "
+     "NotImplemented, or a failed step's code"},
 };
 #endif
 

@@ -10,9 +10,13 @@ from shmcomm import description, ops
 from shmcomm._native import ffi
 from shmcomm.algorithms import adasum
 from shmcomm.algorithms.communicator import Communicator
-from shmcomm.algorithms.known_arrays import KnownArrays, address
 from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
 from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
+
+
+def address(cdata):
+    """The address of a cffi array, as the quick calls take it."""
+    return int(ffi.cast("uintptr_t", cdata))
 
 
 class HostComm(Communicator):
@@ -20,12 +24,16 @@ class HostComm(Communicator):
 
     def __init__(self, shm):
         super().__init__(shm, shm.topology, shm.tuning, shm.ranks)
-        # The row counts allgather and alltoall learn, reused by every call: one communicator runs one collective at a
-        # time, and a fresh array per call is a measurable share of a small one.
-        self._every = ffi.new("uint64_t[]", self.size)
+        # The counts allgather, alltoall and reducescatter work out, reused by every call: one communicator runs one
+        # collective at a time, and a fresh array per call is a measurable share of a small one. The quick calls
+        # (csrc/py/quick_calls.c) take them by address.
+        self._every = ffi.new("uint64_t[]", self.size)  # allgather's rows per rank
         self._matrix = ffi.new("uint64_t[]", self.size * self.size)  # [j * size + i]: rows rank j sends rank i
+        self._sends = ffi.new("uint64_t[]", self.size)  # alltoall's rows this rank sends each rank
+        self._counts = ffi.new("uint64_t[]", self.size)  # reducescatter's elements of each rank's share
+        self.every_at, self.matrix_at, self.sends_at, self.counts_at = (
+            address(a) for a in (self._every, self._matrix, self._sends, self._counts))
         self._splits = {}  # (rows, elements per row): reducescatter's split (_split)
-        self.known = KnownArrays(shm, self._every, self._matrix)  # the short path of numpy arrays seen before
 
     def allreduce(self, x, output, op, prescale, postscale, what):
         """Reduces `x` into `output` (which may be `x` itself, or None for a new array); returns the result.
@@ -85,15 +93,14 @@ class HostComm(Communicator):
         """Concatenation along the first dimension, which may differ between ranks: every rank's row count travels
         with the first window of data, so a small allgather is one synchronisation. Into `output` when given."""
         if type(x) is np.ndarray:
-            out = self._short(self.known.allgather, x, what, what, output)
-            if out is not None:
-                return out
+            out = self._short(self.shm.quick_allgather, x, what, output, self.every_at, what)
+            if out is not NotImplemented:
+                return out if out is not None else self.output_misfit("allgather", x, output, what)
         src = wrap(x, what)
         shape = tuple(src.shape) or (1,)
         size = row_bytes(src, shape)
         rows = self._every
         tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
-        self.known.keep("allgather", x, shape[0], size, tag)
         self._step(self.shm.allgather_begin, src, what, src.ptr, shape[0], size, rows, tag, what)
         return self._finish(self.shm.allgather_finish, src, output, (sum(rows[0:self.size]),) + shape[1:], what, size,
                             rows)
@@ -102,8 +109,9 @@ class HostComm(Communicator):
         """This rank's share of the reduction, split along the first dimension by Horovod's rule; into `output`
         when given."""
         if type(x) is np.ndarray:
-            out = self._short(self.known.reducescatter, x, what, op, prescale, postscale, what, output)
-            if out is not None:
+            out = self._short(self.shm.quick_reducescatter, x, what, output, int(op), prescale, postscale,
+                              self.counts_at, what)
+            if out is not NotImplemented:
                 return out
         src = wrap(x, what)
         require_reducible(src, what)
@@ -115,8 +123,6 @@ class HostComm(Communicator):
         shape = (mine,) + tuple(src.shape[1:])
         out, dst, error = output_or_scratch(src, output, shape, what)
         tag = description.tag(src.code, src.shape)
-        if error is None:
-            self.known.keep("reducescatter", x, src.code, shape, counts, tag, address(counts))
         try:
             self.shm.reducescatter(src.ptr, dst.ptr, counts, src.code, ops.C_OP[op],
                                    float(prescale), float(postscale), self.size if op == ops.Average else 1, tag, what)
@@ -143,16 +149,15 @@ class HostComm(Communicator):
         """Sends splits[j] rows to rank j; returns (rows received in rank order, rows received from each rank). The
         counts travel with the first window of data, so a small alltoall is one synchronisation."""
         if type(x) is np.ndarray:
-            done = self._short(self.known.alltoall, x, what, splits, what, output)
-            if done is not None:
-                return done
+            done = self._short(self.shm.quick_alltoall, x, what, output, splits, self.sends_at, self.matrix_at, what)
+            if done is not NotImplemented:
+                return done if done is not None else self.output_misfit("alltoall", x, output, what)
         src = wrap(x, what)
         shape = tuple(src.shape) or (1,)
         size = row_bytes(src, shape)
         matrix = self._matrix
         tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
         sends = ffi.new("uint64_t[]", splits)
-        self.known.keep("alltoall", x, list(splits), sends, size, tag, address(sends))
         self._step(self.shm.alltoall_begin, src, what, src.ptr, sends, size, matrix, tag, what)
         n, me = self.size, self.rank
         got = [matrix[j * n + me] for j in range(n)]
@@ -176,12 +181,31 @@ class HostComm(Communicator):
         return self.shm.allgather_bytes(payload)
 
     def _short(self, step, x, what, *args):
-        """step(x, *args), a KnownArrays path (None where it does not apply); a mismatch is explained as on the full
-        path."""
+        """step(x, *args), a quick call of the transport (NotImplemented where it does not apply); a mismatch is
+        explained as on the full path."""
         try:
             return step(x, *args)
         except MismatchError as error:
             raise self.explain_mismatch(error, what, wrap(x, what)) from None
+
+    def output_misfit(self, kind, x, output, what):
+        """Raises the error of an allgather's or alltoall's output that turned out, once the ranks' rows were known,
+        not to fit them (the quick call took part without keeping anything); that of output_for."""
+        n = self.size
+        rows = sum(self._every[0:n]) if kind == "allgather" else sum(self._matrix[j * n + self.rank] for j in range(n))
+        shape = (rows,) + x.shape[1:]
+        try:
+            output_for(wrap(x, what), output, shape, what)  # raises: the output has other rows than `shape`
+            error = InvalidArgumentError("%s: the output does not fit a result of shape %s" % (what, list(shape)))
+        except InvalidArgumentError as misfit:
+            error = misfit
+        error.told_peers = True  # this rank took part: it owes the peers no refusal (Communicator.refused)
+        raise error
+
+    def step_failure(self, rc, x, what):
+        """The error of a quick call's failed step (core code `rc`) on numpy array `x`, explained as _short does."""
+        error = self.shm.failure(rc, what)
+        return self.explain_mismatch(error, what, wrap(x, what)) if isinstance(error, MismatchError) else error
 
     def _step(self, step, src, what, *args):
         try:

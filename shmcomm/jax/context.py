@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-from shmcomm import dtypes, engine, session
+from shmcomm import dtypes, session
 from shmcomm._native import error_for, lib as core_lib
 from shmcomm.algorithms.host import HostComm
 from shmcomm.buffers import wrap
@@ -33,6 +33,7 @@ from shmcomm.engine.request import Request
 from shmcomm.exceptions import MismatchError, NotInitializedError, ShmCommError
 from shmcomm.jax import native
 from shmcomm.ops import ReduceOp
+from shmcomm.quick_path import host_alone
 
 ffi, lib = native.load()
 _context = ffi.new("smc_jax_context_t *")  # lives as long as the process: executables hold its address
@@ -75,9 +76,9 @@ _register()
 def sync():
     """Points the context at the session's host segment when the handler may call the core itself; at nothing
     otherwise. Runs on every init, shutdown, and start or stop of the engine."""
-    comm = session.state.comm
+    comm = host_alone()
     with _lock:
-        if comm is not None and isinstance(comm, HostComm) and engine.current() is None:
+        if comm is not None:
             handle, entry = comm.shm.native_entry_points()
             core = _context.core
             for name, addr in entry.items():

@@ -3,6 +3,8 @@
 
 Each call is one C call; this module only converts sizes to C arrays and failures to exceptions. It is on the
 latency path of everything (a small allreduce costs a few microseconds): keep it free of avoidable work."""
+import numpy as np
+
 from shmcomm._native import error_for, ffi, lib, quick_function
 from shmcomm.log import logger as log
 from shmcomm.exceptions import RankFailure
@@ -68,6 +70,11 @@ class SharedMemory(Transport):
         log.debug("shared memory of %d ranks: inputs from %d bytes move by %s", self.size, tuning.single_copy_bytes,
                   "single copy (process_vm_readv)" if lib.smc_comm_single_copy(self.handle)
                   else "the staging halves (single copy is off or not allowed here)")
+
+    @staticmethod
+    def failure(rc, what):
+        """The exception for a step that failed with code `rc` (see _error)."""
+        return _error(rc, what)
 
     # ---- steps ----
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
@@ -141,32 +148,33 @@ class SharedMemory(Transport):
         if rc != 0:
             raise _error(rc, what)
 
-    # The same in one C call for a numpy array whose facts algorithms/known_arrays.py kept (`every`, `sends`,
-    # `matrix` and `counts` are addresses of its uint64 arrays): the output once finished (alltoall: with the rows
-    # received from each rank, a tuple); None once begun but not
-    # finished, where `out` was None or did not fit (the caller then finishes with the counts the step left); or
-    # NotImplemented, nothing begun.
-    def quick_allgather(self, x, out, every, tag, what):
+    # The same in one C call for a numpy array (csrc/py/quick_calls.c), which works out the tag, the counts and the
+    # result's shape itself: the result (alltoall: with the rows received from each rank, a tuple); None where `out`
+    # turned out not to have the rows the ranks sent (this rank took part and kept nothing: the caller raises the
+    # output's error); or NotImplemented, nothing begun. `every`, `sends`, `matrix` and `counts` are addresses of the
+    # caller's uint64 arrays (rows per rank, rows this rank sends, every rank's sends, elements per rank's share).
+    def quick_allgather(self, x, out, every, what):
         if _QUICK_ALLGATHER is None:
             return NotImplemented
-        got = _QUICK_ALLGATHER(self.address, self.size, x, out, every, tag)
+        got = _QUICK_ALLGATHER(self.address, self.size, x, out, every, np.empty)
         if type(got) is int:
             raise _error(got, what)
         return got
 
-    def quick_alltoall(self, x, out, sends, matrix, tag, what):
+    def quick_alltoall(self, x, out, splits, sends, matrix, what):
         if _QUICK_ALLTOALL is None:
             return NotImplemented
-        got = _QUICK_ALLTOALL(self.address, self.size, self.rank, x, out, sends, matrix, tag)
+        got = _QUICK_ALLTOALL(self.address, self.size, self.rank, x, out, splits, sends, matrix, np.empty)
         if type(got) is int:
             raise _error(got, what)
         return got
 
-    def quick_reducescatter(self, x, out, counts, op, prescale, postscale, divisor, tag, what):
-        """Only ever the output or NotImplemented: its shape is known before the step."""
+    def quick_reducescatter(self, x, out, op, prescale, postscale, counts, what):
+        """Only ever the result or NotImplemented: its shape is known before the step. `op`: Horovod's number."""
         if _QUICK_REDUCESCATTER is None:
             return NotImplemented
-        got = _QUICK_REDUCESCATTER(self.address, self.rank, x, out, counts, op, prescale, postscale, divisor, tag)
+        got = _QUICK_REDUCESCATTER(self.address, self.size, self.rank, x, out, op, prescale, postscale, counts,
+                                   np.empty)
         if type(got) is int:
             raise _error(got, what)
         return got

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The short path of numpy arrays of a dtype and shape a collective took before (algorithms/known_arrays.py): repeated
-calls of every collective give the same results as the first, into new arrays, outputs and in place, without wrapping
-the arrays again; an array the short path must not take (non-contiguous, read-only, another byte order, an output of
-another dtype or shape) gets the full path's checks and errors, on every rank, and the job goes on."""
+"""The quick calls of allgather, alltoall and reducescatter (csrc/py/quick_calls.c: one C call that works out the tag,
+the counts and the result's shape itself), beside allreduce's and broadcast's: repeated calls of every collective give
+the right results, into new arrays, outputs and in place, without wrapping the arrays or taking a step from Python;
+a rank without the quick calls and ranks with them agree on what they pass the core; results whose shape changes
+with the peers' rows; an array the quick calls must not take (non-contiguous, read-only, another byte order, an output
+of another dtype or shape) gets the full path's checks and errors, on every rank, and the job goes on."""
 import numpy as np
 import pytest
 
@@ -29,16 +31,20 @@ def _repeated_calls(hide_quick=False):
     from shmcomm.algorithms import host
     from shmcomm.transport import shm as transport
 
-    if hide_quick:  # this rank takes the Python form of the short path; the others may take the C one
+    if hide_quick:  # this rank takes the full path in Python; the others the quick calls
+        from shmcomm import quick_path
+
+        transport._QUICK_ALLREDUCE = transport._QUICK_BROADCAST = None
         transport._QUICK_ALLGATHER = transport._QUICK_ALLTOALL = transport._QUICK_REDUCESCATTER = None
+        quick_path.allreduce_call = None  # which closes the public functions' quickest way (quick_path.world)
     shmcomm.init()
     size, me = shmcomm.size(), shmcomm.rank()
     wrapped, stepped = [], []
     full_wrap = host.wrap
     for step in range(4):
-        if step == 2:  # the first two steps took the full path; from here on no array may be wrapped
+        if step == 0 and not hide_quick:  # no array may be wrapped, nor a step taken from Python
             host.wrap = lambda *args, **kwargs: wrapped.append(args[1]) or full_wrap(*args, **kwargs)
-            if transport._QUICK_ALLGATHER is not None:  # nor, with the quick calls, a step taken from Python
+            if transport._QUICK_ALLGATHER is not None:
                 comm = session.communicator()
                 shm = getattr(comm, "host", comm).shm
                 for name in ("allgather_begin", "allgather_finish", "alltoall_begin", "alltoall_finish",
@@ -84,7 +90,7 @@ def test_repeated_calls_take_the_short_path_and_give_the_same_results(size):
 
 
 def test_ranks_with_and_without_the_quick_calls_agree():
-    """Rank 0 takes the short path in Python, the others in one C call: the tags and counts they pass agree."""
+    """Rank 0 takes the full path in Python, the others the quick calls: the tags and counts they pass agree."""
     assert multiproc.run(3, _mixed_ranks, timeout=120, env=FAST_TIMEOUT) == [True] * 3
 
 
@@ -95,9 +101,8 @@ def _mixed_ranks():
 
 
 def _peers_change_their_rows():
-    """A rank whose own array keeps its dtype and shape while the others send other row counts: the result's shape
-    it guessed from the last call does not fit, and the call is finished from Python, with the right result, into a
-    new array or into an output of the new shape."""
+    """A rank whose own array keeps its dtype and shape while the others send other row counts gets the right
+    result every time, into a new array or into an output of the new shape."""
     import shmcomm
 
     shmcomm.init()
@@ -132,7 +137,7 @@ def test_results_whose_shape_changes_with_the_peers(size):
 
 
 def _unusual_arrays():
-    """Rank 1 passes, after a call of the same dtype and shape, an array the short path must not take; it raises the
+    """Rank 1 passes, after a call of the same dtype and shape, an array the quick calls must not take; it raises the
     full path's error and every other rank PeerArgumentError naming it (or, for a shape mismatch, every rank
     MismatchError naming every rank's shape); the next call works."""
     import shmcomm
