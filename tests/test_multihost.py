@@ -48,7 +48,12 @@ def _two_host_reports(sim, algo):
                                                            SHMCOMM_ALLREDUCE_ALGO=algo), 4, program)
 
 
-@pytest.mark.parametrize("algo", ["torus", "ring", "mpi"])
+# The ring (taken only when SHMCOMM_ALLREDUCE_ALGO=ring asks for it) runs the same checks across pretend hosts
+# (test_torus.py) and exactly across simulated hosts under the autotuner (test_autotune.py); here with -m long.
+ALGOS = ["torus", pytest.param("ring", marks=pytest.mark.long), "mpi"]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
 def test_collectives_across_two_hosts(two_hosts, algo):
     reports, stdout = _two_host_reports(two_hosts, algo)
     exact.assert_identical(reports)
@@ -58,7 +63,7 @@ def test_collectives_across_two_hosts(two_hosts, algo):
     assert seen == {("simhost0", "WorldComm", "2", "2"), ("simhost1", "WorldComm", "2", "2")}
 
 
-@pytest.mark.parametrize("algo", ["torus", "ring", "mpi"])
+@pytest.mark.parametrize("algo", ALGOS)
 def test_16_bit_sums_round_once_across_two_hosts(two_hosts, algo):
     exact.assert_rounds_once(_two_host_reports(two_hosts, algo)[0])
 
