@@ -1,0 +1,237 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The quick calls of the collectives whose inputs are rows (allgather, alltoall, reducescatter): part of
+ * csrc/py/quick_calls.c, which includes this file after its shared helpers (quick_dtype, quick_tag, horovod_number,
+ * core_op, not_here, finish). */
+/* ---- Allgather, alltoall and reducescatter ----
+ * Each works out what the full path works out in Python (the tag, the counts, the result's shape) and takes both
+ * steps in one call. `empty` is numpy.empty, called for a result the caller did not give; the uint64_t arrays named
+ * by address are the communicator's own (algorithms/host.py), reused by every call. */
+
+/* The buffer of `out` when it can take rows like x's: x's type and format, writable and contiguous, and x's trailing
+ * dimensions. 0 otherwise (nothing held). */
+static int rows_output(PyObject* x, const Py_buffer* in, PyObject* out, Py_buffer* view) {
+  if (out == x || Py_TYPE(out) != Py_TYPE(x)) return 0;
+  if (PyObject_GetBuffer(out, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) != 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  int same = view->ndim == in->ndim && view->itemsize == in->itemsize && strcmp(view->format, in->format) == 0;
+  for (int d = 1; same && d < in->ndim; d++) same = view->shape[d] == in->shape[d];
+  if (!same) PyBuffer_Release(view);
+  return same;
+}
+
+/* x's buffer, of at least one dimension and a dtype the core knows, the bytes of one of its rows, and the tag of its
+ * trailing dimensions (from 1) or of its whole shape (from 0). 0 (nothing held) where the full path must decide. */
+static int rows_input(PyObject* x, Py_buffer* in, uint64_t* row_bytes, int tag_from, uint64_t* tag) {
+  if (PyObject_GetBuffer(x, in, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) return 0;
+  int ok = 0, dtype = in->ndim < 1 ? -1 : quick_dtype(in);
+  if (dtype >= 0) *tag = quick_tag(dtype, in, tag_from, &ok);
+  if (!ok) {
+    PyBuffer_Release(in);
+    return 0;
+  }
+  *row_bytes = (uint64_t)in->itemsize;
+  for (int d = 1; d < in->ndim; d++) *row_bytes *= (uint64_t)in->shape[d];
+  return 1;
+}
+
+/* A new array from empty((rows,) + x's trailing dimensions, x.dtype), with its buffer in *view; NULL with Python's
+ * error set where that failed. */
+static PyObject* new_rows(PyObject* empty, PyObject* x, const Py_buffer* in, uint64_t rows, Py_buffer* view) {
+  PyObject *shape = PyTuple_New(in->ndim), *dtype = PyObject_GetAttrString(x, "dtype"), *out = NULL;
+  int built = shape != NULL && dtype != NULL;
+  for (int d = 0; built && d < in->ndim; d++) {
+    PyObject* n = d == 0 ? PyLong_FromUnsignedLongLong(rows) : PyLong_FromSsize_t(in->shape[d]);
+    built = n != NULL && PyTuple_SetItem(shape, d, n) == 0;
+  }
+  if (built) out = PyObject_CallFunctionObjArgs(empty, shape, dtype, NULL);
+  Py_XDECREF(shape);
+  Py_XDECREF(dtype);
+  if (out != NULL && PyObject_GetBuffer(out, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) Py_CLEAR(out);
+  return out;
+}
+
+/* What a collective whose result's rows were known only after its first step (`rows`) does next: into out's buffer
+ * (view, held) when it has that many rows; else into a new array when out is None; else (out does not fit) it takes
+ * part without keeping anything, and returns None for the caller to raise the output's error. The second step is
+ * taken whatever happens, so that no peer waits for this rank. Releases in and view. */
+static PyObject* second_step(smc_result_t (*step)(smc_comm_t*, const void*, void*, uint64_t, const uint64_t*),
+                             smc_comm_t* comm, PyObject* x, Py_buffer* in, PyObject* out, Py_buffer* view,
+                             int have_view, PyObject* empty, uint64_t rows, uint64_t row_bytes, const uint64_t* counts) {
+  PyObject* result = NULL;
+  if (have_view && (uint64_t)view->shape[0] == rows) {
+    result = out;
+    Py_INCREF(out);
+  } else {
+    if (have_view) PyBuffer_Release(view);
+    have_view = 0;
+    if (out == Py_None) {
+      result = new_rows(empty, x, in, rows, view); /* NULL with an error set: the step below still runs */
+      have_view = result != NULL;
+    } else {
+      result = Py_None;
+      Py_INCREF(result);
+    }
+  }
+  smc_result_t rc; /* a failed new array's error stays set meanwhile: no Python runs until it is returned */
+  Py_BEGIN_ALLOW_THREADS
+  rc = step(comm, in->buf, have_view ? view->buf : NULL, row_bytes, counts);
+  Py_END_ALLOW_THREADS
+  if (have_view) PyBuffer_Release(view);
+  PyBuffer_Release(in);
+  if (rc != SMC_SUCCESS) {
+    Py_XDECREF(result);
+    PyErr_Clear();
+    return PyLong_FromLong(rc);
+  }
+  return result;
+}
+
+/* allgather(address, size, x, out, every, empty): every rank's rows of x, concatenated, into out (None: a new array);
+ * `every` the address of a uint64_t[size] for the rows of each rank. Returns the result; None where out turned out
+ * not to have the rows the ranks sent (this rank took part without keeping them: the caller raises the output's
+ * error, knowing the rows from `every`); NotImplemented (nothing begun); or a failed step's code. */
+static PyObject* quick_allgather(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 6) return not_here();
+  smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
+  long size = PyLong_AsLong(args[1]);
+  PyObject *x = args[2], *out = args[3], *empty = args[5];
+  uint64_t* every = PyLong_AsVoidPtr(args[4]);
+  if (PyErr_Occurred() || comm == NULL || every == NULL || size < 1) return not_here();
+  Py_buffer in, view;
+  uint64_t row_bytes, tag;
+  if (!rows_input(x, &in, &row_bytes, 1, &tag)) return not_here();
+  int have_view = out != Py_None && rows_output(x, &in, out, &view);
+  if (out != Py_None && !have_view) { /* not an output of rows like x's, whatever their number: the full path's */
+    PyBuffer_Release(&in);
+    return not_here();
+  }
+  smc_result_t rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = smc_allgather_begin(comm, in.buf, (uint64_t)in.shape[0], row_bytes, tag, every);
+  Py_END_ALLOW_THREADS
+  if (rc != SMC_SUCCESS) return finish(x, &in, have_view ? out : x, &view, rc);
+  uint64_t total = 0;
+  for (long j = 0; j < size; j++) total += every[j];
+  return second_step(smc_allgather_finish, comm, x, &in, out, &view, have_view, empty, total, row_bytes, every);
+}
+
+/* The rows rank j is sent, from alltoall's splits (None: an equal share each, which must divide the rows; or a list
+ * or tuple of size non-negative ints adding up to the rows), into sends. 0 where the full path must decide. */
+static int split_rows(PyObject* splits, long size, uint64_t rows, uint64_t* sends) {
+  if (splits == Py_None) {
+    if (rows % (uint64_t)size) return 0;
+    for (long j = 0; j < size; j++) sends[j] = rows / (uint64_t)size;
+    return 1;
+  }
+  int list = PyList_CheckExact(splits);
+  if (!(list || PyTuple_CheckExact(splits)) || (list ? PyList_Size(splits) : PyTuple_Size(splits)) != size) return 0;
+  uint64_t total = 0;
+  for (long j = 0; j < size; j++) {
+    PyObject* item = list ? PyList_GetItem(splits, j) : PyTuple_GetItem(splits, j); /* borrowed */
+    long long n = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
+    if (n < 0 || PyErr_Occurred()) return 0;
+    sends[j] = (uint64_t)n;
+    total += (uint64_t)n;
+  }
+  return total == rows;
+}
+
+/* alltoall(address, size, rank, x, out, splits, sends, matrix, empty): `sends` the address of a uint64_t[size] for
+ * the rows this rank sends each rank, `matrix` of a uint64_t[size * size] for every rank's. Returns (the result, the
+ * rows received from each rank, a tuple), or as allgather does. */
+static PyObject* quick_alltoall(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 9) return not_here();
+  smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
+  long size = PyLong_AsLong(args[1]), me = PyLong_AsLong(args[2]);
+  PyObject *x = args[3], *out = args[4], *splits = args[5], *empty = args[8];
+  uint64_t* sends = PyLong_AsVoidPtr(args[6]);
+  uint64_t* matrix = PyLong_AsVoidPtr(args[7]);
+  if (PyErr_Occurred() || comm == NULL || sends == NULL || matrix == NULL || size < 1 || me < 0 || me >= size)
+    return not_here();
+  Py_buffer in, view;
+  uint64_t row_bytes, tag;
+  if (!rows_input(x, &in, &row_bytes, 1, &tag)) return not_here();
+  int have_view = out != Py_None && rows_output(x, &in, out, &view);
+  if ((out != Py_None && !have_view) || !split_rows(splits, size, (uint64_t)in.shape[0], sends)) {
+    if (have_view) PyBuffer_Release(&view);
+    PyBuffer_Release(&in);
+    return not_here();
+  }
+  smc_result_t rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = smc_alltoall_begin(comm, in.buf, sends, row_bytes, tag, matrix);
+  Py_END_ALLOW_THREADS
+  if (rc != SMC_SUCCESS) return finish(x, &in, have_view ? out : x, &view, rc);
+  uint64_t total = 0;
+  for (long j = 0; j < size; j++) total += matrix[j * size + me];
+  PyObject* result = second_step(smc_alltoall_finish, comm, x, &in, out, &view, have_view, empty, total, row_bytes,
+                                 matrix);
+  if (result == NULL || result == Py_None || PyLong_Check(result)) return result;
+  PyObject* got = PyTuple_New(size);
+  for (long j = 0; got != NULL && j < size; j++) {
+    PyObject* rows = PyLong_FromUnsignedLongLong(matrix[j * size + me]);
+    if (rows == NULL || PyTuple_SetItem(got, j, rows) != 0) Py_CLEAR(got);
+  }
+  PyObject* pair = got == NULL ? NULL : PyTuple_Pack(2, result, got);
+  Py_XDECREF(got);
+  Py_DECREF(result);
+  return pair; /* NULL with Python's error set: out of memory */
+}
+
+/* reducescatter(address, size, rank, x, out, op, prescale, postscale, counts, empty): this rank's share of the
+ * reduction along the first dimension (Horovod's split: the first rows % size ranks get a row more), into out (None:
+ * a new array); op as allreduce's; `counts` the address of a uint64_t[size] for the elements of each rank's share. */
+static PyObject* quick_reducescatter(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 10) return not_here();
+  smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
+  long size = PyLong_AsLong(args[1]), me = PyLong_AsLong(args[2]), horovod_op = horovod_number(args[5]);
+  PyObject *x = args[3], *out = args[4], *empty = args[9];
+  double prescale = PyFloat_AsDouble(args[6]), postscale = PyFloat_AsDouble(args[7]);
+  uint64_t* counts = PyLong_AsVoidPtr(args[8]);
+  if (PyErr_Occurred() || comm == NULL || counts == NULL || size < 1 || me < 0 || me >= size || horovod_op < 0)
+    return not_here();
+  Py_buffer in, view;
+  uint64_t row_bytes, tag;
+  if (!rows_input(x, &in, &row_bytes, 0, &tag)) return not_here();
+  uint64_t rows = (uint64_t)in.shape[0], per_row = row_bytes / (uint64_t)in.itemsize;
+  for (long j = 0; j < size; j++)
+    counts[j] = (rows / (uint64_t)size + ((uint64_t)j < rows % (uint64_t)size)) * per_row;
+  uint64_t mine = rows / (uint64_t)size + ((uint64_t)me < rows % (uint64_t)size);
+  PyObject* result = NULL;
+  if (out == Py_None) {
+    result = new_rows(empty, x, &in, mine, &view);
+    if (result == NULL) {
+      PyBuffer_Release(&in);
+      return NULL;
+    }
+  } else {
+    int fits = rows_output(x, &in, out, &view);
+    if (fits && (uint64_t)view.shape[0] != mine) {
+      PyBuffer_Release(&view);
+      fits = 0;
+    }
+    if (!fits) { /* an output that does not fit: the full path takes part with a new array, then raises */
+      PyBuffer_Release(&in);
+      return not_here();
+    }
+    result = out;
+    Py_INCREF(out);
+  }
+  smc_result_t rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = smc_reducescatter(comm, in.buf, view.buf, counts, (smc_datatype_t)quick_dtype(&in), core_op(horovod_op),
+                         prescale, postscale, horovod_op == 0 ? (int64_t)size : 1, tag);
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&view);
+  PyBuffer_Release(&in);
+  if (rc != SMC_SUCCESS) {
+    Py_DECREF(result);
+    return PyLong_FromLong(rc);
+  }
+  return result;
+}
