@@ -3,9 +3,10 @@
 one host (no other hosts, no logical grid) and no engine runs.
 
 A small collective's step in the core takes under a microsecond; every Python frame between the public call and the
-core is a share of the call. So `world` keeps what those calls need (the host communicator, its core handle's address
-and size), kept in step with the session by its change listener (init, shutdown, the engine's start and stop), and
-collectives.py's functions test one attribute instead of asking the session and the engine on every call.
+core is a share of the call. So `world` keeps what those calls need (the host communicator, its core handle's
+address, its size and this rank's index, the addresses of its count arrays), kept in step with the session by its
+change listener (init, shutdown, the engine's start and stop), and collectives.py's functions test one attribute
+instead of asking the session and the engine on every call.
 `world.address` is 0 whenever the short way is closed."""
 from shmcomm import engine, session
 from shmcomm._native import quick_function
