@@ -68,11 +68,12 @@ def check_one_bad_output():
              ("alltoall", lambda out: shmcomm.alltoall(sent, splits=splits, output=out)[0], received)]
     for name, call, want in cases:
         if me == 1:
-            wrong = np.empty((want.shape[0] + 1,) + want.shape[1:], want.dtype)
+            wrong = np.full((want.shape[0] + 1,) + want.shape[1:], -7, want.dtype)
             try:
                 call(wrong)
             except shmcomm.InvalidArgumentError as error:
                 assert "output is" in str(error), error
+                assert (wrong == -7).all(), "%s wrote into an output it refused" % name
             else:
                 raise AssertionError("%s accepted an output of the wrong shape" % name)
         else:
@@ -108,9 +109,12 @@ def test_outputs_on_one_host(size):
     assert multiproc.run(size, _outputs, timeout=120, env=FAST_TIMEOUT) == [True] * size
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_one_rank_with_a_bad_output_does_not_hold_the_others(size):
-    assert multiproc.run(size, _one_bad_output, timeout=120, env=FAST_TIMEOUT) == [True] * size
+@pytest.mark.parametrize("size,threshold", [(2, None), (3, None), (3, "1")])
+def test_one_rank_with_a_bad_output_does_not_hold_the_others(size, threshold):
+    """Also by single copy (threshold 1), where the peers write into each other's outputs: the rank that keeps
+    nothing still sends its part, and nothing is written into its wrong output."""
+    env = dict(FAST_TIMEOUT, **({"SHMCOMM_SINGLE_COPY_BYTES": threshold} if threshold else {}))
+    assert multiproc.run(size, _one_bad_output, timeout=120, env=env) == [True] * size
 
 
 def test_outputs_across_pretend_hosts(tmp_path):

@@ -13,28 +13,45 @@
 #include "core/error.h"
 
 /* Step 0 up to its synchronisation: window 0 in this rank's half, `desc` (whose `own` is the row count) compared.
- * An input that will move by single copy stays where it is: the largest input is at least this one. */
+ * An input that will move by single copy stays where it is (its owner pushes it later): the largest input is at
+ * least this one. */
 static smc_result_t begin_step(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, smc_desc_t* desc) {
   uint64_t first = send_bytes < c->half_bytes ? send_bytes : c->half_bytes;
   if (first > 0 && !smc_single_copy(c, send_bytes)) smc_copy(smc_half(c, c->rank), sendbuf, (size_t)first);
-  desc->addr = (uint64_t)(uintptr_t)sendbuf;
   return smc_coll_begin(c, desc, "allgather");
 }
 
-/* Every peer's input read straight from its memory; then one synchronisation, after which the owners may reuse
- * their buffers. A failed read still synchronises, so the peers go on, and is reported by this rank alone. */
+/* Single copy by pushing: each rank publishes its output's address in its half (0: it keeps nothing), then copies its
+ * own input a cache-sized chunk at a time into its own output and, from the cache, into every peer's output
+ * (process_vm_writev); a last synchronisation tells every rank its output is whole. Each input is read from memory
+ * once. Reading the peers' inputs instead reads every input twice, once by its owner's own copy and once by the
+ * reader's: measured on an AMD EPYC at 2 ranks, 8 MiB 1.85-1.96 ms against 2.42-2.58 ms, 32 MiB 7.0-8.9 ms against
+ * 7.9-10.8 ms. A failed write still synchronises, so the peers go on, and is reported by this rank alone. */
 static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out, const uint64_t* displ,
                                 const uint64_t* every_rows, uint64_t row_bytes) {
+  const int me = c->rank;
+  *(uint64_t*)smc_half(c, me) = (uint64_t)(uintptr_t)out;
+  SMC_CHECK(smc_sync(c, "allgather"));
   smc_result_t rc = SMC_SUCCESS;
-  for (int k = 1; k < c->size && out != NULL; k++) {
-    int j = (c->rank + k) % c->size; /* each rank starts at a different peer */
-    uint64_t bytes = every_rows[j] * row_bytes;
-    if (bytes > 0 && rc == SMC_SUCCESS) rc = smc_cma_read(c, j, out + displ[j], smc_peer_desc(c, j)->addr, bytes,
-                                                          "allgather");
+  const uint64_t mine = every_rows[me] * row_bytes;
+  uint64_t chunk = c->single_copy_bytes / 4; /* the L2 size by default: the chunk and the lines it writes share it */
+  chunk = chunk < (16u << 10) ? (16u << 10) : chunk > (1u << 20) ? (1u << 20) : chunk;
+  const uint8_t* src = sendbuf;
+  /* The own copy bypasses the cache (the output is at least an L2's size, and the caller reads it later if at all):
+   * 8 MiB 1.58-1.64 ms against 1.96-2.10 ms, 32 MiB 6.1-6.3 against 7.4-8.3 ms, 1-2 MiB no slower. */
+  int stream = out != NULL && (out + displ[me] + mine <= src || src + mine <= out + displ[me]);
+  for (uint64_t at = 0; at < mine; at += chunk) {
+    uint64_t len = mine - at < chunk ? mine - at : chunk;
+    if (stream)
+      smc_copy_streaming(out + displ[me] + at, src + at, (size_t)len);
+    else if (out != NULL && out + displ[me] != src)
+      smc_copy(out + displ[me] + at, src + at, (size_t)len);
+    for (int k = 1; k < c->size && rc == SMC_SUCCESS; k++) {
+      int j = (me + k) % c->size;
+      uint64_t theirs = *(const uint64_t*)smc_half(c, j);
+      if (theirs != 0) rc = smc_cma_write(c, j, theirs + displ[me] + at, src + at, len, "allgather");
+    }
   }
-  uint64_t mine = every_rows[c->rank] * row_bytes;
-  if (out != NULL && mine > 0 && out + displ[c->rank] != (const uint8_t*)sendbuf)
-    smc_copy(out + displ[c->rank], sendbuf, (size_t)mine);
   smc_result_t synced = smc_sync(c, "allgather");
   smc_flip(c);
   return synced != SMC_SUCCESS ? synced : rc;

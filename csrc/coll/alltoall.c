@@ -183,7 +183,14 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
         rc = smc_cma_read(c, j, out + r->to, smc_peer_desc(c, j)->addr + r->from, r->len, "alltoall");
     }
     const route_t* own = &routes[me];
-    if (out != NULL && own->len > 0) smc_copy(out + own->to, (const uint8_t*)sendbuf + own->from, (size_t)own->len);
+    const uint8_t* from = (const uint8_t*)sendbuf + own->from;
+    uint8_t* to = out + own->to;
+    /* The own part bypasses the cache, as allgather's (coll/allgather.c): 2 ranks, 8 and 16 MiB per rank, 0.53-0.66
+     * ms against 0.69-0.86, and 3.4-3.5 ms against 3.7-4.3. */
+    if (out != NULL && own->len > 0 && (to + own->len <= from || from + own->len <= to))
+      smc_copy_streaming(to, from, (size_t)own->len);
+    else if (out != NULL && own->len > 0)
+      smc_copy(to, from, (size_t)own->len);
     smc_result_t synced = smc_sync(c, "alltoall");
     smc_flip(c);
     free(routes);
