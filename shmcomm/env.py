@@ -140,6 +140,7 @@ class Tuning:
     spin_us: int           # microseconds of polling before sleeping
     yield_us: int          # then microseconds of a collective's waiter yielding its core before sleeping
     single_copy_bytes: int  # allgather/alltoall/broadcast inputs from this size read peers' memory directly; 0: never
+    piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
 
 
 def timeout_s(environ=None):
@@ -173,6 +174,10 @@ def tuning(local_size):
         yield_us=_number("YIELD_US", default_yield_us, int, low=0, high=(1 << 31) - 1),
         single_copy_bytes=_number("SINGLE_COPY_BYTES", machine.cache_bytes(2) or (1 << 20), int, low=0,
                                   high=MAX_BYTES),
+        # Half the L2 per step keeps a step's copies in it; with more ranks than cores, every step costs context
+        # switches instead, so take as much as a half holds.
+        piece_bytes=_number("PIECE_BYTES", (machine.cache_bytes(2) or (1 << 20)) // 2 if local_size <= cores else 0,
+                            int, low=0, high=MAX_BYTES),
     )
 
 

@@ -49,6 +49,26 @@ def test_every_dtype_and_op(size):
     assert multiproc.run(size, _all_ops_all_dtypes, size, timeout=240) == [True] * size
 
 
+def _pieces(size):
+    import shmcomm
+
+    _all_ops_all_dtypes(size)
+    me = shmcomm.rank()
+    for count in (0, 5, 1001, 70_003):  # reduce-scatter ranges of every length, cut into many pieces
+        x = np.arange(count * size, dtype=np.float64) + me
+        got = shmcomm.reducescatter(x, op=shmcomm.Sum)
+        full = sum(np.arange(count * size, dtype=np.float64) + r for r in range(size))
+        np.testing.assert_array_equal(got, full[me * count:(me + 1) * count])
+    return True
+
+
+@pytest.mark.parametrize("piece", ["1000", "64"])
+def test_pieces_smaller_than_a_half(piece):
+    """SHMCOMM_PIECE_BYTES cuts each rank's range into many steps, down to one cache line per step (1000 rounds
+    down to 960 bytes: 480, 240 and 120 elements of 2, 4 and 8 bytes)."""
+    assert multiproc.run(3, _pieces, 3, timeout=240, env={"SHMCOMM_PIECE_BYTES": piece}) == [True] * 3
+
+
 def _average_and_scaling(size):
     import shmcomm
 

@@ -67,7 +67,13 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   const void* srcs[SMC_MAX_RANKS];
   const int me = c->rank, n = c->size;
   const size_t es = p->esize;
-  const size_t section = c->half_bytes / (size_t)n / SMC_CACHE_LINE * SMC_CACHE_LINE;
+  /* A piece of each range per step, at most piece_bytes: smaller pieces take more synchronisations, but a step's
+   * copies then stay in the L2 (np=2 on an AMD EPYC with 512 KiB L2, pieces of 256 KiB against a half's share of 1
+   * MiB: 16 MiB 7.2-10.1 ms against 9.8-10.5, 4 MiB 1.8-2.3 against 1.8-2.4 ms, 1 MiB the same). */
+  size_t section = c->half_bytes / (size_t)n;
+  if (c->piece_bytes > 0 && c->piece_bytes < section) section = c->piece_bytes;
+  section = section / SMC_CACHE_LINE * SMC_CACHE_LINE;
+  if (section < SMC_CACHE_LINE) section = SMC_CACHE_LINE;
   const size_t per_piece = section / es;
   uint64_t longest = 0;
   for (int j = 0; j < n; j++) longest = p->len[j] > longest ? p->len[j] : longest;
