@@ -76,11 +76,13 @@ smc_result_t smc_refuse_here(smc_comm_t* c, smc_coll_kind_t kind, smc_result_t r
 #define SMC_REASON_MAX 480 /* bytes of a refusal's reason that peers read */
 uint64_t smc_digest(const uint64_t* values, int n, uint64_t seed);
 
-/* cma.c: single copy through Linux cross-memory attach (process_vm_readv): a reader copies straight from the
- * owner's buffer, whose address the owner published in its descriptor (`addr`), instead of the owner copying into
- * its staging half and the reader copying out. smc_cma_probe runs once at init, after every rank attached: each
- * rank reads a value from its neighbour's memory and all ranks adopt single copy only if every rank could (a
- * container without ptrace rights, or ranks in different pid namespaces, keep the staging path).
+/* cma.c: single copy through Linux cross-memory attach (process_vm_readv, process_vm_writev). A reader copies
+ * straight from the owner's buffer, whose address the owner published in its descriptor (`addr`), instead of the
+ * owner copying into its staging half and the reader copying out (alltoall, broadcast); or an owner writes straight
+ * into the outputs whose addresses their ranks published (allgather). smc_cma_probe runs once at init, after every
+ * rank attached: each rank reads a value from its neighbour's memory (the kernel allows writes on the same check),
+ * and all ranks adopt single copy only if every rank could (a container without ptrace rights, or ranks in different
+ * pid namespaces, keep the staging path).
  * smc_single_copy: whether a collective whose largest input is `bytes` takes it; the same answer on every rank.
  * smc_cma_read: copies `bytes` from rank r's address `remote` into `local`. */
 smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s);

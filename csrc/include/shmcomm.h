@@ -100,7 +100,7 @@ typedef struct {
   int yield_us;           /* then microseconds a collective's waiter hands its core on (sched_yield) before it
                            * sleeps: with more ranks than cores, the rank it waits for is often queued behind it */
   size_t single_copy_bytes; /* allgather, alltoall and broadcast inputs of at least this size move by single copy
-                             * (process_vm_readv) where every rank may read its peers' memory; 0: never */
+                             * (cross-memory attach) where every rank may reach its peers' memory; 0: never */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
                            * so that a step's copies stay in the cache; 0: as many as a staging half holds */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL

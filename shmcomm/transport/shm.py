@@ -69,7 +69,7 @@ class SharedMemory(Transport):
         self.address = int(ffi.cast("uintptr_t", self.handle))  # for quick_allreduce and quick_broadcast; 0 once closed
         # Single copy is a speed path with a silent fallback: say which one this machine took.
         log.debug("shared memory of %d ranks: inputs from %d bytes move by %s", self.size, tuning.single_copy_bytes,
-                  "single copy (process_vm_readv)" if lib.smc_comm_single_copy(self.handle)
+                  "single copy (process_vm_readv and process_vm_writev)" if lib.smc_comm_single_copy(self.handle)
                   else "the staging halves (single copy is off or not allowed here)")
 
     @staticmethod
