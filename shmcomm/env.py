@@ -160,6 +160,7 @@ def tuning(local_size):
     # scheduler slice per rank sharing a core (measured at 4 and 8 ranks on 2 cores: 1-3 ms beat shorter yields, and
     # small messages took 10-40% less time than sleeping at once; see csrc/shm/wait.c).
     default_yield_us = 0 if local_size <= cores else 1000 * -(-local_size // cores)
+    l2_bytes = machine.cache_bytes(2) or (1 << 20)
     return Tuning(
         timeout_s=timeout_s(),
         start_timeout_s=_number("START_TIMEOUT", 60.0, positive=True, high=MAX_SECONDS),
@@ -172,12 +173,10 @@ def tuning(local_size):
         arena_bytes=_number("SMB_BYTES", 256 << 20, int, low=0, high=MAX_BYTES),
         spin_us=_number("SPIN_US", default_spin_us, int, low=0, high=(1 << 31) - 1),
         yield_us=_number("YIELD_US", default_yield_us, int, low=0, high=(1 << 31) - 1),
-        single_copy_bytes=_number("SINGLE_COPY_BYTES", machine.cache_bytes(2) or (1 << 20), int, low=0,
-                                  high=MAX_BYTES),
+        single_copy_bytes=_number("SINGLE_COPY_BYTES", l2_bytes, int, low=0, high=MAX_BYTES),
         # Half the L2 per step keeps a step's copies in it; with more ranks than cores, every step costs context
         # switches instead, so take as much as a half holds.
-        piece_bytes=_number("PIECE_BYTES", (machine.cache_bytes(2) or (1 << 20)) // 2 if local_size <= cores else 0,
-                            int, low=0, high=MAX_BYTES),
+        piece_bytes=_number("PIECE_BYTES", l2_bytes // 2 if local_size <= cores else 0, int, low=0, high=MAX_BYTES),
     )
 
 
