@@ -42,6 +42,8 @@ BAD_SETTINGS = [
     ("SLOT_BYTES", ["0", "100", "-4096", "4k", str(1 << 60)]),
     ("SMALL_BYTES", ["-1", "x", str(1 << 60)]),
     ("SMB_BYTES", ["-1", "1e6", str(1 << 60)]),
+    ("SINGLE_COPY_BYTES", ["-1", "lots", str(1 << 60)]),
+    ("PIECE_BYTES", ["-1", "1.5", str(1 << 60)]),
     ("CYCLE_TIME", ["0", "-1", "nan", "fast"]),
     ("FUSION_THRESHOLD", ["-1", "64MB"]),
     ("BUCKET_BYTES", ["-1", "1.5"]),
@@ -101,6 +103,21 @@ def test_waiters_yield_only_with_more_ranks_than_cores(monkeypatch):
     assert env.tuning(4 * cores).yield_us == 4000 and env.tuning(4 * cores + 1).yield_us == 5000
     monkeypatch.setenv("SHMCOMM_YIELD_US", "7")
     assert env.tuning(4 * cores).yield_us == 7
+
+
+def test_allreduce_pieces_follow_the_l2_only_while_every_rank_has_a_core(monkeypatch):
+    """SHMCOMM_PIECE_BYTES's default: half the L2 the machine reports; 0 (a staging half's share) with more ranks
+    than cores, where each step costs context switches."""
+    from shmcomm import env, machine
+
+    for variable in [v for v in os.environ if v.startswith(("SHMCOMM_", "HOROVOD_"))]:
+        monkeypatch.delenv(variable)
+    cores = len(os.sched_getaffinity(0))
+    l2 = machine.cache_bytes(2) or (1 << 20)
+    assert env.tuning(cores).piece_bytes == l2 // 2 and env.tuning(cores).single_copy_bytes == l2
+    assert env.tuning(cores + 1).piece_bytes == 0
+    monkeypatch.setenv("SHMCOMM_PIECE_BYTES", "4096")
+    assert env.tuning(cores + 1).piece_bytes == 4096
 
 
 def _init_with_bad_setting():
