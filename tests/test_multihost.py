@@ -95,7 +95,7 @@ def test_distributed_optimizer_across_hosts(two_hosts):
     pytest.importorskip("sklearn")
     report = os.path.join(ROOT, "tests", "report_gathered_weights.py")  # each rank's digest of the final weights
     run = _shmcommrun(two_hosts, 2, [sys.executable, report, os.path.join(ROOT, "examples", "torch_digits.py"),
-                                     "--epochs", "2", "--no-progress"])
+                                     "--epochs", "1", "--no-progress"])
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ranks 4, weights identical on all ranks: True" in run.stdout
     assert_same_on_every_rank(run.stdout, 4)
