@@ -32,6 +32,22 @@ def halves(result):
             yield row, row[half]
 
 
+def test_interleaved_runs_both_libraries_in_one_job():
+    """benchmarks.interleaved under MPICH's mpiexec: every op and size gets a row, after both libraries' results were
+    found equal (the benchmark raises otherwise)."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec beside this interpreter")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.interleaved", "--bytes", "4K,1M",
+                           "--rounds", "2", "--iters", "3"], cwd=str(REPO), env=backends.job_environment(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert sorted((row[0], int(row[1])) for row in rows) == sorted(
+        (op, size) for op in ("allreduce", "allgather", "alltoall", "reducescatter") for size in (4096, 1 << 20))
+    assert all(len(row) == 7 and float(row[4]) > 0 for row in rows), proc.stdout
+
+
 def test_collectives_every_backend_and_op(tmp_path):
     out = tmp_path / "collectives.json"
     proc = run_module("benchmarks.collectives", ["-np", "2", "-b", "8", "-e", "64K", "-f", "32", "-n", "3", "-w", "1",

@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""shmcomm against the MPI it runs beside, call by call in one job:
+
+    mpiexec -n 2 python -m benchmarks.interleaved --bytes 1M,4M,16M [--ops allreduce,allgather] [--rounds 5]
+
+Why a second benchmark beside benchmarks.collectives: there each backend runs in jobs of its own, one after the other,
+and on a shared machine separate jobs differ by up to 3x (benchmarks/RESULTS.md, "this machine's slow jobs": moving
+cache lines between the cores gets slower for a while, whoever runs). Here both libraries run in the same processes:
+each round times every op and size with shmcomm, then with MPI, a median of --iters calls each, the slowest rank's;
+the ratio is taken per round, so both sides of a ratio saw the same machine. Sizes follow nccl-tests: the buffer of
+allreduce and alltoall, allgather's output and reducescatter's input. Both libraries' results are checked against
+each other once per op and size."""
+import argparse
+import sys
+import time
+
+import numpy as np
+
+OPS = ("allreduce", "allgather", "alltoall", "reducescatter")
+
+
+def calls(op, nbytes, comm, shmcomm, MPI):
+    """(shmcomm's call, MPI's call, shmcomm's output, MPI's output) on preallocated buffers."""
+    n = comm.size
+    count = max(nbytes // 4 // n * n, n)  # float32 elements, a multiple of the ranks
+    x = np.arange(count, dtype=np.float32) % 251 + comm.rank
+    ours, theirs = np.empty(count, np.float32), np.empty(count, np.float32)
+    if op == "allreduce":
+        return (lambda: shmcomm.allreduce(x, op=shmcomm.Sum, output=ours), lambda: comm.Allreduce(x, theirs, MPI.SUM),
+                ours, theirs)
+    if op == "allgather":
+        part = x[:count // n]
+        return lambda: shmcomm.allgather(part, output=ours), lambda: comm.Allgather(part, theirs), ours, theirs
+    if op == "alltoall":
+        return lambda: shmcomm.alltoall(x, output=ours), lambda: comm.Alltoall(x, theirs), ours, theirs
+    ours, theirs = ours[:count // n], theirs[:count // n]
+    return (lambda: shmcomm.reducescatter(x, op=shmcomm.Sum, output=ours),
+            lambda: comm.Reduce_scatter_block(x, theirs, MPI.SUM), ours, theirs)
+
+
+def timed(fn, comm, iters):
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def main(argv=None):
+    from benchmarks.collectives import parse_size
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bytes", default="1M,4M,16M", help="comma-separated sizes, e.g. 64K,1M,16M")
+    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated, default all: " + ",".join(OPS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=11, help="calls timed per library, op, size and round")
+    options = parser.parse_args(argv)
+    sizes = [parse_size(s.strip()) for s in options.bytes.split(",") if s.strip()]
+    ops = [o.strip() for o in options.ops.split(",") if o.strip()]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        parser.error("unknown ops %s; choose from %s" % (unknown, ", ".join(OPS)))
+
+    from mpi4py import MPI
+
+    import shmcomm
+
+    shmcomm.init()
+    comm = MPI.COMM_WORLD
+    if shmcomm.size() != comm.size:
+        raise SystemExit("shmcomm has %d ranks and MPI %d: start both from one mpiexec" % (shmcomm.size(), comm.size))
+    cases = [(op, nbytes) for op in ops for nbytes in sizes]
+    for op, nbytes in cases:  # the same answer from both, once
+        ours, theirs, our_out, their_out = calls(op, nbytes, comm, shmcomm, MPI)
+        ours()
+        theirs()
+        np.testing.assert_array_equal(our_out, their_out, err_msg="%s of %d bytes" % (op, nbytes))
+    times = np.zeros((options.rounds, len(cases), 2))
+    for r in range(options.rounds):
+        for i, (op, nbytes) in enumerate(cases):
+            ours, theirs, _, _ = calls(op, nbytes, comm, shmcomm, MPI)
+            times[r, i] = timed(ours, comm, options.iters), timed(theirs, comm, options.iters)
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, MPI.MAX)
+    if comm.rank == 0:
+        library = MPI.Get_library_version().splitlines()[0].strip()
+        print("# mpiexec -n %d python -m benchmarks.interleaved %s | %s UTC | %s" % (
+            comm.size, " ".join(sys.argv[1:] if argv is None else argv),
+            time.strftime("%Y-%m-%d %H:%M", time.gmtime()), library))
+        print("# slowest rank's median per round; MPI/shmcomm above 1: shmcomm is faster. Median of the rounds.")
+        print("#  op                 bytes  shmcomm us      MPI us  MPI/shmcomm  per round")
+        for i, (op, nbytes) in enumerate(cases):
+            ratios = slowest[:, i, 1] / slowest[:, i, 0]
+            print("   %-13s %12d %11.1f %11.1f %12.2f  %s" % (
+                op, nbytes, np.median(slowest[:, i, 0]) * 1e6, np.median(slowest[:, i, 1]) * 1e6,
+                np.median(ratios), " ".join("%.2f" % v for v in ratios)))
+    shmcomm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
