@@ -129,11 +129,13 @@ static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t 
 static smc_result_t move(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
                          const char* what) {
   const void* far = (const void*)(uintptr_t)remote;
-  /* A read several L2s large also goes through the bounce, and on with streaming stores: the kernel's copy stores
+  /* A read of 8 L2s or more also goes through the bounce, and on with streaming stores: the kernel's copy stores
    * through the cache, reading every destination line first, a third more memory traffic where the memory is the
    * limit. Measured on an AMD EPYC (512 KiB L2), np=2: allgather of 32 MiB 15.5-16.2 ms against 16.8-20.0 ms;
-   * alltoall of 8 MiB per rank (4 MiB reads) 1.78-1.95 against 2.11-2.66 ms; no difference with 2 MiB reads. */
-  int stream = !write && bytes >= 4 * c->single_copy_bytes;
+   * alltoall of 8 MiB per rank (4 MiB reads) 1.78-1.95 against 2.11-2.66 ms. Smaller reads stay in the caches,
+   * where the bounce is a copy more: against MPICH's alltoall in the same job, 4 MiB per rank (2 MiB reads) 0.75x
+   * streamed, 1.03-1.10x not. */
+  int stream = !write && bytes >= 8 * c->single_copy_bytes;
   if (stream || (bytes > 2048 && (write ? smc_short_distance(far, local) : smc_short_distance(local, far))))
     return move_bounced(c, r, local, remote, bytes, write, stream, what);
   return move_direct(c, r, local, remote, bytes, write, what);
