@@ -45,13 +45,10 @@ static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out
   const int large = total >= 16 * c->single_copy_bytes;
   uint64_t chunk = large ? c->single_copy_bytes / 4 : c->single_copy_bytes;
   chunk = chunk < (16u << 10) ? (16u << 10) : chunk > (2u << 20) ? (2u << 20) : chunk;
-  int stream = large && out != NULL && (out + displ[me] + mine <= src || src + mine <= out + displ[me]);
   for (uint64_t at = 0; at < mine; at += chunk) {
     uint64_t len = mine - at < chunk ? mine - at : chunk;
-    if (stream)
-      smc_copy_streaming(out + displ[me] + at, src + at, (size_t)len);
-    else if (out != NULL && out + displ[me] != src)
-      smc_copy(out + displ[me] + at, src + at, (size_t)len);
+    if (out != NULL && out + displ[me] != src)
+      (large ? smc_copy_bypassing : smc_copy)(out + displ[me] + at, src + at, (size_t)len);
     for (int k = 1; k < c->size && rc == SMC_SUCCESS; k++) {
       int j = (me + k) % c->size;
       uint64_t theirs = *(const uint64_t*)smc_half(c, j);

@@ -38,6 +38,14 @@ void smc_copy(void* dst, const void* src, size_t bytes) {
     memmove(d, s, bytes);
 }
 
+void smc_copy_bypassing(void* dst, const void* src, size_t bytes) {
+  const uint8_t *d = dst, *s = src;
+  if (d + bytes <= s || s + bytes <= d)
+    smc_copy_streaming(dst, src, bytes);
+  else
+    smc_copy(dst, src, bytes);
+}
+
 void smc_copy_streaming(void* dst, const void* src, size_t bytes) {
 #if defined(__x86_64__)
   uint8_t* d = dst;

@@ -28,4 +28,7 @@ void smc_copy(void* dst, const void* src, size_t bytes);
  * again soon, it saves the read of each destination line that a cached store costs first. */
 void smc_copy_streaming(void* dst, const void* src, size_t bytes);
 
+/* smc_copy_streaming where the buffers do not overlap, smc_copy (which allows any overlap) where they do. */
+void smc_copy_bypassing(void* dst, const void* src, size_t bytes);
+
 #endif
