@@ -132,22 +132,23 @@ report["striped_sum"] = bool((attached.read() == 10 * n + n * np.arange(attached
 # Exchanges (elastic averaging's one-step read and accumulate) from every rank at once, into a box homed on one
 # host and into a striped one. alpha 1 swaps x and the centre: atomic swaps only permute the values, where a read
 # and an accumulate apart would make new ones. alpha 0.5 keeps the sum of the workers and the centre (exact: few
-# halvings of integers in float64). Each exchange bumps the version once.
+# halvings of integers in float64). Each exchange bumps the version once. 1000 elements go as one request and one
+# reply; 100000 (800 KB) stream, their d coming back in parts while x still goes.
 report["exchange"] = {}
-for stripes in (1, hosts):
-    centre = shmcomm.SoftMemoryBox("elastic%d" % stripes, shape=(1000,), dtype=np.float64, home=hosts - 1,
-                                   stripes=stripes)
+for stripes, length in ((1, 1000), (hosts, 1000), (1, 100000), (hosts, 100000)):
+    centre = shmcomm.SoftMemoryBox("elastic%d_%d" % (stripes, length), shape=(length,), dtype=np.float64,
+                                   home=hosts - 1, stripes=stripes)
     start = centre.version
     shmcomm.barrier()
-    x = r * 1000.0 + np.arange(1000) + 1
+    x = r * float(length) + np.arange(length) + 1
     for i in range(5):
         d = x.copy()
         centre.exchange(d, 1.0)
         x -= d
     shmcomm.barrier()
     values = np.sort(np.concatenate([shmcomm.allgather(x.reshape(1, -1)), centre.read().reshape(1, -1)]), axis=0)
-    permuted = bool((values == np.sort(np.vstack([np.zeros(1000)] + [q * 1000.0 + np.arange(1000) + 1
-                                                                      for q in range(n)]), axis=0)).all())
+    permuted = bool((values == np.sort(np.vstack([np.zeros(length)] + [q * float(length) + np.arange(length) + 1
+                                                                        for q in range(n)]), axis=0)).all())
     before = shmcomm.allreduce(x, op=shmcomm.Sum) + centre.read()
     shmcomm.barrier()
     for i in range(3):
@@ -156,7 +157,7 @@ for stripes in (1, hosts):
         x -= d
     shmcomm.barrier()
     kept = bool((shmcomm.allreduce(x, op=shmcomm.Sum) + centre.read() == before).all())
-    report["exchange"][stripes] = [permuted, kept, centre.version - start == 8 * n]
+    report["exchange"]["%d/%d" % (stripes, length)] = [permuted, kept, centre.version - start == 8 * n]
     shmcomm.barrier()
     centre.close()
 
@@ -286,7 +287,8 @@ def test_ranks_creating_a_striped_box_at_once_leave_it_at_version_0(reports):
 def test_exchanges_from_every_rank_are_atomic(reports):
     hosts, found = reports
     for r, report in found.items():
-        assert report["exchange"] == {"1": [True, True, True], str(hosts): [True, True, True]}, (r, report)
+        assert report["exchange"] == {"%d/%d" % (stripes, length): [True, True, True] for stripes in (1, hosts)
+                                      for length in (1000, 100000)}, (r, report)
 
 
 def test_wait_version_wakes_ranks_on_another_host(reports):

@@ -214,6 +214,10 @@ smc_result_t smc_box_accumulate(smc_box_t* box, size_t offset, size_t count, con
  * x -= d). Bumps the version. */
 smc_result_t smc_box_exchange(smc_box_t* box, size_t offset, size_t count, void* x_to_d, double alpha,
                               uint64_t* version);
+/* smc_box_exchange's arithmetic on [offset, offset+count) for a caller that holds the box lock, without the version
+ * bump: one exchange applied in parts as its elements arrive (the box server's streamed exchange), whose holder
+ * bumps the version once after the last part. */
+smc_result_t smc_box_exchange_held(smc_box_t* box, size_t offset, size_t count, void* x_to_d, double alpha);
 /* The box lock is recursive for its holder: read/write/accumulate inside lock/unlock do not deadlock. */
 smc_result_t smc_box_lock(smc_box_t* box, double timeout_s);
 smc_result_t smc_box_unlock(smc_box_t* box);
@@ -229,6 +233,22 @@ int smc_box_server_port(const smc_box_server_t* server);
  * timeout_s (a thread in a lock or version wait leaves when that wait ends). Returns 1 when every thread has left;
  * 0 if some had not by then (they are left to finish; the server's memory stays theirs). */
 int smc_box_server_stop(smc_box_server_t* server, double timeout_s);
+
+/* ---- box client (csrc/net/box_request.c): one request to another host's box server, without Python ----
+ * The request (header and name: head, head_len; elements: out, out_len) and the reply (its 32-byte header into reply,
+ * then an error text into text, NUL-terminated, or in_len bytes of elements into in) are in the messages of
+ * csrc/net/wire.h. Each returns 0 once done (the reply's status says whether the server refused), SMC_WIRE_CLOSED if
+ * the connection ended or broke, SMC_WIRE_TIMEOUT if timeout_s passed first. text_cap: at least
+ * SMC_WIRE_TEXT_BYTES. */
+enum { SMC_WIRE_CLOSED = 1, SMC_WIRE_TIMEOUT = 2, SMC_WIRE_TEXT_BYTES = 1280 };
+/* The request alone; its reply is for smc_box_receive (requests to several hosts go out before any reply is awaited). */
+int smc_box_send(int fd, const void* head, size_t head_len, const void* out, size_t out_len, double timeout_s);
+int smc_box_receive(int fd, void* in, size_t in_len, double timeout_s, void* reply, char* text, size_t text_cap);
+/* An exchange whose d streams back while x still goes (request flag SMC_FLAG_STREAM): the server applies x in
+ * parts as they arrive and answers each with its d, into x_to_d (d never overtakes x). The reply is the final header
+ * (the version), or a refusal. */
+int smc_box_exchange_streamed(int fd, const void* head, size_t head_len, void* x_to_d, size_t bytes, double timeout_s,
+                              void* reply, char* text, size_t text_cap);
 
 /* ---- kernels (csrc/reduce/), exposed for tests and benchmarks ---- */
 size_t smc_dtype_size(smc_datatype_t dtype);

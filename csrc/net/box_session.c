@@ -4,10 +4,15 @@
 #define _GNU_SOURCE
 #include "net/box_session.h"
 
+#include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 
+#include "coll/comm.h"
+#include "core/clock.h"
 #include "core/error.h"
 #include "net/wire.h"
 
@@ -175,6 +180,102 @@ static smc_result_t apply(session_t* c, const smc_wire_request_t* q, const char*
   return SMC_SUCCESS;
 }
 
+/* n bytes, waiting at most timeout_s for each arrival; 0 when the connection ended or the client fell silent. */
+static int recv_within(int fd, void* buf, size_t n, double timeout_s) {
+  uint8_t* p = (uint8_t*)buf;
+  while (n > 0) {
+    struct pollfd w = {fd, POLLIN, 0};
+    int ready = poll(&w, 1, (int)(timeout_s * 1e3) + 1);
+    if (ready == 0) return 0;
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      return 0;
+    }
+    ssize_t got = recv(fd, p, n, MSG_DONTWAIT);
+    if (got == 0) return 0;
+    if (got < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+      return 0;  /* reset by a client that left with a reply unread, among others */
+    }
+    p += got;
+    n -= (size_t)got;
+  }
+  return 1;
+}
+
+/* Reads and drops n bytes, as recv_within waits. */
+static int drain_within(int fd, uint64_t n, double timeout_s) {
+  uint8_t scratch[65536];
+  while (n > 0) {
+    size_t step = n < sizeof(scratch) ? (size_t)n : sizeof(scratch);
+    if (!recv_within(fd, scratch, step, timeout_s)) return 0;
+    n -= step;
+  }
+  return 1;
+}
+
+/* An exchange with SMC_FLAG_STREAM (net/wire.h). Under one hold of the box lock each part of x is applied as it
+ * arrives and its d goes back at once, so that x and d cross the network together instead of one after the other
+ * (and the apply hides behind the transfer). The version moves once, after the last part, as for any exchange.
+ * Parts of an eighth of a staging half (256 KiB by default): x, d and the centre's part stay in cache, and a part's
+ * system calls are a small share of its transfer. A client that falls silent for the job's timeout in the middle
+ * loses its connection, and with it the lock, as a lost holder does (release_held: the version says so). */
+static int serve_streamed(session_t* c, const smc_wire_request_t* q, const char* name) {
+  const size_t esize = c->esize, total = (size_t)q->count;
+  size_t part_bytes = c->comm->half_bytes / 8;
+  part_bytes = part_bytes < (64u << 10) ? (64u << 10) : part_bytes > (1u << 20) ? (1u << 20) : part_bytes;
+  const size_t part = part_bytes / esize > 0 ? part_bytes / esize : 1;
+  const size_t first = total < part ? total : part;
+  /* The first part arrives before the lock is taken: an exchange of one part holds it only to apply, as a plain
+   * one does, and a longer one from then to its last part. */
+  smc_result_t rc = grow_payload(c, first * esize) ? SMC_SUCCESS
+                                                   : smc_set_error(SMC_ERR_NOMEM, "box server: out of memory");
+  size_t received = 0;
+  if (rc == SMC_SUCCESS) {
+    if (first && !recv_within(c->fd, c->payload, first * esize, c->comm->timeout_s)) return 0;
+    received = first;
+    rc = smc_box_lock(c->box, c->comm->timeout_s);
+  }
+  if (rc != SMC_SUCCESS) {  /* nothing applied: a plain refusal, once x is drained */
+    char text[SMC_WIRE_TEXT_BYTES];
+    snprintf(text, sizeof(text), "%s", smc_last_error());
+    return drain_within(c->fd, (uint64_t)(total - received) * esize, c->comm->timeout_s) &&
+           smc_wire_send_error(c->fd, rc, text);
+  }
+  c->held++;
+  uint8_t accepted[SMC_REPLY_BYTES], final[SMC_REPLY_BYTES];
+  smc_wire_reply_t r = {0, 0, q->count, q->dtype, 0};
+  smc_wire_pack_reply(accepted, &r, 0);
+  char text[SMC_WIRE_TEXT_BYTES];
+  for (size_t at = 0;; at += part) {
+    const size_t n = total - at < part ? total - at : part;
+    if (n && at > 0 && !recv_within(c->fd, c->payload, n * esize, c->comm->timeout_s)) return 0;  /* release_held */
+    if (rc == SMC_SUCCESS && n) rc = smc_box_exchange_held(c->box, (size_t)q->offset + at, n, c->payload, q->alpha);
+    if (rc != SMC_SUCCESS) memset(c->payload, 0, n * esize);  /* not applied: d = 0 leaves that part of x as it was */
+    struct iovec iov[4];
+    int k = 0;
+    if (at == 0) iov[k++] = (struct iovec){accepted, sizeof(accepted)};
+    if (n) iov[k++] = (struct iovec){c->payload, n * esize};
+    const int last = at + n >= total;
+    if (last) {
+      uint64_t version = 0;
+      smc_result_t bumped = smc_box_accumulate(c->box, 0, 0, NULL, 1.0, 1.0, &version);  /* the version, once */
+      if (rc == SMC_SUCCESS) rc = bumped;
+      if (rc == SMC_SUCCESS && (q->flags & SMC_FLAG_THEN_TOUCH)) rc = touch_named(c, name, &version);
+      (void)smc_box_unlock(c->box);
+      c->held--;
+      r.version = version;
+      r.status = rc == SMC_SUCCESS ? 0 : 1;
+      int text_len = rc == SMC_SUCCESS ? 0 : smc_wire_error_text(text, sizeof(text), rc, smc_last_error());
+      smc_wire_pack_reply(final, &r, (uint32_t)text_len);
+      iov[k++] = (struct iovec){final, sizeof(final)};
+      if (text_len) iov[k++] = (struct iovec){text, (size_t)text_len};
+    }
+    if (!smc_wire_sendv(c->fd, iov, k)) return 0;
+    if (last) return 1;
+  }
+}
+
 /* Serves one request; 0 when the connection is to end (the client left, or asked to close). */
 static int serve_one(session_t* c) {
   uint8_t head[SMC_REQUEST_BYTES];
@@ -189,12 +290,15 @@ static int serve_one(session_t* c) {
   smc_result_t rc = SMC_SUCCESS;
   const char* refused = NULL;
   int sized = carries || q.op == SMC_OP_READ;  /* the server allocates count elements for these */
+  int streamed = q.op == SMC_OP_EXCHANGE && (q.flags & SMC_FLAG_STREAM) && c->box != NULL;
   if (sized && c->box != NULL && (q.count > smc_box_count(c->box) || q.offset > smc_box_count(c->box) - q.count)) {
     /* Checked before anything is allocated for it: the client checks too, so this is a confused or hostile one. */
     rc = smc_set_error(SMC_ERR_INVALID, "box '%s': elements [%llu, %llu) are outside its %zu (box server)",
                        c->box_name ? c->box_name : "?", (unsigned long long)q.offset,
                        (unsigned long long)(q.offset + q.count), smc_box_count(c->box));
     refused = smc_last_error();
+  } else if (streamed) {
+    return serve_streamed(c, &q, name);
   } else if (in_bytes && !grow_payload(c, (size_t)in_bytes)) {
     rc = smc_set_error(SMC_ERR_NOMEM, "box server: out of memory for %llu bytes", (unsigned long long)in_bytes);
     refused = smc_last_error();

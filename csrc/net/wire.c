@@ -23,31 +23,37 @@ int smc_wire_recv(int fd, void* buf, size_t n) {
   return 1;
 }
 
-int smc_wire_send(int fd, const void* head, size_t head_len, const void* body, size_t body_len) {
-  struct iovec iov[2] = {{(void*)head, head_len}, {(void*)body, body_len}};
+int smc_wire_sendv(int fd, struct iovec* iov, int n) {
   struct msghdr msg;
   memset(&msg, 0, sizeof(msg));
   msg.msg_iov = iov;
-  msg.msg_iovlen = body_len ? 2 : 1;
+  msg.msg_iovlen = (size_t)n;
+  while (msg.msg_iovlen > 0 && msg.msg_iov[0].iov_len == 0) {
+    msg.msg_iov++;
+    msg.msg_iovlen--;
+  }
   while (msg.msg_iovlen > 0) {
     ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
     if (sent < 0) {
       if (errno == EINTR) continue;
       return 0;
     }
-    while (sent > 0 && msg.msg_iovlen > 0) {
-      if ((size_t)sent >= msg.msg_iov[0].iov_len) {
-        sent -= (ssize_t)msg.msg_iov[0].iov_len;
-        msg.msg_iov++;
-        msg.msg_iovlen--;
-      } else {
-        msg.msg_iov[0].iov_base = (uint8_t*)msg.msg_iov[0].iov_base + sent;
-        msg.msg_iov[0].iov_len -= (size_t)sent;
-        sent = 0;
-      }
+    while (msg.msg_iovlen > 0 && (size_t)sent >= msg.msg_iov[0].iov_len) {
+      sent -= (ssize_t)msg.msg_iov[0].iov_len;
+      msg.msg_iov++;
+      msg.msg_iovlen--;
+    }
+    if (msg.msg_iovlen > 0) {
+      msg.msg_iov[0].iov_base = (uint8_t*)msg.msg_iov[0].iov_base + sent;
+      msg.msg_iov[0].iov_len -= (size_t)sent;
     }
   }
   return 1;
+}
+
+int smc_wire_send(int fd, const void* head, size_t head_len, const void* body, size_t body_len) {
+  struct iovec iov[2] = {{(void*)head, head_len}, {(void*)body, body_len}};
+  return smc_wire_sendv(fd, iov, 2);
 }
 
 void smc_wire_parse_request(const uint8_t* b, smc_wire_request_t* r) {
@@ -86,11 +92,16 @@ static const char* error_class(smc_result_t rc) {
   }
 }
 
-int smc_wire_send_error(int fd, smc_result_t rc, const char* text) {
-  char message[1200];
-  int n = snprintf(message, sizeof(message), "%s\n%s", error_class(rc), text);
+int smc_wire_error_text(char* text, size_t cap, smc_result_t rc, const char* message) {
+  int n = snprintf(text, cap, "%s\n%s", error_class(rc), message);
   if (n < 0) n = 0;
-  if ((size_t)n >= sizeof(message)) n = (int)sizeof(message) - 1;
+  if ((size_t)n >= cap) n = (int)cap - 1;
+  return n;
+}
+
+int smc_wire_send_error(int fd, smc_result_t rc, const char* text) {
+  char message[SMC_WIRE_TEXT_BYTES];
+  int n = smc_wire_error_text(message, sizeof(message), rc, text);
   uint8_t head[SMC_REPLY_BYTES];
   smc_wire_reply_t r = {1, 0, 0, 0, 0};
   smc_wire_pack_reply(head, &r, (uint32_t)n);

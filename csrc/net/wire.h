@@ -7,12 +7,16 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/uio.h>
 
 #include "shmcomm.h"
 
 enum { SMC_OP_CREATE = 1, SMC_OP_ATTACH, SMC_OP_READ, SMC_OP_WRITE, SMC_OP_ACCUMULATE, SMC_OP_LOCK, SMC_OP_UNLOCK,
        SMC_OP_WAIT, SMC_OP_VERSION, SMC_OP_DESTROY, SMC_OP_CLOSE, SMC_OP_TOUCH, SMC_OP_PING, SMC_OP_EXCHANGE };
-enum { SMC_FLAG_EXIST_OK = 1, SMC_FLAG_THEN_TOUCH = 2 };  /* request flags */
+/* Request flags. SMC_FLAG_STREAM (an exchange): the reply is an accepting header, then d in parts as x's parts arrive,
+ * then the final header (the version), so that x and d travel at once; a refusal before any part is a plain error
+ * reply, sent once x has been drained. */
+enum { SMC_FLAG_EXIST_OK = 1, SMC_FLAG_THEN_TOUCH = 2, SMC_FLAG_STREAM = 4 };
 enum { SMC_FLAG_STRIPED = 1 };                             /* attach's reply flag */
 enum { SMC_REQUEST_BYTES = 48, SMC_REPLY_BYTES = 32 };
 
@@ -36,8 +40,12 @@ int smc_wire_recv(int fd, void* buf, size_t n);
 int smc_wire_drain(int fd, uint64_t n);
 /* One message, header and body, in as few sendmsg calls as the socket takes; 0 when the connection ended. */
 int smc_wire_send(int fd, const void* head, size_t head_len, const void* body, size_t body_len);
+/* The same for n buffers (empty ones allowed); iov is consumed. */
+int smc_wire_sendv(int fd, struct iovec* iov, int n);
 void smc_wire_parse_request(const uint8_t* bytes, smc_wire_request_t* request);
 void smc_wire_pack_reply(uint8_t* bytes, const smc_wire_reply_t* reply, uint32_t text_len);
+/* "ClassName\nmessage" for a core code into text (cut to cap - 1 bytes); its length. */
+int smc_wire_error_text(char* text, size_t cap, smc_result_t rc, const char* message);
 /* An error reply for a core code, with the text the core wrote. */
 int smc_wire_send_error(int fd, smc_result_t rc, const char* text);
 

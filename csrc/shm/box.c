@@ -333,6 +333,16 @@ smc_result_t smc_box_exchange(smc_box_t* b, size_t offset, size_t count, void* x
   return rc;
 }
 
+smc_result_t smc_box_exchange_held(smc_box_t* b, size_t offset, size_t count, void* x_to_d, double alpha) {
+  SMC_CHECK(check_range(b, offset, count, x_to_d, "box exchange"));
+  if (b->entry->holder_tid != (int)syscall(SYS_gettid) || b->entry->depth == 0)
+    return smc_set_error(SMC_ERR_INVALID, "box '%s': a part of an exchange without holding the lock", b->entry->name);
+  smc_datatype_t dtype = (smc_datatype_t)b->entry->dtype;
+  uint8_t* c = b->data + offset * b->esize;
+  SMC_CHECK(smc_axpby(x_to_d, c, count, dtype, -alpha, alpha));
+  return smc_axpby(c, x_to_d, count, dtype, 1.0, 1.0);
+}
+
 smc_result_t smc_box_wait_version(smc_box_t* b, uint64_t min_version, double timeout_s, uint64_t* version) {
   if (b == NULL) return smc_set_error(SMC_ERR_INVALID, "box wait: box is NULL");
   if (!smc_timeout_ok(timeout_s)) return smc_set_error(SMC_ERR_INVALID, "box wait: timeout %g s", timeout_s);

@@ -10,13 +10,16 @@ import socket
 import threading
 import time
 
-from shmcomm._native import ffi
+from shmcomm._native import ffi, lib
 from shmcomm.exceptions import HostFailure, InvalidArgumentError
 from shmcomm.transport import box_wire as wire
 from shmcomm.transport import kernels
 from shmcomm.transport.rollcall import name_silent_ranks
 
 _CONNECT_TIMEOUT_S = 5.0  # per address tried; a host has few
+# Exchanges of this many bytes or more stream (wire.FLAG_STREAM): below it one part is the whole exchange anyway, and
+# a plain request can leave before this host's own stripes are done (smb_stripes.StripedHandle._each).
+STREAM_BYTES = 64 << 10
 
 
 class BoxNetwork:
@@ -67,7 +70,8 @@ class RemoteBoxHandle:
         self._broken = None
         self._lock = threading.Lock()  # one request at a time on the connection
         self._sock = network.connect(host, self._what)
-        self._sock_timeout = None  # what the socket's timeout is set to (each change costs system calls)
+        self._reply = ffi.new("uint8_t[]", wire.REPLY.size)
+        self._text = ffi.new("char[]", lib.SMC_WIRE_TEXT_BYTES)
         self.esize = 0
         encoded = name.encode()
         if count is not None:
@@ -98,71 +102,85 @@ class RemoteBoxHandle:
         return error
 
     def _call(self, request, wait_s, payload=None, into=None):
-        """Sends one request (and the elements it carries), awaits the reply (and the elements it carries, into
-        `into`): (version, count, dtype, flags)."""
+        """Sends one request (and the elements it carries: payload, a (pointer, bytes) pair), awaits the reply (and
+        the elements it carries, into `into`, another such pair): (version, count, dtype, flags)."""
         return self._receive(self._send(request, wait_s, payload), into)
 
     def _send(self, request, wait_s, payload=None):
-        """The first half of _call; the connection is this caller's until _receive (the request's reply) is done."""
+        """The first half of _call; the connection is this caller's until _receive (the request's reply) is done.
+        Returns the request's deadline."""
         self._lock.acquire()
         try:
-            if self._sock is None:
-                raise HostFailure(self._broken, host=self._network.host_names[self._host]) if self._broken else \
-                    InvalidArgumentError("%s is closed" % self._what)
+            sock = self._usable()
             started = time.monotonic()
-            timeout_s = self._network.timeout_s + wait_s
-            if timeout_s != self._sock_timeout:
-                self._sock.settimeout(timeout_s)
-                self._sock_timeout = timeout_s
-            wire.send_parts(self._sock, (request, payload))
-            return started
-        except BaseException as error:
+            deadline = (started, started + self._network.timeout_s + wait_s)
+            ptr, nbytes = payload or (ffi.NULL, 0)
+            self._check(lib.smc_box_send(sock.fileno(), request, len(request), ptr, nbytes, deadline[1] - started),
+                        started)
+            return deadline
+        except BaseException:
             self._lock.release()
-            if isinstance(error, (socket.timeout, OSError)) and not isinstance(error, HostFailure):
-                raise self._transport_error(error, started) from None
             raise
 
-    def _receive(self, started, into=None):
+    def _receive(self, deadline, into=None):
         try:
-            sock = self._sock
-            head = bytearray(wire.REPLY.size)
-            if not wire.recv_exactly(sock, memoryview(head)):
-                raise self._fail("closed the connection (the host or its rank is gone)")
-            status, text_len, version, count, dtype, flags = wire.REPLY.unpack(head)
-            text = wire.recv_bytes(sock, text_len) if status != 0 else None
-            if (text is None and status != 0) or (status == 0 and into is not None
-                                                  and not wire.recv_exactly(sock, into)):
-                raise self._fail("closed the connection (the host or its rank is gone)")
-        except HostFailure:
-            raise
-        except OSError as error:  # socket.timeout too (the builtin TimeoutError; the home's errors come below)
-            raise self._transport_error(error, started) from None
+            ptr, nbytes = into or (ffi.NULL, 0)
+            left = max(deadline[1] - time.monotonic(), 0.0)
+            self._check(lib.smc_box_receive(self._sock.fileno(), ptr, nbytes, left, self._reply, self._text,
+                                            len(self._text)), deadline[0])
         finally:
             self._lock.release()
-        if text is not None:
-            class_name, _, message = text.decode("utf-8", "replace").partition("\n")
+        return self._replied()
+
+    def _exchange_streamed(self, request, ptr, nbytes):
+        """An exchange whose d comes back while x still goes (wire.FLAG_STREAM), in one call into the core."""
+        with self._lock:
+            sock = self._usable()
+            started = time.monotonic()
+            self._check(lib.smc_box_exchange_streamed(sock.fileno(), request, len(request), ptr, nbytes,
+                                                      self._network.timeout_s, self._reply, self._text,
+                                                      len(self._text)), started)
+        return self._replied()[0]
+
+    def _usable(self):
+        if self._sock is None:
+            raise HostFailure(self._broken, host=self._network.host_names[self._host]) if self._broken else \
+                InvalidArgumentError("%s is closed" % self._what)
+        return self._sock
+
+    def _check(self, rc, started):
+        if rc == lib.SMC_WIRE_TIMEOUT:
+            raise self._fail("did not answer within %.1f s (SHMCOMM_TIMEOUT sets the limit)"
+                             % (time.monotonic() - started))
+        if rc != 0:
+            raise self._fail("closed the connection (the host or its rank is gone)")
+
+    def _replied(self):
+        """The reply's (version, count, dtype, flags), or the home's error raised."""
+        status, _, version, count, dtype, flags = wire.REPLY.unpack(ffi.buffer(self._reply))
+        if status != 0:
+            class_name, _, message = ffi.string(self._text).decode("utf-8", "replace").partition("\n")
             raise wire.error_from(class_name, message)
         return version, count, dtype, flags
-
-    def _transport_error(self, error, started):
-        if isinstance(error, socket.timeout):
-            return self._fail("did not answer within %.1f s (SHMCOMM_TIMEOUT sets the limit)"
-                              % (time.monotonic() - started))
-        return self._fail("is unreachable: %s" % error)
 
     def start(self, op, offset, count, ptr, alpha=1.0, beta=1.0, then_touch=None):
         """Sends a read, write, accumulate or exchange ("read", "write", "accumulate", "exchange") without waiting
         for its reply; the returned function waits for it (and returns the version). A striped box sends to all its
         hosts first. then_touch: the name of a box at the same home whose version the home bumps once this operation
-        is done (and whose version comes back instead), in the same round trip."""
+        is done (and whose version comes back instead), in the same round trip. An exchange of STREAM_BYTES or more
+        is done here, whole (its d streams back while its x goes, which needs both directions at once)."""
         nbytes = count * self.esize
         code = {"read": wire.READ, "write": wire.WRITE, "accumulate": wire.ACCUMULATE, "exchange": wire.EXCHANGE}[op]
         touch = then_touch.encode() if then_touch is not None and op != "read" else b""
-        request = wire.REQUEST.pack(code, wire.FLAG_THEN_TOUCH if touch else 0, len(touch), 0, offset, count, alpha,
-                                    beta, 0.0) + touch
-        started = self._send(request, 0.0, ffi.buffer(ptr, nbytes) if count and op != "read" else None)
-        into = memoryview(ffi.buffer(ptr, nbytes)) if count and op in ("read", "exchange") else None
-        return lambda: self._receive(started, into)[0]
+        streamed = op == "exchange" and nbytes >= STREAM_BYTES
+        flags = (wire.FLAG_THEN_TOUCH if touch else 0) | (wire.FLAG_STREAM if streamed else 0)
+        request = wire.REQUEST.pack(code, flags, len(touch), 0, offset, count, alpha, beta, 0.0) + touch
+        if streamed:
+            version = self._exchange_streamed(request, ptr, nbytes)
+            return lambda: version
+        deadline = self._send(request, 0.0, (ptr, nbytes) if count and op != "read" else None)
+        into = (ptr, nbytes) if count and op in ("read", "exchange") else None
+        return lambda: self._receive(deadline, into)[0]
 
     def _simple(self, op, offset=0, count=0, alpha=0.0, beta=0.0, timeout_s=0.0, payload=None, into=None):
         request = wire.REQUEST.pack(op, 0, 0, 0, offset, count, alpha, beta, timeout_s)
@@ -176,15 +194,14 @@ class RemoteBoxHandle:
                                    "here" % (self._what, self._network.describe(self._host)))
 
     def read(self, offset, count, dst):
-        into = memoryview(ffi.buffer(dst, count * self.esize)) if count else None
-        self._simple(wire.READ, offset, count, into=into)
+        self._simple(wire.READ, offset, count, into=(dst, count * self.esize) if count else None)
 
     def write(self, offset, count, src):
-        return self._simple(wire.WRITE, offset, count, payload=ffi.buffer(src, count * self.esize) if count else None)
+        return self._simple(wire.WRITE, offset, count, payload=(src, count * self.esize) if count else None)
 
     def accumulate(self, offset, count, src, alpha, beta):
         return self._simple(wire.ACCUMULATE, offset, count, alpha, beta,
-                            payload=ffi.buffer(src, count * self.esize) if count else None)
+                            payload=(src, count * self.esize) if count else None)
 
     def exchange(self, offset, count, x_to_d, alpha):
         """box.BoxHandle.exchange at the home: x goes, d comes back into the same buffer."""

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The messages between a Soft Memory Box client on one host and the box server on the box's home host
-(box_server.py; the server reads and writes the same layout in C, csrc/net/wire.c), over one TCP connection per
+(the server reads and writes the same layout in C, csrc/net/wire.c), over one TCP connection per
 client handle.
 
 A request is a fixed header (REQUEST), then the box name (create and attach; with FLAG_THEN_TOUCH the name of the
@@ -9,9 +9,10 @@ fixed header (REPLY), then an error text or the elements read (an exchange's d).
 one reply, so a connection carries one operation at a time and a reply that does not come in time means the home host
 stopped answering.
 
-Each message leaves in one sendmsg of its header and its elements (send_parts): sent as two, a small request crossed
-the network as two segments, and the receiver woke for the header and then again for the elements (a remote 4 KiB
-accumulate took 0.09 ms against 0.04 ms for a version query)."""
+Both ends are C (csrc/net/box_request.c sends and receives for the client, csrc/net/box_session.c for the server);
+this module packs and unpacks the headers. Each message leaves in one sendmsg of its header and its elements: sent as
+two, a small request crossed the network as two segments, and the receiver woke for the header and then again for the
+elements (a remote 4 KiB accumulate took 0.09 ms against 0.04 ms for a version query)."""
 import socket
 import struct
 
@@ -27,6 +28,7 @@ CREATE, ATTACH, READ, WRITE, ACCUMULATE, LOCK, UNLOCK, WAIT, VERSION, DESTROY, C
 # PING is the roll call's (rollcall.py), answered at once; WRITE, ACCUMULATE and EXCHANGE carry `count` elements.
 FLAG_EXIST_OK = 1   # create: attach to an equal box instead of failing
 FLAG_THEN_TOUCH = 2  # write, accumulate, exchange: then bump the version of the named box; the reply carries it
+FLAG_STREAM = 4     # exchange: d comes back in parts while x still goes (csrc/net/wire.h says how)
 FLAG_STRIPED = 1    # attach's reply: the name belongs to a striped box; its description was found instead
 
 # The error classes a reply may name; anything else arrives as ShmCommError.
@@ -37,34 +39,6 @@ _ERRORS = {cls.__name__: cls for cls in (exc.InvalidArgumentError, exc.TimeoutEr
 
 def error_from(class_name, text):
     return _ERRORS.get(class_name, exc.ShmCommError)(text)
-
-
-def recv_exactly(sock, view):
-    """Fills the writable memoryview `view` from `sock`; False if the peer closed the connection first."""
-    got, total = 0, len(view)
-    while got < total:
-        n = sock.recv_into(view[got:], total - got)
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
-def recv_bytes(sock, n):
-    buf = bytearray(n)
-    return bytes(buf) if recv_exactly(sock, memoryview(buf)) else None
-
-
-def send_parts(sock, parts):
-    """Sends the buffers in `parts` (None skipped) in order, in as few sendmsg calls as the socket takes."""
-    views = [memoryview(p).cast("B") for p in parts if p is not None and len(p)]
-    while views:
-        sent = sock.sendmsg(views)
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views.pop(0))
-            else:
-                views[0], sent = views[0][sent:], 0
 
 
 def tuned(sock):

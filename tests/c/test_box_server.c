@@ -96,10 +96,122 @@ static int closed_by_peer(int fd) {
   return recv(fd, &byte, 1, 0) == 0;
 }
 
+static void pack_request(uint8_t* head, int op, int flags, uint64_t offset, uint64_t count, double alpha) {
+  memset(head, 0, 48);
+  head[0] = (uint8_t)op;
+  head[1] = (uint8_t)flags;
+  memcpy(head + 8, &offset, 8);
+  memcpy(head + 16, &count, 8);
+  memcpy(head + 24, &alpha, 8);
+}
+
+static uint64_t reply_version(const uint8_t* reply) {
+  uint64_t v;
+  memcpy(&v, reply + 8, 8);
+  return v;
+}
+
+static int32_t reply_status(const uint8_t* reply) {
+  int32_t v;
+  memcpy(&v, reply, 4);
+  return v;
+}
+
+/* The exchange whose d streams back while x goes (SMC_FLAG_STREAM), through the client's own calls: a box of
+ * several parts, exact values, one version step; refusals in step; a client gone in the middle, or silent for the
+ * job's timeout, loses the lock, and the version says so. */
+static void streamed_exchanges(int port) {
+  enum { N = 300000 };  /* 2.4 MB of float64: several parts */
+  reply_t r;
+  uint8_t head[48], reply[32];
+  char text[SMC_WIRE_TEXT_BYTES];
+  double* c = malloc(N * sizeof(double));
+  double* x = malloc(N * sizeof(double));
+  for (int i = 0; i < N; i++) c[i] = i;
+  int s = connect_to(port);
+  EXPECT(call(s, CREATE, 0, "big", SMC_FLOAT64, 0, N, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "create big: %s",
+         r.text);
+  pack_request(head, WRITE, 0, 0, N, 0);
+  EXPECT(smc_box_send(s, head, 48, c, N * sizeof(double), 5.0) == 0 &&
+             smc_box_receive(s, NULL, 0, 5.0, reply, text, sizeof(text)) == 0 && reply_status(reply) == 0 &&
+             reply_version(reply) == 1,
+         "a write by the client's calls: %s", text);
+  for (int i = 0; i < N; i++) x[i] = 3.0 * i;  /* d = 0.5 (3i - i) = i; the centre becomes 2i */
+  pack_request(head, EXCHANGE, 4, 0, N, 0.5);
+  EXPECT(smc_box_exchange_streamed(s, head, 48, x, N * sizeof(double), 5.0, reply, text, sizeof(text)) == 0 &&
+             reply_status(reply) == 0 && reply_version(reply) == 2,
+         "a streamed exchange: status %d version %llu %s", reply_status(reply),
+         (unsigned long long)reply_version(reply), reply_status(reply) ? text : "");
+  int wrong = 0;
+  for (int i = 0; i < N; i++) wrong += x[i] != (double)i;
+  EXPECT(wrong == 0, "d exact: %d wrong", wrong);
+  pack_request(head, READ, 0, 0, N, 0);
+  EXPECT(smc_box_send(s, head, 48, NULL, 0, 5.0) == 0 &&
+             smc_box_receive(s, c, N * sizeof(double), 5.0, reply, text, sizeof(text)) == 0,
+         "read back: %s", text);
+  wrong = 0;
+  for (int i = 0; i < N; i++) wrong += c[i] != 2.0 * i;
+  EXPECT(wrong == 0, "the centre took d: %d wrong", wrong);
+  /* Refused past the end, with its x drained: the connection stays in step. */
+  pack_request(head, EXCHANGE, 4, 10, N, 0.5);
+  EXPECT(smc_box_exchange_streamed(s, head, 48, x, N * sizeof(double), 5.0, reply, text, sizeof(text)) == 0 &&
+             reply_status(reply) == 1 && starts_with(text, "InvalidArgumentError\n"),
+         "refused past the end: %s", text);
+  /* Refused while another holds the lock (for the job's timeout, 3 s), then in step. */
+  int holder = connect_to(port);
+  EXPECT(call(holder, ATTACH, 0, "big", 0, 0, 0, 0, 0, 1.0, NULL, 0, NULL, 0, &r) &&
+             call(holder, LOCK, 0, "", 0, 0, 0, 0, 0, 1.0, NULL, 0, NULL, 0, &r) && r.status == 0,
+         "another holds the lock: %s", r.text);
+  pack_request(head, EXCHANGE, 4, 0, N, 0.5);
+  EXPECT(smc_box_exchange_streamed(s, head, 48, x, N * sizeof(double), 10.0, reply, text, sizeof(text)) == 0 &&
+             reply_status(reply) == 1 && starts_with(text, "TimeoutError\n"),
+         "refused: the lock is held: %s", text);
+  EXPECT(call(holder, UNLOCK, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "unlock: %s", r.text);
+  EXPECT(call(s, VERSION, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.version == 2, "in step, version %llu",
+         (unsigned long long)r.version);
+  /* A client gone in the middle: its lock comes back, and the version moved. */
+  pack_request(head, EXCHANGE, 4, 0, N, 0.5);
+  EXPECT(send(s, head, 48, MSG_NOSIGNAL) == 48 && send(s, x, 100000, MSG_NOSIGNAL) == 100000 &&
+             recv_all(s, reply, sizeof(reply)) && reply_status(reply) == 0,
+         "half an exchange, accepted (the server holds the lock)");
+  close(s);  /* the first part's d unread: the server's next send or receive finds the connection reset */
+  EXPECT(call(holder, LOCK, 0, "", 0, 0, 0, 0, 0, 5.0, NULL, 0, NULL, 0, &r) && r.status == 0,
+         "the lock of a client gone in the middle: %s", r.text);
+  EXPECT(call(holder, VERSION, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.version == 3, "bumped: %llu",
+         (unsigned long long)r.version);
+  EXPECT(call(holder, UNLOCK, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "unlock: %s", r.text);
+  /* A client silent in the middle for the job's timeout is dropped, and the lock comes back. */
+  s = connect_to(port);
+  EXPECT(call(s, ATTACH, 0, "big", 0, 0, 0, 0, 0, 1.0, NULL, 0, NULL, 0, &r) && r.status == 0, "attach: %s", r.text);
+  EXPECT(send(s, head, 48, MSG_NOSIGNAL) == 48 && send(s, x, 100000, MSG_NOSIGNAL) == 100000 &&
+             recv_all(s, reply, sizeof(reply)) && reply_status(reply) == 0,
+         "accepted, then silence");
+  double t0 = smc_now();
+  EXPECT(call(holder, LOCK, 0, "", 0, 0, 0, 0, 0, 10.0, NULL, 0, NULL, 0, &r) && r.status == 0,
+         "the lock of a silent client: %s", r.text);
+  double waited = smc_now() - t0;
+  EXPECT(waited > 2.0 && waited < 6.0, "dropped after the job's timeout (3 s): %.1f s", waited);
+  char rest[65536];
+  ssize_t got;
+  while ((got = recv(s, rest, sizeof(rest), 0)) > 0) {  /* what came before the drop: its first part's d */
+  }
+  EXPECT(got == 0 || errno == ECONNRESET, "the silent client's connection ended: %s", strerror(errno));
+  close(s);
+  EXPECT(call(holder, VERSION, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.version == 4, "bumped: %llu",
+         (unsigned long long)r.version);
+  EXPECT(call(holder, UNLOCK, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "unlock: %s", r.text);
+  EXPECT(call(holder, DESTROY, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "destroy: %s", r.text);
+  close(holder);
+  free(c);
+  free(x);
+}
+
 int main(void) {
   char token[64];
   make_token(token, sizeof(token), "bs");
   smc_config_t cfg = config(token, 0, 1);
+  cfg.timeout_s = 3;  /* a streamed exchange's client that falls silent is dropped after this */
+  cfg.arena_bytes = 4 << 20;  /* room for a box of several streamed parts */
   smc_comm_t* comm = NULL;
   if (smc_comm_create(&cfg, &comm) != SMC_SUCCESS) {
     fprintf(stderr, "create: %s\n", smc_last_error());
@@ -205,6 +317,8 @@ int main(void) {
   EXPECT(call(b, WRITE, 2, "described", 0, 0, 1, 0, 0, 0, x, sizeof(double), NULL, 0, &r) && r.status == 0 &&
              r.version == 1,
          "then touch: %s %llu", r.text, (unsigned long long)r.version);
+
+  streamed_exchanges(port);
 
   /* A forked child that stops its copy of the server leaves the parent's serving alone. */
   pid_t child = fork();
