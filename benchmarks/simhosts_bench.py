@@ -80,7 +80,7 @@ def find_mpiexec():
 def job_command(args):
     worker_args = ["--bytes", args.bytes, "--iters", str(args.iters), "--warmup", str(args.warmup)]
     if args.script:
-        return [sys.executable, os.path.abspath(args.script)] + worker_args
+        return [sys.executable, os.path.abspath(args.script)] + worker_args + shlex.split(args.script_args)
     return [sys.executable, "-m", "benchmarks.simhosts_bench", "--worker"] + worker_args
 
 
@@ -158,6 +158,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=10, help="timed calls per size (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
     parser.add_argument("--script", help="a Python script every rank runs instead of the built-in worker")
+    parser.add_argument("--script-args", default="", metavar="ARGS", help="more arguments for --script, one string")
     parser.add_argument("--mpi-env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for every rank (repeatable)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds the job may take (default 300)")

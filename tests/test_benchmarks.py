@@ -135,6 +135,23 @@ def test_smb_bandwidth_and_pingpong(tmp_path):
         assert [row["size"] for row in document["mpi"]["rows"]] == [8, 128, 2048]
 
 
+def test_streamed_and_plain_exchanges_across_simulated_hosts():
+    """benchmarks/exchange_stream.py through benchmarks.simhosts_bench --script and --script-args: a size below
+    box_client.STREAM_BYTES and one of several streamed parts, both ways, every rank exchanging at once."""
+    from shmcomm.testing import simhosts
+    missing = simhosts.missing_prerequisite()
+    if missing is not None and os.environ.get("SHMCOMM_REQUIRE_SIMHOSTS") != "1":
+        pytest.skip(missing)
+    proc = run_module("benchmarks.simhosts_bench", ["--hosts", "2", "--ranks-per-host", "1", "--script",
+                                                    "benchmarks/exchange_stream.py", "--bytes", "4K,1M", "--iters",
+                                                    "3", "--warmup", "1", "--script-args", "--rounds 1 --both"], 180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "every rank at once, box striped, 2 hosts x 1 ranks" in proc.stdout, proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if "plain/streamed" in line and "bytes" in line]
+    assert [int(row[0]) for row in rows] == [4096, 1 << 20], proc.stdout
+    assert all(float(row[3]) > 0 and float(row[6]) > 0 for row in rows), proc.stdout
+
+
 @pytest.mark.parametrize("text, value", [("8", 8), ("64K", 64 << 10), ("256M", 256 << 20), ("1G", 1 << 30),
                                          ("4k", 4096), ("2MB", 2 << 20)])
 def test_parse_size(text, value):

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 REPORT = "from shmcomm.runner.check_build import print_build_report\nprint_build_report()\n"
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -33,19 +35,67 @@ def _marks(stdout):
     return marks, details
 
 
-def _report(prelude=""):
-    command = [sys.executable, "-c", textwrap.dedent(prelude) + REPORT]
-    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+# Each case's prelude hides or fakes a module; "fake jax" runs `shmcommrun --check-build` with a JAX without the FFI
+# ahead on the path (the fixture writes it).
+PRELUDES = {
+    "as installed": "",
+    "no core": """
+        import sys
+        sys.modules["shmcomm._C"] = None  # what an unbuilt core looks like: its import fails
+    """,
+    "no mpi4py": """
+        import sys
+        sys.modules["mpi4py"] = None
+    """,
+    "no mpiexec": """
+        import shmcomm.runner.mpi_launch
+        shmcomm.runner.mpi_launch.find_mpiexec = lambda: None
+    """,
+    "no torch": """
+        import sys
+        sys.modules["torch"] = None
+    """,
+    "old torch": """
+        import sys, types
+        torch = types.ModuleType("torch")  # torch 2.0 had no Tensor.register_post_accumulate_grad_hook
+        torch.__version__, torch.Tensor = "2.0.1", type("Tensor", (), {})
+        sys.modules["torch"] = torch
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """{case: CompletedProcess}: every case's report, their subprocesses run at once (each imports torch and jax,
+    seconds of CPU apiece, with waits for the disk between: at once they take less time than one after another)."""
+    fake = tmp_path_factory.mktemp("fake")
+    (fake / "jax").mkdir()
+    (fake / "jax" / "__init__.py").write_text("__version__ = '0.4.30'\n")
+    commands = {case: ([sys.executable, "-c", textwrap.dedent(prelude) + REPORT], _env())
+                for case, prelude in PRELUDES.items()}
+    commands["fake jax"] = ([sys.executable, "-m", "shmcomm.runner", "--check-build"], _env([fake]))
+    running = {case: subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True) for case, (command, env) in commands.items()}
+    done = {}
+    for case, proc in running.items():
+        try:
+            out, err = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        done[case] = subprocess.CompletedProcess(commands[case][0], proc.returncode, out, err)
+    return done
+
+
+def _report(reports, case):
+    result = reports[case]
     assert result.returncode == 0, result.stderr
     return _marks(result.stdout)
 
 
-def test_check_build_marks_what_shmcomm_can_use_not_what_is_installed(tmp_path):
+def test_check_build_marks_what_shmcomm_can_use_not_what_is_installed(reports):
     # A JAX without the FFI that shmcomm.jax builds on must not make shmcomm claim it.
-    (tmp_path / "jax").mkdir()
-    (tmp_path / "jax" / "__init__.py").write_text("__version__ = '0.4.30'\n")
-    result = subprocess.run([sys.executable, "-m", "shmcomm.runner", "--check-build"], cwd=REPO,
-                            env=_env([tmp_path]), capture_output=True, text=True, timeout=120)
+    result = reports["fake jax"]
     assert result.returncode == 0, result.stderr
     marks, details = _marks(result.stdout)
     assert marks == dict(EVERYTHING, JAX=False), result.stdout
@@ -56,51 +106,34 @@ def test_check_build_marks_what_shmcomm_can_use_not_what_is_installed(tmp_path):
         assert heading in result.stdout
 
 
-def test_jax_with_its_ffi_and_optax_is_marked():
-    marks, details = _report()
+def test_jax_with_its_ffi_and_optax_is_marked(reports):
+    marks, details = _report(reports, "as installed")
     assert marks == EVERYTHING
     assert details["JAX"].startswith("jax ") if HAS_JAX else "not available" in details["JAX"]
 
 
-def test_without_the_c_core_shared_memory_is_unmarked():
-    marks, details = _report("""
-        import sys
-        sys.modules["shmcomm._C"] = None  # what an unbuilt core looks like: its import fails
-    """)
+def test_without_the_c_core_shared_memory_is_unmarked(reports):
+    marks, details = _report(reports, "no core")
     assert marks == dict(EVERYTHING, **{"Shared memory": False, "C core (CPU)": False})
     assert details["C core"].startswith("NOT built (")
 
 
-def test_without_mpi4py_mpi_is_unmarked():
-    marks, details = _report("""
-        import sys
-        sys.modules["mpi4py"] = None
-    """)
+def test_without_mpi4py_mpi_is_unmarked(reports):
+    marks, details = _report(reports, "no mpi4py")
     assert marks == dict(EVERYTHING, MPI=False)
     assert details["MPI"].startswith("not available (")
 
 
-def test_without_mpiexec_mpi_is_unmarked():
-    marks, details = _report("""
-        import shmcomm.runner.mpi_launch
-        shmcomm.runner.mpi_launch.find_mpiexec = lambda: None
-    """)
+def test_without_mpiexec_mpi_is_unmarked(reports):
+    marks, details = _report(reports, "no mpiexec")
     assert marks == dict(EVERYTHING, MPI=False)
     assert "no mpiexec" in details["MPI"]
 
 
-def test_without_torch_or_with_a_torch_too_old_pytorch_is_unmarked():
-    marks, details = _report("""
-        import sys
-        sys.modules["torch"] = None
-    """)
+def test_without_torch_or_with_a_torch_too_old_pytorch_is_unmarked(reports):
+    marks, details = _report(reports, "no torch")
     assert marks == dict(EVERYTHING, PyTorch=False)
     assert details["PyTorch"].startswith("not available (")
-    marks, details = _report("""
-        import sys, types
-        torch = types.ModuleType("torch")  # torch 2.0 had no Tensor.register_post_accumulate_grad_hook
-        torch.__version__, torch.Tensor = "2.0.1", type("Tensor", (), {})
-        sys.modules["torch"] = torch
-    """)
+    marks, details = _report(reports, "old torch")
     assert marks == dict(EVERYTHING, PyTorch=False)
     assert "2.0.1 is too old" in details["PyTorch"]

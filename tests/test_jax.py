@@ -56,14 +56,14 @@ def test_on_a_logical_grid_the_handler_goes_through_python():
 
 
 # MPI's own allreduce under jit takes the same handler path as the torus (through Python); -m long runs it too, and
-# the gradients and the engine across hosts (both on the handler's Python path, which the 3-rank run on a logical
-# grid and with the engine takes on one host as well).
+# the optimizer, the ordering, the gradients and the engine across hosts (on the handler's Python path, which the
+# 3-rank run on one host checks them through too, and the run on a logical grid with -m long).
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["torus", pytest.param("mpi", marks=pytest.mark.long),
                                   pytest.param("torus+", marks=pytest.mark.long)])
 def test_across_two_simulated_hosts(two_hosts, algo):  # noqa: F811 (the fixture)
-    checks = ["collectives", "mismatches", "optimizer", "ordering"] + (["gradients", "with_engine"]
-                                                                       if algo == "torus+" else [])
+    checks = ["collectives", "mismatches"] + (["optimizer", "ordering", "gradients", "with_engine"]
+                                              if algo == "torus+" else [])
     algo = algo.rstrip("+")
     run = _launch([*two_hosts.shmcommrun_args(2), sys.executable, CHECKS] + checks, SHMCOMM_ALLREDUCE_ALGO=algo,
                   SHMCOMM_TIMEOUT="60")

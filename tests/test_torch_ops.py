@@ -268,6 +268,27 @@ def test_errors_on_every_rank_then_a_working_op():
         assert "mismatch" in messages[0] and len(messages) == 2
 
 
+def _own_error_after_a_peer_left(left):
+    """Rank 0 shuts down; rank 1, whose engine has seen it go (a good call fails naming it), still gets its own bad
+    argument's error for a bad call, not the engine's: the bad call is what its caller must fix."""
+    from shmcomm.exceptions import RankFailure
+    hvd = _init()
+    if hvd.rank() == 0:
+        hvd.shutdown()
+        left.set()
+        return None
+    assert left.wait(60)
+    with pytest.raises(RankFailure):
+        hvd.allreduce(torch.ones(1), name="good")
+    with pytest.raises(ValueError, match="contiguous"):
+        hvd.allreduce(torch.ones(4, 4).t())
+    return None
+
+
+def test_a_bad_argument_raises_its_own_error_after_a_peer_left():
+    multiproc.run(2, _own_error_after_a_peer_left, multiproc.Event(), timeout=60)
+
+
 def _join():
     hvd = _init()
     me = hvd.rank()

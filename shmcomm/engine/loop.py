@@ -102,7 +102,9 @@ class Engine:
         req.handle = handle
         with self._cond:
             if self._fatal is not None:
-                raise self._fatal
+                # This rank's own bad argument is what its caller must fix, whatever became of the engine meanwhile
+                # (a peer that raised for its own bad argument of this call and then shut down, among others).
+                raise self._fatal if refused is None else refused
             if req.name in self._in_flight:
                 raise ValueError("%s: a tensor of this name is already being processed; names must be unique among "
                                  "the operations in flight" % req.what)

@@ -157,7 +157,7 @@ static void streamed_exchanges(int port) {
   EXPECT(smc_box_exchange_streamed(s, head, 48, x, N * sizeof(double), 5.0, reply, text, sizeof(text)) == 0 &&
              reply_status(reply) == 1 && starts_with(text, "InvalidArgumentError\n"),
          "refused past the end: %s", text);
-  /* Refused while another holds the lock (for the job's timeout, 3 s), then in step. */
+  /* Refused while another holds the lock (for the job's timeout, 1 s), then in step. */
   int holder = connect_to(port);
   EXPECT(call(holder, ATTACH, 0, "big", 0, 0, 0, 0, 0, 1.0, NULL, 0, NULL, 0, &r) &&
              call(holder, LOCK, 0, "", 0, 0, 0, 0, 0, 1.0, NULL, 0, NULL, 0, &r) && r.status == 0,
@@ -190,7 +190,7 @@ static void streamed_exchanges(int port) {
   EXPECT(call(holder, LOCK, 0, "", 0, 0, 0, 0, 0, 10.0, NULL, 0, NULL, 0, &r) && r.status == 0,
          "the lock of a silent client: %s", r.text);
   double waited = smc_now() - t0;
-  EXPECT(waited > 2.0 && waited < 6.0, "dropped after the job's timeout (3 s): %.1f s", waited);
+  EXPECT(waited > 0.7 && waited < 4.0, "dropped after the job's timeout (1 s): %.1f s", waited);
   char rest[65536];
   ssize_t got;
   while ((got = recv(s, rest, sizeof(rest), 0)) > 0) {  /* what came before the drop: its first part's d */
@@ -210,7 +210,7 @@ int main(void) {
   char token[64];
   make_token(token, sizeof(token), "bs");
   smc_config_t cfg = config(token, 0, 1);
-  cfg.timeout_s = 3;  /* a streamed exchange's client that falls silent is dropped after this */
+  cfg.timeout_s = 1;  /* a streamed exchange's client that falls silent is dropped after this */
   cfg.arena_bytes = 4 << 20;  /* room for a box of several streamed parts */
   smc_comm_t* comm = NULL;
   if (smc_comm_create(&cfg, &comm) != SMC_SUCCESS) {
