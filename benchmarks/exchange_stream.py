@@ -3,7 +3,7 @@
 (csrc/net/box_session.c, serve_streamed) against the one that sends all of x and then receives all of d.
 
     python -m benchmarks.simhosts_bench --hosts 2 --ranks-per-host 1 [--rate 1gbit] \\
-        --script benchmarks/exchange_stream.py --bytes 4K,256K,1M,16M [--iters 30] [--script-args "--both"]
+        --script benchmarks/exchange_stream.py --bytes 4K,256K,1M,16M [--iters 30] [--script-args=--both]
 
 Alone (the default): the last rank exchanges with a box homed on host 0 while the others wait, as an asynchronous
 worker's exchange mostly finds the link to itself. --both: every rank exchanges at once with a box striped over the
