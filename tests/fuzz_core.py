@@ -15,6 +15,8 @@ import math
 import os
 import random
 import secrets
+import socket
+import struct
 import sys
 
 from shmcomm._native import ffi, lib
@@ -232,6 +234,13 @@ def fuzz_box_ops(fuzz, box):
         args = (box, offset, count, buf) + ((1.0, 1.0) if op == "smc_box_accumulate" else ()) + \
             (fuzz.pick([version, ffi.NULL]),)
         fuzz.call(op, args, must_fail=null or outside or (count > 0 and buf == ffi.NULL))
+    offset = fuzz.pick([0, 1, elements, elements + 1], HUGE)
+    count = fuzz.pick([0, 1, max(elements - offset, 0) if offset <= elements else 0], HUGE)
+    outside = offset > elements or count > elements - offset
+    buf = fuzz.pointer(count * esize) if not outside else fuzz.pick([ffi.NULL, fuzz.buffers[0]])
+    bad = null or outside or (count > 0 and buf == ffi.NULL)
+    fuzz.call("smc_box_exchange", (box, offset, count, buf, 0.5, fuzz.pick([version, ffi.NULL])), must_fail=bad)
+    fuzz.call("smc_box_exchange_held", (box, offset, count, buf, 0.5), must_fail=True)  # the lock is not held
     timeout = fuzz.pick([0.0, 1e-3, -1.0, math.nan, math.inf])
     rc = fuzz.call("smc_box_lock", (box, timeout), must_fail=null or not (0 <= timeout < 1e9))
     fuzz.call("smc_box_unlock", (box,), must_fail=null or rc != 0)
@@ -239,6 +248,39 @@ def fuzz_box_ops(fuzz, box):
     target = fuzz.pick([0, 1, 1 << 40], HUGE)
     fuzz.call("smc_box_wait_version", (box, target, fuzz.pick([0.0, 1e-3, -1.0, math.nan]), version),
               must_fail=null)
+
+
+def fuzz_box_client(fuzz, rounds):
+    """The box client's calls (net/box_request.c) on descriptors that are no connection (none, closed, never
+    opened) and on one whose peer sends a reply no server sends: a receive returns SMC_WIRE_CLOSED or
+    SMC_WIRE_TIMEOUT, at once or by its (tiny) deadline; a send may also have nothing to send, or send."""
+    ends = []
+    for _ in range(rounds):
+        a, b = socket.socketpair()
+        b.sendall(struct.pack("<iIQQII", 1, 1 << 20, 0, 0, 0, 0))  # an error text longer than any server's
+        ends.append((a, b))
+    closed = socket.socket()
+    closed_fd = closed.detach()
+    os.close(closed_fd)
+    gone = (lib.SMC_WIRE_CLOSED, lib.SMC_WIRE_TIMEOUT)
+    for i in range(rounds):
+        fd = fuzz.pick([-1, closed_fd, 1 << 20, ends[i][0].fileno()])
+        timeout = fuzz.pick([0.0, 1e-3, -1.0, math.nan])
+        cap = fuzz.pick([0, 16, lib.SMC_WIRE_TEXT_BYTES])
+        nbytes = fuzz.pick([0, 16])
+        buf = fuzz.pointer(nbytes) if nbytes else ffi.NULL
+        if buf == ffi.NULL:
+            nbytes = 0
+        reply, text = fuzz.buffers[1], fuzz.buffers[2]
+        for name, args in (("smc_box_send", (fd, buf, nbytes, ffi.NULL, 0, timeout)),
+                           ("smc_box_receive", (fd, buf, nbytes, timeout, reply, text, cap)),
+                           ("smc_box_exchange_streamed", (fd, buf, nbytes, buf, nbytes, timeout, reply, text, cap))):
+            rc = fuzz.call(name, args, returns_code=False)
+            ok = rc in gone or (name == "smc_box_send" and rc == 0)  # sent, or nothing to send
+            assert ok, "%s%r returned %r" % (name, tuple(_shown(a) for a in args), rc)
+    for a, b in ends:
+        a.close()
+        b.close()
 
 
 def main():
@@ -252,6 +294,7 @@ def main():
         fuzz_collectives(fuzz, comm, rounds)
         fuzz_kernels(fuzz, rounds)
         fuzz_boxes(fuzz, comm, rounds)
+        fuzz_box_client(fuzz, min(rounds, 50))
     finally:
         lib.smc_comm_destroy(comm)
     print("fuzz ok %d calls" % fuzz.calls, flush=True)

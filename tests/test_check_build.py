@@ -5,12 +5,13 @@ subprocess whose prelude hides or fakes a module, so the test process's own impo
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from at_once import run_at_once
 
 REPO = Path(__file__).resolve().parents[1]
 REPORT = "from shmcomm.runner.check_build import print_build_report\nprint_build_report()\n"
@@ -74,17 +75,8 @@ def reports(tmp_path_factory):
     commands = {case: ([sys.executable, "-c", textwrap.dedent(prelude) + REPORT], _env())
                 for case, prelude in PRELUDES.items()}
     commands["fake jax"] = ([sys.executable, "-m", "shmcomm.runner", "--check-build"], _env([fake]))
-    running = {case: subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True) for case, (command, env) in commands.items()}
-    done = {}
-    for case, proc in running.items():
-        try:
-            out, err = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        done[case] = subprocess.CompletedProcess(commands[case][0], proc.returncode, out, err)
-    return done
+    done = run_at_once([(argv, {"cwd": REPO, "env": env}) for argv, env in commands.values()], timeout=240)
+    return dict(zip(commands, done))
 
 
 def _report(reports, case):

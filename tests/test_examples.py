@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from at_once import run_at_once
 from report_gathered_weights import assert_same_on_every_rank
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,22 +17,6 @@ REPORT = os.path.join(ROOT, "tests", "report_gathered_weights.py")
 def _launch(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "shmcomm.runner"] + list(args), cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
-
-
-def _launch_at_once(*jobs, timeout=300):
-    """_launch for each argument list in `jobs`, all running at once (their imports of torch are seconds of CPU with
-    waits for the disk between, which the other job fills)."""
-    running = [subprocess.Popen([sys.executable, "-m", "shmcomm.runner"] + list(args), cwd=ROOT, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args in jobs]
-    done = []
-    for proc in running:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return done
 
 
 def test_train_synthetic_two_ranks():
@@ -54,7 +39,8 @@ def test_torch_digits_two_ranks_match_one():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
     args = [sys.executable, REPORT, "examples/torch_digits.py", "--epochs", "8"]
-    one_run, two_run = _launch_at_once(["-np", "1", *args], ["-np", "2", *args])
+    one_run, two_run = run_at_once([([sys.executable, "-m", "shmcomm.runner", "-np", n, *args], {"cwd": ROOT})
+                                    for n in ("1", "2")], timeout=300)
     one, two = _accuracy(one_run), _accuracy(two_run)
     assert_same_on_every_rank(two_run.stdout, 2)
     # Not the same computation: two ranks take half as many steps of a twice larger global batch at twice the

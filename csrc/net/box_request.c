@@ -126,7 +126,8 @@ static void start(exchange_t* x, int fd, const void* head, size_t head_len, cons
                   double timeout_s) {
   memset(x, 0, sizeof(*x));
   x->fd = fd;
-  x->deadline = smc_now() + timeout_s;
+  /* NaN and negative: no wait at all; past a thousand years (infinity among them): that long, not for ever. */
+  x->deadline = smc_now() + (timeout_s >= 0 ? (timeout_s < 3e10 ? timeout_s : 3e10) : 0.0);
   x->parts[0] = (const uint8_t*)head;
   x->lens[0] = head_len;
   x->parts[1] = (const uint8_t*)out;

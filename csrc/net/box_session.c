@@ -4,8 +4,6 @@
 #define _GNU_SOURCE
 #include "net/box_session.h"
 
-#include <errno.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -180,40 +178,6 @@ static smc_result_t apply(session_t* c, const smc_wire_request_t* q, const char*
   return SMC_SUCCESS;
 }
 
-/* n bytes, waiting at most timeout_s for each arrival; 0 when the connection ended or the client fell silent. */
-static int recv_within(int fd, void* buf, size_t n, double timeout_s) {
-  uint8_t* p = (uint8_t*)buf;
-  while (n > 0) {
-    struct pollfd w = {fd, POLLIN, 0};
-    int ready = poll(&w, 1, (int)(timeout_s * 1e3) + 1);
-    if (ready == 0) return 0;
-    if (ready < 0) {
-      if (errno == EINTR) continue;
-      return 0;
-    }
-    ssize_t got = recv(fd, p, n, MSG_DONTWAIT);
-    if (got == 0) return 0;
-    if (got < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
-      return 0;  /* reset by a client that left with a reply unread, among others */
-    }
-    p += got;
-    n -= (size_t)got;
-  }
-  return 1;
-}
-
-/* Reads and drops n bytes, as recv_within waits. */
-static int drain_within(int fd, uint64_t n, double timeout_s) {
-  uint8_t scratch[65536];
-  while (n > 0) {
-    size_t step = n < sizeof(scratch) ? (size_t)n : sizeof(scratch);
-    if (!recv_within(fd, scratch, step, timeout_s)) return 0;
-    n -= step;
-  }
-  return 1;
-}
-
 /* An exchange with SMC_FLAG_STREAM (net/wire.h). Under one hold of the box lock each part of x is applied as it
  * arrives and its d goes back at once, so that x and d cross the network together instead of one after the other
  * (and the apply hides behind the transfer). The version moves once, after the last part, as for any exchange.
@@ -232,14 +196,14 @@ static int serve_streamed(session_t* c, const smc_wire_request_t* q, const char*
                                                    : smc_set_error(SMC_ERR_NOMEM, "box server: out of memory");
   size_t received = 0;
   if (rc == SMC_SUCCESS) {
-    if (first && !recv_within(c->fd, c->payload, first * esize, c->comm->timeout_s)) return 0;
+    if (first && !smc_wire_recv_within(c->fd, c->payload, first * esize, c->comm->timeout_s)) return 0;
     received = first;
     rc = smc_box_lock(c->box, c->comm->timeout_s);
   }
   if (rc != SMC_SUCCESS) {  /* nothing applied: a plain refusal, once x is drained */
     char text[SMC_WIRE_TEXT_BYTES];
     snprintf(text, sizeof(text), "%s", smc_last_error());
-    return drain_within(c->fd, (uint64_t)(total - received) * esize, c->comm->timeout_s) &&
+    return smc_wire_drain(c->fd, (uint64_t)(total - received) * esize, c->comm->timeout_s) &&
            smc_wire_send_error(c->fd, rc, text);
   }
   c->held++;
@@ -249,7 +213,8 @@ static int serve_streamed(session_t* c, const smc_wire_request_t* q, const char*
   char text[SMC_WIRE_TEXT_BYTES];
   for (size_t at = 0;; at += part) {
     const size_t n = total - at < part ? total - at : part;
-    if (n && at > 0 && !recv_within(c->fd, c->payload, n * esize, c->comm->timeout_s)) return 0;  /* release_held */
+    if (n && at > 0 && !smc_wire_recv_within(c->fd, c->payload, n * esize, c->comm->timeout_s))
+      return 0;  /* release_held (end_session) gives the lock back */
     if (rc == SMC_SUCCESS && n) rc = smc_box_exchange_held(c->box, (size_t)q->offset + at, n, c->payload, q->alpha);
     if (rc != SMC_SUCCESS) memset(c->payload, 0, n * esize);  /* not applied: d = 0 leaves that part of x as it was */
     struct iovec iov[4];
@@ -304,7 +269,7 @@ static int serve_one(session_t* c) {
     refused = smc_last_error();
   }
   if (refused != NULL) {
-    if (!smc_wire_drain(c->fd, in_bytes)) return 0;
+    if (!smc_wire_drain(c->fd, in_bytes, c->comm->timeout_s)) return 0;
     return smc_wire_send_error(c->fd, rc, refused) && q.op != SMC_OP_CLOSE && q.op != SMC_OP_DESTROY;
   }
   if (in_bytes && !smc_wire_recv(c->fd, c->payload, (size_t)in_bytes)) return 0;  /* nothing half-read is applied */

@@ -4,6 +4,7 @@
 #include "net/wire.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -108,11 +109,33 @@ int smc_wire_send_error(int fd, smc_result_t rc, const char* text) {
   return smc_wire_send(fd, head, sizeof(head), message, (size_t)n);
 }
 
-int smc_wire_drain(int fd, uint64_t n) {
+int smc_wire_recv_within(int fd, void* buf, size_t n, double timeout_s) {
+  uint8_t* p = (uint8_t*)buf;
+  while (n > 0) {
+    struct pollfd w = {fd, POLLIN, 0};
+    int ready = poll(&w, 1, (int)(timeout_s * 1e3) + 1);
+    if (ready == 0) return 0;
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      return 0;
+    }
+    ssize_t got = recv(fd, p, n, MSG_DONTWAIT);
+    if (got == 0) return 0;
+    if (got < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+      return 0;  /* reset by a client that left with a reply unread, among others */
+    }
+    p += got;
+    n -= (size_t)got;
+  }
+  return 1;
+}
+
+int smc_wire_drain(int fd, uint64_t n, double timeout_s) {
   uint8_t scratch[65536];
   while (n > 0) {
     size_t step = n < sizeof(scratch) ? (size_t)n : sizeof(scratch);
-    if (!smc_wire_recv(fd, scratch, step)) return 0;
+    if (!smc_wire_recv_within(fd, scratch, step, timeout_s)) return 0;
     n -= step;
   }
   return 1;

@@ -36,8 +36,12 @@ typedef struct {
 
 /* 1 when all n bytes came, 0 when the connection ended first. */
 int smc_wire_recv(int fd, void* buf, size_t n);
-/* Reads and drops n bytes (a refused request's elements, so that the next request is read whole). */
-int smc_wire_drain(int fd, uint64_t n);
+/* The same, waiting at most timeout_s for each arrival: 0 also when the sender fell silent that long, or the
+ * connection failed (a reset included). */
+int smc_wire_recv_within(int fd, void* buf, size_t n, double timeout_s);
+/* Reads and drops n bytes (a refused request's elements, so that the next request is read whole), as
+ * smc_wire_recv_within waits. */
+int smc_wire_drain(int fd, uint64_t n, double timeout_s);
 /* One message, header and body, in as few sendmsg calls as the socket takes; 0 when the connection ended. */
 int smc_wire_send(int fd, const void* head, size_t head_len, const void* body, size_t body_len);
 /* The same for n buffers (empty ones allowed); iov is consumed. */
