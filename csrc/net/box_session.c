@@ -248,7 +248,8 @@ static int serve_one(session_t* c) {
   smc_wire_request_t q;
   smc_wire_parse_request(head, &q);
   char name[65536];
-  if (q.name_len && !smc_wire_recv(c->fd, name, q.name_len)) return 0;
+  /* Between requests a client may stay silent for as long as it likes; inside one, at most the job's timeout. */
+  if (q.name_len && !smc_wire_recv_within(c->fd, name, q.name_len, c->comm->timeout_s)) return 0;
   name[q.name_len] = '\0';
   int carries = q.op == SMC_OP_WRITE || q.op == SMC_OP_ACCUMULATE || q.op == SMC_OP_EXCHANGE;
   uint64_t in_bytes = carries ? q.count * (uint64_t)c->esize : 0;
@@ -272,7 +273,8 @@ static int serve_one(session_t* c) {
     if (!smc_wire_drain(c->fd, in_bytes, c->comm->timeout_s)) return 0;
     return smc_wire_send_error(c->fd, rc, refused) && q.op != SMC_OP_CLOSE && q.op != SMC_OP_DESTROY;
   }
-  if (in_bytes && !smc_wire_recv(c->fd, c->payload, (size_t)in_bytes)) return 0;  /* nothing half-read is applied */
+  if (in_bytes && !smc_wire_recv_within(c->fd, c->payload, (size_t)in_bytes, c->comm->timeout_s))
+    return 0;  /* nothing half-read is applied */
 
   smc_wire_reply_t r = {0, 0, 0, 0, 0};
   size_t out_bytes = 0;

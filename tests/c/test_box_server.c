@@ -200,6 +200,16 @@ static void streamed_exchanges(int port) {
   EXPECT(call(holder, VERSION, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.version == 4, "bumped: %llu",
          (unsigned long long)r.version);
   EXPECT(call(holder, UNLOCK, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "unlock: %s", r.text);
+  /* A plain request left half sent: its connection ends after the job's timeout. */
+  s = connect_to(port);
+  EXPECT(call(s, ATTACH, 0, "big", 0, 0, 0, 0, 0, 1.0, NULL, 0, NULL, 0, &r) && r.status == 0, "attach: %s", r.text);
+  pack_request(head, WRITE, 0, 0, 8, 0);
+  EXPECT(send(s, head, 48, MSG_NOSIGNAL) == 48 && send(s, x, 16, MSG_NOSIGNAL) == 16, "half a write");
+  t0 = smc_now();
+  EXPECT(closed_by_peer(s), "a half-sent request's connection ends");
+  waited = smc_now() - t0;
+  EXPECT(waited > 0.7 && waited < 4.0, "after the job's timeout (1 s): %.1f s", waited);
+  close(s);
   EXPECT(call(holder, DESTROY, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r) && r.status == 0, "destroy: %s", r.text);
   close(holder);
   free(c);
