@@ -4,6 +4,7 @@ what every exchange conserves however stale its read), ElasticAveragingOptimizer
 identical), bad inputs, and digits reaching 95% asynchronously and in the hybrid mode on one host and on 2x2
 simulated hosts."""
 import os
+import re
 import subprocess
 import sys
 
@@ -161,6 +162,24 @@ def test_digits_reach_95_percent_on_one_host(mode):
     pytest.importorskip("sklearn")
     line = _time_to_target(_launch(ONE_HOST, sys.executable, "examples/torch_elastic.py", "--mode", mode))
     assert ("mode %s, ranks 2, hosts 1" % mode) in line
+
+
+@pytest.mark.slow
+def test_step_rates_in_phases_with_and_without_the_slow_rank():
+    """--duration: the job trains for that long, the slow rank sleeps in every other phase only, and every rank
+    reports its rate in both kinds of phase (what benchmarks.elastic compares). A rank that sleeps twice its step
+    in one kind of phase steps less often there: that checks the phases alternate, with a margin of 3x."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    run = _launch(ONE_HOST, sys.executable, "examples/torch_elastic.py", "--mode", "async", "--slow-rank", "1",
+                  "--slow-factor", "3", "--duration", "3", "--phase-seconds", "1")
+    assert run.returncode == 0, run.stdout + run.stderr
+    rates = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in re.finditer(
+        r"rank (\d+) phases: ([0-9.]+) steps/s unslowed, ([0-9.]+) steps/s with rank 1 slowed", run.stdout)}
+    assert sorted(rates) == [0, 1], run.stdout
+    assert all(plain > 0 and slowed > 0 for plain, slowed in rates.values()), rates
+    assert rates[1][1] < rates[1][0], rates
+    assert "time to 95%: not measured (step rates over 3 s)" in run.stdout, run.stdout
 
 
 @pytest.fixture(scope="module")

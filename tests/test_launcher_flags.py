@@ -233,6 +233,10 @@ def test_multi_host_flags_reach_mpiexec_and_ssh(tmp_path):
     env = mpi_launch.job_environment("t" * 32, {}, {}, 2, 4, tcp_only=True)
     assert env["UCX_TLS"] == "tcp,self,sm" and env["FI_PROVIDER"] == "tcp" and env["NCCL_IB_DISABLE"] == "1"
     assert "UCX_TLS" not in mpi_launch.job_environment("t" * 32, {}, {"UCX_TLS": "rc"}, 2, 4, tcp_only=True)
+    # Each host's cores (taken to be this one's) shared out among its ranks, unless the caller set it
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert mpi_launch.job_environment("t" * 32, {}, {}, 3, 4)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in mpi_launch.job_environment("t" * 32, {}, {"OMP_NUM_THREADS": "3"}, 2, 4)
     hydra = mpi_launch.launcher_environment({}, 2222, str(tmp_path / "id key"))
     assert shlex.split(hydra["HYDRA_LAUNCHER_EXTRA_ARGS"]) == ["-p", "2222", "-i", str(tmp_path / "id key")]
 

@@ -274,9 +274,21 @@ class SimulatedHosts:
             args += ["-genv", name, str(value)]
         return args
 
+    def threads_per_rank(self, ranks_per_host):
+        """The cores each rank may use: its host's own CPUs shared among its ranks, or, where the hosts share this
+        machine's CPUs, those shared among every rank of every host."""
+        if all(self.cpus):
+            return max(1, min(len(cpus.split(",")) for cpus in self.cpus) // ranks_per_host)
+        return max(1, len(os.sched_getaffinity(0)) // (ranks_per_host * self.n_hosts))
+
     def shmcommrun_args(self, ranks_per_host, extra_env=None):
-        """shmcommrun's arguments for the same placement; append the command to run."""
-        env = dict(MPI_ENVIRONMENT, **(extra_env or {}))
+        """shmcommrun's arguments for the same placement; append the command to run.
+
+        OMP_NUM_THREADS is threads_per_rank unless extra_env says otherwise. shmcommrun gives the ranks of a
+        multi-host job this host's cores over the ranks per host (it cannot see a remote host's cores), which here
+        would give every simulated host all of this machine's cores: one rank per host on 2 shared cores then ran
+        torch with 2 threads each, whose spinning barriers made a training step 15x slower."""
+        env = dict(MPI_ENVIRONMENT, OMP_NUM_THREADS=self.threads_per_rank(ranks_per_host), **(extra_env or {}))
         mpi_args = ["-localhost", self.bridge_address]
         for name, value in env.items():
             mpi_args += ["-genv", name, str(value)]
