@@ -123,6 +123,10 @@ def main():
     # hosts kept in step by NTP to milliseconds, against phases of seconds).
     origin = hvd.broadcast_object(time.time(), 0, name="example.origin") if args.duration else 0.0
     phase_steps = {}
+
+    def phase_now():  # odd phases are the slowed ones; without --duration every step is
+        return int((time.time() - origin) / args.phase_seconds) if args.duration else 1
+
     started = time.perf_counter()
     for epoch in range(args.epochs if not args.duration else 1 << 30):
         perm = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(1000 * rank + epoch))
@@ -132,10 +136,10 @@ def main():
             optimizer.zero_grad()
             F.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
             optimizer.step()
-            phase = int((time.time() - origin) / args.phase_seconds) if args.duration else 1
+            phase = phase_now()
             if rank == args.slow_rank and args.slow_factor > 1 and phase % 2:
                 time.sleep((args.slow_factor - 1) * (time.perf_counter() - t0))
-                phase = int((time.time() - origin) / args.phase_seconds) if args.duration else 1
+                phase = phase_now()
             busy_s += time.perf_counter() - t0
             steps += 1
             phase_steps[phase] = phase_steps.get(phase, 0) + 1
@@ -156,7 +160,7 @@ def main():
     wall_s = time.perf_counter() - started
     if args.duration:
         # Whole phases only: not the first (warming up), nor the one this rank stopped in.
-        last = int((time.time() - origin) / args.phase_seconds)
+        last = phase_now()
         plain = [phase_steps.get(k, 0) for k in range(2, last, 2)]
         slowed = [phase_steps.get(k, 0) for k in range(1, last, 2)]
         phased = hvd.allgather_object((rank, sum(plain) / (max(1, len(plain)) * args.phase_seconds),
