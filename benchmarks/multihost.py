@@ -18,6 +18,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG = "MULTIHOST "
+BREAKDOWN = "MULTIHOST-BREAKDOWN "
 BEST_MPI_SETTINGS = {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1", "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "16"}
 # With --shared-cpus the ranks of all simulated hosts share the cores, which a rank cannot tell from its local size
 # and CPU set: shmcomm's waits must yield the core at once, as they do on an oversubscribed host. (A host with its own
@@ -26,7 +27,7 @@ SHARED_CORES = {"SHMCOMM_SPIN_US": "2"}
 SMALL_SIZE, SMALL_ITERS = 1 << 20, 200  # below SMALL_SIZE bytes, at least SMALL_ITERS iterations
 
 
-def worker(sizes, iters, warmup):
+def worker(sizes, iters, warmup, breakdown=False):
     """Every rank: time each algorithm on each size; rank 0 prints one JSON line per (algorithm, size)."""
     import numpy as np
     from mpi4py import MPI
@@ -65,7 +66,80 @@ def worker(sizes, iters, warmup):
             if mpi.rank == 0:
                 print(TAG + json.dumps({"algorithm": name, "bytes": size, "median_s": float(np.median(slowest))}),
                       flush=True)
+    if breakdown:
+        _breakdown(world, mpi, [s for s in sizes if s <= world.torus.small_bytes], max(iters, SMALL_ITERS))
     shmcomm.shutdown()
+
+
+PHASES = ("row step", "across hosts", "row broadcast")  # one after the other; "exchanges" is part of "across hosts"
+
+
+def _breakdown(world, mpi, sizes, count):
+    """Where the torus's small path spends a call, on every rank (--breakdown): its row step, the first column's
+    allreduce across hosts (the agreement's exchange carrying the data), the row broadcast of the result, and the rest
+    (Python between them, the output's copy). Beside it, a bare MPI_Sendrecv of the same message between the same
+    ranks: what the exchange costs MPI itself. Each phase is timed by a clock around the transport's call, per call,
+    medians over calls, printed by each rank."""
+    import numpy as np
+
+    import shmcomm
+    from shmcomm.algorithms.agreement import HEADER_BYTES
+
+    torus, clocks = world.torus, {}
+
+    def clocked(owner, method, phase):
+        call = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                clocks[phase] = clocks.get(phase, 0.0) + time.perf_counter() - started
+        setattr(owner, method, timed)  # on this instance only, for the rest of the job
+    clocked(torus.row, "allreduce", PHASES[0])
+    clocked(torus.column, "allreduce", PHASES[1])
+    clocked(torus.row, "broadcast", PHASES[2])
+    if leader_of_row := torus.row.rank == 0:
+        clocked(torus.column.transport, "exchange", "exchanges")
+    world.algorithm = "torus"
+    leader = leader_of_row
+    for size in sizes:
+        x = np.ones(max(1, size // 4), dtype=np.float32)
+        message, echo = np.zeros(HEADER_BYTES + x.nbytes, np.uint8), np.zeros(HEADER_BYTES + x.nbytes, np.uint8)
+        column = torus.column.transport.comm if leader else None
+        partner = column.rank ^ 1 if leader and (column.rank ^ 1) < column.size else None
+        rows = {name: [] for name in ("call",) + PHASES + ("exchanges", "MPI_Sendrecv")}
+        for _ in range(count):
+            mpi.Barrier()
+            clocks.clear()
+            started = time.perf_counter()
+            shmcomm.allreduce_(x, op=shmcomm.Sum)
+            rows["call"].append(time.perf_counter() - started)
+            for phase in PHASES + ("exchanges",):
+                rows[phase].append(clocks.get(phase, 0.0))
+            mpi.Barrier()
+            started = time.perf_counter()
+            if partner is not None:
+                column.Sendrecv(message, partner, 0x5AD, echo, partner, 0x5AD)
+            rows["MPI_Sendrecv"].append(time.perf_counter() - started)
+        medians = {name: float(np.median(values)) for name, values in rows.items()}
+        every = mpi.gather(dict(medians, rank=mpi.rank, leader=leader, bytes=size), root=0)
+        for row in every or []:
+            print(BREAKDOWN + json.dumps(row), flush=True)
+
+
+def _print_breakdown(rows):
+    print("where the torus's small path spends a call, medians in us (a clock around each phase, per call):")
+    print("%8s %5s %7s %9s %9s %13s %10s %14s %8s %13s" % ("bytes", "rank", "leader", "call", "row step",
+                                                           "across hosts", "(exchange)", "row broadcast", "rest",
+                                                           "MPI_Sendrecv"))
+    for r in rows:
+        rest = r["call"] - sum(r[p] for p in PHASES)
+        print("%8d %5d %7s %9.1f %9.1f %13.1f %10.1f %14.1f %8.1f %13s" % (
+            r["bytes"], r["rank"], "yes" if r["leader"] else "no", r["call"] * 1e6, r["row step"] * 1e6,
+            r["across hosts"] * 1e6, r["exchanges"] * 1e6, r["row broadcast"] * 1e6, rest * 1e6,
+            "%.1f" % (r["MPI_Sendrecv"] * 1e6) if r["leader"] else "-"))
 
 
 def _samples(results, hosts, local, small_bytes):
@@ -119,13 +193,15 @@ def main():
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--json", help="save the measurements here")
     parser.add_argument("--fit-from", help="calibrate the model on this earlier --json file, predict this run")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the phases of the torus's small path on every rank (sizes it takes)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from benchmarks.collectives import parse_size
 
     sizes = [parse_size(s) for s in args.bytes.split(",")]
     if args.worker:
-        worker(sizes, args.iters, args.warmup)
+        worker(sizes, args.iters, args.warmup, args.breakdown)
         return
     from shmcomm.testing.simhosts import SimulatedHosts
 
@@ -135,7 +211,7 @@ def main():
         cpus = "shared" if args.shared_cpus else " ".join("%s:%s" % hc for hc in zip(sim.hosts, sim.cpus))
         cmd = [sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(args.ranks_per_host, extra_env=env),
                sys.executable, "-m", "benchmarks.multihost", "--worker", "--bytes", args.bytes, "--iters",
-               str(args.iters), "--warmup", str(args.warmup)]
+               str(args.iters), "--warmup", str(args.warmup)] + (["--breakdown"] if args.breakdown else [])
         run_env = {k: v for k, v in os.environ.items() if not k.startswith(("SHMCOMM_", "HOROVOD_"))}
         run_env["PYTHONPATH"] = ROOT
         run = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=args.timeout)
@@ -143,6 +219,7 @@ def main():
         sys.stderr.write(run.stdout + run.stderr)
         raise SystemExit("the job failed")
     results = [json.loads(line.split(TAG, 1)[1]) for line in run.stdout.splitlines() if TAG in line]
+    phases = [json.loads(line.split(BREAKDOWN, 1)[1]) for line in run.stdout.splitlines() if BREAKDOWN in line]
     from shmcomm.env import torus_small_bytes
 
     small_bytes = torus_small_bytes(env)
@@ -156,6 +233,8 @@ def main():
         t, r, a, m = (by[(name, size)] for name in ("torus", "ring", "auto", "mpi library"))
         print("%12d %12.3f %12.3f %12.3f %12.3f %10.2f %10.2f %10.2f" % (size, t * 1e3, r * 1e3, a * 1e3, m * 1e3,
                                                                      m / t, r / t, m / a))
+    if phases:
+        _print_breakdown(phases)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"hosts": args.hosts, "local": args.ranks_per_host, "rate": args.rate, "results": results,
@@ -164,7 +243,11 @@ def main():
     if args.fit_from:
         with open(args.fit_from) as f:
             fit_from = json.load(f)
-    fit, rows = calibrated(results, args.hosts, args.ranks_per_host, small_bytes, fit_from)
+    try:
+        fit, rows = calibrated(results, args.hosts, args.ranks_per_host, small_bytes, fit_from)
+    except ValueError as error:  # too few sizes to fit both links' latency and bandwidth: the table stands alone
+        print("cost model not calibrated: %s" % error)
+        return
     print("cost model calibrated on %s: intra %.2f us + %.2f GB/s, inter %.2f us + %.2f GB/s, gamma %.3f ns/B"
           % (args.fit_from or "these runs", fit.intra.latency * 1e6, fit.intra.bandwidth / 1e9,
              fit.inter.latency * 1e6, fit.inter.bandwidth / 1e9,

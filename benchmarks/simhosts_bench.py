@@ -21,6 +21,7 @@ import sys
 import time
 
 RESULT_TAG = "SIMHOSTS_RESULT "
+SHARED_CORES = {"SHMCOMM_SPIN_US": "2"}  # see run_driver
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -110,7 +111,12 @@ def print_report(results, wall_s, cpu_s, link_bytes, rate):
 def run_driver(args):
     from shmcomm.testing.simhosts import SimulatedHosts, SimulatedHostsUnavailable
 
-    extra_env = dict(item.split("=", 1) for item in args.mpi_env)
+    # As in benchmarks.multihost: by default each simulated host runs on its own share of the CPUs, as separate
+    # machines would. With --shared-cpus every host's ranks share all of them, which no rank can tell from its local
+    # size and CPU set: shmcomm's waits must then yield the core at once (they would spin for a millisecond on a host
+    # that seems to have a core per rank, holding the core another host's rank needs).
+    extra_env = dict(SHARED_CORES if args.shared_cpus else {})
+    extra_env.update(item.split("=", 1) for item in args.mpi_env)
     mpiexec = find_mpiexec()
     if mpiexec is None:
         print("no mpiexec beside %s or on PATH (pip install mpich)" % sys.executable, file=sys.stderr)
@@ -118,7 +124,7 @@ def run_driver(args):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
     try:
-        with SimulatedHosts(args.hosts, rate=args.rate) as sim:
+        with SimulatedHosts(args.hosts, rate=args.rate, own_cpus=not args.shared_cpus) as sim:
             command = [mpiexec] + sim.mpiexec_args(args.ranks_per_host, extra_env) + job_command(args)
             print("$ " + shlex.join(command), flush=True)
             before = sim.link_bytes()
@@ -154,6 +160,8 @@ def main(argv=None):
     parser.add_argument("--hosts", type=int, default=2, help="simulated hosts (default 2)")
     parser.add_argument("--ranks-per-host", type=int, default=2, help="ranks on each host (default 2)")
     parser.add_argument("--rate", help="cap each host's link in both directions, tc syntax: 1gbit, 100mbit")
+    parser.add_argument("--shared-cpus", action="store_true",
+                        help="let every simulated host run on every CPU (by default each has its own)")
     parser.add_argument("--bytes", default="64M,4K", help="comma-separated sizes, K/M/G = powers of 1024")
     parser.add_argument("--iters", type=int, default=10, help="timed calls per size (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")

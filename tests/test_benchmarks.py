@@ -152,6 +152,31 @@ def test_streamed_and_plain_exchanges_across_simulated_hosts():
     assert all(float(row[3]) > 0 and float(row[6]) > 0 for row in rows), proc.stdout
 
 
+def test_multihost_breakdown_times_every_phase_on_every_rank():
+    """benchmarks.multihost --breakdown: each rank's row of the torus's small path, the first rank of each host
+    (the leader) with its cross-host phase and a bare MPI_Sendrecv beside it, the others with the row broadcast they
+    wait in. Only that the phases were seen is checked, never how long they took."""
+    from shmcomm.testing import simhosts
+    missing = simhosts.missing_prerequisite()
+    if missing is not None and os.environ.get("SHMCOMM_REQUIRE_SIMHOSTS") != "1":
+        pytest.skip(missing)
+    proc = run_module("benchmarks.multihost", ["--hosts", "2", "--ranks-per-host", "2", "--bytes", "4K", "--iters", "1",
+                                               "--warmup", "1", "--breakdown"], 300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("where the torus's small path"))
+    rows = [line.split() for line in lines[at + 2:at + 6]]
+    assert [(int(r[0]), int(r[1]), r[2]) for r in rows] == [(4096, 0, "yes"), (4096, 1, "no"), (4096, 2, "yes"),
+                                                             (4096, 3, "no")], proc.stdout
+    for r in rows:
+        call, row_step, across, exchange, broadcast = (float(v) for v in r[3:8])
+        assert call > 0 and row_step > 0, proc.stdout
+        if r[2] == "yes":
+            assert across >= exchange > 0 and float(r[9]) > 0, proc.stdout
+        else:
+            assert across == exchange == 0 and broadcast > 0 and r[9] == "-", proc.stdout
+
+
 @pytest.mark.parametrize("text, value", [("8", 8), ("64K", 64 << 10), ("256M", 256 << 20), ("1G", 1 << 30),
                                          ("4k", 4096), ("2MB", 2 << 20)])
 def test_parse_size(text, value):
