@@ -93,6 +93,7 @@ class Agreement:
         self._send_words = self._send[:HEADER_BYTES].view(np.uint64)
         self._recv_words = self._recv[:HEADER_BYTES].view(np.uint64)
         self._send_ptr, self._recv_ptr = ffi.from_buffer(self._send), ffi.from_buffer(self._recv)
+        self._send_data, self._recv_data = self._send_ptr + HEADER_BYTES, self._recv_ptr + HEADER_BYTES
         self._pair = ffi.new("void *[2]")
 
     def message(self, nbytes):
@@ -116,7 +117,7 @@ class Agreement:
         place."""
         verdict = self._run(sig, status, culprit, nbytes, code, op)
         if verdict[0] == OK and nbytes:
-            kernels.scale(self._send_ptr + HEADER_BYTES, nbytes // kernels.itemsize(code), code, postscale, divisor)
+            kernels.scale(self._send_data, nbytes // kernels.itemsize(code), code, postscale, divisor)
         return verdict
 
     def _run(self, sig, status, culprit, nbytes, code, op):
@@ -153,23 +154,27 @@ class Agreement:
                                 deadline, _TAG, lambda: self._late(peer))
 
     def _merge(self, nbytes, code, op, peer):
-        mine, theirs = self._send_words, self._recv_words
-        both_ok = mine[1] == OK and theirs[1] == OK and mine[0] == theirs[0]
-        _, mine[1], mine[2] = combine(int(mine[0]), int(mine[1]), int(mine[2]), int(theirs[0]), int(theirs[1]),
-                                      int(theirs[2]))
-        if both_ok and mine[3] != theirs[3]:  # same arguments, different paths: settings that differ per host
-            both_ok, mine[1] = False, MISMATCH
+        # The headers as Python ints: comparing numpy scalars one by one costs more than the small data's reduction.
+        sig, status, culprit, path = self._send_words.tolist()
+        other_sig, other_status, other_culprit, other_path = self._recv_words.tolist()
+        both_ok = status == OK and other_status == OK and sig == other_sig
+        if not both_ok or path != other_path or culprit or other_culprit:  # else the header stays as it is
+            _, status, culprit = combine(sig, status, culprit, other_sig, other_status, other_culprit)
+            if both_ok and path != other_path:  # same arguments, different paths: settings that differ per host
+                both_ok, status = False, MISMATCH
+            self._send_words[1:3] = status, culprit
         if both_ok and nbytes:
             # The lower rank's data first, on both sides, so both compute the very same bits.
-            first, second = (self._send_ptr, self._recv_ptr) if self.rank < peer else (self._recv_ptr, self._send_ptr)
-            kernels.reduce_pair(self._send_ptr + HEADER_BYTES, first + HEADER_BYTES, second + HEADER_BYTES,
-                                nbytes // kernels.itemsize(code), code, op, self.what, self._pair)
+            first, second = (self._send_data, self._recv_data) if self.rank < peer else (self._recv_data,
+                                                                                         self._send_data)
+            kernels.reduce_pair(self._send_data, first, second, nbytes // kernels.itemsize(code), code, op, self.what,
+                                self._pair)
 
     def _adopt(self, nbytes):
         """A folded rank takes its partner's final header, and the data with it."""
         self._send_words[:] = self._recv_words
         if self._recv_words[1] == OK and nbytes:
-            ffi.memmove(self._send_ptr + HEADER_BYTES, self._recv_ptr + HEADER_BYTES, nbytes)
+            ffi.memmove(self._send_data, self._recv_data, nbytes)
 
     def _late(self, peer):
         return TimeoutError("%s: timed out after %.0f s waiting for rank %d: it is stuck, or it called a different "

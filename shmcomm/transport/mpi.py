@@ -172,9 +172,10 @@ class Mpi(Transport):
         outgoing = self.comm.Isend([send, send_bytes, self._byte], peer, tag) if send is not None else None
         if incoming is not None:
             self._watchdog.wait(incoming, deadline, late)
-        if outgoing is not None:
+        if outgoing is not None and not outgoing.Test():
             # The peer posted its receive before it sent (or before it handed back a fold), so this completes as
-            # soon as the bytes are through. (Sends are not cancelled: not every MPI can.)
+            # soon as the bytes are through. (Sends are not cancelled: not every MPI can.) A small one has mostly
+            # gone by now: the Test above spares the poll's setup.
             poll([outgoing], deadline, late)
 
     def sendrecv(self, send, dest, recv, source, tag, what="ring allreduce"):
