@@ -9,6 +9,8 @@ of each size, timed over --iters calls after --warmup, each call's time being th
 your own gets `--bytes B1,B2,... --iters N --warmup W` and prints what it likes; lines it prints as
 `SIMHOSTS_RESULT {json}` with keys size, min_s, median_s and max_s join the table. --mpi-env NAME=VALUE passes
 MPICH/UCX/libfabric settings to every rank (e.g. MPIR_CVAR_CH4_NETMOD=ofi, MPIR_CVAR_CH4_PROGRESS_THROTTLE=1).
+Each simulated host runs on its own share of this machine's CPUs, as separate machines would; --shared-cpus
+lets every host's ranks run on all of them instead.
 Needs root; one job at a time, as the ranks share this machine's cores.
 """
 import argparse
