@@ -12,10 +12,11 @@ Collectives inside jit are XLA custom calls to a C handler (csrc/jax/handler.c) 
 collective on XLA's own buffers: no Python and no copy on the way. Across hosts (the 2D torus and MPI live in
 Python) the handler calls into Python from XLA's thread, which runs the collective through the same communicator as
 the numpy API, on views of XLA's buffers; so does it while the background engine runs, through the engine's queue.
-Measured across 2 simulated hosts x 2 ranks (benchmarks/RESULTS.md), a jitted allreduce costs the numpy API's time
-plus about 1 ms below 256 KiB and 30-40% more at 4-16 MiB. Every collective is an ordered effect: XLA keeps them in
-program order (shmcomm/jax/primitive.py says how); JAX dispatches such computations through its Python path, about
-170 us per jit call here, mpi4jax alike."""
+Measured across 2 simulated hosts x 2 ranks (benchmarks/RESULTS.md), with a core per host: a jitted 4 KiB allreduce
+took 2-3 ms against the numpy API's 0.4 ms (JAX's dispatch on a shared core, and waiting for the other ranks'): 0.7-1.2x
+mpi4jax's speed below 64 KiB, 1.3-2.4x from 1 MiB. Every collective is an ordered effect: XLA keeps
+them in program order (shmcomm/jax/primitive.py says how); JAX dispatches such computations through its Python path,
+170-600 us per jit call on the machines measured, mpi4jax alike."""
 try:
     import jax as _jax  # noqa: F401
     import optax as _optax  # noqa: F401
