@@ -86,6 +86,7 @@ def _breakdown(world, mpi, sizes, count):
     from shmcomm.algorithms.agreement import HEADER_BYTES
 
     torus, clocks = world.torus, {}
+    leader = torus.row.rank == 0  # the rank of its host that crosses
 
     def clocked(owner, method, phase):
         call = getattr(owner, method)
@@ -100,10 +101,9 @@ def _breakdown(world, mpi, sizes, count):
     clocked(torus.row, "allreduce", PHASES[0])
     clocked(torus.column, "allreduce", PHASES[1])
     clocked(torus.row, "broadcast", PHASES[2])
-    if leader_of_row := torus.row.rank == 0:
+    if leader:
         clocked(torus.column.transport, "exchange", "exchanges")
     world.algorithm = "torus"
-    leader = leader_of_row
     for size in sizes:
         x = np.ones(max(1, size // 4), dtype=np.float32)
         message, echo = np.zeros(HEADER_BYTES + x.nbytes, np.uint8), np.zeros(HEADER_BYTES + x.nbytes, np.uint8)
