@@ -19,8 +19,9 @@ def _cdef_text():
         return "".join(line for line in f if not line.lstrip().startswith("#"))
 
 
-# Not the core: shmcomm.jax's XLA handler (built apart) and the CPython functions compiled into this module only.
-APART = ("jax", "py")
+# Not the core: shmcomm.jax's XLA handler and the cross-host rounds over MPI (each built apart, on first use) and the
+# CPython functions compiled into this module only.
+APART = ("jax", "mpi", "py")
 
 
 def _sources():

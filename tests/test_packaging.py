@@ -85,14 +85,16 @@ def installed(wheel, tmp_path_factory):
 
 
 JAX_HANDLER = ["shmcomm/jax/csrc/handler.c", "shmcomm/jax/csrc/handler.h", "shmcomm/jax/csrc/shmcomm.h"]
+CROSSING = ["shmcomm/transport/csrc/crossing.c", "shmcomm/transport/csrc/crossing.h"]
 
 
 def test_wheel_carries_the_compiled_core_and_no_sources(wheel):
-    """No sources but the XLA handler's, which shmcomm.jax compiles on first use (against the jaxlib found then)."""
+    """No sources but those compiled on first use: the XLA handler's (against the jaxlib found then) and the cross-host
+    rounds' (with the mpicc found then)."""
     names = zipfile.ZipFile(wheel).namelist()
     assert [n for n in names if n.startswith("shmcomm/_C") and n.endswith(".so")], names
     sources = [n for n in names if n.startswith("csrc/") or n.endswith((".c", ".h"))]
-    assert sorted(sources) == JAX_HANDLER, names
+    assert sorted(sources) == sorted(JAX_HANDLER + CROSSING), names
     packages = sorted(str(p.relative_to(REPO)) for p in (REPO / "shmcomm").rglob("__init__.py"))
     assert [p for p in packages if p not in names] == []
     assert any(n.endswith("entry_points.txt") for n in names)

@@ -15,9 +15,9 @@ the partner's data, so the check costs no extra message where latency matters. E
 import numpy as np
 
 from shmcomm import description
-from shmcomm._native import ffi
+from shmcomm._native import error_for, ffi
 from shmcomm.exceptions import PeerArgumentError, TimeoutError
-from shmcomm.transport import kernels
+from shmcomm.transport import crossing, kernels
 
 # Statuses, the worse the higher: REFUSED is a call that failed a rank's own checks (a bad argument there): every
 # rank is in step and hears why (refusal_error); FAILED is a failed step, after which nothing more is exchanged.
@@ -95,6 +95,9 @@ class Agreement:
         self._send_ptr, self._recv_ptr = ffi.from_buffer(self._send), ffi.from_buffer(self._recv)
         self._send_data, self._recv_data = self._send_ptr + HEADER_BYTES, self._recv_ptr + HEADER_BYTES
         self._pair = ffi.new("void *[2]")
+        # The same rounds in C over MPI where that module can be had (transport/crossing.py); None: these, in Python.
+        self._compiled = crossing.rounds_for(transport, self.fold_into, self.fold_from, self.partners,
+                                             self._send_ptr, self._recv_ptr, capacity)
 
     def message(self, nbytes):
         """The message buffer: HEADER_BYTES of header, then room for `nbytes` (at most `capacity`) of data, where
@@ -128,6 +131,8 @@ class Agreement:
         words[0], words[1], words[2], words[3] = sig, status, culprit, nbytes
         if self.size == 1:
             return status, culprit
+        if self._compiled is not None:
+            return self._run_compiled(nbytes, code, op)
         deadline = transport.deadline()
         try:
             if self.fold_into is not None:  # hand everything to the partner; its next message is the verdict
@@ -146,6 +151,21 @@ class Agreement:
             self.transport.broken = str(error) or type(error).__name__
             raise
         return int(words[1]), int(words[2])
+
+    def _run_compiled(self, nbytes, code, op):
+        count = nbytes // kernels.itemsize(code) if nbytes else 0
+        rc, peer = self._compiled.run(nbytes, count, code or 0, op or 0)
+        if rc == 0:
+            return int(self._send_words[1]), int(self._send_words[2])
+        if rc == -1:
+            error = self._late(peer)
+        elif rc <= crossing.REDUCE_FAILED:
+            error = error_for(crossing.REDUCE_FAILED - rc, self.what)
+        else:
+            from mpi4py import MPI
+            error = MPI.Exception(rc)
+        self.transport.broken = str(error) or type(error).__name__  # the rounds are out of step from here on
+        raise error
 
     def _exchange(self, peer, deadline, send, receive):
         words = self._send_words

@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The agreement's rounds across hosts in C (csrc/mpi/crossing.c), built on first use with the MPI wheel's mpicc.
+
+Why C: a small cross-host collective is one exchange of MPI's per round, and the Python and mpi4py layers around
+each exchange (posting it, waiting for it under a watchdog, merging the headers, reducing the data) cost about as
+much as the exchange itself (benchmarks/RESULTS.md, "Small collectives across hosts, taken apart"). The module
+calls MPI directly on the communicator mpi4py holds (mpi4py.MPI._addressof), and the core's smc_reduce by address.
+The core itself stays free of MPI; the module is built like shmcomm.jax's handler: once per machine into a cache
+directory (SHMCOMM_CROSSING_BUILD_DIR, default ~/.cache/shmcomm/crossing), keyed by its sources and the compiler.
+
+Where it cannot be built or loaded (no mpicc beside the interpreter or on PATH, no C compiler, a module built for
+another MPI than the one mpi4py loaded), or with SHMCOMM_MPI_CROSSING=0, the agreement runs its rounds in Python,
+with the same rules and the same deadline."""
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from shmcomm import build_cache
+
+log = logging.getLogger("shmcomm.transport")
+
+_MODULE = "_shmcomm_crossing"
+REDUCE_FAILED = -1000  # crossing.h: SMC_CROSSING_REDUCE_FAILED
+HAND_OVER, TAKE, SWAP, GIVE_BACK = 0, 1, 2, 3  # crossing.h: what a round does
+_loaded = None  # (ffi, lib), False when it cannot be had, None before the first try
+
+
+def _sources():
+    """The directory holding crossing.c and crossing.h: inside the installed package (setup.py copies them there) or
+    in the source tree of an editable install."""
+    here = Path(__file__).resolve().parent
+    for folder in (here / "csrc", here.parents[1] / "csrc" / "mpi"):
+        if (folder / "crossing.c").exists() and (folder / "crossing.h").exists():
+            return folder
+    raise ImportError("the C sources of the cross-host rounds are missing from the installation (%s)" % here)
+
+
+def _mpicc():
+    beside = Path(sys.executable).parent / "mpicc"
+    return str(beside) if beside.exists() else shutil.which("mpicc")
+
+
+def _key(folder, mpicc):
+    digest = hashlib.sha256()
+    for name in ("crossing.c", "crossing.h"):
+        digest.update((folder / name).read_bytes())
+    shown = subprocess.run([mpicc, "-show"], capture_output=True, text=True, timeout=60).stdout
+    digest.update((mpicc + shown + sys.version + sysconfig.get_config_var("EXT_SUFFIX")).encode())
+    return digest.hexdigest()[:20]
+
+
+def _compile(folder, mpicc, work):
+    from cffi import FFI
+
+    builder = FFI()
+    lines = (folder / "crossing.h").read_text().splitlines()
+    builder.cdef("\n".join(line for line in lines if not line.lstrip().startswith("#")))
+    builder.set_source(_MODULE, '#include "crossing.h"', sources=[str(folder / "crossing.c")],
+                       include_dirs=[str(folder)], extra_compile_args=["-O2", "-std=gnu11", "-Wall"])
+    before = os.environ.get("CC")
+    os.environ["CC"] = mpicc  # compiles with MPI's headers and links its library (the linker follows CC)
+    try:
+        built = Path(builder.compile(tmpdir=str(work.parent), verbose=False))
+    finally:
+        if before is None:
+            del os.environ["CC"]
+        else:
+            os.environ["CC"] = before
+    os.replace(built, work / built.name)
+
+
+def _load():
+    from mpi4py import MPI
+
+    folder, mpicc = _sources(), _mpicc()
+    if mpicc is None:
+        raise ImportError("no mpicc beside %s or on PATH" % sys.executable)
+    target = build_cache.built(build_cache.cache_dir("SHMCOMM_CROSSING_BUILD_DIR", "crossing"), _key(folder, mpicc),
+                               lambda work: _compile(folder, mpicc, work))
+    (path,) = target.glob(_MODULE + "*")
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.ffi.new("char[]", 8192)
+    module.lib.smc_crossing_library(text, 8192)
+    built_for, running = module.ffi.string(text).decode(errors="replace"), MPI.Get_library_version()
+    if built_for.strip() != running.strip():  # two MPI libraries in one process would not share a communicator
+        raise ImportError("built for %r, but mpi4py runs %r" % (built_for.split("\n")[0], running.split("\n")[0]))
+    return module.ffi, module.lib
+
+
+def load():
+    """(ffi, lib) of the compiled module, built first if needed; None where it cannot be had (said once, at debug
+    level: the Python rounds are the fallback, not an error)."""
+    global _loaded
+    if _loaded is None:
+        if os.environ.get("SHMCOMM_MPI_CROSSING", "1") == "0":
+            _loaded = False
+        else:
+            try:
+                _loaded = _load()
+            except Exception as error:  # any reason at all: the Python rounds do the same work
+                log.debug("cross-host rounds stay in Python: %s", error)
+                _loaded = False
+    return _loaded or None
+
+
+def plan(fold_into, fold_from, partners):
+    """[(peer, what the round does)] for agreement._schedule's answer."""
+    if fold_into is not None:
+        return [(fold_into, HAND_OVER)]
+    return ([(fold_from, TAKE)] if fold_from is not None else []) + [(p, SWAP) for p in partners] + (
+        [(fold_from, GIVE_BACK)] if fold_from is not None else [])
+
+
+class Rounds:
+    """The compiled rounds for one agreement over the MPI transport `transport` (transport.mpi.Mpi)."""
+
+    def __init__(self, transport, rounds, message, incoming, capacity):
+        from mpi4py import MPI
+
+        from shmcomm._native import ffi as core_ffi, lib as core_lib
+
+        self.ffi, self.lib = load()
+        self.rounds = rounds
+        self._comm = MPI._addressof(transport.comm)
+        self._peers = self.ffi.new("int[]", [peer for peer, _ in rounds] or [0])
+        self._kinds = self.ffi.new("int[]", [kind for _, kind in rounds] or [0])
+        self._message, self._incoming, self._capacity = message, incoming, capacity
+        self._reduce = int(core_ffi.cast("uintptr_t", core_ffi.addressof(core_lib, "smc_reduce")))
+        self._late = self.ffi.new("int *")
+        self._rank = transport.rank
+        self._transport = transport
+
+    def run(self, nbytes, count, code, op):
+        """(0, None), or the failure: (-1, peer) after a wait ran out, (REDUCE_FAILED - core code, peer), or (MPI
+        error, peer)."""
+        rc = self.lib.smc_crossing_rounds(self._comm, self._peers, self._kinds, len(self.rounds), self._rank,
+                                          self._message, self._incoming, self._capacity, nbytes, count, code, op,
+                                          self._reduce, self._transport.timeout_s, self._late)
+        return (0, None) if rc == 0 else (rc, self.rounds[self._late[0]][0])
+
+
+def rounds_for(transport, fold_into, fold_from, partners, message, incoming, capacity):
+    """A Rounds for an agreement over `transport`, or None: not the MPI transport, or no compiled module."""
+    from shmcomm.transport.mpi import Mpi
+
+    if not isinstance(transport, Mpi) or transport.size <= 1 or load() is None:
+        return None
+    return Rounds(transport, plan(fold_into, fold_from, partners), message, incoming, capacity)

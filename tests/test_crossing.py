@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The agreement's rounds across hosts compiled in C (shmcomm/transport/crossing.py) against the same rounds in
+Python, under MPI: same verdicts, same bits, and a late rank makes the others time out (tests/crossing_checks.py).
+3 ranks take the fold of a non-power-of-two world, 4 plain recursive doubling."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mpi4py")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_compiled_rounds_match_the_python_rounds(ranks):
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.exists():
+        pytest.skip("no mpiexec beside this interpreter")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCOMM_")}
+    run = subprocess.run([str(mpiexec), "-n", str(ranks), sys.executable, str(REPO / "tests" / "crossing_checks.py")],
+                         cwd=str(REPO), env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("crossing ok") == ranks, run.stdout + run.stderr
+
+
+def test_without_mpicc_the_rounds_stay_in_python(monkeypatch):
+    from shmcomm.transport import crossing
+
+    monkeypatch.setattr(crossing, "_loaded", None)
+    monkeypatch.setenv("SHMCOMM_MPI_CROSSING", "0")
+    assert crossing.load() is None
+    monkeypatch.setattr(crossing, "_loaded", None)
+    monkeypatch.delenv("SHMCOMM_MPI_CROSSING")
+    monkeypatch.setattr(crossing, "_mpicc", lambda: None)
+    assert crossing.load() is None
+    monkeypatch.setattr(crossing, "_loaded", None)  # the next user builds or loads it again
