@@ -49,7 +49,8 @@ cases = [  # (what, sig, status, culprit, data, core dtype, core op, expected ve
 ]
 compiled, python = agreement(True), agreement(False)
 for what, sig, status, culprit, data, code, op, expected in cases:
-    got_c, got_p = run(compiled, sig, status, culprit, data, code, op), run(python, sig, status, culprit, data, code, op)
+    got_c = run(compiled, sig, status, culprit, data, code, op)
+    got_p = run(python, sig, status, culprit, data, code, op)
     assert got_c[0] == got_p[0] == expected, (what, got_c[0], got_p[0], expected)
     assert got_c[1] == got_p[1], what  # the very same bits
 if n > 1:  # and the sum is the sum
