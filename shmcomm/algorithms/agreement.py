@@ -11,7 +11,8 @@ and associative, so every rank ends with the same verdict, whatever the order of
 
 A small allreduce rides in the same messages (`allreduce`): its data follows the header and each round also reduces
 the partner's data, so the check costs no extra message where latency matters. Every wait has a deadline
-(SHMCOMM_TIMEOUT), kept by the MPI transport (transport/deadline.py)."""
+(SHMCOMM_TIMEOUT), kept by the MPI transport (transport/deadline.py). Over MPI the rounds run in C where that module
+can be built (transport/crossing.py): the same rules, the same deadline, without a Python layer between MPI's calls."""
 import numpy as np
 
 from shmcomm import description
