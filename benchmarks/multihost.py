@@ -76,7 +76,8 @@ PHASES = ("row step", "across hosts", "row broadcast")  # one after the other; "
 
 def _breakdown(world, mpi, sizes, count):
     """Where the torus's small path spends a call, on every rank (--breakdown): its row step, the first column's
-    allreduce across hosts (the agreement's exchange carrying the data), the row broadcast of the result, and the rest
+    allreduce across hosts (the agreement's exchange carrying the data; "exchange": its rounds in C where they are
+    compiled, transport/crossing.py, else the MPI transport's exchanges), the row broadcast of the result, and the rest
     (Python between them, the output's copy). Beside it, a bare MPI_Sendrecv of the same message between the same
     ranks: what the exchange costs MPI itself. Each phase is timed by a clock around the transport's call, per call,
     medians over calls, printed by each rank."""
@@ -101,8 +102,9 @@ def _breakdown(world, mpi, sizes, count):
     clocked(torus.row, "allreduce", PHASES[0])
     clocked(torus.column, "allreduce", PHASES[1])
     clocked(torus.row, "broadcast", PHASES[2])
-    if leader:
-        clocked(torus.column.transport, "exchange", "exchanges")
+    if leader:  # the exchanges: the agreement's rounds in C where compiled (MPI's calls and the merges), else MPI's
+        compiled = torus.column._compiled
+        clocked(*((compiled, "run") if compiled is not None else (torus.column.transport, "exchange")), "exchanges")
     world.algorithm = "torus"
     for size in sizes:
         x = np.ones(max(1, size // 4), dtype=np.float32)
