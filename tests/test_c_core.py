@@ -27,11 +27,14 @@ SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefine
 pytestmark = pytest.mark.skipif(shutil.which(CC) is None, reason="no C compiler")
 
 
+APART = ("jax", "mpi", "py")  # csrc/ffi_build.py's
+
+
 def _core_sources():
-    """The core's sources, as csrc/ffi_build.py builds them: csrc/jax/ is shmcomm.jax's handler, built apart, and
-    csrc/py/ the CPython functions compiled into the cffi module."""
+    """The core's sources, as csrc/ffi_build.py builds them: csrc/jax/ is shmcomm.jax's handler and csrc/mpi/ the
+    cross-host rounds, each built apart, and csrc/py/ the CPython functions compiled into the cffi module."""
     return sorted(p for p in glob.glob(os.path.join(ROOT, "csrc", "*", "*.c"))
-                  if os.path.basename(os.path.dirname(p)) not in ("jax", "py"))
+                  if os.path.basename(os.path.dirname(p)) not in APART)
 
 
 @pytest.fixture(scope="module")
