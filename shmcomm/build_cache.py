@@ -7,6 +7,7 @@ of them builds anew and an unchanged one is loaded at once. The ranks of a job s
 build while the others wait, and the result appears atomically (built in a scratch directory, then renamed), so a
 rank never sees half a build, also after a crash mid-build."""
 import fcntl
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -42,3 +43,12 @@ def built(root, key, build):
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def imported(target, name):
+    """The Python extension module `name` that a build put in the directory `target` (cffi's compiled modules)."""
+    (path,) = Path(target).glob(name + "*")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

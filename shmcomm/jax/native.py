@@ -12,7 +12,6 @@ without a C compiler can build it ahead, where one exists, with `python -m shmco
 directory. The core itself stays unchanged; the handler reaches its collectives through function pointers that the
 shared-memory transport hands out."""
 import hashlib
-import importlib.util
 import os
 import sys
 import sysconfig
@@ -81,10 +80,7 @@ def load():
     xla_include = jax.ffi.include_dir()
     target = build_cache.built(build_dir(), _key(jax_dir, include, xla_include),
                                lambda work: _compile(jax_dir, include, xla_include, work))
-    (path,) = target.glob(_MODULE + "*")
-    spec = importlib.util.spec_from_file_location(_MODULE, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = build_cache.imported(target, _MODULE)
     return module.ffi, module.lib
 
 

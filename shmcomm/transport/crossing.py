@@ -12,11 +12,9 @@ Where it cannot be built or loaded (no mpicc beside the interpreter or on PATH, 
 another MPI than the one mpi4py loaded), or with SHMCOMM_MPI_CROSSING=0, the agreement runs its rounds in Python,
 with the same rules and the same deadline."""
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -47,11 +45,12 @@ def _mpicc():
 
 
 def _key(folder, mpicc):
+    """The sources and the compiler wrapper itself (a script naming MPI's prefix and the compiler), read rather than
+    run: every rank of a cross-host job computes this at start."""
     digest = hashlib.sha256()
-    for name in ("crossing.c", "crossing.h"):
-        digest.update((folder / name).read_bytes())
-    shown = subprocess.run([mpicc, "-show"], capture_output=True, text=True, timeout=60).stdout
-    digest.update((mpicc + shown + sys.version + sysconfig.get_config_var("EXT_SUFFIX")).encode())
+    for path in (folder / "crossing.c", folder / "crossing.h", Path(mpicc).resolve()):
+        digest.update(path.read_bytes())
+    digest.update((mpicc + sys.version + sysconfig.get_config_var("EXT_SUFFIX")).encode())
     return digest.hexdigest()[:20]
 
 
@@ -83,10 +82,7 @@ def _load():
         raise ImportError("no mpicc beside %s or on PATH" % sys.executable)
     target = build_cache.built(build_cache.cache_dir("SHMCOMM_CROSSING_BUILD_DIR", "crossing"), _key(folder, mpicc),
                                lambda work: _compile(folder, mpicc, work))
-    (path,) = target.glob(_MODULE + "*")
-    spec = importlib.util.spec_from_file_location(_MODULE, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = build_cache.imported(target, _MODULE)
     text = module.ffi.new("char[]", 8192)
     module.lib.smc_crossing_library(text, 8192)
     built_for, running = module.ffi.string(text).decode(errors="replace"), MPI.Get_library_version()
