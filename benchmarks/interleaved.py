@@ -8,7 +8,7 @@ and on a shared machine separate jobs differ by up to 3x (benchmarks/RESULTS.md,
 cache lines between the cores gets slower for a while, whoever runs). Here both libraries run in the same processes:
 each round times every op and size with shmcomm, then with MPI, a median of --iters calls each, the slowest rank's;
 the ratio is taken per round, so both sides of a ratio saw the same machine. Sizes follow nccl-tests: the buffer of
-allreduce and alltoall, allgather's output and reducescatter's input. Both libraries' results are checked against
+allreduce, alltoall and broadcast, allgather's output and reducescatter's input. Both libraries' results are checked against
 each other once per op and size."""
 import argparse
 import sys
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-OPS = ("allreduce", "allgather", "alltoall", "reducescatter")
+OPS = ("allreduce", "allgather", "alltoall", "reducescatter", "broadcast")
 
 
 def calls(op, nbytes, comm, shmcomm, MPI):
@@ -33,6 +33,9 @@ def calls(op, nbytes, comm, shmcomm, MPI):
         return lambda: shmcomm.allgather(part, output=ours), lambda: comm.Allgather(part, theirs), ours, theirs
     if op == "alltoall":
         return lambda: shmcomm.alltoall(x, output=ours), lambda: comm.Alltoall(x, theirs), ours, theirs
+    if op == "broadcast":  # in place from rank 0, as MPI_Bcast is
+        ours[:], theirs[:] = x, x
+        return lambda: shmcomm.broadcast_(ours, 0), lambda: comm.Bcast(theirs, 0), ours, theirs
     ours, theirs = ours[:count // n], theirs[:count // n]
     return (lambda: shmcomm.reducescatter(x, op=shmcomm.Sum, output=ours),
             lambda: comm.Reduce_scatter_block(x, theirs, MPI.SUM), ours, theirs)

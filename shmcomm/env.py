@@ -141,6 +141,7 @@ class Tuning:
     yield_us: int          # then microseconds of a collective's waiter yielding its core before sleeping
     single_copy_bytes: int  # allgather/alltoall/broadcast inputs from this size read peers' memory directly; 0: never
     piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
+    cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
 
 
 def timeout_s(environ=None):
@@ -173,10 +174,17 @@ def tuning(local_size):
         arena_bytes=_number("SMB_BYTES", 256 << 20, int, low=0, high=MAX_BYTES),
         spin_us=_number("SPIN_US", default_spin_us, int, low=0, high=(1 << 31) - 1),
         yield_us=_number("YIELD_US", default_yield_us, int, low=0, high=(1 << 31) - 1),
-        single_copy_bytes=_number("SINGLE_COPY_BYTES", l2_bytes, int, low=0, high=MAX_BYTES),
+        # Single copy costs a system call per peer and saves a copy: it pays from about 16 KiB, where one copy in
+        # cache takes as long as the call (np=2 on a Xeon with 2 MiB L2, against MPICH in the same job: broadcast of
+        # 128 KiB-1 MiB 1.5-3.1x, against 0.41-0.60x through the staging halves). With more ranks than cores it
+        # waits for the L2's size: broadcast's root then waits for every reader of its buffer, which with the cores
+        # shared cost more than the copy saved (np=4, 32-512 KiB: 0.62-1.05x against 1.57-2.20x staged).
+        single_copy_bytes=_number("SINGLE_COPY_BYTES", (16 << 10) if local_size <= cores else l2_bytes, int, low=0,
+                                  high=MAX_BYTES),
         # Half the L2 per step keeps a step's copies in it; with more ranks than cores, every step costs context
         # switches instead, so take as much as a half holds.
         piece_bytes=_number("PIECE_BYTES", l2_bytes // 2 if local_size <= cores else 0, int, low=0, high=MAX_BYTES),
+        cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
     )
 
 

@@ -243,6 +243,6 @@ def _placements(size):
 def test_buffers_at_every_placement(threshold):
     """Outputs a few bytes past the input modulo a page take the core's own copy loop and, by single copy, a bounce
     buffer: both must give the same results as the plain copies, through the staging halves (0) and by single copy
-    at every size (1)."""
-    env = dict(FAST_TIMEOUT, SHMCOMM_SINGLE_COPY_BYTES=threshold)
+    at every size (1), with a cache small enough that these sizes also take the chunked and streamed copies."""
+    env = dict(FAST_TIMEOUT, SHMCOMM_SINGLE_COPY_BYTES=threshold, SHMCOMM_CACHE_BYTES="16384")
     assert multiproc.run(3, _placements, 3, timeout=180, env=env) == [True] * 3

@@ -36,14 +36,14 @@ static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out
   const uint64_t mine = every_rows[me] * row_bytes;
   const uint64_t total = displ[c->size - 1] + every_rows[c->size - 1] * row_bytes;
   const uint8_t* src = sendbuf;
-  /* An output of 16 L2s or more (the single-copy size is the L2's by default) is written by the own copy with
+  /* An output of 16 L2s or more is written by the own copy with
    * streaming stores, which save the read of each destination line, in chunks of a quarter L2 that stay in cache
    * for the writes to the peers. A smaller output stays in the caches: cached stores, and chunks of a whole L2 (fewer
    * calls into the kernel). Measured against MPICH's allgather in the same job, calls interleaved, 2 ranks on an AMD
    * EPYC (512 KiB L2): 2 MiB 1.02-1.07x that way against 0.74-0.93x streaming; 4 MiB 0.94x against 0.81-0.94x;
    * 8 MiB 1.07-1.36x streaming against 1.07-1.08x not; 16 MiB 1.24x against 1.00x. */
-  const int large = total >= 16 * c->single_copy_bytes;
-  uint64_t chunk = large ? c->single_copy_bytes / 4 : c->single_copy_bytes;
+  const int large = total >= 16 * c->cache_bytes;
+  uint64_t chunk = large ? c->cache_bytes / 4 : c->cache_bytes;
   chunk = chunk < (16u << 10) ? (16u << 10) : chunk > (2u << 20) ? (2u << 20) : chunk;
   for (uint64_t at = 0; at < mine; at += chunk) {
     uint64_t len = mine - at < chunk ? mine - at : chunk;

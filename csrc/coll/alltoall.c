@@ -189,7 +189,7 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
      * MPICH's alltoall in the same job, 2 ranks: 8 and 16 MiB per rank 1.00x and 1.19x that way against 0.86x and
      * 0.98x through the cache; 2 MiB 0.96x through the cache against 0.84x; 1 and 4 MiB the same either way. */
     if (out != NULL && own->len > 0)
-      (to_total >= 16 * c->single_copy_bytes ? smc_copy_bypassing : smc_copy)(out + own->to, from, (size_t)own->len);
+      (to_total >= 16 * c->cache_bytes ? smc_copy_bypassing : smc_copy)(out + own->to, from, (size_t)own->len);
     smc_result_t synced = smc_sync(c, "alltoall");
     smc_flip(c);
     free(routes);

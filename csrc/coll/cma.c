@@ -91,14 +91,14 @@ static smc_result_t move_direct(smc_comm_t* c, int r, uint8_t* local, uint64_t r
  * on an AMD EPYC: 1.1-1.9 GB/s with the destination 8 or 16 bytes past the source, 7-9 GB/s otherwise). Such moves
  * go through a cache-sized bounce buffer at the remote buffer's offset in a cache line, and memcpy (streaming
  * stores, for the largest reads: see move) moves each chunk between it and the local buffer while it is in cache.
- * The chunk is a quarter of the single-copy threshold (the L2 size by default): the bounce and the lines being
- * written share that cache. */
+ * The chunk is a quarter of the L2 (smc_config_t.cache_bytes): the bounce and the lines being written share that
+ * cache. */
 enum { PAGE = SMC_PAGE_BYTES };
 
 static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
                                  int stream, const char* what) {
   if (c->bounce == NULL) {
-    size_t want = (size_t)(c->single_copy_bytes / 4);
+    size_t want = (size_t)(c->cache_bytes / 4);
     want = want < (16u << 10) ? (16u << 10) : want > (1u << 20) ? (1u << 20) : want;
     if (posix_memalign((void**)&c->bounce, PAGE, want + PAGE) != 0) {
       c->bounce = NULL;
@@ -135,7 +135,7 @@ static smc_result_t move(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, 
    * alltoall of 8 MiB per rank (4 MiB reads) 1.78-1.95 against 2.11-2.66 ms. Smaller reads stay in the caches,
    * where the bounce is a copy more: against MPICH's alltoall in the same job, 4 MiB per rank (2 MiB reads) 0.75x
    * streamed, 1.03-1.10x not. */
-  int stream = !write && bytes >= 8 * c->single_copy_bytes;
+  int stream = !write && bytes >= 8 * c->cache_bytes;
   if (stream || (bytes > 2048 && (write ? smc_short_distance(far, local) : smc_short_distance(local, far))))
     return move_bounced(c, r, local, remote, bytes, write, stream, what);
   return move_direct(c, r, local, remote, bytes, write, what);

@@ -36,6 +36,7 @@ struct smc_comm {
   smc_failure_t broken_failure; /* the failure data of that failure, repeated by every later refusal */
   int job_ranks[SMC_MAX_RANKS]; /* a copy of smc_config_t.job_ranks: nothing points into the caller's memory */
   uint64_t single_copy_bytes; /* inputs of at least this size move by single copy (coll/cma.c); 0: never */
+  uint64_t cache_bytes;       /* one core's L2 (smc_config_t.cache_bytes) */
   size_t piece_bytes;         /* allreduce's bytes per rank and step (coll/allreduce.c); 0: a half's share */
   int cma;                    /* every rank can read its peers' memory (decided together at init) */
   uint64_t cma_probe;         /* the value a neighbour reads at init to prove it reads this process */

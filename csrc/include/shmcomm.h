@@ -101,6 +101,8 @@ typedef struct {
                            * sleeps: with more ranks than cores, the rank it waits for is often queued behind it */
   size_t single_copy_bytes; /* allgather, alltoall and broadcast inputs of at least this size move by single copy
                              * (cross-memory attach) where every rank may reach its peers' memory; 0: never */
+  size_t cache_bytes;     /* one core's L2 cache: sizes single copy's chunks, and from which sizes its copies bypass
+                           * the caches; 0: 1 MiB */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
                            * so that a step's copies stay in the cache; 0: as many as a staging half holds */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL

@@ -58,6 +58,7 @@ class SharedMemory(Transport):
         cfg.yield_us = tuning.yield_us
         cfg.single_copy_bytes = tuning.single_copy_bytes
         cfg.piece_bytes = tuning.piece_bytes
+        cfg.cache_bytes = tuning.cache_bytes
         job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
         cfg.job_ranks = job_ranks
         cfg.abandon = ffi.NULL if abandon is None else abandon
