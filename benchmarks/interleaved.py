@@ -8,8 +8,8 @@ and on a shared machine separate jobs differ by up to 3x (benchmarks/RESULTS.md,
 cache lines between the cores gets slower for a while, whoever runs). Here both libraries run in the same processes:
 each round times every op and size with shmcomm, then with MPI, a median of --iters calls each, the slowest rank's;
 the ratio is taken per round, so both sides of a ratio saw the same machine. Sizes follow nccl-tests: the buffer of
-allreduce, alltoall and broadcast, allgather's output and reducescatter's input. Both libraries' results are checked against
-each other once per op and size."""
+allreduce, alltoall and broadcast (in place, from rank 0), allgather's output and reducescatter's input. Both
+libraries' results are checked against each other once per op and size."""
 import argparse
 import sys
 import time

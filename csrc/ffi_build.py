@@ -14,8 +14,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HEADER = os.path.join(HERE, "include", "shmcomm.h")
 
 
-def _cdef_text():
-    with open(HEADER) as f:
+def _cdef_text(header=HEADER):
+    with open(header) as f:
         return "".join(line for line in f if not line.lstrip().startswith("#"))
 
 
@@ -54,9 +54,10 @@ def _limited_api():
 ffibuilder = FFI()
 ffibuilder.cdef(_cdef_text())
 ffibuilder.cdef("void* smc_quick_method(int which);")  # csrc/py/quick_calls.c: a PyMethodDef, or NULL
+ffibuilder.cdef(_cdef_text(os.path.join(HERE, "py", "quick_crossing.h")))  # what its cross-host allreduce reads
 ffibuilder.set_source(
     "shmcomm._C",
-    '#include <string.h>\n#include "shmcomm.h"\n#include "py/quick_calls.c"',
+    '#include <string.h>\n#include "shmcomm.h"\n#include "py/quick_crossing.h"\n#include "py/quick_calls.c"',
     sources=_sources(),
     define_macros=_limited_api(),
     include_dirs=[os.path.relpath(os.path.join(HERE, "include")), os.path.relpath(HERE)],

@@ -72,8 +72,8 @@ def check(rc):
 
 def quick_function(which):
     """Function `which` of csrc/py/quick_calls.c (0: allreduce, 1: broadcast, 2: allgather, 3: alltoall,
-    4: reducescatter) as a Python callable, or None where this build has none (Python before 3.11). The module holds
-    a PyMethodDef; PyCFunction_NewEx makes it callable."""
+    4: reducescatter, 5: allreduce across hosts of one rank each) as a Python callable, or None where this build
+    has none (Python before 3.11). The module holds a PyMethodDef; PyCFunction_NewEx makes it callable."""
     method = lib.smc_quick_method(which)
     if method == ffi.NULL:
         return None

@@ -11,7 +11,8 @@ import numpy as np
 
 from shmcomm import ops, session
 from shmcomm.engine import current as current_engine
-from shmcomm.quick_path import allgather_call, allreduce_call, alltoall_call, broadcast_call, reducescatter_call, world
+from shmcomm.quick_path import (allgather_call, allreduce_call, alltoall_call, broadcast_call, crossing_allreduce_call,
+                                reducescatter_call, world)
 from shmcomm.engine.request import Request, execute
 from shmcomm.buffers import is_torch, wrap, wrap_device
 from shmcomm.exceptions import InvalidArgumentError, NotSupportedError
@@ -137,7 +138,8 @@ def _quick_failed(got, tensor, kind, name, output=None):
 
 # Each public function tries the quickest way first: a numpy array on the global set of a one-host world without the
 # engine (quick_path.world) goes to the core in one C call (csrc/py/quick_calls.c), which returns NotImplemented for
-# anything out of the ordinary, before any step; the full path then decides, and its checks say what is wrong.
+# anything out of the ordinary, before any step; the full path then decides, and its checks say what is wrong. A small
+# allreduce across hosts of one rank each does the same through the agreement's compiled rounds (world.crossing).
 
 def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None,
               process_set=None):
@@ -148,6 +150,13 @@ def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_fact
                              postscale_factor)
         if got is not NotImplemented:
             return got if type(got) is not int else _quick_failed(got, tensor, "allreduce", name)
+    elif world.crossing and type(tensor) is np.ndarray and average is None and process_set is None:
+        got = crossing_allreduce_call(world.crossing, tensor,
+                                      np.empty(tensor.shape, tensor.dtype) if output is None else output, op,
+                                      prescale_factor, postscale_factor)
+        if got is not NotImplemented:
+            return got if type(got) is np.ndarray else world.comm.quick_allreduce_failed(
+                got, tensor, op, prescale_factor, postscale_factor, _what("allreduce", name))
     if average is None and _engine_free(tensor, process_set):
         return _latency_path(tensor, output, op, prescale_factor, postscale_factor, name)
     return run(allreduce_request(tensor, output, op, average, prescale_factor, postscale_factor, name, process_set))
@@ -159,6 +168,11 @@ def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_fac
         got = allreduce_call(world.address, world.size, tensor, tensor, op, prescale_factor, postscale_factor)
         if got is not NotImplemented:
             return got if type(got) is not int else _quick_failed(got, tensor, "allreduce", name)
+    elif world.crossing and type(tensor) is np.ndarray and average is None and process_set is None:
+        got = crossing_allreduce_call(world.crossing, tensor, tensor, op, prescale_factor, postscale_factor)
+        if got is not NotImplemented:
+            return got if type(got) is np.ndarray else world.comm.quick_allreduce_failed(
+                got, tensor, op, prescale_factor, postscale_factor, _what("allreduce", name))
     if average is None and _engine_free(tensor, process_set):
         return _latency_path(tensor, tensor, op, prescale_factor, postscale_factor, name)
     return run(allreduce_request(tensor, tensor, op, average, prescale_factor, postscale_factor, name, process_set))

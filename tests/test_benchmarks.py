@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # benchmarks/ is not an installed package
     sys.path.insert(0, str(REPO))
 
-from benchmarks import backends, collectives, report  # noqa: E402
+from benchmarks import backends, collectives, interleaved, report  # noqa: E402
 HEADER = ("#       size         count      type   redop    root"
           "     time   algbw   busbw #wrong     time   algbw   busbw #wrong")
 
@@ -44,7 +44,8 @@ def test_interleaved_runs_both_libraries_in_one_job():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]
     assert sorted((row[0], int(row[1])) for row in rows) == sorted(
-        (op, size) for op in ("allreduce", "allgather", "alltoall", "reducescatter") for size in (4096, 1 << 20))
+        (op, size) for op in interleaved.OPS for size in (4096, 1 << 20))
+    assert "broadcast" in interleaved.OPS
     assert all(len(row) == 7 and float(row[4]) > 0 for row in rows), proc.stdout
 
 

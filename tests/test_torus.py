@@ -238,9 +238,10 @@ def test_negotiation_messages_of_every_length_across_pretend_hosts(tmp_path):
     assert run.stdout.count("rank ok") == 4
 
 
-def _stuck_rank_job(call):
+def _stuck_rank_job(call, then="pass"):
     """Rank 2 of 4 stays away until the others have made `call` and recorded what they raised (however long their
-    timeout takes); they record it in files (shmcomm/testing/outcomes.py): hydra may split stdout lines."""
+    timeout takes), after running the lines `then`; they record it in files (shmcomm/testing/outcomes.py): hydra
+    may split stdout lines."""
     return textwrap.dedent("""
         import sys, time, numpy as np, shmcomm
         from shmcomm import basics
@@ -254,14 +255,15 @@ def _stuck_rank_job(call):
         try:
             %s
         except shmcomm.ShmCommError as error:
+            %s
             outcomes.record(sys.argv[1], me, error, start)
-    """) % call
+    """) % (call, textwrap.indent(then, " " * 4).lstrip())
 
 
-def _run_stuck_rank_job(tmp_path, call, timeout):
+def _run_stuck_rank_job(tmp_path, call, timeout, per_host=2, then="pass"):
     script = tmp_path / "job.py"
-    script.write_text(_stuck_rank_job(call))
-    run = _mpiexec([script, tmp_path], 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT=str(timeout))
+    script.write_text(_stuck_rank_job(call, then))
+    run = _mpiexec([script, tmp_path], 4, SHMCOMM_RANKS_PER_HOST=str(per_host), SHMCOMM_TIMEOUT=str(timeout))
     assert run.returncode == 0, run.stdout + run.stderr
     raised = outcomes.read(tmp_path)
     assert sorted(raised) == [0, 1, 3], run.stdout + run.stderr
@@ -283,6 +285,22 @@ def test_a_rank_that_does_not_come_times_the_others_out_by_name(tmp_path):
     assert raised[0]["type"] == "TimeoutError" and "waiting for rank 2" in raised[0]["message"], raised
     assert raised[3]["type"] == "TimeoutError" and "waiting for rank 2" in raised[3]["message"], raised
     assert "failed on rank 0" in raised[1]["message"], raised
+
+
+def test_a_rank_that_does_not_come_times_the_quick_call_across_hosts_out_by_name(tmp_path):
+    """One rank per host: the small allreduce is one C call (csrc/py/quick_crossing.c), whose rounds keep the same
+    deadline; after the timeout the transport refuses the next call, quick or not."""
+    refused = textwrap.dedent("""\
+        try:
+            shmcomm.allreduce(np.ones(10, np.float32))
+            error = AssertionError("a second call was not refused")
+        except shmcomm.BrokenCommunicatorError:
+            pass""")
+    raised = _run_stuck_rank_job(tmp_path, "shmcomm.allreduce(np.ones(10, np.float32))", 3, per_host=1, then=refused)
+    # Rank 2's partners in recursive doubling (3, then 0) name it; rank 1 waits for rank 3, which waited for 2.
+    for r in (0, 3):
+        assert raised[r]["type"] == "TimeoutError" and "waiting for rank 2" in raised[r]["message"], raised
+    assert raised[1]["type"] == "TimeoutError", raised
 
 
 # Three hosts of two (6, 2) run with -m long: two hosts of three and the uneven (5, 2) take the same paths.

@@ -163,6 +163,7 @@ static PyObject* quick_broadcast(PyObject* self, PyObject* const* args, Py_ssize
 }
 
 #include "py/quick_rows.c"
+#include "py/quick_crossing.c"
 
 static PyMethodDef smc_quick_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))quick_allreduce, METH_FASTCALL,
@@ -177,6 +178,9 @@ static PyMethodDef smc_quick_methods[] = {
     {"reducescatter", (PyCFunction)(void (*)(void))quick_reducescatter, METH_FASTCALL,
      "reducescatter(address, size, rank, x, out, op, prescale, postscale, counts, empty): the result, "
      "NotImplemented, or a failed step's code"},
+    {"crossing_allreduce", (PyCFunction)(void (*)(void))quick_crossing_allreduce, METH_FASTCALL,
+     "crossing_allreduce(call, x, out, op, prescale, postscale): the result, NotImplemented, (status, culprit) of a "
+     "verdict not OK, or the rounds' failure code"},
 };
 #endif
 

@@ -158,6 +158,18 @@ class Agreement:
         rc, peer = self._compiled.run(nbytes, count, code or 0, op or 0)
         if rc == 0:
             return int(self._send_words[1]), int(self._send_words[2])
+        raise self.rounds_failed(rc, peer)
+
+    def quick_call(self, world_size, min_bytes, max_bytes, usable):
+        """The compiled rounds for csrc/py/quick_crossing.c (crossing.Rounds.quick_call), or None where the rounds
+        run in Python."""
+        if self._compiled is None:
+            return None
+        return self._compiled.quick_call(world_size, min_bytes, max_bytes, usable)
+
+    def rounds_failed(self, rc, peer):
+        """The error of compiled rounds that returned `rc` in the round with `peer`; the transport is refused from
+        then on, since its rounds are out of step."""
         if rc == -1:
             error = self._late(peer)
         elif rc <= crossing.REDUCE_FAILED:
@@ -165,8 +177,12 @@ class Agreement:
         else:
             from mpi4py import MPI
             error = MPI.Exception(rc)
-        self.transport.broken = str(error) or type(error).__name__  # the rounds are out of step from here on
-        raise error
+        self.transport.broken = str(error) or type(error).__name__
+        return error
+
+    def quick_failed(self, rc, call):
+        """rounds_failed for a quick call that returned `rc` (its late_round says with whom)."""
+        return self.rounds_failed(rc, self._compiled.late_peer(call))
 
     def _exchange(self, peer, deadline, send, receive):
         words = self._send_words

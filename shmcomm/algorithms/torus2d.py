@@ -63,7 +63,7 @@ class Torus:
             verdict = self._three_phases(src_ptr, dst_ptr, count, code, esize, op, prescale, postscale, divisor, sig,
                                          what)
         if verdict[0] != OK:
-            raise _verdict_error(what, verdict)
+            raise verdict_error(what, verdict)
 
     def agree(self, sig, what, refusal=None):
         """The verdict (status, culprit) of every rank on `sig`, by the small path's route with no data: a collective
@@ -188,7 +188,7 @@ def _attempt(fn, *args):
     return None
 
 
-def _verdict_error(what, verdict):
+def verdict_error(what, verdict):
     status, culprit = verdict
     if status == REFUSED:
         return Refused(culprit)

@@ -17,6 +17,7 @@ from shmcomm.algorithms.agreement import MISMATCH, OK, REFUSED, Agreement, Refus
 from shmcomm.algorithms.communicator import Communicator
 from shmcomm.algorithms.disagreement import disagreement_error
 from shmcomm.algorithms.ring import ring_allreduce
+from shmcomm.algorithms.torus2d import verdict_error
 from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
 from shmcomm.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, RankFailure,
                                 ShmCommError, TimeoutError)
@@ -53,11 +54,45 @@ class WorldComm(Communicator):
         self.host = host
         self.torus = torus
         self.mpi = mpi
-        self.algorithm = choice.validate(paths.algorithm, torus is not None, mpi is not None)
         self.torus_min_bytes = paths.torus_min_bytes
+        # With one rank per host, a small allreduce of a numpy array may take the torus's small path in one C call
+        # (csrc/py/quick_crossing.c, through quick_path.py): its smc_crossing_call_t, where the rounds are compiled.
+        self.quick_call = None
+        if torus is not None and mpi is not None and torus.row.size == 1:
+            self.quick_call = torus.column.quick_call(self.size, 0, 0, (mpi.usable_flag, torus.column.transport.
+                                                                         usable_flag))
+        self.algorithm = choice.validate(paths.algorithm, torus is not None, mpi is not None)
         # Without a torus, every cross-host collective starts with this.
         self.agreement = Agreement(mpi) if mpi is not None and torus is None else None
         self.roll_call = None  # transport.rollcall.RollCall across hosts: a timeout names the ranks holding it up
+
+    @property
+    def algorithm(self):
+        return self._algorithm
+
+    @algorithm.setter
+    def algorithm(self, name):
+        """Also the sizes the quick allreduce takes: those that choice.allreduce gives the torus's small path."""
+        self._algorithm = name
+        if self.quick_call is not None:
+            torus = name in ("auto", "torus")
+            self.quick_call.min_bytes = self.torus_min_bytes if name == "auto" else 0
+            self.quick_call.max_bytes = self.torus.small_bytes if torus else 0
+
+    @_naming_holdups
+    def quick_allreduce_failed(self, got, x, op, prescale, postscale, what):
+        """Raises what the full path raises where the quick allreduce returned `got` (csrc/py/quick_crossing.c): the
+        rounds' failure code, or the (status, culprit) of a verdict that was not OK."""
+        if type(got) is int:
+            raise self.torus.column.quick_failed(got, self.quick_call)
+        collective = description.describe("allreduce", wrap(x, what).code, x.shape, ops.resolve(op), float(prescale),
+                                          float(postscale))
+        try:
+            raise verdict_error(what, got)
+        except MismatchError:
+            raise self._disagreement(what, collective) from None
+        except Refused:
+            raise refusal_error(what, None, self.mpi, self.host.shm) from None
 
     # ---- allreduce ----
     @_naming_holdups

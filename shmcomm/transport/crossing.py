@@ -134,6 +134,31 @@ class Rounds:
         self._rank = transport.rank
         self._transport = transport
 
+    def quick_call(self, world_size, min_bytes, max_bytes, usable):
+        """These rounds as csrc/py/quick_crossing.h describes them, for the quick allreduce of a row of one rank: a
+        cffi smc_crossing_call_t of the core's, which keeps what it points to alive. `usable`: the int flags of the
+        transports that must not be broken (transport/mpi.py)."""
+        from shmcomm._native import ffi as core_ffi
+
+        def address(pointer):
+            return int(self.ffi.cast("uintptr_t", pointer))
+        call = core_ffi.new("smc_crossing_call_t *")
+        call.rounds = address(self.ffi.addressof(self.lib, "smc_crossing_rounds"))
+        call.mpi_comm = self._comm
+        call.peers = core_ffi.cast("int *", address(self._peers))
+        call.kinds = core_ffi.cast("int *", address(self._kinds))
+        call.count, call.rank = len(self.rounds), self._rank
+        call.message, call.incoming, call.capacity = self._message, self._incoming, self._capacity
+        call.timeout_s = self._transport.timeout_s
+        call.world_size, call.min_bytes, call.max_bytes = world_size, min_bytes, max_bytes
+        call.usable = list(usable)
+        self._quick_call = call  # with the arrays it points to, as long as these rounds live
+        return call
+
+    def late_peer(self, call):
+        """The peer of the round that failed in a quick call (call.late_round)."""
+        return self.rounds[call.late_round][0]
+
     def run(self, nbytes, count, code, op):
         """(0, None), or the failure: (-1, peer) after a wait ran out, (REDUCE_FAILED - core code, peer), or (MPI
         error, peer)."""

@@ -54,10 +54,21 @@ class Mpi(Transport):
         self.ranks = comm.allgather(MPI.COMM_WORLD.Get_rank())
         self.timeout_s = timeout_s
         self.what = what
+        # 1 while usable, for C callers that cannot ask `broken` (csrc/py/quick_crossing.h); `broken` keeps it
+        self.usable_flag = ffi.new("int *", 1)
         self.broken = None  # why calls are refused: a wait was abandoned, its messages are still pending
         self._byte = MPI.BYTE
         self._ops = {lib.SMC_SUM: MPI.SUM, lib.SMC_MIN: MPI.MIN, lib.SMC_MAX: MPI.MAX, lib.SMC_PROD: MPI.PROD}
         self._watchdog = Watchdog()
+
+    @property
+    def broken(self):
+        return self._broken
+
+    @broken.setter
+    def broken(self, why):
+        self._broken = why
+        self.usable_flag[0] = 0 if why else 1
 
     def usable(self, what):
         if self.broken:
