@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Runs under mpiexec with one rank per pretend host (tests/test_crossing.py): a small allreduce of a numpy array
-takes the quick call across hosts (csrc/py/quick_crossing.c) and gives the very bits of the full path, for every
-dtype, op and scale; ranks on different paths agree; a mismatch and a refusal raise on every rank as on the full
-path, and the job goes on; sizes and algorithms that are not the torus's small path keep to the full path. Prints
-"quick ok" on every rank that passed."""
+"""Runs under mpiexec on pretend hosts (tests/test_crossing.py): a small allreduce of a numpy array takes the quick
+call across hosts (csrc/py/quick_crossing.c) and gives the very bits of the full path, for every dtype, op and scale;
+ranks on different paths agree; a mismatch and a refusal raise on every rank as on the full path, and the job goes
+on; sizes and algorithms that are not the torus's small path keep to the full path. Prints "quick ok" on every rank
+that passed."""
 import numpy as np
 from mpi4py import MPI
 

@@ -38,15 +38,16 @@ def test_without_mpicc_the_rounds_stay_in_python(monkeypatch):
     monkeypatch.setattr(crossing, "_loaded", None)  # the next user builds or loads it again
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_quick_allreduce_across_hosts_of_one_rank(ranks):
+@pytest.mark.parametrize("ranks,per_host", [(2, 1), (3, 1), (4, 2)])
+def test_quick_allreduce_across_hosts(ranks, per_host):
     """tests/quick_crossing_checks.py: the same bits as the full path, for every dtype, op and scale; mismatches,
-    refusals and other paths (3 ranks: the fold of a non-power-of-two world)."""
+    refusals and other paths (3 ranks: the fold of a non-power-of-two world; 2 per host: the row's steps, and
+    verdicts that reach a rank through its row)."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():
         pytest.skip("no mpiexec beside this interpreter")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHMCOMM_")}
-    env.update(SHMCOMM_RANKS_PER_HOST="1", SHMCOMM_TIMEOUT="60",
+    env.update(SHMCOMM_RANKS_PER_HOST=str(per_host), SHMCOMM_TIMEOUT="60",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run([str(mpiexec), "-n", str(ranks), sys.executable,
                           str(REPO / "tests" / "quick_crossing_checks.py")],

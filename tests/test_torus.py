@@ -289,7 +289,7 @@ def test_a_rank_that_does_not_come_times_the_others_out_by_name(tmp_path):
 
 def test_a_rank_that_does_not_come_times_the_quick_call_across_hosts_out_by_name(tmp_path):
     """One rank per host: the small allreduce is one C call (csrc/py/quick_crossing.c), whose rounds keep the same
-    deadline; after the timeout the transport refuses the next call, quick or not."""
+    deadline; after the timeout the transport refuses the next call, quick or not. (Two per host: the test above.)"""
     refused = textwrap.dedent("""\
         try:
             shmcomm.allreduce(np.ones(10, np.float32))

@@ -2,19 +2,21 @@
 /* The small allreduce across hosts of one rank per host, in one C call: part of csrc/py/quick_calls.c, which includes
  * this file after its shared helpers.
  *
- * With one rank per host the torus's small path (shmcomm/algorithms/torus2d.py, Torus._small) is: scale the input
- * into the agreement's message, run the agreement's rounds with the data riding in them, scale the result out. The
- * rounds are in C already (csrc/mpi/crossing.c); the Python from the public call to them and back cost as much as
- * MPI's whole allreduce of 2 KiB takes between two hosts (benchmarks/RESULTS.md). This takes that path for a numpy
- * array, with the same signature (description.Collective.signature, hashed as Python hashes it), the same kernels in
- * the same order, and so the same bits and verdicts as the full path, which ranks may take for any call. */
+ * The torus's small path (shmcomm/algorithms/torus2d.py, Torus._small) is: the row's allreduce into the agreement's
+ * message, on the row's first rank the agreement's rounds with the data riding in them, then the row's broadcast of
+ * verdict and result. Its steps are all in C (the core, and csrc/mpi/crossing.c's rounds); the Python from the
+ * public call to them and back cost as much as MPI's whole allreduce of 2 KiB between two hosts
+ * (benchmarks/RESULTS.md). This takes that path for a numpy array, with the same signature
+ * (description.Collective.signature, hashed as Python hashes it), the same kernels in the same order, and so the same
+ * bits and verdicts as the full path, which ranks may take for any call. Where a step fails, it stops where the full
+ * path would raise or turn to other steps, and says where (WorldComm.quick_allreduce_failed goes on from there). */
 #include "py/quick_crossing.h"
 
 typedef int (*crossing_rounds_fn)(uintptr_t comm_address, const int* peers, const int* kinds, int rounds, int my_rank,
                                   void* message, void* incoming, uint64_t capacity, uint64_t nbytes, uint64_t count,
                                   int code, int op, uintptr_t reduce, double timeout_s, int* late_round);
 
-enum { CROSSING_HEADER_BYTES = 32, CROSSING_OK = 0 };
+enum { CROSSING_HEADER_BYTES = 32, CROSSING_OK = 0, CROSSING_FAILED = 3 }; /* agreement.py's */
 
 /* Collective.signature(count, divisor, True) of describe("allreduce", dtype, shape, op, prescale, postscale): the
  * hash of (kind, dtype, shape, op, prescale, postscale, root -1, count, divisor, True). 0 with *ok = 0 where Python
@@ -50,10 +52,59 @@ fail:
   return 0;
 }
 
+/* The torus's small path (Torus._small) after the caller's checks, the interpreter lock released: the row's step into
+ * the agreement's message (data after the header), then on the row's first rank the rounds and the row broadcast of
+ * the verdict and the result, on the others that broadcast. Returns where it stopped: DONE (the result is in `out`),
+ * or the stage that failed with *rc, or VERDICT with the verdict in the message's header. */
+enum { DONE, ROW_FAILED, ROUNDS_FAILED, BROADCAST_FAILED, VERDICT };
+
+static int small_path(smc_crossing_call_t* call, const void* src, void* out, uint64_t count, uint64_t nbytes,
+                      int dtype, smc_redop_t op, double prescale, double postscale, long divisor, uint64_t sig,
+                      int* rc) {
+  smc_comm_t* row = (smc_comm_t*)call->row;
+  uint64_t* words = call->message;
+  uint8_t* data = (uint8_t*)call->message + CROSSING_HEADER_BYTES;
+  *rc = smc_allreduce(row, src, data, (size_t)count, (smc_datatype_t)dtype, op, prescale, 1.0, 1, sig);
+  if (*rc != SMC_SUCCESS) return ROW_FAILED;
+  if (call->row_rank == 0) {
+    words[0] = sig;
+    words[1] = CROSSING_OK;
+    words[2] = 0;
+    words[3] = nbytes;
+    int rounds = ((crossing_rounds_fn)call->rounds)(call->mpi_comm, call->peers, call->kinds, call->count, call->rank,
+                                                    call->message, call->incoming, call->capacity, nbytes, count, dtype,
+                                                    op, (uintptr_t)&smc_reduce, call->timeout_s, &call->late_round);
+    if (rounds != 0) { /* the row hears that this rank failed, as the full path tells it */
+      words[1] = CROSSING_FAILED;
+      words[2] = (uint64_t)call->world_rank + 1;
+    } else if (words[1] == CROSSING_OK && (postscale != 1.0 || divisor != 1)) { /* Agreement.allreduce's scaling */
+      const void* result[1] = {data};
+      smc_reduce(data, result, 1, (size_t)count, (smc_datatype_t)dtype, SMC_SUM, 1.0, postscale, divisor);
+    }
+    int told = call->row_size > 1 ? smc_broadcast(row, call->message, call->message,
+                                                  CROSSING_HEADER_BYTES + nbytes, 0, nbytes) : SMC_SUCCESS;
+    if (rounds != 0) {
+      *rc = rounds;
+      return ROUNDS_FAILED;
+    }
+    if (told != SMC_SUCCESS) {
+      *rc = told;
+      return BROADCAST_FAILED;
+    }
+  } else {
+    *rc = smc_broadcast(row, NULL, call->message, CROSSING_HEADER_BYTES + nbytes, 0, nbytes);
+    if (*rc != SMC_SUCCESS) return BROADCAST_FAILED;
+  }
+  if (words[1] != CROSSING_OK) return VERDICT;
+  memcpy(out, data, (size_t)nbytes);
+  return DONE;
+}
+
 /* crossing_allreduce(call address, x, out, op, prescale, postscale): out is x itself or an array of x's type, dtype
- * and shape. Returns the result; NotImplemented where the full path must decide (nothing was sent then); a tuple
- * (status, culprit) when the ranks' verdict was not OK; or the rounds' failure code as an int (crossing.h), with the
- * round in call->late_round. */
+ * and shape. Returns the result; NotImplemented where the full path must decide (nothing was done then); or where
+ * the call failed, (stage, code) for the stages "row" (the row's step, the core's code), "rounds" (crossing.h's code,
+ * the round in call->late_round) and "broadcast" (the core's code), or ("verdict", status, culprit) where the
+ * verdict was not OK (on a rank other than the row's first, only its row's verdict yet). */
 static PyObject* quick_crossing_allreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 6) return not_here();
@@ -78,37 +129,19 @@ static PyObject* quick_crossing_allreduce(PyObject* self, PyObject* const* args,
     PyBuffer_Release(&in);
     return not_here();
   }
-  uint64_t* words = call->message;
-  uint8_t* data = (uint8_t*)call->message + CROSSING_HEADER_BYTES;
-  const smc_redop_t op = core_op(horovod_op);
-  int rc;
+  int stage, rc = 0;
   Py_BEGIN_ALLOW_THREADS
-  /* The row step of a row of one (smc_allreduce of a communicator of one), then the agreement's header. */
-  const void* src[1] = {in.buf};
-  rc = smc_reduce(data, src, 1, (size_t)count, (smc_datatype_t)dtype, op, prescale, 1.0, 1);
-  if (rc == SMC_SUCCESS) {
-    words[0] = sig;
-    words[1] = CROSSING_OK;
-    words[2] = 0;
-    words[3] = nbytes;
-    rc = ((crossing_rounds_fn)call->rounds)(call->mpi_comm, call->peers, call->kinds, call->count, call->rank,
-                                            call->message, call->incoming, call->capacity, nbytes, count, dtype, op,
-                                            (uintptr_t)&smc_reduce, call->timeout_s, &call->late_round);
-    if (rc == 0 && words[1] == CROSSING_OK) { /* Agreement.allreduce's scaling, then the torus's copy out */
-      const void* result[1] = {data};
-      if (postscale != 1.0 || divisor != 1)
-        smc_reduce(data, result, 1, (size_t)count, (smc_datatype_t)dtype, SMC_SUM, 1.0, postscale, divisor);
-      memcpy(view.buf, data, (size_t)nbytes);
-    }
-  } else {
-    rc = -2; /* not sent: the full path says what is wrong */
-  }
+  stage = small_path(call, in.buf, view.buf, count, nbytes, dtype, core_op(horovod_op), prescale, postscale, divisor,
+                     sig, &rc);
   Py_END_ALLOW_THREADS
   if (out != x) PyBuffer_Release(&view);
   PyBuffer_Release(&in);
-  if (rc == -2) return not_here();
-  if (rc != 0) return PyLong_FromLong(rc);
-  if (words[1] != CROSSING_OK) return Py_BuildValue("(KK)", (unsigned long long)words[1], (unsigned long long)words[2]);
-  Py_INCREF(out);
-  return out;
+  const uint64_t* words = call->message;
+  switch (stage) {
+    case DONE: Py_INCREF(out); return out;
+    case ROW_FAILED: return Py_BuildValue("(si)", "row", rc);
+    case ROUNDS_FAILED: return Py_BuildValue("(si)", "rounds", rc);
+    case BROADCAST_FAILED: return Py_BuildValue("(si)", "broadcast", rc);
+    default: return Py_BuildValue("(sKK)", "verdict", (unsigned long long)words[1], (unsigned long long)words[2]);
+  }
 }

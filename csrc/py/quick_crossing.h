@@ -19,6 +19,10 @@ typedef struct {
   double timeout_s;
   int late_round;          /* set by the rounds when a wait ran out or MPI failed */
   int world_size;          /* an Average's divisor */
+  uintptr_t row;           /* this host's shared-memory communicator (smc_comm_t*); its first rank crosses */
+  int row_rank;
+  int row_size;
+  int world_rank;          /* the culprit a failure of this rank's rounds names (+ 1) */
   uint64_t min_bytes;      /* inputs from min_bytes to max_bytes take this path; others the full one */
   uint64_t max_bytes;
   const int* usable[2];    /* both transports' flags (transport/mpi.py): 0 once a failure left one out of step */

@@ -77,19 +77,35 @@ class Torus:
         # Latency-bound: straight to the core, every Python layer here costs microseconds. The row's sum goes to a
         # message buffer (a header, then the data); the output is written only once the verdict is OK everywhere.
         row, column = self.row, self.column
-        leader = row.rank == 0
-        message = column.message(nbytes) if leader else self._scratch_ptr(HEADER_BYTES + nbytes)
-        data = message + HEADER_BYTES
+        message = column.message(nbytes) if row.rank == 0 else self._scratch_ptr(HEADER_BYTES + nbytes)
         try:  # the row step's outcome, inline: a helper call is a measurable share of this path
             if refusal is None:
-                row.allreduce(src_ptr, data, count, code, op, prescale, 1.0, 1, sig, what)
+                row.allreduce(src_ptr, message + HEADER_BYTES, count, code, op, prescale, 1.0, 1, sig, what)
                 status, culprit, error = OK, 0, None
             else:
                 row.refuse(lib.SMC_COLL_ALLREDUCE, str(refusal), what)
                 status, culprit, error = REFUSED, self.world_rank + 1, None
         except ShmCommError as failure:
             status, culprit, error = _row_status(failure, self.world_rank)
-        if leader:
+        return self._after_row(message, dst_ptr, nbytes, code, op, postscale, divisor, sig, what, status, culprit,
+                               error)
+
+    def after_quick_row(self, failure, nbytes, code, op, postscale, divisor, sig, what):
+        """The verdict of the small path whose row step failed with `failure` in the quick call across hosts
+        (csrc/py/quick_crossing.c): it goes on as _small does (the output is not written)."""
+        message = self.column.message(nbytes) if self.row.rank == 0 else self._scratch_ptr(HEADER_BYTES + nbytes)
+        return self._after_row(message, ffi.NULL, nbytes, code, op, postscale, divisor, sig, what,
+                               *_row_status(failure, self.world_rank))
+
+    def after_quick_verdict(self, verdict, sig):
+        """The verdict of the small path after the quick call got `verdict`, not OK, from its row or its rounds:
+        a rank that does not cross agrees on it with its column, as _small does."""
+        return verdict if self.row.rank == 0 else self.column.agree(sig, *verdict)
+
+    def _after_row(self, message, dst_ptr, nbytes, code, op, postscale, divisor, sig, what, status, culprit, error):
+        row, column = self.row, self.column
+        data = message + HEADER_BYTES
+        if row.rank == 0:
             try:
                 verdict = column.allreduce(sig, status, culprit, nbytes, code, op, postscale, divisor)
             except BaseException as failure:  # KeyboardInterrupt too: the rest of the row must not be left waiting

@@ -55,12 +55,16 @@ class WorldComm(Communicator):
         self.torus = torus
         self.mpi = mpi
         self.torus_min_bytes = paths.torus_min_bytes
-        # With one rank per host, a small allreduce of a numpy array may take the torus's small path in one C call
+        # A small allreduce of a numpy array may take the torus's small path in one C call
         # (csrc/py/quick_crossing.c, through quick_path.py): its smc_crossing_call_t, where the rounds are compiled.
         self.quick_call = None
-        if torus is not None and mpi is not None and torus.row.size == 1:
+        if torus is not None and mpi is not None:
             self.quick_call = torus.column.quick_call(self.size, 0, 0, (mpi.usable_flag, torus.column.transport.
                                                                          usable_flag))
+        if self.quick_call is not None:
+            row = torus.row
+            self.quick_call.row, self.quick_call.row_rank, self.quick_call.row_size = row.address, row.rank, row.size
+            self.quick_call.world_rank = topology.rank
         self.algorithm = choice.validate(paths.algorithm, torus is not None, mpi is not None)
         # Without a torus, every cross-host collective starts with this.
         self.agreement = Agreement(mpi) if mpi is not None and torus is None else None
@@ -82,13 +86,23 @@ class WorldComm(Communicator):
     @_naming_holdups
     def quick_allreduce_failed(self, got, x, op, prescale, postscale, what):
         """Raises what the full path raises where the quick allreduce returned `got` (csrc/py/quick_crossing.c): the
-        rounds' failure code, or the (status, culprit) of a verdict that was not OK."""
-        if type(got) is int:
-            raise self.torus.column.quick_failed(got, self.quick_call)
-        collective = description.describe("allreduce", wrap(x, what).code, x.shape, ops.resolve(op), float(prescale),
-                                          float(postscale))
+        stage that failed and its code, or the verdict that was not OK; the torus's small path goes on from there."""
+        stage, torus = got[0], self.torus
+        if stage == "rounds":
+            raise torus.column.quick_failed(got[1], self.quick_call)
+        if stage == "broadcast":
+            raise torus.row.error(got[1], what)
+        op, buf = ops.resolve(op), wrap(x, what)
+        collective = description.describe("allreduce", buf.code, x.shape, op, float(prescale), float(postscale))
+        divisor = self.size if op == ops.Average else 1
+        sig = collective.signature(buf.count, divisor, True)
         try:
-            raise verdict_error(what, got)
+            if stage == "row":
+                verdict = torus.after_quick_row(torus.row.error(got[1], what), buf.count * buf.itemsize, buf.code,
+                                                ops.C_OP[op], float(postscale), divisor, sig, what)
+            else:
+                verdict = torus.after_quick_verdict(got[1:], sig)
+            raise verdict_error(what, verdict)
         except MismatchError:
             raise self._disagreement(what, collective) from None
         except Refused:
