@@ -6,7 +6,9 @@ The handler calls the C core itself only while the world communicator is one hos
 runs; the context's `comm` is that segment's handle then, and NULL otherwise. With NULL it hands each call here
 (`_from_handler`), which runs it on the session's communicator through collectives.run, as the numpy API does: across
 hosts that is the torus and the MPI transport, and with the engine running it is the engine's queue, so that
-asynchronous numpy or torch collectives and the jitted ones keep one order on every rank. The handler also comes here
+asynchronous numpy or torch collectives and the jitted ones keep one order on every rank. A small allreduce across
+hosts without the engine takes the numpy API's quick call there (quick_path.world.crossing: the torus's small path in
+one C call) before a Request would be built. The handler also comes here
 after the core failed, for the numpy API's explanation of the failure.
 
 Under jit, a failure reaches the caller as jax's JaxRuntimeError, whose text starts with the shmcomm exception's
@@ -33,7 +35,7 @@ from shmcomm.engine.request import Request
 from shmcomm.exceptions import MismatchError, NotInitializedError, ShmCommError
 from shmcomm.jax import native
 from shmcomm.ops import ReduceOp
-from shmcomm.quick_path import host_alone
+from shmcomm.quick_path import crossing_allreduce_call, host_alone, world
 
 ffi, lib = native.load()
 _context = ffi.new("smc_jax_context_t *")  # lives as long as the process: executables hold its address
@@ -169,6 +171,12 @@ def _execute(call):
     dst_rows = [int(call.rows[r]) for r in range(call.nranks)] if call.rows != ffi.NULL else None
     if kind == core_lib.SMC_COLL_ALLREDUCE:
         dst = _view(call.dst, call.dst_bytes, call.dtype, dims)
+        if world.crossing:  # NotImplemented: nothing was sent, the Request decides
+            got = crossing_allreduce_call(world.crossing, src, dst, call.op, call.prescale, call.postscale)
+            if got is not NotImplemented:
+                if type(got) is not np.ndarray:
+                    world.comm.quick_allreduce_failed(got, src, call.op, call.prescale, call.postscale, what)
+                return
         run(Request("allreduce", what, src, comm, 0, output=dst, op=ReduceOp(call.op), prescale=call.prescale,
                     postscale=call.postscale))
     elif kind == core_lib.SMC_COLL_BROADCAST:
