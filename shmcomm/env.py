@@ -140,6 +140,7 @@ class Tuning:
     spin_us: int           # microseconds of polling before sleeping
     yield_us: int          # then microseconds of a collective's waiter yielding its core before sleeping
     single_copy_bytes: int  # allgather/alltoall/broadcast inputs from this size read peers' memory directly; 0: never
+    broadcast_single_copy_bytes: int  # broadcast's, which differs with more ranks than cores
     piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
     cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
 
@@ -162,6 +163,13 @@ def tuning(local_size):
     # small messages took 10-40% less time than sleeping at once; see csrc/shm/wait.c).
     default_yield_us = 0 if local_size <= cores else 1000 * -(-local_size // cores)
     l2_bytes = machine.cache_bytes(2) or (1 << 20)
+    # Single copy costs a system call per peer and saves a copy: it pays from pieces of about 16 KiB, where one copy
+    # in cache takes as long as the call, and with more ranks than cores from pieces as many times larger as ranks
+    # share a core (each call may wait for the core). Against MPICH in the same job on a Xeon with 2 MiB L2: np=2,
+    # broadcast of 128 KiB-1 MiB 1.5-3.1x, allgather of 256 KiB-1 MiB 1.6-2.2x, against 0.41-0.60x and 0.98-1.02x
+    # through the staging halves; np=4 on 2 cores, alltoall of 512 KiB 1.11x against 0.68x, allgather of 512 KiB-2 MiB
+    # 1.5-1.8x against 1.1-1.4x; np=8, alltoall of 32 KiB (4 KiB pieces) 1.84x staged against 1.09x.
+    single_copy_bytes = _number("SINGLE_COPY_BYTES", (16 << 10) * -(-local_size // cores), int, low=0, high=MAX_BYTES)
     return Tuning(
         timeout_s=timeout_s(),
         start_timeout_s=_number("START_TIMEOUT", 60.0, positive=True, high=MAX_SECONDS),
@@ -174,13 +182,12 @@ def tuning(local_size):
         arena_bytes=_number("SMB_BYTES", 256 << 20, int, low=0, high=MAX_BYTES),
         spin_us=_number("SPIN_US", default_spin_us, int, low=0, high=(1 << 31) - 1),
         yield_us=_number("YIELD_US", default_yield_us, int, low=0, high=(1 << 31) - 1),
-        # Single copy costs a system call per peer and saves a copy: it pays from about 16 KiB, where one copy in
-        # cache takes as long as the call (np=2 on a Xeon with 2 MiB L2, against MPICH in the same job: broadcast of
-        # 128 KiB-1 MiB 1.5-3.1x, against 0.41-0.60x through the staging halves). With more ranks than cores it
-        # waits for the L2's size: broadcast's root then waits for every reader of its buffer, which with the cores
-        # shared cost more than the copy saved (np=4, 32-512 KiB: 0.62-1.05x against 1.57-2.20x staged).
-        single_copy_bytes=_number("SINGLE_COPY_BYTES", (16 << 10) if local_size <= cores else l2_bytes, int, low=0,
-                                  high=MAX_BYTES),
+        single_copy_bytes=single_copy_bytes,
+        # ... except broadcast's with more ranks than cores, unless set: its root then waits for every reader of its
+        # buffer, which with the cores shared cost more than the copy saved (np=4 on 2 cores, 32-512 KiB: 0.62-1.05x
+        # MPICH against 1.57-2.20x through the staging halves). From the L2's size it pays again.
+        broadcast_single_copy_bytes=single_copy_bytes if local_size <= cores or is_set("SINGLE_COPY_BYTES") else max(
+            single_copy_bytes, l2_bytes),
         # Half the L2 per step keeps a step's copies in it; with more ranks than cores, every step costs context
         # switches instead, so take as much as a half holds.
         piece_bytes=_number("PIECE_BYTES", l2_bytes // 2 if local_size <= cores else 0, int, low=0, high=MAX_BYTES),

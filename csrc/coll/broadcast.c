@@ -23,7 +23,7 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .count = bytes, .tag = tag, .divisor = 1,
                      .addr = (uint64_t)(uintptr_t)(me == root ? sendbuf : recvbuf), .coll = SMC_COLL_BROADCAST,
                      .root = root};
-  if (c->size > 1 && smc_single_copy(c, bytes)) {
+  if (c->size > 1 && smc_broadcast_single_copy(c, bytes)) {
     SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
     const uint64_t share = (bytes / (uint64_t)c->size) & ~(uint64_t)(SMC_CACHE_LINE - 1); /* what the root writes */
     smc_result_t rc = SMC_SUCCESS;

@@ -47,7 +47,8 @@ static int read_neighbour(smc_comm_t* c, int r) {
 
 smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
   c->cma = 0;
-  if (c->size == 1 || c->single_copy_bytes == 0) return SMC_SUCCESS; /* every rank has the same setting */
+  if (c->size == 1 || (c->single_copy_bytes == 0 && c->broadcast_single_copy_bytes == 0))
+    return SMC_SUCCESS; /* every rank has the same settings */
   smc_rank_ctl_t* me = &c->ctl[c->rank];
   c->cma_probe = ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)c ^ 0x9e3779b97f4a7c15ULL;
   me->cma_addr = (uint64_t)(uintptr_t)&c->cma_probe;

@@ -188,6 +188,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->spin_us = cfg->spin_us < 0 ? 0 : cfg->spin_us;
   c->yield_us = c->yield_now_us = cfg->yield_us < 0 ? 0 : cfg->yield_us;
   c->single_copy_bytes = cfg->single_copy_bytes;
+  c->broadcast_single_copy_bytes = cfg->broadcast_single_copy_bytes;
   c->cache_bytes = cfg->cache_bytes > 0 ? cfg->cache_bytes : (1u << 20);
   c->piece_bytes = cfg->piece_bytes;
   for (int r = 0; r < c->size; r++) c->job_ranks[r] = cfg->job_ranks != NULL ? cfg->job_ranks[r] : r;

@@ -36,6 +36,7 @@ struct smc_comm {
   smc_failure_t broken_failure; /* the failure data of that failure, repeated by every later refusal */
   int job_ranks[SMC_MAX_RANKS]; /* a copy of smc_config_t.job_ranks: nothing points into the caller's memory */
   uint64_t single_copy_bytes; /* inputs of at least this size move by single copy (coll/cma.c); 0: never */
+  uint64_t broadcast_single_copy_bytes; /* broadcast's (smc_config_t) */
   uint64_t cache_bytes;       /* one core's L2 (smc_config_t.cache_bytes) */
   size_t piece_bytes;         /* allreduce's bytes per rank and step (coll/allreduce.c); 0: a half's share */
   int cma;                    /* every rank can read its peers' memory (decided together at init) */
@@ -85,10 +86,14 @@ uint64_t smc_digest(const uint64_t* values, int n, uint64_t seed);
  * and all ranks adopt single copy only if every rank could (a container without ptrace rights, or ranks in different
  * pid namespaces, keep the staging path).
  * smc_single_copy: whether a collective whose largest input is `bytes` takes it; the same answer on every rank.
+ * smc_broadcast_single_copy: the same for a broadcast of `bytes`, by its own threshold.
  * smc_cma_read: copies `bytes` from rank r's address `remote` into `local`. */
 smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s);
 static inline int smc_single_copy(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && c->single_copy_bytes > 0 && bytes >= c->single_copy_bytes;
+}
+static inline int smc_broadcast_single_copy(const smc_comm_t* c, uint64_t bytes) {
+  return c->cma && c->broadcast_single_copy_bytes > 0 && bytes >= c->broadcast_single_copy_bytes;
 }
 smc_result_t smc_cma_read(smc_comm_t* c, int r, void* local, uint64_t remote, uint64_t bytes, const char* what);
 /* smc_cma_write: copies `bytes` from `local` into rank r's address `remote` (process_vm_writev). */

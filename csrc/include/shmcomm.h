@@ -99,8 +99,10 @@ typedef struct {
   int spin_us;            /* microseconds a waiter polls before it sleeps on a futex */
   int yield_us;           /* then microseconds a collective's waiter hands its core on (sched_yield) before it
                            * sleeps: with more ranks than cores, the rank it waits for is often queued behind it */
-  size_t single_copy_bytes; /* allgather, alltoall and broadcast inputs of at least this size move by single copy
-                             * (cross-memory attach) where every rank may reach its peers' memory; 0: never */
+  size_t single_copy_bytes; /* allgather inputs and alltoall parts per peer (their mean) of at least this size move
+                             * by single copy (cross-memory attach) where every rank may reach its peers' memory;
+                             * 0: never */
+  size_t broadcast_single_copy_bytes; /* the same for broadcast buffers; 0: never */
   size_t cache_bytes;     /* one core's L2 cache: sizes single copy's chunks, and from which sizes its copies bypass
                            * the caches; 0: 1 MiB */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,

@@ -57,6 +57,7 @@ class SharedMemory(Transport):
         cfg.spin_us = tuning.spin_us
         cfg.yield_us = tuning.yield_us
         cfg.single_copy_bytes = tuning.single_copy_bytes
+        cfg.broadcast_single_copy_bytes = tuning.broadcast_single_copy_bytes
         cfg.piece_bytes = tuning.piece_bytes
         cfg.cache_bytes = tuning.cache_bytes
         job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
