@@ -303,7 +303,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
         if got is not NotImplemented:
             if got is None or type(got) is int:
                 _quick_failed(got, tensor, "alltoall", name, output)
-            return got[0] if splits is None else (got[0], received_splits(tensor, got[1]))
+            return got if splits is None else (got[0], received_splits(tensor, got[1]))  # without splits, rows only
     if _engine_free(tensor, process_set):
         comm = session.communicator()
         what = _what("alltoall", name)

@@ -173,8 +173,8 @@ static PyMethodDef smc_quick_methods[] = {
     {"allgather", (PyCFunction)(void (*)(void))quick_allgather, METH_FASTCALL,
      "allgather(address, size, x, out, every, empty): the result, None (out did not fit), NotImplemented, or a code"},
     {"alltoall", (PyCFunction)(void (*)(void))quick_alltoall, METH_FASTCALL,
-     "alltoall(address, size, rank, x, out, splits, sends, matrix, empty): (the result, rows from each rank), None "
-     "(out did not fit), NotImplemented, or a failed step's code"},
+     "alltoall(address, size, rank, x, out, splits, sends, matrix, empty): (the result, rows from each rank) (the "
+     "result alone without splits), None (out did not fit), NotImplemented, or a failed step's code"},
     {"reducescatter", (PyCFunction)(void (*)(void))quick_reducescatter, METH_FASTCALL,
      "reducescatter(address, size, rank, x, out, op, prescale, postscale, counts, empty): the result, "
      "NotImplemented, or a failed step's code"},

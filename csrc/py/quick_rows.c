@@ -109,10 +109,17 @@ static PyObject* quick_allgather(PyObject* self, PyObject* const* args, Py_ssize
     return not_here();
   }
   smc_result_t rc;
+  int fits = 0;
   Py_BEGIN_ALLOW_THREADS
   rc = smc_allgather_begin(comm, in.buf, (uint64_t)in.shape[0], row_bytes, tag, every);
+  if (rc == SMC_SUCCESS && have_view) { /* an output with the rows sent: both steps in one release of the lock */
+    uint64_t rows = 0;
+    for (long j = 0; j < size; j++) rows += every[j];
+    fits = (uint64_t)view.shape[0] == rows;
+    if (fits) rc = smc_allgather_finish(comm, in.buf, view.buf, row_bytes, every);
+  }
   Py_END_ALLOW_THREADS
-  if (rc != SMC_SUCCESS) return finish(x, &in, have_view ? out : x, &view, rc);
+  if (fits || rc != SMC_SUCCESS) return finish(x, &in, have_view ? out : x, &view, rc);
   uint64_t total = 0;
   for (long j = 0; j < size; j++) total += every[j];
   return second_step(smc_allgather_finish, comm, x, &in, out, &view, have_view, empty, total, row_bytes, every);
@@ -141,7 +148,7 @@ static int split_rows(PyObject* splits, long size, uint64_t rows, uint64_t* send
 
 /* alltoall(address, size, rank, x, out, splits, sends, matrix, empty): `sends` the address of a uint64_t[size] for
  * the rows this rank sends each rank, `matrix` of a uint64_t[size * size] for every rank's. Returns (the result, the
- * rows received from each rank, a tuple), or as allgather does. */
+ * rows received from each rank, a tuple), the result alone where splits is None, or as allgather does. */
 static PyObject* quick_alltoall(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 9) return not_here();
@@ -162,15 +169,19 @@ static PyObject* quick_alltoall(PyObject* self, PyObject* const* args, Py_ssize_
     return not_here();
   }
   smc_result_t rc;
+  int fits = 0;
+  uint64_t total = 0;
   Py_BEGIN_ALLOW_THREADS
   rc = smc_alltoall_begin(comm, in.buf, sends, row_bytes, tag, matrix);
+  for (long j = 0; rc == SMC_SUCCESS && j < size; j++) total += matrix[j * size + me];
+  fits = rc == SMC_SUCCESS && have_view && (uint64_t)view.shape[0] == total;
+  if (fits) rc = smc_alltoall_finish(comm, in.buf, view.buf, row_bytes, matrix); /* both steps in one release */
   Py_END_ALLOW_THREADS
   if (rc != SMC_SUCCESS) return finish(x, &in, have_view ? out : x, &view, rc);
-  uint64_t total = 0;
-  for (long j = 0; j < size; j++) total += matrix[j * size + me];
-  PyObject* result = second_step(smc_alltoall_finish, comm, x, &in, out, &view, have_view, empty, total, row_bytes,
-                                 matrix);
-  if (result == NULL || result == Py_None || PyLong_Check(result)) return result;
+  PyObject* result = fits ? finish(x, &in, out, &view, rc)
+                          : second_step(smc_alltoall_finish, comm, x, &in, out, &view, have_view, empty, total,
+                                        row_bytes, matrix);
+  if (result == NULL || result == Py_None || PyLong_Check(result) || splits == Py_None) return result;
   PyObject* got = PyTuple_New(size);
   for (long j = 0; got != NULL && j < size; j++) {
     PyObject* rows = PyLong_FromUnsignedLongLong(matrix[j * size + me]);
