@@ -139,7 +139,7 @@ class Tuning:
     arena_bytes: int       # Soft Memory Box arena
     spin_us: int           # microseconds of polling before sleeping
     yield_us: int          # then microseconds of a collective's waiter yielding its core before sleeping
-    single_copy_bytes: int  # allgather/alltoall/broadcast inputs from this size read peers' memory directly; 0: never
+    single_copy_bytes: int  # allgather inputs and alltoall parts per peer from this size read peers' memory; 0: never
     broadcast_single_copy_bytes: int  # broadcast's, which differs with more ranks than cores
     piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
     cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
@@ -183,9 +183,9 @@ def tuning(local_size):
         spin_us=_number("SPIN_US", default_spin_us, int, low=0, high=(1 << 31) - 1),
         yield_us=_number("YIELD_US", default_yield_us, int, low=0, high=(1 << 31) - 1),
         single_copy_bytes=single_copy_bytes,
-        # ... except broadcast's with more ranks than cores, unless set: its root then waits for every reader of its
-        # buffer, which with the cores shared cost more than the copy saved (np=4 on 2 cores, 32-512 KiB: 0.62-1.05x
-        # MPICH against 1.57-2.20x through the staging halves). From the L2's size it pays again.
+        # Broadcast's is the same but with more ranks than cores, unless set: its root waits for every reader of its
+        # buffer then, which with the cores shared cost more than the copy saved (np=4 on 2 cores, 32-512 KiB:
+        # 0.62-1.05x MPICH against 1.57-2.20x through the staging halves). From the L2's size it pays again.
         broadcast_single_copy_bytes=single_copy_bytes if local_size <= cores or is_set("SINGLE_COPY_BYTES") else max(
             single_copy_bytes, l2_bytes),
         # Half the L2 per step keeps a step's copies in it; with more ranks than cores, every step costs context
