@@ -80,10 +80,13 @@ def _breakdown(world, mpi, sizes, count):
     compiled, transport/crossing.py, else the MPI transport's exchanges), the row broadcast of the result, and the rest
     (Python between them, the output's copy). Beside it, a bare MPI_Sendrecv of the same message between the same
     ranks: what the exchange costs MPI itself. Each phase is timed by a clock around the transport's call, per call,
-    medians over calls, printed by each rank."""
+    medians over calls, printed by each rank. The phases are those of the full path: the numpy API's quick call
+    (csrc/py/quick_crossing.c, the same steps in one C call) is closed meanwhile, and timed on its own ("one C
+    call")."""
     import numpy as np
 
     import shmcomm
+    from shmcomm import quick_path
     from shmcomm.algorithms.agreement import HEADER_BYTES
 
     torus, clocks = world.torus, {}
@@ -111,13 +114,21 @@ def _breakdown(world, mpi, sizes, count):
         message, echo = np.zeros(HEADER_BYTES + x.nbytes, np.uint8), np.zeros(HEADER_BYTES + x.nbytes, np.uint8)
         column = torus.column.transport.comm if leader else None
         partner = column.rank ^ 1 if leader and (column.rank ^ 1) < column.size else None
-        rows = {name: [] for name in ("call",) + PHASES + ("exchanges", "MPI_Sendrecv")}
+        rows = {name: [] for name in ("call",) + PHASES + ("exchanges", "MPI_Sendrecv", "one C call")}
+        quick = quick_path.world.crossing
         for _ in range(count):
+            if quick:
+                mpi.Barrier()
+                started = time.perf_counter()
+                shmcomm.allreduce_(x, op=shmcomm.Sum)
+                rows["one C call"].append(time.perf_counter() - started)
+            quick_path.world.crossing = 0  # the full path, whose phases the clocks see
             mpi.Barrier()
             clocks.clear()
             started = time.perf_counter()
             shmcomm.allreduce_(x, op=shmcomm.Sum)
             rows["call"].append(time.perf_counter() - started)
+            quick_path.world.crossing = quick
             for phase in PHASES + ("exchanges",):
                 rows[phase].append(clocks.get(phase, 0.0))
             mpi.Barrier()
@@ -125,7 +136,7 @@ def _breakdown(world, mpi, sizes, count):
             if partner is not None:
                 column.Sendrecv(message, partner, 0x5AD, echo, partner, 0x5AD)
             rows["MPI_Sendrecv"].append(time.perf_counter() - started)
-        medians = {name: float(np.median(values)) for name, values in rows.items()}
+        medians = {name: float(np.median(values)) if values else None for name, values in rows.items()}
         every = mpi.gather(dict(medians, rank=mpi.rank, leader=leader, bytes=size), root=0)
         for row in every or []:
             print(BREAKDOWN + json.dumps(row), flush=True)
@@ -133,15 +144,16 @@ def _breakdown(world, mpi, sizes, count):
 
 def _print_breakdown(rows):
     print("where the torus's small path spends a call, medians in us (a clock around each phase, per call):")
-    print("%8s %5s %7s %9s %9s %13s %10s %14s %8s %13s" % ("bytes", "rank", "leader", "call", "row step",
-                                                           "across hosts", "(exchange)", "row broadcast", "rest",
-                                                           "MPI_Sendrecv"))
+    print("%8s %5s %7s %9s %9s %13s %10s %14s %8s %13s %11s" % ("bytes", "rank", "leader", "call", "row step",
+                                                                "across hosts", "(exchange)", "row broadcast", "rest",
+                                                                "MPI_Sendrecv", "one C call"))
     for r in rows:
         rest = r["call"] - sum(r[p] for p in PHASES)
-        print("%8d %5d %7s %9.1f %9.1f %13.1f %10.1f %14.1f %8.1f %13s" % (
+        print("%8d %5d %7s %9.1f %9.1f %13.1f %10.1f %14.1f %8.1f %13s %11s" % (
             r["bytes"], r["rank"], "yes" if r["leader"] else "no", r["call"] * 1e6, r["row step"] * 1e6,
             r["across hosts"] * 1e6, r["exchanges"] * 1e6, r["row broadcast"] * 1e6, rest * 1e6,
-            "%.1f" % (r["MPI_Sendrecv"] * 1e6) if r["leader"] else "-"))
+            "%.1f" % (r["MPI_Sendrecv"] * 1e6) if r["leader"] else "-",
+            "%.1f" % (r["one C call"] * 1e6) if r["one C call"] is not None else "-"))
 
 
 def _samples(results, hosts, local, small_bytes):
