@@ -64,6 +64,7 @@ def test_a_rank_stopped_in_shutdown_across_two_simulated_hosts_is_killed_and_nam
 
 
 @pytest.mark.long
+@pytest.mark.timeout(1800)  # fifty jobs of 11-16 s each
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["KILL", "STOP"])
 def test_fifty_chaos_runs_across_two_simulated_hosts(signum):
     from test_simhosts import open_hosts
