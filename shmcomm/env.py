@@ -143,6 +143,7 @@ class Tuning:
     broadcast_single_copy_bytes: int  # broadcast's, which differs with more ranks than cores
     piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
     cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
+    single_copy_probed: bool  # the thresholds are defaults, raised to cache_bytes where the kernel's copy is slow
 
 
 def timeout_s(environ=None):
@@ -168,7 +169,9 @@ def tuning(local_size):
     # share a core (each call may wait for the core). Against MPICH in the same job on a Xeon with 2 MiB L2: np=2,
     # broadcast of 128 KiB-1 MiB 1.5-3.1x, allgather of 256 KiB-1 MiB 1.6-2.2x, against 0.41-0.60x and 0.98-1.02x
     # through the staging halves; np=4 on 2 cores, alltoall of 512 KiB 1.11x against 0.68x, allgather of 512 KiB-2 MiB
-    # 1.5-1.8x against 1.1-1.4x; np=8, alltoall of 32 KiB (4 KiB pieces) 1.84x staged against 1.09x.
+    # 1.5-1.8x against 1.1-1.4x; np=8, alltoall of 32 KiB (4 KiB pieces) 1.84x staged against 1.09x. That needs a
+    # kernel that pins pages fast; where its copy proves slow at init (an AMD EPYC: 0.4 us a page against 60 ns),
+    # the core raises these defaults to the L2's size (csrc/coll/cma.c, single_copy_probed).
     single_copy_bytes = _number("SINGLE_COPY_BYTES", (16 << 10) * -(-local_size // cores), int, low=0, high=MAX_BYTES)
     return Tuning(
         timeout_s=timeout_s(),
@@ -192,6 +195,7 @@ def tuning(local_size):
         # switches instead, so take as much as a half holds.
         piece_bytes=_number("PIECE_BYTES", l2_bytes // 2 if local_size <= cores else 0, int, low=0, high=MAX_BYTES),
         cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
+        single_copy_probed=not is_set("SINGLE_COPY_BYTES"),
     )
 
 

@@ -246,3 +246,33 @@ def test_buffers_at_every_placement(threshold):
     at every size (1), with a cache small enough that these sizes also take the chunked and streamed copies."""
     env = dict(FAST_TIMEOUT, SHMCOMM_SINGLE_COPY_BYTES=threshold, SHMCOMM_CACHE_BYTES="16384")
     assert multiproc.run(3, _placements, 3, timeout=180, env=env) == [True] * 3
+
+
+def _single_copy_sizes():
+    import shmcomm
+    from shmcomm import basics, machine
+    from shmcomm._native import lib
+
+    shmcomm.init()
+    handle = basics.communicator().shm.handle
+    return (lib.smc_comm_single_copy(handle), lib.smc_comm_single_copy_from(handle, 0),
+            lib.smc_comm_single_copy_from(handle, 1), machine.cache_bytes(2) or (1 << 20))
+
+
+@pytest.mark.parametrize("size,setting", [(2, None), (3, None), (2, "5000"), (3, "0")])
+def test_single_copy_sizes_after_the_probe_are_every_ranks_own(size, setting):
+    """Unset, the defaults hold where every rank's kernel copy proved fast at init, and are raised to the L2's size
+    where any rank's proved slow (csrc/coll/cma.c): either way the same on every rank, since ranks that took different
+    paths would wait for each other. A value set is kept as it is; 0 turns single copy off."""
+    env = dict(FAST_TIMEOUT, **({"SHMCOMM_SINGLE_COPY_BYTES": setting} if setting else {}))
+    got = multiproc.run(size, _single_copy_sizes, timeout=60, env=env)
+    assert len(set(got)) == 1, got
+    can, pieces, broadcasts, l2 = got[0]
+    if not can:
+        assert pieces == broadcasts == 0
+        return
+    cores = len(os.sched_getaffinity(0))
+    if setting is not None:
+        assert pieces == broadcasts == int(setting)
+    elif (pieces, broadcasts) != (16384 * -(-size // cores), 16384 * -(-size // cores) if size <= cores else l2):
+        assert pieces >= l2 and broadcasts >= l2, got  # a slow kernel copy somewhere: from the L2's size

@@ -138,7 +138,7 @@ smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64
   uint64_t first = c->half_bytes - counts_bytes;
   /* An input that will move by single copy stays where it is: the largest input is at least this one. Single copy
    * moves a part per peer, one system call each: the parts' mean size is what it is decided on. */
-  if (my_total > 0 && !smc_single_copy(c, my_total / (uint64_t)n))
+  if (my_total > 0 && !smc_single_copy(c, c->single_copy_whole ? my_total : my_total / (uint64_t)n))
     memcpy(mine + counts_bytes, sendbuf, (size_t)(my_total < first ? my_total : first));
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .tag = tag, .divisor = 1, .own = my_total,
                      .addr = (uint64_t)(uintptr_t)sendbuf, .coll = SMC_COLL_ALLTOALLV, .root = -1};
@@ -176,7 +176,7 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
     if (j == me) my_total = r->total;
   }
   smc_result_t rc = SMC_SUCCESS;
-  if (smc_single_copy(c, longest / (uint64_t)n)) { /* each rank reads its part of every peer's buffer (coll/comm.h) */
+  if (smc_single_copy(c, c->single_copy_whole ? longest : longest / (uint64_t)n)) { /* reads of parts (comm.h) */
     for (int k = 1; k < n && out != NULL; k++) {
       int j = (me + k) % n;
       const route_t* r = &routes[j];

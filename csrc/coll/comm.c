@@ -190,6 +190,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->single_copy_bytes = cfg->single_copy_bytes;
   c->broadcast_single_copy_bytes = cfg->broadcast_single_copy_bytes;
   c->cache_bytes = cfg->cache_bytes > 0 ? cfg->cache_bytes : (1u << 20);
+  c->single_copy_probed = cfg->single_copy_probed;
   c->piece_bytes = cfg->piece_bytes;
   for (int r = 0; r < c->size; r++) c->job_ranks[r] = cfg->job_ranks != NULL ? cfg->job_ranks[r] : r;
   snprintf(c->name, sizeof(c->name), "/shmcomm-%s-%d", cfg->token, cfg->generation);
@@ -295,6 +296,10 @@ void smc_comm_set_spin(smc_comm_t* c, int spin_us) {
 }
 
 int smc_comm_single_copy(smc_comm_t* c) { return c->cma; }
+
+uint64_t smc_comm_single_copy_from(smc_comm_t* c, int broadcast) {
+  return !c->cma ? 0 : broadcast ? c->broadcast_single_copy_bytes : c->single_copy_bytes;
+}
 
 uint64_t smc_comm_failed_ranks(smc_comm_t* c) {
   uint64_t mask = 0;

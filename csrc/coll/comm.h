@@ -38,6 +38,9 @@ struct smc_comm {
   uint64_t single_copy_bytes; /* inputs of at least this size move by single copy (coll/cma.c); 0: never */
   uint64_t broadcast_single_copy_bytes; /* broadcast's (smc_config_t) */
   uint64_t cache_bytes;       /* one core's L2 (smc_config_t.cache_bytes) */
+  int single_copy_probed;     /* smc_config_t's */
+  int single_copy_whole;      /* alltoall decides on its whole input, not its mean part per peer: the rule where the
+                               * kernel's copy proved slow at init (coll/cma.c), as measured on such a machine */
   size_t piece_bytes;         /* allreduce's bytes per rank and step (coll/allreduce.c); 0: a half's share */
   int cma;                    /* every rank can read its peers' memory (decided together at init) */
   uint64_t cma_probe;         /* the value a neighbour reads at init to prove it reads this process */

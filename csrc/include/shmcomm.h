@@ -105,6 +105,8 @@ typedef struct {
   size_t broadcast_single_copy_bytes; /* the same for broadcast buffers; 0: never */
   size_t cache_bytes;     /* one core's L2 cache: sizes single copy's chunks, and from which sizes its copies bypass
                            * the caches; 0: 1 MiB */
+  int single_copy_probed; /* 1: where the kernel's copy proves slow at init on any rank (coll/cma.c), both single-copy
+                           * thresholds rise to cache_bytes at the least; 0: they stay as given */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
                            * so that a step's copies stay in the cache; 0: as many as a staging half holds */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL
@@ -140,6 +142,9 @@ void smc_comm_set_spin(smc_comm_t* comm, int spin_us);
 /* 1 when large allgather, alltoall and broadcast inputs move by single copy (every rank could read its neighbour's
  * memory at init, and single_copy_bytes is not 0). */
 int smc_comm_single_copy(smc_comm_t* comm);
+/* The sizes from which single copy moves allgather's and alltoall's pieces (broadcast = 0) or broadcast's buffer
+ * (broadcast = 1), after init's probe (smc_config_t.single_copy_probed); 0 where nothing moves by single copy. */
+uint64_t smc_comm_single_copy_from(smc_comm_t* comm, int broadcast);
 /* Ranks whose process is gone, as a bit mask (bit i = the communicator's i-th rank, job_ranks[i]; the first 64
  * only); for error reports and tests. Overwrites this thread's last failure. */
 uint64_t smc_comm_failed_ranks(smc_comm_t* comm);

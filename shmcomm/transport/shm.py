@@ -60,6 +60,7 @@ class SharedMemory(Transport):
         cfg.broadcast_single_copy_bytes = tuning.broadcast_single_copy_bytes
         cfg.piece_bytes = tuning.piece_bytes
         cfg.cache_bytes = tuning.cache_bytes
+        cfg.single_copy_probed = tuning.single_copy_probed
         job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
         cfg.job_ranks = job_ranks
         cfg.abandon = ffi.NULL if abandon is None else abandon
@@ -70,9 +71,13 @@ class SharedMemory(Transport):
         self.handle = out[0]
         self.address = int(ffi.cast("uintptr_t", self.handle))  # for quick_allreduce and quick_broadcast; 0 once closed
         # Single copy is a speed path with a silent fallback: say which one this machine took.
-        log.debug("shared memory of %d ranks: inputs from %d bytes move by %s", self.size, tuning.single_copy_bytes,
-                  "single copy (process_vm_readv and process_vm_writev)" if lib.smc_comm_single_copy(self.handle)
-                  else "the staging halves (single copy is off or not allowed here)")
+        if lib.smc_comm_single_copy(self.handle):
+            log.debug("shared memory of %d ranks: pieces from %d bytes (broadcasts from %d) move by single copy "
+                      "(process_vm_readv and process_vm_writev)", self.size,
+                      lib.smc_comm_single_copy_from(self.handle, 0), lib.smc_comm_single_copy_from(self.handle, 1))
+        else:
+            log.debug("shared memory of %d ranks: every size moves through the staging halves (single copy is off "
+                      "or not allowed here)", self.size)
 
     @staticmethod
     def failure(rc, what):
