@@ -139,7 +139,7 @@ def _quick_failed(got, tensor, kind, name, output=None):
 # Each public function tries the quickest way first: a numpy array on the global set of a one-host world without the
 # engine (quick_path.world) goes to the core in one C call (csrc/py/quick_calls.c), which returns NotImplemented for
 # anything out of the ordinary, before any step; the full path then decides, and its checks say what is wrong. A small
-# allreduce across hosts of one rank each does the same through the agreement's compiled rounds (world.crossing).
+# allreduce across hosts does the same through the torus's small path in one C call (world.crossing).
 
 def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None,
               process_set=None):

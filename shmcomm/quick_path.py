@@ -9,10 +9,10 @@ change listener (init, shutdown, the engine's start and stop), and collectives.p
 instead of asking the session and the engine on every call.
 `world.address` is 0 whenever the short way is closed.
 
-Across hosts with one rank per host, `world.crossing` is the address of the world's smc_crossing_call_t instead
-(WorldComm.quick_call): a small allreduce goes to the agreement's compiled rounds in one C call
-(csrc/py/quick_crossing.c), and `world.comm` raises what the full path would where that call failed. 0 when closed:
-no compiled rounds, an engine running, or debug logging on (the full path logs each call's choice)."""
+Across hosts, `world.crossing` is the address of the world's smc_crossing_call_t instead (WorldComm.quick_call): a
+small allreduce takes the torus's small path (the row's step, the agreement's compiled rounds, the row's broadcast) in
+one C call (csrc/py/quick_crossing.c), and `world.comm` goes on as the full path would where that call stopped. 0 when
+closed: no compiled rounds, an engine running, or debug logging on (the full path logs each call's choice)."""
 import logging
 
 from shmcomm import engine, session

@@ -135,9 +135,9 @@ class Rounds:
         self._transport = transport
 
     def quick_call(self, world_size, min_bytes, max_bytes, usable):
-        """These rounds as csrc/py/quick_crossing.h describes them, for the quick allreduce of a row of one rank: a
-        cffi smc_crossing_call_t of the core's, which keeps what it points to alive. `usable`: the int flags of the
-        transports that must not be broken (transport/mpi.py)."""
+        """These rounds as csrc/py/quick_crossing.h describes them, for the quick allreduce across hosts: a cffi
+        smc_crossing_call_t of the core's, which keeps what it points to alive (its row fields are the caller's to
+        fill). `usable`: the int flags of the transports that must not be broken (transport/mpi.py)."""
         from shmcomm._native import ffi as core_ffi
 
         def address(pointer):
