@@ -6,10 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "coll/comm.h"
+#include "core/clock.h"
 #include "core/copy.h"
 #include "core/error.h"
 
@@ -47,12 +47,6 @@ static int read_neighbour(smc_comm_t* c, int r) {
   return n == (ssize_t)sizeof(got) && got == c->ctl[r].cma_value;
 }
 
-static double seconds(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 /* Whether the kernel's copy behind process_vm_readv costs less than three memcpys of 64 KiB in cache (best of 8 each,
  * reading this process itself: the kernel pins and maps each page as it does a peer's). Measured: 2.1x on a Xeon
  * (about 60 ns a page), where single copy pays from 16 KiB pieces; 4.7x at 128 KiB on an AMD EPYC (0.4 us a page),
@@ -68,15 +62,15 @@ static int kernel_copy_is_fast(void) {
     memset(to, 2, BYTES);
     for (int k = 0; k < TRIES; k++) {
       struct iovec local = {to, BYTES}, remote = {from, BYTES};
-      double t = seconds();
+      double t = smc_now();
       ssize_t n = process_vm_readv(getpid(), &local, 1, &remote, 1, 0);
-      double d = seconds() - t;
+      double d = smc_now() - t;
       if (n != BYTES) break;
       kernel = d < kernel ? d : kernel;
-      t = seconds();
+      t = smc_now();
       memcpy(to, from, BYTES);
       __asm__ volatile("" : : "r"(to) : "memory"); /* the copy is used */
-      d = seconds() - t;
+      d = smc_now() - t;
       user = d < user ? d : user;
     }
     fast = kernel < 3 * user;

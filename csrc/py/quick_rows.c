@@ -110,18 +110,14 @@ static PyObject* quick_allgather(PyObject* self, PyObject* const* args, Py_ssize
   }
   smc_result_t rc;
   int fits = 0;
+  uint64_t total = 0;
   Py_BEGIN_ALLOW_THREADS
   rc = smc_allgather_begin(comm, in.buf, (uint64_t)in.shape[0], row_bytes, tag, every);
-  if (rc == SMC_SUCCESS && have_view) { /* an output with the rows sent: both steps in one release of the lock */
-    uint64_t rows = 0;
-    for (long j = 0; j < size; j++) rows += every[j];
-    fits = (uint64_t)view.shape[0] == rows;
-    if (fits) rc = smc_allgather_finish(comm, in.buf, view.buf, row_bytes, every);
-  }
+  for (long j = 0; rc == SMC_SUCCESS && j < size; j++) total += every[j];
+  fits = rc == SMC_SUCCESS && have_view && (uint64_t)view.shape[0] == total;
+  if (fits) rc = smc_allgather_finish(comm, in.buf, view.buf, row_bytes, every); /* both steps in one release */
   Py_END_ALLOW_THREADS
   if (fits || rc != SMC_SUCCESS) return finish(x, &in, have_view ? out : x, &view, rc);
-  uint64_t total = 0;
-  for (long j = 0; j < size; j++) total += every[j];
   return second_step(smc_allgather_finish, comm, x, &in, out, &view, have_view, empty, total, row_bytes, every);
 }
 

@@ -91,14 +91,14 @@ class WorldComm(Communicator):
         if stage == "rounds":
             raise torus.column.quick_failed(got[1], self.quick_call)
         if stage == "broadcast":
-            raise torus.row.error(got[1], what)
+            raise torus.row.failure(got[1], what)
         op, buf = ops.resolve(op), wrap(x, what)
         collective = description.describe("allreduce", buf.code, x.shape, op, float(prescale), float(postscale))
         divisor = self.size if op == ops.Average else 1
         sig = collective.signature(buf.count, divisor, True)
         try:
             if stage == "row":
-                verdict = torus.after_quick_row(torus.row.error(got[1], what), buf.count * buf.itemsize, buf.code,
+                verdict = torus.after_quick_row(torus.row.failure(got[1], what), buf.count * buf.itemsize, buf.code,
                                                 ops.C_OP[op], float(postscale), divisor, sig, what)
             else:
                 verdict = torus.after_quick_verdict(got[1:], sig)

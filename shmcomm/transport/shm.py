@@ -117,10 +117,6 @@ class SharedMemory(Transport):
         if rc != 0:
             raise _error(rc, what)
 
-    def error(self, rc, what):
-        """The exception of a step that failed with `rc` outside these methods (a quick call's)."""
-        return _error(rc, what)
-
     def broadcast(self, src, dst, nbytes, root, tag, what):
         rc = lib.smc_broadcast(self.handle, src, dst, nbytes, root, tag)
         if rc != 0:
