@@ -9,13 +9,13 @@ import numpy as np
 from mpi4py import MPI
 
 from shmcomm._native import ffi, lib
-from shmcomm.algorithms.agreement import FAILED, HEADER_BYTES, MISMATCH, OK, Agreement
+from shmcomm.algorithms.agreement import FAILED, HALVING_BYTES, HEADER_BYTES, MISMATCH, OK, Agreement
 from shmcomm.exceptions import BrokenCommunicatorError, TimeoutError
 from shmcomm.transport.mpi import Mpi
 
 world = MPI.COMM_WORLD
 me, n = world.rank, world.size
-CAPACITY = 4096
+CAPACITY = 128 << 10
 
 
 def agreement(compiled, timeout_s=30.0):
@@ -36,6 +36,10 @@ def run(a, sig, status, culprit, data, code, op):
 
 values = np.random.default_rng(1000 + me).standard_normal(1000).astype(np.float32)
 counts = np.arange(CAPACITY // 4, dtype=np.int32) * (me + 1) - 7 * me
+# From HALVING_BYTES, among 4 ranks or more after the fold, the rounds halve: an odd count, and the whole capacity.
+wide = np.random.default_rng(2000 + me).standard_normal(CAPACITY // 4).astype(np.float32)
+odd = np.random.default_rng(3000 + me).standard_normal(8195).astype(np.float64)
+assert odd.nbytes >= HALVING_BYTES and values.nbytes < HALVING_BYTES
 cases = [  # (what, sig, status, culprit, data, core dtype, core op, expected verdict)
     ("float32 sum", 5, OK, 0, values, lib.SMC_FLOAT32, lib.SMC_SUM, (OK, 0)),
     ("int32 max, the whole capacity", 5, OK, 0, counts, lib.SMC_INT32, lib.SMC_MAX, (OK, 0)),
@@ -46,6 +50,15 @@ cases = [  # (what, sig, status, culprit, data, core dtype, core op, expected ve
     ("another path (byte count) on rank 0", 5, OK, 0, values[:999] if me == 0 else values, lib.SMC_FLOAT32,
      lib.SMC_SUM, (MISMATCH, 0)),
     ("headers only", 9, OK, 0, values[:0], lib.SMC_FLOAT32, lib.SMC_SUM, (OK, 0)),
+    ("halving: float32 sum, the whole capacity", 5, OK, 0, wide, lib.SMC_FLOAT32, lib.SMC_SUM, (OK, 0)),
+    ("halving: float64 min of an odd count", 5, OK, 0, odd, lib.SMC_FLOAT64, lib.SMC_MIN, (OK, 0)),
+    ("halving: a signature that differs on the last rank", 6 if me == n - 1 else 5, OK, 0, wide, lib.SMC_FLOAT32,
+     lib.SMC_SUM, (MISMATCH, 0)),
+    ("halving: a failed step on the last rank", 5, FAILED if me == n - 1 else OK, n if me == n - 1 else 0, wide,
+     lib.SMC_FLOAT32, lib.SMC_SUM, (FAILED, n)),
+    ("halving: another path (byte count) on rank 0", 5, OK, 0, odd[:-1] if me == 0 else odd, lib.SMC_FLOAT64,
+     lib.SMC_SUM, (MISMATCH, 0)),
+    ("halving on rank 0 only", 5, OK, 0, odd if me == 0 else odd[:100], lib.SMC_FLOAT64, lib.SMC_SUM, (MISMATCH, 0)),
 ]
 compiled, python = agreement(True), agreement(False)
 for what, sig, status, culprit, data, code, op, expected in cases:
@@ -53,10 +66,13 @@ for what, sig, status, culprit, data, code, op, expected in cases:
     got_p = run(python, sig, status, culprit, data, code, op)
     assert got_c[0] == got_p[0] == expected, (what, got_c[0], got_p[0], expected)
     assert got_c[1] == got_p[1], what  # the very same bits
-if n > 1:  # and the sum is the sum
-    total = np.frombuffer(run(compiled, 5, OK, 0, values, lib.SMC_FLOAT32, lib.SMC_SUM)[1], dtype=np.float32)
-    every = np.array(world.allgather(values))
-    assert np.allclose(total, every.sum(axis=0), rtol=1e-5, atol=1e-5)
+if n > 1:  # and the sum is the sum, by doubling and by halving
+    for data in (values, wide):
+        total = np.frombuffer(run(compiled, 5, OK, 0, data, lib.SMC_FLOAT32, lib.SMC_SUM)[1], dtype=np.float32)
+        every = np.array(world.allgather(data))
+        assert np.allclose(total, every.sum(axis=0), rtol=1e-5, atol=1e-5)
+    least = np.frombuffer(run(compiled, 5, OK, 0, odd, lib.SMC_FLOAT64, lib.SMC_MIN)[1], dtype=np.float64)
+    assert np.array_equal(least, np.array(world.allgather(odd)).min(axis=0))
 
 # A rank that does not come: every other rank times out within its deadline, and its transport is refused after.
 late = agreement(True, timeout_s=1.0)

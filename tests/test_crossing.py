@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The agreement's rounds across hosts compiled in C (shmcomm/transport/crossing.py) against the same rounds in
 Python, under MPI: same verdicts, same bits, and a late rank makes the others time out (tests/crossing_checks.py).
-3 ranks take the fold of a non-power-of-two world, 4 plain recursive doubling."""
+3 ranks take the fold of a non-power-of-two world, 4 plain recursive doubling, and from HALVING_BYTES 4 ranks halve and
+6 fold, then halve."""
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ pytest.importorskip("mpi4py")
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("ranks", [3, 4])
+@pytest.mark.parametrize("ranks", [3, 4, 6])
 def test_compiled_rounds_match_the_python_rounds(ranks):
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():

@@ -303,9 +303,10 @@ def test_a_rank_that_does_not_come_times_the_quick_call_across_hosts_out_by_name
     assert raised[1]["type"] == "TimeoutError", raised
 
 
-# Three hosts of two (6, 2) run with -m long: two hosts of three and the uneven (5, 2) take the same paths.
+# Three hosts of two (6, 2) run with -m long: two hosts of three and the uneven (5, 2) take the same paths. Four
+# hosts of one halve on the small path (agreement.HALVING_BYTES).
 PRETEND_HOSTS = [(4, 2, "torus"), (4, 2, "ring"), (4, 2, "mpi"), pytest.param(6, 2, "auto", marks=pytest.mark.long),
-                 (6, 3, "auto"), (5, 2, "auto")]
+                 (6, 3, "auto"), (5, 2, "auto"), (4, 1, "auto")]
 
 
 def run_checks_job(launch, ranks, program=CHECKS):

@@ -21,6 +21,9 @@ enum {
  * cancelled, a late send stays pending); or MPI's error code (> 0, *late_round: the round); or
  * SMC_CROSSING_REDUCE_FAILED - the core's error code when the reduction failed. */
 #define SMC_CROSSING_REDUCE_FAILED -1000
+/* Data of at least this many bytes, among 4 or more ranks after the fold, is reduced by halving and gathered by
+ * doubling (agreement.py: HALVING_BYTES, the same number). */
+#define SMC_CROSSING_HALVING_BYTES (64 << 10)
 int smc_crossing_rounds(uintptr_t comm_address, const int* peers, const int* kinds, int rounds, int my_rank,
                         void* message, void* incoming, uint64_t capacity, uint64_t nbytes, uint64_t count, int code,
                         int op, uintptr_t reduce, double timeout_s, int* late_round);

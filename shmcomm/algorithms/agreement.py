@@ -10,9 +10,17 @@ scale factors), a status (OK, MISMATCH or FAILED) and the lowest failed rank. Co
 and associative, so every rank ends with the same verdict, whatever the order of the rounds.
 
 A small allreduce rides in the same messages (`allreduce`): its data follows the header and each round also reduces
-the partner's data, so the check costs no extra message where latency matters. Every wait has a deadline
-(SHMCOMM_TIMEOUT), kept by the MPI transport (transport/deadline.py). Over MPI the rounds run in C where that module
-can be built (transport/crossing.py): the same rules, the same deadline, without a Python layer between MPI's calls."""
+the partner's data, so the check costs no extra message where latency matters. From HALVING_BYTES among 4 or more
+ranks (after the fold) the rounds halve instead: each carries the header and the half of the data the partner goes
+on reducing, so that after log2(p) rounds every rank holds the verdict and 1/p of the sum, and where the verdict is
+OK the shares are gathered back by doubling, without headers. Each rank then sends 2(p - 1)/p of the data and reduces
+(p - 1)/p of it, against log2(p) times the whole by doubling, for twice the rounds: worth it where a round's latency
+is below the time the extra bytes take (about 64 KiB at 20 us and 1 GB/s). Measured across simulated hosts of one
+rank (benchmarks.multihost, benchmarks/RESULTS.md): 8 hosts, 64-256 KiB in 0.39-1.17 ms against 0.82-1.74 ms.
+
+Every wait has a deadline (SHMCOMM_TIMEOUT), kept by the MPI transport (transport/deadline.py). Over MPI the rounds
+run in C where that module can be built (transport/crossing.py): the same rules, the same deadline, without a Python
+layer between MPI's calls."""
 import numpy as np
 
 from shmcomm import description
@@ -26,6 +34,7 @@ OK, MISMATCH, REFUSED, FAILED = 0, 1, 2, 3
 HEADER_BYTES = 32     # uint64 words: signature, status, lowest failed rank + 1 (0: none), data bytes that follow
 _REASON_WORDS = 64    # a refusal's reason as int64 words (512 bytes of UTF-8)
 _TAG = 0x5AC          # apart from the tags of the ring's messages on the same communicator
+HALVING_BYTES = 64 << 10  # csrc/mpi/crossing.h: SMC_CROSSING_HALVING_BYTES
 
 
 def combine(sig, status, culprit, other_sig, other_status, other_culprit):
@@ -143,9 +152,12 @@ class Agreement:
                 if self.fold_from is not None:
                     self._exchange(self.fold_from, deadline, send=False, receive=True)
                     self._merge(nbytes, code, op, self.fold_from)
-                for peer in self.partners:
-                    self._exchange(peer, deadline, send=True, receive=True)
-                    self._merge(nbytes, code, op, peer)
+                if halving(self.partners, nbytes, nbytes // kernels.itemsize(code) if nbytes else 0):
+                    self._halve_and_double(nbytes, code, op, deadline)
+                else:
+                    for peer in self.partners:
+                        self._exchange(peer, deadline, send=True, receive=True)
+                        self._merge(nbytes, code, op, peer)
                 if self.fold_from is not None:
                     self._exchange(self.fold_from, deadline, send=True, receive=False)
         except BaseException as error:  # a timeout, or MPI's own error: the rounds are out of step from here on
@@ -190,7 +202,35 @@ class Agreement:
         self.transport.exchange(peer, self._send if send else None, length, self._recv if receive else None,
                                 deadline, _TAG, lambda: self._late(peer))
 
-    def _merge(self, nbytes, code, op, peer):
+    def _halve_and_double(self, nbytes, code, op, deadline):
+        """The partners' rounds by halving, then (verdict OK) the gathering back by doubling; as crossing.c does."""
+        esize, words = kernels.itemsize(code), self._send_words
+        data = self._send[HEADER_BYTES:]
+        lo, hi, ranges = 0, nbytes // esize, []
+        for peer in self.partners:
+            mid = lo + (hi - lo) // 2
+            keep, give = (lo, mid) if self.rank < peer else (mid, lo)
+            kept = mid - lo if self.rank < peer else hi - mid
+            ranges.append((lo, hi))
+            given = (hi - lo - kept) * esize if words[1] == OK else 0
+            if give == 0 or given == 0:
+                out = self._send[:HEADER_BYTES + given]
+            else:  # the header and a part of the data from further on, as one message
+                out = np.concatenate((self._send[:HEADER_BYTES], data[give * esize:give * esize + given]))
+            self.transport.exchange(peer, out, out.nbytes, self._recv, deadline, _TAG, lambda p=peer: self._late(p))
+            self._merge(nbytes, code, op, peer, keep, kept)
+            lo, hi = keep, keep + kept
+        if words[1] != OK:
+            return
+        for peer, (below, above) in zip(reversed(self.partners), reversed(ranges)):
+            start, end = (hi, above) if lo == below else (below, lo)
+            self.transport.exchange(peer, data[lo * esize:hi * esize], (hi - lo) * esize,
+                                    data[start * esize:end * esize], deadline, _TAG, lambda p=peer: self._late(p))
+            lo, hi = below, above
+
+    def _merge(self, nbytes, code, op, peer, start=0, count=None):
+        """Combines the partner's header into this rank's; while both are OK, reduces the partner's data into this
+        rank's from element `start` (`count` elements, default all)."""
         # The headers as Python ints: comparing numpy scalars one by one costs more than the small data's reduction.
         sig, status, culprit, path = self._send_words.tolist()
         other_sig, other_status, other_culprit, other_path = self._recv_words.tolist()
@@ -201,11 +241,12 @@ class Agreement:
                 both_ok, status = False, MISMATCH
             self._send_words[1:3] = status, culprit
         if both_ok and nbytes:
+            esize = kernels.itemsize(code)
+            count = nbytes // esize if count is None else count
+            mine = self._send_data + start * esize
             # The lower rank's data first, on both sides, so both compute the very same bits.
-            first, second = (self._send_data, self._recv_data) if self.rank < peer else (self._recv_data,
-                                                                                         self._send_data)
-            kernels.reduce_pair(self._send_data, first, second, nbytes // kernels.itemsize(code), code, op, self.what,
-                                self._pair)
+            first, second = (mine, self._recv_data) if self.rank < peer else (self._recv_data, mine)
+            kernels.reduce_pair(mine, first, second, count, code, op, self.what, self._pair)
 
     def _adopt(self, nbytes):
         """A folded rank takes its partner's final header, and the data with it."""
@@ -217,6 +258,15 @@ class Agreement:
         return TimeoutError("%s: timed out after %.0f s waiting for rank %d: it is stuck, or it called a different "
                             "collective (SHMCOMM_TIMEOUT sets the limit)" % (self.what, self.transport.timeout_s,
                                                                              self.transport.ranks[peer]))
+
+
+def halving(partners, nbytes, count):
+    """Whether a small allreduce's rounds halve (crossing.c: halving): the same answer on every rank that calls with
+    the same data."""
+    # Every part that goes from further into the data than its start is at least a header long (crossing.c writes
+    # the header just before it for the time of the send).
+    return len(partners) >= 2 and nbytes >= HALVING_BYTES and count > 0 and (
+        (count >> len(partners)) * (nbytes // count) >= HEADER_BYTES)
 
 
 def _schedule(rank, size):

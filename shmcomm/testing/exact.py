@@ -32,6 +32,7 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16",
 OPS = ("Sum", "Average", "Min", "Max", "Product")
 SMALL_COUNTS = (0, 1, 7, 1001)
 LARGE_BYTES = 300_000  # past the torus's small-message size (256 KiB) for every dtype
+MID_BYTES = 100_000    # on the torus's small path, where 4 or more hosts halve (agreement.HALVING_BYTES, 64 KiB)
 
 
 class Report:
@@ -63,9 +64,9 @@ def _equal(report, got, want, what):
     report.checked += 1
 
 
-def _large_count(dtype):
+def _large_count(dtype, nbytes=LARGE_BYTES):
     itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
-    return LARGE_BYTES // itemsize + 7  # divides by neither 2 nor 3 (nor 4) for these item sizes
+    return nbytes // itemsize + 7  # divides by neither 2 nor 3 (nor 4) for these item sizes
 
 
 def _allreduce_case(shmcomm, report, count, dtype, op, prescale=1.0, postscale=1.0):
@@ -99,7 +100,10 @@ def check_allreduce(shmcomm, report, dtypes, large=True):
             _allreduce_case(shmcomm, report, 7, dtype, "Sum", 2.0, 3.0)
         if large:
             _allreduce_case(shmcomm, report, _large_count(dtype), dtype, "Sum")
+            _allreduce_case(shmcomm, report, _large_count(dtype, MID_BYTES), dtype, "Sum")
     if large:
+        _allreduce_case(shmcomm, report, _large_count("float32", MID_BYTES), "float32", "Average", 3.0, 0.5)
+        _allreduce_case(shmcomm, report, _large_count("int64", MID_BYTES), "int64", "Max")
         _allreduce_case(shmcomm, report, _large_count("float32"), "float32", "Sum", 3.0, 0.5)
         _allreduce_case(shmcomm, report, _large_count("float32"), "float32", "Average")
         _allreduce_case(shmcomm, report, _large_count("int32"), "int32", "Average")
@@ -109,7 +113,7 @@ def check_noisy_sums(shmcomm, report, large=True):
     """Float sums whose bits depend on the order of the additions: every rank must still get the same bits."""
     me, n = report.rank, report.size
     for dtype in ("float32", "float64"):
-        for count in (1001,) + ((_large_count(dtype),) if large else ()):
+        for count in (1001,) + ((_large_count(dtype, MID_BYTES), _large_count(dtype)) if large else ()):
             inputs = [random_for("noisy", r, dtype, count).standard_normal(count).astype(dtype) for r in range(n)]
             got = shmcomm.allreduce(inputs[me], op=shmcomm.Sum)
             want = np.sum(np.stack(inputs).astype(np.float64), axis=0)
