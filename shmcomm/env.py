@@ -191,9 +191,11 @@ def tuning(local_size):
         # 0.62-1.05x MPICH against 1.57-2.20x through the staging halves). From the L2's size it pays again.
         broadcast_single_copy_bytes=single_copy_bytes if local_size <= cores or is_set("SINGLE_COPY_BYTES") else max(
             single_copy_bytes, l2_bytes),
-        # Half the L2 per step keeps a step's copies in it; with more ranks than cores, every step costs context
-        # switches instead, so take as much as a half holds.
-        piece_bytes=_number("PIECE_BYTES", l2_bytes // 2 if local_size <= cores else 0, int, low=0, high=MAX_BYTES),
+        # A quarter of the L2 per step keeps a step's copies in it: at np=2 a rank writes two sections of its half
+        # (its copy-in and its reduced piece) and reads two of its peer's. Measured (csrc/coll/allreduce.c): on a
+        # Xeon with 2 MiB of L2, 2-16 MiB against Open MPI 1.20-1.37x with 512 KiB pieces, 1.16-1.32x with 1 MiB. With
+        # more ranks than cores every step costs context switches instead, so take as much as a half holds.
+        piece_bytes=_number("PIECE_BYTES", l2_bytes // 4 if local_size <= cores else 0, int, low=0, high=MAX_BYTES),
         cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
         single_copy_probed=not is_set("SINGLE_COPY_BYTES"),
     )

@@ -70,7 +70,9 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   /* A piece of each range per step, at most piece_bytes: smaller pieces take more synchronisations, but a step's
    * copies then stay in the L2 (np=2 on an AMD EPYC with 512 KiB L2, pieces of 256 KiB against a half's share of 1
    * MiB, medians of calls interleaved in one job: 8 MiB 3.1-3.6 ms against 3.8-4.2, 16 MiB 7.2-10.1 against 9.8-10.5,
-   * 2 MiB 0.30-0.32 against 0.31-0.38; the same within 3% while the machine's cross-core transfers were slow). */
+   * 2 MiB 0.30-0.32 against 0.31-0.38; the same within 3% while the machine's cross-core transfers were slow. On a
+   * Xeon with 2 MiB of L2, against Open MPI in the same job at 2-16 MiB: 512 KiB pieces 1.20-1.37x, 256 KiB
+   * 1.19-1.36x, 1 MiB 1.16-1.32x; hence a quarter of the L2 by default, env.py). */
   size_t section = c->half_bytes / (size_t)n;
   if (c->piece_bytes > 0 && c->piece_bytes < section) section = c->piece_bytes;
   section = section / SMC_CACHE_LINE * SMC_CACHE_LINE;
