@@ -51,6 +51,7 @@ def validate():
     engine_requested()
     pretend_ranks_per_host()
     gpu_path()
+    jax_heap_bytes()
 
 
 def gpu_path():
@@ -349,6 +350,11 @@ def parse_grid(text, size):
         raise ValueError("SHMCOMM_TORUS_GRID=%s does not fit %d ranks (X*Y must equal the number of ranks)"
                          % (text, size))
     return x, y
+
+
+def jax_heap_bytes():
+    """shmcomm.jax raises glibc's mmap and trim thresholds to this (jax/results_heap.py); 0 leaves them."""
+    return _number("JAX_HEAP_BYTES", 1 << 30, int, low=0, high=(1 << 31) - 1)
 
 
 def pretend_ranks_per_host():

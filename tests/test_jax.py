@@ -185,3 +185,31 @@ def test_the_handler_is_built_once_into_the_build_directory(tmp_path):
     assert module.stat().st_mtime_ns == stamp
     assert not [p for p in (tmp_path / "ffi").iterdir() if p.name.startswith(".build-")]  # no leftovers
 
+
+
+def test_results_memory_stays_mapped_between_calls():
+    """shmcomm.jax raises glibc's mmap and trim thresholds (jax/results_heap.py): a 64 MiB block freed and taken
+    again, as XLA does with a jitted call's result, keeps its pages; with SHMCOMM_JAX_HEAP_BYTES=0 (glibc's own
+    thresholds) every page faults in again."""
+    program = textwrap.dedent("""
+        import ctypes, resource, sys
+        import shmcomm.jax.context
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+        libc.free.argtypes = (ctypes.c_void_p,)
+        size = 64 << 20
+        for round in range(2):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            block = libc.malloc(size)
+            ctypes.memset(block, 1, size)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            libc.free(block)
+        print("faults", faults)
+    """)
+    faults = {}
+    for setting in ("", "0"):
+        run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env=job_env(SHMCOMM_JAX_HEAP_BYTES=setting) if setting else job_env())
+        assert run.returncode == 0, run.stderr
+        faults[setting] = int(run.stdout.split("faults")[1])
+    assert faults[""] < 100 and faults["0"] >= 1000, faults  # 16384 pages of 4 KiB when mapped afresh

@@ -88,13 +88,13 @@ static XLA_FFI_Buffer* data_buffer(int64_t size, void** items) {
   return NULL;
 }
 
-/* XLA mallocs each result. glibc serves a freed block of up to 32 MiB again from its heap (its mmap threshold rises
- * to the largest block freed; measured: no faults per call at 1-16 MiB once warm), but a larger one is mapped afresh
- * on every call and unmapped when freed, and the collective's writes then fault it in page by page: 16384 faults
- * for 64 MiB of 4 KiB pages, which cost more than the collective itself. Where transparent huge pages are granted on request (the
- * kernel's usual "madvise" mode, as numpy requests them for its large arrays), asking for them on the result's whole
- * huge pages makes that 32 faults at 2 MiB. The size is the kernel's (ctx->huge_page, read by Python from
- * /sys/kernel/mm/transparent_hugepage/hpage_pmd_size; 0 where there are none). Only a hint: the kernel may ignore
+/* XLA mallocs each result. shmcomm.jax raises glibc's thresholds so that results up to SHMCOMM_JAX_HEAP_BYTES stay
+ * mapped between calls (shmcomm/jax/results_heap.py); a larger one, or any with that setting at 0, is mapped afresh
+ * on every call and unmapped when freed, and the collective's writes then fault it in page by page: 16384 faults for
+ * 64 MiB of 4 KiB pages, which cost more than the collective itself. Where transparent huge pages are granted on
+ * request (the kernel's usual "madvise" mode, as numpy requests them for its large arrays), asking for them on the
+ * result's whole huge pages makes that 32 faults at 2 MiB. The size is the kernel's (ctx->huge_page, read by Python
+ * from /sys/kernel/mm/transparent_hugepage/hpage_pmd_size; 0 where there are none). Only a hint: the kernel may ignore
  * it, and the memory is XLA's either way. */
 static void want_huge_pages(const smc_jax_context_t* ctx, void* dst, size_t bytes) {
   uintptr_t page = (uintptr_t)ctx->huge_page;

@@ -26,14 +26,14 @@ import threading
 
 import numpy as np
 
-from shmcomm import dtypes, session
+from shmcomm import dtypes, env, session
 from shmcomm._native import error_for, lib as core_lib
 from shmcomm.algorithms.host import HostComm
 from shmcomm.buffers import wrap
 from shmcomm.collectives import run
 from shmcomm.engine.request import Request
 from shmcomm.exceptions import MismatchError, NotInitializedError, ShmCommError
-from shmcomm.jax import native
+from shmcomm.jax import native, results_heap
 from shmcomm.ops import ReduceOp
 from shmcomm.quick_path import crossing_allreduce_call, host_alone, world
 
@@ -58,6 +58,7 @@ def huge_page_size(root="/sys/kernel/mm/transparent_hugepage"):
 
 
 _context.huge_page = huge_page_size()
+results_heap.keep_results_mapped(env.jax_heap_bytes())
 _lock = threading.Lock()
 
 
