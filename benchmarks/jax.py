@@ -8,9 +8,11 @@ places from MPI). Every rank compiles `jax.jit(lambda x: allreduce(x))` for each
 in which each library makes the same number of calls, alternating which goes first; a call is timed until its result
 is ready, and a round's time per call is the slowest rank's. The table gives the median over rounds of each, the
 bus bandwidth (2(n-1)/n x bytes / time, as nccl-tests), the ratio, and the numpy API's shmcomm.allreduce of the same
-array for reference. --train adds the example's jitted step (examples/jax_digits.py's MLP, batch 32 per rank): with
-DistributedOptimizer, without any collective, and the fused allreduce of its gradients alone. mpi4jax must be
-installed (benchmarks/RESULTS.md says how it was built here).
+array for reference. Both libraries run in one process, so mpi4jax's results gain from the glibc thresholds that
+importing shmcomm.jax raises (jax/results_heap.py) as shmcomm's do; with SHMCOMM_JAX_HEAP_BYTES=0 both run on glibc's
+own, as an mpi4jax job does by default. --train adds the example's jitted step (examples/jax_digits.py's MLP, batch
+32 per rank): with DistributedOptimizer, without any collective, and the fused allreduce of its gradients alone.
+mpi4jax must be installed (benchmarks/RESULTS.md says how it was built here).
 
 Across simulated hosts, where shmcomm's handler takes its Python path (the torus and MPI live in Python), the same
 worker runs as a script of benchmarks.simhosts_bench:
