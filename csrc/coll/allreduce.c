@@ -46,6 +46,18 @@ static smc_result_t check_args(smc_comm_t* c, const void* send, const void* recv
   return SMC_SUCCESS;
 }
 
+/* A single rank's reduction: its own input, scaled. Unscaled it is a copy, which memmove's streaming stores take at
+ * copy speed where the kernels' loop first reads every destination line (16 MiB: 1.1 against 1.7 ms); a torus whose
+ * hosts run one rank each makes its row step so. */
+static smc_result_t alone(const void* send, void* recv, size_t count, const plan_t* p) {
+  if (count == 0) return SMC_SUCCESS;
+  if (p->prescale == 1.0 && p->postscale == 1.0 && p->divisor == 1) {
+    smc_copy(recv, send, count * p->esize);
+    return SMC_SUCCESS;
+  }
+  return smc_reduce(recv, &send, 1, count, p->dtype, p->op, p->prescale, p->postscale, p->divisor);
+}
+
 static smc_result_t one_step(smc_comm_t* c, const plan_t* p, size_t count, smc_desc_t* desc) {
   const void* srcs[SMC_MAX_RANKS];
   smc_copy(smc_half(c, c->rank), p->src, count * p->esize);
@@ -119,8 +131,7 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   SMC_CHECK(smc_refuse_here(c, SMC_COLL_ALLREDUCE,
                             check_args(c, sendbuf, recvbuf, count, dtype, op, divisor, "allreduce")));
   plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), NULL, NULL, 1};
-  if (c->size == 1)
-    return count ? smc_reduce(recvbuf, &sendbuf, 1, count, dtype, op, prescale, postscale, divisor) : SMC_SUCCESS;
+  if (c->size == 1) return alone(sendbuf, recvbuf, count, &p);
   smc_desc_t desc = {.prescale = prescale, .postscale = postscale, .count = count, .tag = tag, .divisor = divisor,
                      .coll = SMC_COLL_ALLREDUCE, .dtype = dtype, .op = op, .root = -1};
   if (count * p.esize <= c->small_bytes) return one_step(c, &p, count, &desc);
@@ -151,8 +162,7 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
   SMC_CHECK(smc_refuse_here(c, SMC_COLL_REDUCESCATTER, check_args(c, sendbuf, total ? recvbuf : sendbuf, (size_t)total,
                                                                   dtype, op, divisor, "reducescatter")));
   plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), start, counts, 0};
-  if (c->size == 1)
-    return total ? smc_reduce(recvbuf, &sendbuf, 1, total, dtype, op, prescale, postscale, divisor) : SMC_SUCCESS;
+  if (c->size == 1) return alone(sendbuf, recvbuf, (size_t)total, &p);
   smc_desc_t desc = {.prescale = prescale, .postscale = postscale, .count = total,
                      .tag = smc_digest(counts, c->size, tag), .divisor = divisor, .coll = SMC_COLL_REDUCESCATTER,
                      .dtype = dtype, .op = op, .root = -1};

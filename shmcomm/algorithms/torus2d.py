@@ -139,8 +139,12 @@ class Torus:
         row = self.row
         counts = shares(count, row.size)
         mine = counts[row.rank]
-        piece_ptr = self._scratch_ptr(mine * esize)
-        piece = self._scratch[:mine * esize]
+        if row.size == 1:  # one rank per host: its share is the whole, so it goes straight into the output
+            piece_ptr = dst_ptr
+            piece = np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8)
+        else:
+            piece_ptr = self._scratch_ptr(mine * esize)
+            piece = self._scratch[:mine * esize]
         try:
             row.reducescatter(src_ptr, piece_ptr, counts, code, op, prescale, 1.0, 1, sig, what)
             status, culprit, error = OK, 0, None
@@ -152,6 +156,10 @@ class Torus:
                 raise error
             return verdict
         failure = _attempt(self.column.allreduce_slice, piece, code, op, postscale, divisor)
+        if row.size == 1:  # nothing to gather (the ring's and MPI's paths leave a failed call's output so too)
+            if failure is not None:
+                raise failure
+            return OK, 0
         sizes = [c * esize for c in counts]
         # After a failure the slices are not sums: gather them somewhere harmless (the row may all have failed, and
         # then no mismatch stops the copy).
