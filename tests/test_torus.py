@@ -287,16 +287,19 @@ def test_a_rank_that_does_not_come_times_the_others_out_by_name(tmp_path):
     assert "failed on rank 0" in raised[1]["message"], raised
 
 
-def test_a_rank_that_does_not_come_times_the_quick_call_across_hosts_out_by_name(tmp_path):
+@pytest.mark.parametrize("count", [10, 25_000])
+def test_a_rank_that_does_not_come_times_the_quick_call_across_hosts_out_by_name(tmp_path, count):
     """One rank per host: the small allreduce is one C call (csrc/py/quick_crossing.c), whose rounds keep the same
-    deadline; after the timeout the transport refuses the next call, quick or not. (Two per host: the test above.)"""
+    deadline; after the timeout the transport refuses the next call, quick or not. (Two per host: the test above.)
+    100 KB take the rounds by halving (agreement.HALVING_BYTES), with the same partners in the same order."""
     refused = textwrap.dedent("""\
         try:
             shmcomm.allreduce(np.ones(10, np.float32))
             error = AssertionError("a second call was not refused")
         except shmcomm.BrokenCommunicatorError:
             pass""")
-    raised = _run_stuck_rank_job(tmp_path, "shmcomm.allreduce(np.ones(10, np.float32))", 3, per_host=1, then=refused)
+    raised = _run_stuck_rank_job(tmp_path, "shmcomm.allreduce(np.ones(%d, np.float32))" % count, 3, per_host=1,
+                                 then=refused)
     # Rank 2's partners in recursive doubling (3, then 0) name it; rank 1 waits for rank 3, which waited for 2.
     for r in (0, 3):
         assert raised[r]["type"] == "TimeoutError" and "waiting for rank 2" in raised[r]["message"], raised
