@@ -222,8 +222,8 @@ def verdict_error(what, verdict):
 
 
 class MpiColumn(Agreement):
-    """A column across hosts: the agreement (and small allreduces) by recursive doubling, the slices by a ring,
-    which carries every dtype."""
+    """A column across hosts: the agreement (and small allreduces) by recursive doubling or halving, the slices by a
+    ring, which carries every dtype."""
 
     def allreduce_slice(self, piece, code, op, postscale, divisor):
         ring_allreduce(self.transport, piece, code, op, 1.0, postscale, divisor)
