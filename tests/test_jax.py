@@ -212,4 +212,5 @@ def test_results_memory_stays_mapped_between_calls():
                              env=job_env(SHMCOMM_JAX_HEAP_BYTES=setting) if setting else job_env())
         assert run.returncode == 0, run.stderr
         faults[setting] = int(run.stdout.split("faults")[1])
-    assert faults[""] < 100 and faults["0"] >= 1000, faults  # 16384 pages of 4 KiB when mapped afresh
+    # Mapped afresh: 16384 pages of 4 KiB, or 32 of 2 MiB where the kernel gives every mapping huge pages.
+    assert faults["0"] >= 32 and faults[""] * 4 <= faults["0"], faults
