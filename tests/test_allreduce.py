@@ -69,6 +69,18 @@ def test_pieces_smaller_than_a_half(piece):
     assert multiproc.run(3, _pieces, 3, timeout=240, env={"SHMCOMM_PIECE_BYTES": piece}) == [True] * 3
 
 
+@pytest.mark.parametrize("size,push,piece", [(2, "0", None), (3, "1", None), (4, "1", "64"), (2, "1", "1000")])
+def test_pushed_and_gathered_pieces(size, push, piece):
+    """Both ways of handing out the reduced pieces (csrc/coll/allreduce.c), whichever the defaults pick for this
+    world: through the staging halves (SHMCOMM_PUSH_BYTES=0; the default at 2 ranks pushes) and pushed into the
+    peers' outputs at every pipelined size, with more ranks than the default pushes for and down to one cache line
+    per step. Every dtype and op, in place and out of place; reduce-scatter never pushes."""
+    env = {"SHMCOMM_PUSH_BYTES": push, **({"SHMCOMM_PIECE_BYTES": piece} if piece else {})}
+    assert multiproc.run(size, _pieces, size, timeout=240, env=env) == [True] * size
+    digests = multiproc.run(size, _average_and_scaling, size, timeout=120, env=env)
+    assert len(set(digests)) == 1, digests
+
+
 def _average_and_scaling(size):
     import shmcomm
 

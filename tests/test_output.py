@@ -117,6 +117,48 @@ def test_one_rank_with_a_bad_output_does_not_hold_the_others(size, threshold):
     assert multiproc.run(size, _one_bad_output, timeout=120, env=env) == [True] * size
 
 
+def _output_a_peer_cannot_write():
+    import ctypes
+    import mmap
+
+    import shmcomm
+    from shmcomm import basics
+    from shmcomm._native import lib
+
+    shmcomm.init()
+    if not lib.smc_comm_push_from(basics.communicator().shm.handle):
+        return None  # a kernel copy proved slow at init: nothing is pushed here
+    me, count = shmcomm.rank(), 1 << 20  # float32: rank 0 reduces the first 2 MiB, rank 1 the second
+    area = mmap.mmap(-1, count * 4)
+    out = np.frombuffer(area, np.float32)
+    if me == 0:  # rank 1's range of rank 0's output cannot be written
+        libc = ctypes.CDLL(None, use_errno=True)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(area)) + count * 2
+        assert libc.mprotect(ctypes.c_void_p(start), ctypes.c_size_t(count * 2), mmap.PROT_READ) == 0
+    x = np.full(count, me + 1, np.float32)
+    try:
+        shmcomm.allreduce(x, op=shmcomm.Sum, output=out)
+    except shmcomm.exceptions.SystemError as e:
+        failure = str(e)
+    else:
+        failure = None
+    if me == 0:  # its own range is whole; the job goes on, pushing into outputs that can be written
+        np.testing.assert_array_equal(out[:count // 2], 3)
+    np.testing.assert_array_equal(shmcomm.allreduce(x, op=shmcomm.Sum), np.full(count, 3, np.float32))
+    return failure
+
+
+def test_a_pushed_piece_that_cannot_be_written_fails_both_ranks():
+    """An allreduce that pushes its reduced pieces (csrc/coll/allreduce.c): when rank 1 cannot write its piece into
+    rank 0's output, rank 1 says why and rank 0, whose output lacks that piece, names rank 1; neither waits, and the
+    next call works."""
+    got = multiproc.run(2, _output_a_peer_cannot_write, timeout=60, env=dict(FAST_TIMEOUT, SHMCOMM_PUSH_BYTES="1"))
+    if got == [None, None]:
+        pytest.skip("this machine's kernel copy is slow: allreduces do not push")
+    assert "rank 1 could not write its part of the result into this rank's output" in got[0], got
+    assert "writing into rank 0's buffer failed: Bad address" in got[1], got
+
+
 def test_outputs_across_pretend_hosts(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(BODY + "\nshmcomm.init()\nassert check_outputs() and check_one_bad_output()\n"

@@ -15,6 +15,9 @@
  *   3b. rank r copies its reduced piece into section r of its half;
  *   4. sync
  *   5. gather:   rank r copies section j of rank j's half into its output, for every j != r.
+ *   Or, where the ranks push (smc_push: two ranks whose kernel copy is fast), 3b-5 are one step instead: rank r writes
+ *   its reduced piece straight into every peer's output, and one synchronisation after the last step says that
+ *   every output is whole.
  * Pieces are sized so that a step's working set stays in cache. Reduce-scatter is steps 1-3 with per-rank ranges
  * given by the caller. */
 #include "coll/comm.h"
@@ -75,6 +78,36 @@ static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
   return p->len[j] - done < per_piece ? (size_t)(p->len[j] - done) : per_piece;
 }
 
+/* Pushing the reduced pieces. Instead of copying its reduced piece into its half for every peer to copy out (a copy
+ * and a synchronisation more per step), a rank writes it straight into every peer's output (process_vm_writev, the
+ * piece still in its cache), as allgather's single copy does. Each rank publishes its output in its first step's
+ * descriptor (`addr`, 0: it will not push), and the ranks push only if every one did, so every rank takes the same
+ * path whatever its settings. A write lands in the peer's output range of the writer, which the peer reads nowhere
+ * (in place, it copied that piece of its input into its half before the step's synchronisation). */
+static int pushing_agreed(smc_comm_t* c, uint64_t* outs) {
+  for (int j = 0; j < c->size; j++) {
+    outs[j] = smc_peer_desc(c, j)->addr;
+    if (outs[j] == 0) return 0;
+  }
+  return 1;
+}
+
+/* The last synchronisation of a pushed allreduce: after it every peer's writes into this rank's output are done.
+ * Each rank first puts whether its writes succeeded in its half (free: its last reader finished before the last
+ * step's synchronisation), so that a rank whose output a peer failed to fill raises too, naming that peer. */
+static smc_result_t push_finish(smc_comm_t* c, smc_result_t pushed, const char* what) {
+  *(volatile uint64_t*)smc_half(c, c->rank) = pushed == SMC_SUCCESS ? 0 : 1;
+  smc_result_t rc = smc_sync(c, what);
+  if (rc == SMC_SUCCESS && pushed == SMC_SUCCESS)
+    for (int j = 0; j < c->size && rc == SMC_SUCCESS; j++)
+      if (j != c->rank && *(volatile const uint64_t*)smc_half(c, j) != 0)
+        rc = smc_set_peer_error(SMC_ERR_SYSTEM, smc_job_rank(c, j), SMC_FIELD_NONE,
+                                "%s: rank %d could not write its part of the result into this rank's output", what,
+                                smc_job_rank(c, j));
+  smc_flip(c);
+  return rc != SMC_SUCCESS ? rc : pushed;
+}
+
 static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, const char* what) {
   const void* srcs[SMC_MAX_RANKS];
   const int me = c->rank, n = c->size;
@@ -94,16 +127,21 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   for (int j = 0; j < n; j++) longest = p->len[j] > longest ? p->len[j] : longest;
   size_t steps = longest == 0 ? 1 : (size_t)((longest + per_piece - 1) / per_piece);
 
+  uint64_t outs[SMC_MAX_RANKS]; /* push: every rank's output, as its descriptor published it */
+  int push = 0;
+  smc_result_t pushed = SMC_SUCCESS;
   for (size_t k = 0; k < steps; k++) {
     uint8_t* mine = smc_half(c, me);
     for (int j = 0; j < n; j++) {
       size_t l = piece_len(p, j, k, per_piece);
       if (j != me && l > 0) smc_copy(mine + (size_t)j * section, p->src + (p->start[j] + k * per_piece) * es, l * es);
     }
-    if (k == 0)
+    if (k == 0) {
       SMC_CHECK(smc_coll_begin(c, desc, what));
-    else
+      push = p->gather && pushing_agreed(c, outs);
+    } else {
       SMC_CHECK(smc_sync(c, what));
+    }
 
     size_t l = piece_len(p, me, k, per_piece);
     if (l > 0) {
@@ -111,9 +149,13 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
       for (int j = 0; j < n; j++) srcs[j] = j == me ? (const void*)(p->src + at * es) : smc_half(c, j) + (size_t)me * section;
       uint8_t* out = p->gather ? p->dst + at * es : p->dst + k * per_piece * es;
       SMC_CHECK(smc_reduce(out, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor));
-      if (p->gather) smc_copy(mine + (size_t)me * section, out, l * es);
+      for (int d = 1; push && d < n && pushed == SMC_SUCCESS; d++) {
+        int j = (me + d) % n;
+        pushed = smc_cma_write(c, j, outs[j] + at * es, out, l * es, what);
+      }
+      if (p->gather && !push) smc_copy(mine + (size_t)me * section, out, l * es);
     }
-    if (p->gather) {
+    if (p->gather && !push) {
       SMC_CHECK(smc_sync(c, what));
       for (int j = 0; j < n; j++) {
         size_t lj = piece_len(p, j, k, per_piece);
@@ -123,7 +165,7 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
     }
     smc_flip(c);
   }
-  return SMC_SUCCESS;
+  return push ? push_finish(c, pushed, what) : SMC_SUCCESS;
 }
 
 smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t count, smc_datatype_t dtype,
@@ -146,6 +188,7 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   }
   p.start = start;
   p.len = len;
+  if (smc_push(c, count * p.esize)) desc.addr = (uint64_t)(uintptr_t)recvbuf;
   return pipelined(c, &p, &desc, "allreduce");
 }
 

@@ -192,6 +192,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->cache_bytes = cfg->cache_bytes > 0 ? cfg->cache_bytes : (1u << 20);
   c->single_copy_probed = cfg->single_copy_probed;
   c->piece_bytes = cfg->piece_bytes;
+  c->push_bytes = cfg->push_bytes;
   for (int r = 0; r < c->size; r++) c->job_ranks[r] = cfg->job_ranks != NULL ? cfg->job_ranks[r] : r;
   snprintf(c->name, sizeof(c->name), "/shmcomm-%s-%d", cfg->token, cfg->generation);
 
@@ -300,6 +301,8 @@ int smc_comm_single_copy(smc_comm_t* c) { return c->cma; }
 uint64_t smc_comm_single_copy_from(smc_comm_t* c, int broadcast) {
   return !c->cma ? 0 : broadcast ? c->broadcast_single_copy_bytes : c->single_copy_bytes;
 }
+
+uint64_t smc_comm_push_from(smc_comm_t* c) { return smc_push(c, UINT64_MAX) ? c->push_bytes : 0; }
 
 uint64_t smc_comm_failed_ranks(smc_comm_t* c) {
   uint64_t mask = 0;

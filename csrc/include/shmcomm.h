@@ -109,6 +109,9 @@ typedef struct {
                            * thresholds rise to cache_bytes at the least; 0: they stay as given */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
                            * so that a step's copies stay in the cache; 0: as many as a staging half holds */
+  size_t push_bytes;      /* allreduces of at least this size write each reduced piece straight into the peers'
+                           * outputs (cross-memory attach) where every rank's kernel copy proved fast at init, instead
+                           * of through the staging halves; 0: never */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL
                            * means rank r is job rank r. Copied by smc_comm_create. */
   const uint32_t* abandon;  /* NULL, or a word another thread of the caller sets to non-zero when the world being
@@ -145,6 +148,9 @@ int smc_comm_single_copy(smc_comm_t* comm);
 /* The sizes from which single copy moves allgather's and alltoall's pieces (broadcast = 0) or broadcast's buffer
  * (broadcast = 1), after init's probe (smc_config_t.single_copy_probed); 0 where nothing moves by single copy. */
 uint64_t smc_comm_single_copy_from(smc_comm_t* comm, int broadcast);
+/* The size from which allreduces push their reduced pieces into the peers' outputs (smc_config_t.push_bytes), after
+ * init's probe; 0 where none does. */
+uint64_t smc_comm_push_from(smc_comm_t* comm);
 /* Ranks whose process is gone, as a bit mask (bit i = the communicator's i-th rank, job_ranks[i]; the first 64
  * only); for error reports and tests. Overwrites this thread's last failure. */
 uint64_t smc_comm_failed_ranks(smc_comm_t* comm);

@@ -78,6 +78,7 @@ static void test_wait_timeout(void) {
 typedef struct {
   const char* token;
   int size, rounds, die_rank;
+  int push; /* allreduces push their reduced pieces (smc_config_t.push_bytes), in place every other round */
 } job_t;
 
 /* Child body: create, run `rounds` barriers and allreduces, check the sums, leave. Exit code 0 = fine. */
@@ -86,6 +87,7 @@ static int rank_main(int rank, void* arg) {
   const int size = job->size, rounds = job->rounds, die_rank = job->die_rank;
   smc_config_t cfg = config(job->token, rank, size);
   cfg.yield_us = size >= 8 ? 2000 : 0; /* more ranks than cores on most machines: the default yields */
+  cfg.push_bytes = job->push ? 1 : 0;
   smc_comm_t* comm = NULL;
   if (smc_comm_create(&cfg, &comm) != SMC_SUCCESS) {
     fprintf(stderr, "rank %d: create: %s\n", rank, smc_last_error());
@@ -102,16 +104,17 @@ static int rank_main(int rank, void* arg) {
     }
     size_t count = (size_t)(i % 7 == 0 ? 1000 : i % 97 + 1);
     for (size_t k = 0; k < count; k++) data[k] = rank + (int64_t)k;
-    if (smc_allreduce(comm, data, out, count, SMC_INT64, SMC_SUM, 1, 1, 1, 0) != SMC_SUCCESS) return 12;
+    int64_t* result = job->push && i % 2 ? data : out;
+    if (smc_allreduce(comm, data, result, count, SMC_INT64, SMC_SUM, 1, 1, 1, 0) != SMC_SUCCESS) return 12;
     for (size_t k = 0; k < count; k++)
-      if (out[k] != (int64_t)size * (int64_t)k + (int64_t)size * (size - 1) / 2) return 13;
+      if (result[k] != (int64_t)size * (int64_t)k + (int64_t)size * (size - 1) / 2) return 13;
   }
   smc_comm_destroy(comm);
   return die_rank >= 0 ? 14 : 0;
 }
 
 static int run_ranks(int size, int rounds, int die_rank, const char* token) {
-  job_t job = {token, size, rounds, die_rank};
+  job_t job = {token, size, rounds, die_rank, 0};
   return fork_ranks(size, rank_main, &job);
 }
 
@@ -127,6 +130,11 @@ int main(void) {
   double t0 = smc_now();
   EXPECT(run_ranks(8, 300, -1, token) == 0, "8 ranks on this machine's cores");
   printf("8 ranks x 300 rounds: %.2f s\n", smc_now() - t0);
+  for (int size = 2; size <= 3; size++) {
+    make_token(token, sizeof(token), size == 2 ? "p" : "q");
+    job_t pushing = {token, size, 2000, -1, 1};
+    EXPECT(fork_ranks(size, rank_main, &pushing) == 0, "%d ranks pushing their reduced pieces", size);
+  }
   make_token(token, sizeof(token), "c");
   EXPECT(run_ranks(3, 100000, 2, token) == 0, "a vanished rank is named by the others");
   snprintf(name, sizeof(name), "/shmcomm-%s-0", token);
