@@ -9,8 +9,13 @@ cache lines between the cores gets slower for a while, whoever runs). Here both 
 each round times every op and size with shmcomm, then with MPI, a median of --iters calls each, the slowest rank's;
 the ratio is taken per round, so both sides of a ratio saw the same machine. Sizes follow nccl-tests: the buffer of
 allreduce, alltoall and broadcast (in place, from rank 0), allgather's output and reducescatter's input. Both
-libraries' results are checked against each other once per op and size."""
+libraries' results are checked against each other once per op and size.
+
+--setting VAR=v1,v2,... compares settings of shmcomm's in the same way: each round re-initialises shmcomm once per
+value (`unset` leaves VAR out) and times every op and size with it, MPI once per round; the table then has a column
+per value, each with its own ratio to MPI's time of the same round. That is how a change of a default is measured."""
 import argparse
+import os
 import sys
 import time
 
@@ -61,7 +66,14 @@ def main(argv=None):
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated, default all: " + ",".join(OPS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=11, help="calls timed per library, op, size and round")
+    parser.add_argument("--setting", help="VAR=v1,v2,...: time shmcomm with each value of VAR (unset: without it)")
     options = parser.parse_args(argv)
+    variable, values = None, [None]
+    if options.setting:
+        variable, _, listed = options.setting.partition("=")
+        values = [v.strip() for v in listed.split(",") if v.strip()]
+        if not variable or not values:
+            parser.error("--setting takes VAR=v1,v2,...")
     sizes = [parse_size(s.strip()) for s in options.bytes.split(",") if s.strip()]
     ops = [o.strip() for o in options.ops.split(",") if o.strip()]
     unknown = sorted(set(ops) - set(OPS))
@@ -72,21 +84,28 @@ def main(argv=None):
 
     import shmcomm
 
-    shmcomm.init()
     comm = MPI.COMM_WORLD
-    if shmcomm.size() != comm.size:
-        raise SystemExit("shmcomm has %d ranks and MPI %d: start both from one mpiexec" % (shmcomm.size(), comm.size))
     cases = [(op, nbytes) for op in ops for nbytes in sizes]
-    for op, nbytes in cases:  # the same answer from both, once
-        ours, theirs, our_out, their_out = calls(op, nbytes, comm, shmcomm, MPI)
-        ours()
-        theirs()
-        np.testing.assert_array_equal(our_out, their_out, err_msg="%s of %d bytes" % (op, nbytes))
-    times = np.zeros((options.rounds, len(cases), 2))
+    times = np.zeros((options.rounds, len(cases), len(values) + 1))  # shmcomm with each value, then MPI
     for r in range(options.rounds):
-        for i, (op, nbytes) in enumerate(cases):
-            ours, theirs, _, _ = calls(op, nbytes, comm, shmcomm, MPI)
-            times[r, i] = timed(ours, comm, options.iters), timed(theirs, comm, options.iters)
+        for v, value in enumerate(values):
+            _configure(variable, value)
+            shmcomm.init()
+            if shmcomm.size() != comm.size:
+                raise SystemExit("shmcomm has %d ranks and MPI %d: start both from one mpiexec"
+                                 % (shmcomm.size(), comm.size))
+            for i, (op, nbytes) in enumerate(cases):
+                ours, theirs, our_out, their_out = calls(op, nbytes, comm, shmcomm, MPI)
+                if r == 0:  # the same answer from both, once per setting
+                    ours()
+                    theirs()
+                    np.testing.assert_array_equal(our_out, their_out, err_msg="%s of %d bytes%s" % (
+                        op, nbytes, "" if variable is None else ", %s=%s" % (variable, value)))
+                times[r, i, v] = timed(ours, comm, options.iters)
+                if v == 0:
+                    times[r, i, -1] = timed(theirs, comm, options.iters)
+            if variable is not None or r == options.rounds - 1:
+                shmcomm.shutdown()
     slowest = np.empty_like(times)
     comm.Allreduce(times, slowest, MPI.MAX)
     if comm.rank == 0:
@@ -95,13 +114,31 @@ def main(argv=None):
             comm.size, " ".join(sys.argv[1:] if argv is None else argv),
             time.strftime("%Y-%m-%d %H:%M", time.gmtime()), library))
         print("# slowest rank's median per round; MPI/shmcomm above 1: shmcomm is faster. Median of the rounds.")
-        print("#  op                 bytes  shmcomm us      MPI us  MPI/shmcomm  per round")
+        if variable is None:
+            print("#  op                 bytes  shmcomm us      MPI us  MPI/shmcomm  per round")
+        else:
+            print("# %s = %s: shmcomm us and MPI/shmcomm for each, then MPI us" % (variable, ", ".join(values)))
         for i, (op, nbytes) in enumerate(cases):
-            ratios = slowest[:, i, 1] / slowest[:, i, 0]
-            print("   %-13s %12d %11.1f %11.1f %12.2f  %s" % (
-                op, nbytes, np.median(slowest[:, i, 0]) * 1e6, np.median(slowest[:, i, 1]) * 1e6,
-                np.median(ratios), " ".join("%.2f" % v for v in ratios)))
-    shmcomm.shutdown()
+            mpi = slowest[:, i, -1]
+            if variable is None:
+                ratios = mpi / slowest[:, i, 0]
+                print("   %-13s %12d %11.1f %11.1f %12.2f  %s" % (
+                    op, nbytes, np.median(slowest[:, i, 0]) * 1e6, np.median(mpi) * 1e6,
+                    np.median(ratios), " ".join("%.2f" % v for v in ratios)))
+            else:
+                print("   %-13s %12d  %s  MPI %.1f" % (op, nbytes, "  ".join(
+                    "%s: %.1f %.2fx" % (value, np.median(slowest[:, i, v]) * 1e6, np.median(mpi / slowest[:, i, v]))
+                    for v, value in enumerate(values)), np.median(mpi) * 1e6))
+
+
+def _configure(variable, value):
+    """Sets (or, for `unset`, removes) the setting that the next shmcomm.init() reads."""
+    if variable is None:
+        return
+    if value == "unset":
+        os.environ.pop(variable, None)
+    else:
+        os.environ[variable] = value
 
 
 if __name__ == "__main__":
