@@ -49,6 +49,25 @@ def test_interleaved_runs_both_libraries_in_one_job():
     assert all(len(row) == 7 and float(row[4]) > 0 for row in rows), proc.stdout
 
 
+def test_interleaved_compares_settings_in_one_job():
+    """--setting: shmcomm re-initialised with each value every round, every value's results checked against MPI's,
+    a time and a ratio per value on each row."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec beside this interpreter")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.interleaved", "--bytes", "4K,1M",
+                           "--ops", "allreduce,broadcast", "--rounds", "2", "--iters", "3",
+                           "--setting", "SHMCOMM_PUSH_BYTES=unset,0"], cwd=str(REPO), env=backends.job_environment(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert sorted((row[0], int(row[1])) for row in rows) == sorted(
+        (op, size) for op in ("allreduce", "broadcast") for size in (4096, 1 << 20)), proc.stdout
+    for row in rows:  # op bytes unset: us ratio 0: us ratio MPI us
+        assert row[2] == "unset:" and row[5] == "0:" and row[8] == "MPI", proc.stdout
+        assert all(float(row[i]) > 0 for i in (3, 6, 9)) and row[4].endswith("x") and row[7].endswith("x")
+
+
 def test_collectives_every_backend_and_op(tmp_path):
     out = tmp_path / "collectives.json"
     proc = run_module("benchmarks.collectives", ["-np", "2", "-b", "8", "-e", "64K", "-f", "32", "-n", "3", "-w", "1",
