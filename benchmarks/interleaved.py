@@ -9,7 +9,13 @@ cache lines between the cores gets slower for a while, whoever runs). Here both 
 each round times every op and size with shmcomm, then with MPI, a median of --iters calls each, the slowest rank's;
 the ratio is taken per round, so both sides of a ratio saw the same machine. Sizes follow nccl-tests: the buffer of
 allreduce, alltoall and broadcast (in place, from rank 0), allgather's output and reducescatter's input. Both
-libraries' results are checked against each other once per op and size.
+libraries' results are checked against each other once per op and size. --inplace makes allreduce reduce its
+buffer in place (MPI_IN_PLACE), as a training step's fusion buffer is; --shared makes shmcomm's buffer a
+shmcomm.shared_empty array, as the engine's fusion buffer is (MPI's stays an ordinary one, in place). The op `fused`
+(not in the default list) is DistributedOptimizer's path: 8 tensors of the size in all, each allreduce_async_ in
+the engine, which fuses them into one allreduce of its fusion buffer, and synchronize(); MPI allreduces the same bytes
+in place in one call, as if they were packed already. The engine starts with the first such call, so each round then
+ends with a shutdown.
 
 --setting VAR=v1,v2,... compares settings of shmcomm's in the same way: each round re-initialises shmcomm once per
 value (`unset` leaves VAR out) and times every op and size with it, MPI once per round; the table then has a column
@@ -21,15 +27,33 @@ import time
 
 import numpy as np
 
-OPS = ("allreduce", "allgather", "alltoall", "reducescatter", "broadcast")
+OPS = ("allreduce", "allgather", "alltoall", "reducescatter", "broadcast")  # the default
+EXTRA_OPS = ("fused",)
+FUSED_TENSORS = 8
 
 
-def calls(op, nbytes, comm, shmcomm, MPI):
+def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False):
     """(shmcomm's call, MPI's call, shmcomm's output, MPI's output) on preallocated buffers."""
     n = comm.size
     count = max(nbytes // 4 // n * n, n)  # float32 elements, a multiple of the ranks
     x = np.arange(count, dtype=np.float32) % 251 + comm.rank
     ours, theirs = np.empty(count, np.float32), np.empty(count, np.float32)
+    if op == "fused":
+        ours[:], theirs[:] = x, x
+        parts = np.array_split(ours, FUSED_TENSORS)
+
+        def fused():
+            handles = [shmcomm.allreduce_async_(t, op=shmcomm.Sum, name="fused.%d" % i) for i, t in enumerate(parts)]
+            for h in handles:
+                shmcomm.synchronize(h)
+
+        return fused, lambda: comm.Allreduce(MPI.IN_PLACE, theirs, MPI.SUM), ours, theirs
+    if op == "allreduce" and (inplace or shared):  # each call doubles the values: float32 overflows after 120
+        if shared:
+            ours = shmcomm.shared_empty(count, np.float32)
+        ours[:], theirs[:] = x, x
+        return (lambda: shmcomm.allreduce_(ours, op=shmcomm.Sum), lambda: comm.Allreduce(MPI.IN_PLACE, theirs, MPI.SUM),
+                ours, theirs)
     if op == "allreduce":
         return (lambda: shmcomm.allreduce(x, op=shmcomm.Sum, output=ours), lambda: comm.Allreduce(x, theirs, MPI.SUM),
                 ours, theirs)
@@ -63,9 +87,13 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bytes", default="1M,4M,16M", help="comma-separated sizes, e.g. 64K,1M,16M")
-    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated, default all: " + ",".join(OPS))
+    parser.add_argument("--ops", default=",".join(OPS),
+                        help="comma-separated, default all but fused: " + ",".join(OPS + EXTRA_OPS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=11, help="calls timed per library, op, size and round")
+    parser.add_argument("--inplace", action="store_true", help="allreduce in place (MPI_IN_PLACE)")
+    parser.add_argument("--shared", action="store_true",
+                        help="allreduce in place, shmcomm's on a shmcomm.shared_empty array")
     parser.add_argument("--setting", help="VAR=v1,v2,...: time shmcomm with each value of VAR (unset: without it)")
     options = parser.parse_args(argv)
     variable, values = None, [None]
@@ -76,9 +104,9 @@ def main(argv=None):
             parser.error("--setting takes VAR=v1,v2,...")
     sizes = [parse_size(s.strip()) for s in options.bytes.split(",") if s.strip()]
     ops = [o.strip() for o in options.ops.split(",") if o.strip()]
-    unknown = sorted(set(ops) - set(OPS))
+    unknown = sorted(set(ops) - set(OPS + EXTRA_OPS))
     if unknown:
-        parser.error("unknown ops %s; choose from %s" % (unknown, ", ".join(OPS)))
+        parser.error("unknown ops %s; choose from %s" % (unknown, ", ".join(OPS + EXTRA_OPS)))
 
     from mpi4py import MPI
 
@@ -95,7 +123,8 @@ def main(argv=None):
                 raise SystemExit("shmcomm has %d ranks and MPI %d: start both from one mpiexec"
                                  % (shmcomm.size(), comm.size))
             for i, (op, nbytes) in enumerate(cases):
-                ours, theirs, our_out, their_out = calls(op, nbytes, comm, shmcomm, MPI)
+                ours, theirs, our_out, their_out = calls(op, nbytes, comm, shmcomm, MPI, options.inplace,
+                                                         options.shared)
                 if r == 0:  # the same answer from both, once per setting
                     ours()
                     theirs()
@@ -104,7 +133,7 @@ def main(argv=None):
                 times[r, i, v] = timed(ours, comm, options.iters)
                 if v == 0:
                     times[r, i, -1] = timed(theirs, comm, options.iters)
-            if variable is not None or r == options.rounds - 1:
+            if variable is not None or r == options.rounds - 1 or "fused" in ops:
                 shmcomm.shutdown()
     slowest = np.empty_like(times)
     comm.Allreduce(times, slowest, MPI.MAX)

@@ -21,6 +21,7 @@ _EXPORTS = {
                              "start_timeline", "stop_timeline"],
     "shmcomm.process_sets": ["ProcessSet", "add_process_set", "remove_process_set", "global_process_set"],
     "shmcomm.smb": ["SoftMemoryBox"],
+    "shmcomm.shared_arrays": ["shared_empty", "is_shared"],
     "shmcomm.averaging": ["ElasticCentre"],
     "shmcomm.ops": ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product"],
     "shmcomm.exceptions": ["ShmCommError", "NotInitializedError", "InvalidArgumentError", "MismatchError",

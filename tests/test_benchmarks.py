@@ -306,3 +306,21 @@ def test_rounds_report_each_rows_median_round_and_every_wrong_element():
     assert [row["out_of_place"]["wrong"] for row in merged["rows"]] == [2, 2]
     assert merged["rows"][1]["in_place"] == {"na": "no in-place form"}
     assert collectives.median_round([round_([3.0]), round_([1.0])])["rows"][0]["out_of_place"]["time_us"] == 1.0
+
+
+def test_interleaved_shared_and_fused():
+    """--shared (shmcomm's allreduce in place on a shared_empty array) and the op `fused` (8 tensors through the
+    engine, a fused allreduce of its fusion buffer), each with and without shared buffers, checked against MPI's in
+    place."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec beside this interpreter")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.interleaved", "--bytes", "4K,1M",
+                           "--ops", "allreduce,fused", "--shared", "--rounds", "2", "--iters", "3",
+                           "--setting", "SHMCOMM_SHARED_BUFFERS=unset,0"], cwd=str(REPO),
+                          env=backends.job_environment(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert sorted((row[0], int(row[1])) for row in rows) == sorted(
+        (op, size) for op in ("allreduce", "fused") for size in (4096, 1 << 20)), proc.stdout
+    assert all(float(row[i]) > 0 for row in rows for i in (3, 6, 9)), proc.stdout

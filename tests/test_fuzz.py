@@ -46,6 +46,7 @@ BAD_SETTINGS = [
     ("CACHE_BYTES", ["0", "lots", str(1 << 60)]),
     ("PIECE_BYTES", ["-1", "1.5", str(1 << 60)]),
     ("PUSH_BYTES", ["-1", "128K", str(1 << 60)]),
+    ("SHARED_BUFFERS", ["2", "shared"]),
     ("CYCLE_TIME", ["0", "-1", "nan", "fast"]),
     ("FUSION_THRESHOLD", ["-1", "64MB"]),
     ("BUCKET_BYTES", ["-1", "1.5"]),

@@ -193,6 +193,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->single_copy_probed = cfg->single_copy_probed;
   c->piece_bytes = cfg->piece_bytes;
   c->push_bytes = cfg->push_bytes;
+  c->shared_from_bytes = cfg->shared_from_bytes;
   for (int r = 0; r < c->size; r++) c->job_ranks[r] = cfg->job_ranks != NULL ? cfg->job_ranks[r] : r;
   snprintf(c->name, sizeof(c->name), "/shmcomm-%s-%d", cfg->token, cfg->generation);
 
@@ -259,6 +260,7 @@ void smc_comm_destroy(smc_comm_t* c) {
     pthread_mutex_unlock(&c->ctl[c->rank].alive);
   }
   if (atomic_fetch_sub(&c->hdr->refcount, 1) == 1 && !atomic_load(&c->hdr->unlinked)) smc_segment_unlink(c->name);
+  smc_windows_close(c);
   smc_segment_unmap(c->base, c->total_bytes);
   smc_segment_close(c->fd);
   free(c->bounce);
@@ -301,6 +303,8 @@ int smc_comm_single_copy(smc_comm_t* c) { return c->cma; }
 uint64_t smc_comm_single_copy_from(smc_comm_t* c, int broadcast) {
   return !c->cma ? 0 : broadcast ? c->broadcast_single_copy_bytes : c->single_copy_bytes;
 }
+
+uint64_t smc_comm_shared_allreduces(smc_comm_t* c) { return c != NULL ? c->window_allreduces : 0; }
 
 uint64_t smc_comm_push_from(smc_comm_t* c) { return smc_push(c, UINT64_MAX) ? c->push_bytes : 0; }
 

@@ -10,6 +10,8 @@
 #include "shm/wait.h"
 #include "shmcomm.h"
 
+#define SMC_MAX_WINDOWS 16 /* shared buffers a communicator lists at once; more stay plain memory */
+
 struct smc_comm {
   int rank;
   int size;
@@ -48,6 +50,10 @@ struct smc_comm {
   uint64_t cma_probe;         /* the value a neighbour reads at init to prove it reads this process */
   uint8_t* bounce;            /* single-copy reads between misaligned buffers pass through here (coll/cma.c) */
   size_t bounce_bytes;
+  smc_window_t* windows[SMC_MAX_WINDOWS]; /* shared buffers every rank maps (coll/window.c) */
+  uint64_t window_serial;                 /* how many this communicator has created, on every rank alike */
+  uint64_t window_allreduces;             /* allreduces that took the shared buffers' path, for logs and tests */
+  uint64_t shared_from_bytes;             /* smc_config_t's */
 };
 
 /* How messages and failure data name rank r of this communicator. */
@@ -109,5 +115,14 @@ smc_result_t smc_cma_read(smc_comm_t* c, int r, void* local, uint64_t remote, ui
 /* smc_cma_write: copies `bytes` from `local` into rank r's address `remote` (process_vm_writev). */
 smc_result_t smc_cma_write(smc_comm_t* c, int r, uint64_t remote, const void* local, uint64_t bytes,
                            const char* what);
+
+/* window.c, for the collectives: the listed shared buffer holding [p, p + bytes), or NULL; its serial; rank r's buffer
+ * as this process maps it (complete in every listed window); its size. smc_windows_close drops the communicator's
+ * references (at destroy): the peers' buffers are unmapped, the callers' stay until they drop theirs. */
+smc_window_t* smc_window_holding(smc_comm_t* c, const void* p, uint64_t bytes);
+uint64_t smc_window_serial(const smc_window_t* w);
+uint8_t* smc_window_peer(const smc_window_t* w, int r);
+uint64_t smc_window_bytes(const smc_window_t* w);
+void smc_windows_close(smc_comm_t* c);
 
 #endif

@@ -72,7 +72,8 @@ smc_result_t smc_sync(smc_comm_t* c, const char* what) {
 }
 
 static const char* coll_name(uint32_t kind) {
-  static const char* names[] = {"?", "barrier", "allreduce", "reducescatter", "broadcast", "allgather", "alltoall"};
+  static const char* names[] = {"?", "barrier", "allreduce", "reducescatter", "broadcast", "allgather", "alltoall",
+                                "shared buffer"};
   return kind < sizeof(names) / sizeof(names[0]) ? names[kind] : "?";
 }
 

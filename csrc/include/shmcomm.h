@@ -61,7 +61,8 @@ typedef enum {
   SMC_COLL_REDUCESCATTER = 3,
   SMC_COLL_BROADCAST = 4,
   SMC_COLL_ALLGATHERV = 5,
-  SMC_COLL_ALLTOALLV = 6
+  SMC_COLL_ALLTOALLV = 6,
+  SMC_COLL_WINDOW = 7 /* creating a shared buffer (smc_window_create) */
 } smc_coll_kind_t;
 
 /* A part of a collective's description that ranks can disagree on, in the order the check compares them. */
@@ -112,6 +113,8 @@ typedef struct {
   size_t push_bytes;      /* allreduces of at least this size write each reduced piece straight into the peers'
                            * outputs (cross-memory attach) where every rank's kernel copy proved fast at init, instead
                            * of through the staging halves; 0: never */
+  size_t shared_from_bytes; /* in-place allreduces of at least this size whose every rank's data lies in a shared
+                             * buffer (smc_window_create) read and write the peers' buffers directly */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL
                            * means rank r is job rank r. Copied by smc_comm_create. */
   const uint32_t* abandon;  /* NULL, or a word another thread of the caller sets to non-zero when the world being
@@ -123,6 +126,7 @@ typedef struct {
 
 typedef struct smc_comm smc_comm_t;
 typedef struct smc_box smc_box_t;
+typedef struct smc_window smc_window_t;
 
 /* ---- errors ---- */
 const char* smc_last_error(void);            /* this thread's text for its last failure */
@@ -196,6 +200,20 @@ smc_result_t smc_barrier(smc_comm_t* comm);
  * collectives above do this themselves when their own argument checks fail. Returns SMC_SUCCESS once every rank has
  * taken the step (the caller then reports its own error), or the failure of that step. */
 smc_result_t smc_coll_refuse(smc_comm_t* comm, smc_coll_kind_t kind, const char* reason);
+
+/* ---- shared buffers (csrc/coll/window.c) ----
+ * Collective: every rank makes a buffer of `bytes` (bytes and tag the same on every rank, else every rank fails with
+ * SMC_ERR_MISMATCH) that every rank of the communicator maps,
+ * so that an in-place allreduce of memory inside it reads and writes the peers' buffers directly. With share 0, or
+ * where some rank cannot map the others' (no ptrace rights, a kernel before 5.6), the buffer is this rank's plain
+ * memory (smc_window_shared says 0) and collectives on it take their ordinary paths. The buffer stays mapped until
+ * the caller's reference is dropped, whatever happens to the communicator; smc_window_drop is safe from any thread. */
+smc_result_t smc_window_create(smc_comm_t* comm, uint64_t bytes, uint64_t tag, int share, smc_window_t** out);
+void* smc_window_base(const smc_window_t* window);
+int smc_window_shared(const smc_window_t* window);
+void smc_window_drop(smc_window_t* window);
+/* How many allreduces of this communicator read and wrote shared buffers directly; for logs and tests. */
+uint64_t smc_comm_shared_allreduces(smc_comm_t* comm);
 
 /* ---- Soft Memory Box (csrc/shm/box.c): named typed buffers in the job arena ---- */
 /* Creates a box of `count` elements, zero-filled. exist_ok: attach instead when one of that name, dtype and count

@@ -58,6 +58,10 @@ class HostComm(Communicator):
             raise self.explain_mismatch(error, what, src) from None
         return out
 
+    def shared_buffer(self, nbytes, what, tag=0):
+        """`nbytes` (a uint8 array) that every rank of this communicator maps; collective (transport/shm.py)."""
+        return self.shm.shared_buffer(nbytes, tag, what)
+
     def allreduce_raw(self, ptr, count, code, op, prescale, postscale, what, divisor=None):
         """In-place allreduce of `count` elements of type `code` at `ptr` (the engine's fusion buffer). The divisor
         defaults to the communicator's size for Average."""

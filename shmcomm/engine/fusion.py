@@ -9,6 +9,7 @@ tensor it does not have.
 CUDA tensors (their dtype keys are dtypes.DEVICE_KEY apart, so they never share a group with CPU tensors) are fused
 on their device by their communicator (algorithms/device.py, DeviceComm.run_fused), not in the host buffer here."""
 import math
+import weakref
 
 import numpy as np
 
@@ -53,22 +54,30 @@ def groups(responses, threshold, itemsize_of):
 
 
 class FusionBuffer:
-    """One reusable byte buffer, grown on demand, so steady-state steps allocate nothing."""
+    """A reusable byte buffer per communicator, grown on demand, so steady-state steps allocate nothing. Where the
+    communicator offers shared buffers (a host's ranks: algorithms/host.py), it is one that every rank maps, and its
+    in-place allreduce reads and writes the peers' buffers directly (csrc/coll/window.c). Making one is collective,
+    which growing here is: every rank runs the same groups in the same order, so every rank grows a communicator's
+    buffer in the same group, to the same size."""
 
     def __init__(self):
-        self.buf = np.empty(0, dtype=np.uint8)
+        self.bufs = weakref.WeakKeyDictionary()  # a removed process set's communicator takes its buffer along
 
-    def get(self, nbytes):
-        if self.buf.nbytes < nbytes:
-            self.buf = np.empty(max(nbytes, 2 * self.buf.nbytes), dtype=np.uint8)
-        return self.buf
+    def get(self, nbytes, comm):
+        buf = self.bufs.get(comm)
+        if buf is None or buf.nbytes < nbytes:
+            size = max(nbytes, 2 * (0 if buf is None else buf.nbytes))
+            share = getattr(comm, "shared_buffer", None) if comm.size > 1 else None
+            buf = share(size, "fusion buffer") if share is not None else np.empty(size, dtype=np.uint8)
+            self.bufs[comm] = buf
+        return buf
 
 
 def run_group(comm, group, requests, fusion, itemsize, timeline):
     """Packs, reduces once and unpacks one group; returns {name: result} for this rank's requests."""
     sizes = [nbytes(r.sig, itemsize) for r in group]
     total = sum(sizes)
-    buf = fusion.get(total)
+    buf = fusion.get(total, comm)
     base = ffi.from_buffer(buf)
     names = [r.name for r in group]
     timeline.begin(names, "MEMCPY_IN_FUSION_BUFFER")

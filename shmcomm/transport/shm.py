@@ -27,6 +27,17 @@ def _error(rc, what):
     return error
 
 
+class WindowMemory:
+    """A shared buffer's memory as numpy sees it (the array interface): the array keeps this object, and so the
+    buffer's reference, alive, whatever views of it are taken. `shared`: whether every rank maps it."""
+
+    def __init__(self, window, nbytes):
+        self.window = window
+        self.shared = bool(lib.smc_window_shared(window))
+        self.__array_interface__ = {"data": (int(ffi.cast("uintptr_t", lib.smc_window_base(window))), False),
+                                    "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
 class SharedMemory(Transport):
     """A communicator over some ranks of this host: all of them, or a subset (a process set, a row or column of a
     logical grid). `ranks` are the job ranks it holds, in order; `rank` is this process's index among them.
@@ -60,6 +71,7 @@ class SharedMemory(Transport):
         cfg.broadcast_single_copy_bytes = tuning.broadcast_single_copy_bytes
         cfg.piece_bytes = tuning.piece_bytes
         cfg.push_bytes = tuning.push_bytes
+        cfg.shared_from_bytes = tuning.shared_from_bytes
         cfg.cache_bytes = tuning.cache_bytes
         cfg.single_copy_probed = tuning.single_copy_probed
         job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
@@ -87,6 +99,26 @@ class SharedMemory(Transport):
     def failure(rc, what):
         """The exception for a step that failed with code `rc` (see _error)."""
         return _error(rc, what)
+
+    def shared_buffer(self, nbytes, tag, what):
+        """`nbytes` of memory, a uint8 array, that every rank of this communicator maps (csrc/coll/window.c), so
+        that an in-place allreduce inside it reads and writes the peers' buffers directly. Collective: every rank asks
+        for the same size. Where some rank cannot map the others' (or SHMCOMM_SHARED_BUFFERS=0) it is plain memory of
+        this process. The memory lives as long as the array (and its views), also past shutdown. `tag`: any 64-bit
+        value (a digest of shapes) that must be equal on every rank."""
+        out = ffi.new("smc_window_t **")
+        rc = lib.smc_window_create(self.handle, nbytes, tag, 1 if self.tuning.shared_buffers else 0, out)
+        if rc != 0:
+            raise _error(rc, what)
+        memory = WindowMemory(ffi.gc(out[0], lib.smc_window_drop), nbytes)
+        if not memory.shared:
+            log.debug("%s: %d bytes stay this rank's own memory (%s)", what, nbytes, "SHMCOMM_SHARED_BUFFERS=0"
+                      if not self.tuning.shared_buffers else "some rank could not map its peers' buffers")
+        return np.asarray(memory)
+
+    def shared_allreduces(self):
+        """How many allreduces read and wrote shared buffers directly (for logs and tests)."""
+        return lib.smc_comm_shared_allreduces(self.handle)
 
     # ---- steps ----
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
