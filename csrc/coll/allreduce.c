@@ -249,22 +249,24 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   if (c->size == 1) return alone(sendbuf, recvbuf, count, &p);
   smc_desc_t desc = {.prescale = prescale, .postscale = postscale, .count = count, .tag = tag, .divisor = divisor,
                      .coll = SMC_COLL_ALLREDUCE, .dtype = dtype, .op = op, .root = -1};
-
-  /* Equal ranges, each a whole number of cache lines, so that no two ranks write the same line of the output. */
-  uint64_t start[SMC_MAX_RANKS], len[SMC_MAX_RANKS];
-  size_t line = SMC_CACHE_LINE / p.esize;
-  size_t per = ((count + (size_t)c->size - 1) / (size_t)c->size + line - 1) / line * line;
-  for (int j = 0; j < c->size; j++) {
-    start[j] = (uint64_t)j * per < count ? (uint64_t)j * per : count;
-    len[j] = count - start[j] < per ? count - start[j] : per;
-  }
-  p.start = start;
-  p.len = len;
   const uint64_t bytes = count * p.esize;
   smc_window_t* w = sendbuf == recvbuf && bytes >= c->shared_from_bytes ? smc_window_holding(c, recvbuf, bytes) : NULL;
   if (w != NULL) {
     desc.window = smc_window_serial(w) + 1;
     desc.window_at = (uint64_t)((const uint8_t*)recvbuf - (const uint8_t*)smc_window_peer(w, c->rank));
+  }
+  /* Equal ranges, each a whole number of cache lines, so that no two ranks write the same line of the output. The
+   * small path needs them only to take the shared buffers' (the latency of the smallest calls is made of such loops). */
+  uint64_t start[SMC_MAX_RANKS], len[SMC_MAX_RANKS];
+  p.start = start;
+  p.len = len;
+  if (bytes > c->small_bytes || w != NULL) {
+    size_t line = SMC_CACHE_LINE / p.esize;
+    size_t per = ((count + (size_t)c->size - 1) / (size_t)c->size + line - 1) / line * line;
+    for (int j = 0; j < c->size; j++) {
+      start[j] = (uint64_t)j * per < count ? (uint64_t)j * per : count;
+      len[j] = count - start[j] < per ? count - start[j] : per;
+    }
   }
   if (bytes <= c->small_bytes) return one_step(c, &p, count, &desc, w);
   if (smc_push(c, bytes)) desc.addr = (uint64_t)(uintptr_t)recvbuf;
