@@ -209,13 +209,12 @@ def tuning(local_size):
         push_bytes=_number("PUSH_BYTES", 128 << 10 if local_size == 2 <= cores else 0, int, low=0, high=MAX_BYTES),
         cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
         single_copy_probed=not is_set("SINGLE_COPY_BYTES"),
-        # An in-place allreduce of memory every rank maps reads and writes the peers' buffers directly: no staging
-        # copy, no kernel copy (csrc/coll/window.c). 0 makes such buffers plain memory, for comparing.
+        # An in-place allreduce of memory every rank maps reads and writes the peers' buffers directly
+        # (csrc/coll/window.c). It synchronises twice where the small path does once, which costs more the more ranks
+        # share a core. Medians in one job on a 2-core Xeon, shared against ordinary arrays: np=2, 1 KiB 3.1/3.2 us,
+        # 4 KiB 3.6/4.3, 64 KiB 6.7/26; np=4, 4 KiB 16.4/15.4, 16 KiB 18.9/26.5; np=8, 4 KiB 58-66/48-53, 16 KiB
+        # 63-68/69-82: from 4 KiB times the ranks sharing a core.
         shared_buffers=_flag("SHARED_BUFFERS", True),
-        # That path synchronises twice where the small one synchronises once, which costs more the more ranks share
-        # a core. Medians in one job on a 2-core Xeon, shared against ordinary arrays: np=2, 1 KiB 3.1/3.2 us, 4 KiB
-        # 3.6/4.3, 64 KiB 6.7/26; np=4, 1 KiB 15.9/13.2, 4 KiB 16.4/15.4, 16 KiB 18.9/26.5; np=8, 4 KiB 58-66/48-53,
-        # 16 KiB 63-68/69-82. Hence 4 KiB times the ranks sharing a core.
         shared_from_bytes=(4 << 10) * -(-local_size // cores),
     )
 
