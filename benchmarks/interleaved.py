@@ -11,7 +11,8 @@ the ratio is taken per round, so both sides of a ratio saw the same machine. Siz
 allreduce, alltoall and broadcast (in place, from rank 0), allgather's output and reducescatter's input. Both
 libraries' results are checked against each other once per op and size. --inplace makes allreduce reduce its
 buffer in place (MPI_IN_PLACE), as a training step's fusion buffer is; --shared makes shmcomm's buffer a
-shmcomm.shared_empty array, as the engine's fusion buffer is (MPI's stays an ordinary one, in place). The op `fused`
+shmcomm.shared_empty array, as the engine's fusion buffer is (MPI's stays an ordinary one, in place), and
+reducescatter's input one. The op `fused`
 (not in the default list) is DistributedOptimizer's path: 8 tensors of the size in all, each allreduce_async_ in
 the engine, which fuses them into one allreduce of its fusion buffer, and synchronize(); MPI allreduces the same bytes
 in place in one call, as if they were packed already. The engine starts with the first such call, so each round then
@@ -66,7 +67,11 @@ def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False):
         ours[:], theirs[:] = x, x
         return lambda: shmcomm.broadcast_(ours, 0), lambda: comm.Bcast(theirs, 0), ours, theirs
     ours, theirs = ours[:count // n], theirs[:count // n]
-    return (lambda: shmcomm.reducescatter(x, op=shmcomm.Sum, output=ours),
+    mine = x
+    if shared:  # the input in a shared array, read straight from there by every rank
+        mine = shmcomm.shared_empty(count, np.float32)
+        mine[:] = x
+    return (lambda: shmcomm.reducescatter(mine, op=shmcomm.Sum, output=ours),
             lambda: comm.Reduce_scatter_block(x, theirs, MPI.SUM), ours, theirs)
 
 
@@ -93,7 +98,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=11, help="calls timed per library, op, size and round")
     parser.add_argument("--inplace", action="store_true", help="allreduce in place (MPI_IN_PLACE)")
     parser.add_argument("--shared", action="store_true",
-                        help="allreduce in place, shmcomm's on a shmcomm.shared_empty array")
+                        help="allreduce in place, shmcomm's on a shmcomm.shared_empty array; reducescatter's input")
     parser.add_argument("--setting", help="VAR=v1,v2,...: time shmcomm with each value of VAR (unset: without it)")
     options = parser.parse_args(argv)
     variable, values = None, [None]

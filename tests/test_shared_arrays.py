@@ -97,6 +97,38 @@ def test_in_place_allreduce_of_shared_arrays(size):
     assert len(set(digests)) == 1, digests
 
 
+def _reducescatter(size):
+    import shmcomm
+    from shmcomm import session
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    shared_from = session.communicator().shm.tuning.shared_from_bytes
+    taken = 0
+    for rows in (7, 1001, 40_003):  # rows not divisible by the ranks: the first ranks get a row more
+        for dtype in ("float32", "int64", "float16"):
+            shared = shmcomm.shared_empty((rows, 3), dtype)
+            shared[:] = _inputs(me, rows * 3, dtype).reshape(rows, 3)
+            plain = shared.copy()
+            for op in ("Sum", "Max"):
+                got = shmcomm.reducescatter(shared, op=getattr(shmcomm, op))
+                want = shmcomm.reducescatter(plain, op=getattr(shmcomm, op))  # the ordinary path
+                np.testing.assert_array_equal(got, want, err_msg="%s %s %d" % (dtype, op, rows))
+                taken += shared.nbytes >= shared_from
+            # An output inside the input (here the last rank's, at its own share, as MPI's in-place reduce-scatter)
+            # takes the ordinary path, on every rank: the peers read all of the input during the call.
+            at = sum(rows // size + (r < rows % size) for r in range(me))
+            out = shared[at:at + want.shape[0]] if me == size - 1 else np.empty_like(want)
+            np.testing.assert_array_equal(shmcomm.reducescatter(shared, op=shmcomm.Max, output=out), want)
+    return _shared_count() == taken and taken > 0
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_reducescatter_of_shared_arrays(size):
+    """A reduce-scatter whose inputs are shared arrays reduces each rank's share straight out of every rank's."""
+    assert multiproc.run(size, _reducescatter, size, timeout=120) == [True] * size
+
+
 def _not_all_shared(size):
     import shmcomm
 

@@ -212,7 +212,8 @@ smc_result_t smc_window_create(smc_comm_t* comm, uint64_t bytes, uint64_t tag, i
 void* smc_window_base(const smc_window_t* window);
 int smc_window_shared(const smc_window_t* window);
 void smc_window_drop(smc_window_t* window);
-/* How many allreduces of this communicator read and wrote shared buffers directly; for logs and tests. */
+/* How many allreduces (and reduce-scatters) of this communicator read and wrote shared buffers directly; for logs
+ * and tests. */
 uint64_t smc_comm_shared_allreduces(smc_comm_t* comm);
 
 /* ---- Soft Memory Box (csrc/shm/box.c): named typed buffers in the job arena ---- */

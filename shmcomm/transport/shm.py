@@ -117,7 +117,7 @@ class SharedMemory(Transport):
         return np.asarray(memory)
 
     def shared_allreduces(self):
-        """How many allreduces read and wrote shared buffers directly (for logs and tests)."""
+        """How many allreduces and reduce-scatters read and wrote shared buffers directly (for logs and tests)."""
         return lib.smc_comm_shared_allreduces(self.handle)
 
     # ---- steps ----
