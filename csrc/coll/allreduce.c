@@ -131,9 +131,9 @@ static int any_window(smc_comm_t* c) {
 
 /* The in-place allreduce of shared buffers: rank r reduces range r of every rank's buffer into its own, a piece at
  * a time so that the piece is still in cache when it copies it into every peer's buffer. A reduce-scatter of shared
- * inputs reduces range r into rank r's output and copies nothing. Only rank r touches range r
- * of any buffer, so the pieces need no synchronisation; the one that began the call proved every input whole, the
- * one at the end proves every range reduced. Per element that is n reads and n writes, where the staging path also
+ * inputs reduces range r into rank r's output and copies nothing. Only rank r touches range r of any buffer, so the
+ * pieces need no synchronisation; the one that began the call proved every input whole, the one at the end proves
+ * every range reduced. Per element that is n reads and n writes, where the staging path also
  * copies every piece into a half and the pushing one passes it through the kernel (4 MiB at 2 ranks on a Xeon:
  * 0.32 ms, against 1.1 ms through the halves). */
 static smc_result_t in_windows(smc_comm_t* c, const plan_t* p, uint8_t* const* bufs, size_t per_piece,
@@ -153,8 +153,19 @@ static smc_result_t in_windows(smc_comm_t* c, const plan_t* p, uint8_t* const* b
   }
   smc_result_t synced = smc_sync(c, what); /* even after a failed reduction: the peers wait for this one */
   smc_flip(c);
-  c->window_allreduces++;
+  c->window_calls++;
   return synced != SMC_SUCCESS ? synced : rc;
+}
+
+/* The shared buffer holding [data, data + bytes), named in `desc` (serial and offset) for the peers; NULL, and
+ * nothing named, below the size from which shared buffers pay (smc_config_t.shared_from_bytes) or outside them. */
+static smc_window_t* name_window(smc_comm_t* c, smc_desc_t* desc, const void* data, uint64_t bytes) {
+  smc_window_t* w = bytes >= c->shared_from_bytes ? smc_window_holding(c, data, bytes) : NULL;
+  if (w != NULL) {
+    desc->window = smc_window_serial(w) + 1;
+    desc->window_at = (uint64_t)((const uint8_t*)data - smc_window_peer(w, c->rank));
+  }
+  return w;
 }
 
 /* The small path; a rank whose data is in shared buffer `w` took no copy before the first synchronisation, as in
@@ -175,9 +186,10 @@ static smc_result_t one_step(smc_comm_t* c, const plan_t* p, size_t count, smc_d
   return rc;
 }
 
-/* `w`: the shared buffer holding this rank's data for an in-place allreduce (a reduce-scatter's input), or NULL. A rank whose data is in one
- * names it in its descriptor and takes no copy before the first synchronisation; if then not every rank named it,
- * those that did make that copy and every rank synchronises once more, so all take the same steps. */
+/* `w`: the shared buffer holding this rank's data (an in-place allreduce's, a reduce-scatter's input), or NULL. A
+ * rank whose data is in one names it in its descriptor and takes no copy before the first synchronisation; if then
+ * not every rank named it, those that did make that copy and every rank synchronises once more, so all take the same
+ * steps. */
 static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, const smc_window_t* w,
                               const char* what) {
   const void* srcs[SMC_MAX_RANKS];
@@ -252,13 +264,9 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   smc_desc_t desc = {.prescale = prescale, .postscale = postscale, .count = count, .tag = tag, .divisor = divisor,
                      .coll = SMC_COLL_ALLREDUCE, .dtype = dtype, .op = op, .root = -1};
   const uint64_t bytes = count * p.esize;
-  smc_window_t* w = sendbuf == recvbuf && bytes >= c->shared_from_bytes ? smc_window_holding(c, recvbuf, bytes) : NULL;
-  if (w != NULL) {
-    desc.window = smc_window_serial(w) + 1;
-    desc.window_at = (uint64_t)((const uint8_t*)recvbuf - (const uint8_t*)smc_window_peer(w, c->rank));
-  }
+  smc_window_t* w = sendbuf == recvbuf ? name_window(c, &desc, recvbuf, bytes) : NULL;
   /* Equal ranges, each a whole number of cache lines, so that no two ranks write the same line of the output. The
-   * small path needs them only to take the shared buffers' (the latency of the smallest calls is made of such loops). */
+   * small path needs them only to take the shared buffers' path (the smallest calls' latency is made of such loops). */
   uint64_t start[SMC_MAX_RANKS], len[SMC_MAX_RANKS];
   p.start = start;
   p.len = len;
@@ -296,10 +304,6 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
   const uint64_t bytes = total * p.esize;
   const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf, out_bytes = counts[c->rank] * p.esize;
   int apart = out + out_bytes <= in || out >= in + bytes;
-  smc_window_t* w = bytes >= c->shared_from_bytes && apart ? smc_window_holding(c, sendbuf, bytes) : NULL;
-  if (w != NULL) {
-    desc.window = smc_window_serial(w) + 1;
-    desc.window_at = (uint64_t)((const uint8_t*)sendbuf - (const uint8_t*)smc_window_peer(w, c->rank));
-  }
+  smc_window_t* w = apart ? name_window(c, &desc, sendbuf, bytes) : NULL;
   return pipelined(c, &p, &desc, w, "reducescatter");
 }

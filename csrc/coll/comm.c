@@ -304,7 +304,7 @@ uint64_t smc_comm_single_copy_from(smc_comm_t* c, int broadcast) {
   return !c->cma ? 0 : broadcast ? c->broadcast_single_copy_bytes : c->single_copy_bytes;
 }
 
-uint64_t smc_comm_shared_allreduces(smc_comm_t* c) { return c != NULL ? c->window_allreduces : 0; }
+uint64_t smc_comm_shared_calls(smc_comm_t* c) { return c != NULL ? c->window_calls : 0; }
 
 uint64_t smc_comm_push_from(smc_comm_t* c) { return smc_push(c, UINT64_MAX) ? c->push_bytes : 0; }
 

@@ -52,7 +52,7 @@ struct smc_comm {
   size_t bounce_bytes;
   smc_window_t* windows[SMC_MAX_WINDOWS]; /* shared buffers every rank maps (coll/window.c) */
   uint64_t window_serial;                 /* how many this communicator has created, on every rank alike */
-  uint64_t window_allreduces;             /* allreduces and reduce-scatters that took the shared buffers' path */
+  uint64_t window_calls;                  /* allreduces and reduce-scatters that took the shared buffers' path */
   uint64_t shared_from_bytes;             /* smc_config_t's */
 };
 

@@ -133,6 +133,7 @@ smc_result_t smc_window_create(smc_comm_t* c, uint64_t bytes, uint64_t tag, int 
   if (out == NULL) return smc_set_error(SMC_ERR_INVALID, "shared buffer: NULL result");
   *out = NULL;
   SMC_CHECK(smc_comm_usable(c, "shared buffer"));
+  const uint64_t serial = c->window_serial++; /* on every rank, whatever fails below, so that serials stay equal */
   if (bytes == 0 || bytes > SMC_MAX_BYTES)
     return smc_refuse_here(c, SMC_COLL_WINDOW,
                            smc_set_error(SMC_ERR_INVALID, "shared buffer: %llu bytes", (unsigned long long)bytes));
@@ -141,7 +142,7 @@ smc_result_t smc_window_create(smc_comm_t* c, uint64_t bytes, uint64_t tag, int 
   atomic_init(&w->refs, 1);
   w->bytes = bytes;
   w->size = c->size;
-  w->serial = c->window_serial++; /* on every rank, whatever happens below, so that serials stay equal */
+  w->serial = serial;
   int fd = -1;
   smc_result_t rc = make_own(w, &fd);
   if (rc != SMC_SUCCESS) {
@@ -155,8 +156,9 @@ smc_result_t smc_window_create(smc_comm_t* c, uint64_t bytes, uint64_t tag, int 
     return SMC_SUCCESS;
   }
   forget_unused(c);
-  smc_desc_t desc = {.prescale = 1, .postscale = 1, .divisor = 1, .count = bytes, .tag = smc_digest(&tag, 1, w->serial),
-                     .addr = share && fd >= 0 ? (uint64_t)fd : UINT64_MAX, .coll = SMC_COLL_WINDOW, .root = -1};
+  smc_desc_t desc = {.prescale = 1, .postscale = 1, .divisor = 1, .count = bytes,
+                     .tag = smc_digest(&tag, 1, serial), .addr = share && fd >= 0 ? (uint64_t)fd : UINT64_MAX,
+                     .coll = SMC_COLL_WINDOW, .root = -1};
   rc = smc_coll_begin(c, &desc, "shared buffer");
   if (rc != SMC_SUCCESS) {
     if (fd >= 0) close(fd);

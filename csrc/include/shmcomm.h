@@ -214,7 +214,7 @@ int smc_window_shared(const smc_window_t* window);
 void smc_window_drop(smc_window_t* window);
 /* How many allreduces (and reduce-scatters) of this communicator read and wrote shared buffers directly; for logs
  * and tests. */
-uint64_t smc_comm_shared_allreduces(smc_comm_t* comm);
+uint64_t smc_comm_shared_calls(smc_comm_t* comm);
 
 /* ---- Soft Memory Box (csrc/shm/box.c): named typed buffers in the job arena ---- */
 /* Creates a box of `count` elements, zero-filled. exist_ok: attach instead when one of that name, dtype and count

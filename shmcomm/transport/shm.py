@@ -116,9 +116,9 @@ class SharedMemory(Transport):
                       if not self.tuning.shared_buffers else "some rank could not map its peers' buffers")
         return np.asarray(memory)
 
-    def shared_allreduces(self):
+    def shared_calls(self):
         """How many allreduces and reduce-scatters read and wrote shared buffers directly (for logs and tests)."""
-        return lib.smc_comm_shared_allreduces(self.handle)
+        return lib.smc_comm_shared_calls(self.handle)
 
     # ---- steps ----
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
