@@ -12,7 +12,7 @@ allreduce, alltoall and broadcast (in place, from rank 0), allgather's output an
 libraries' results are checked against each other once per op and size. --inplace makes allreduce reduce its
 buffer in place (MPI_IN_PLACE), as a training step's fusion buffer is; --shared makes shmcomm's buffer a
 shmcomm.shared_empty array, as the engine's fusion buffer is (MPI's stays an ordinary one, in place), and
-reducescatter's input one. The op `fused`
+reducescatter's input, allgather's output and broadcast's buffer too. The op `fused`
 (not in the default list) is DistributedOptimizer's path: 8 tensors of the size in all, each allreduce_async_ in
 the engine, which fuses them into one allreduce of its fusion buffer, and synchronize(); MPI allreduces the same bytes
 in place in one call, as if they were packed already. The engine starts with the first such call, so each round then
@@ -60,10 +60,14 @@ def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False):
                 ours, theirs)
     if op == "allgather":
         part = x[:count // n]
+        if shared:  # into a shared output, which every rank's input is copied straight into
+            ours = shmcomm.shared_empty(count, np.float32)
         return lambda: shmcomm.allgather(part, output=ours), lambda: comm.Allgather(part, theirs), ours, theirs
     if op == "alltoall":
         return lambda: shmcomm.alltoall(x, output=ours), lambda: comm.Alltoall(x, theirs), ours, theirs
     if op == "broadcast":  # in place from rank 0, as MPI_Bcast is
+        if shared:
+            ours = shmcomm.shared_empty(count, np.float32)
         ours[:], theirs[:] = x, x
         return lambda: shmcomm.broadcast_(ours, 0), lambda: comm.Bcast(theirs, 0), ours, theirs
     ours, theirs = ours[:count // n], theirs[:count // n]
@@ -98,7 +102,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=11, help="calls timed per library, op, size and round")
     parser.add_argument("--inplace", action="store_true", help="allreduce in place (MPI_IN_PLACE)")
     parser.add_argument("--shared", action="store_true",
-                        help="allreduce in place, shmcomm's on a shmcomm.shared_empty array; reducescatter's input")
+                        help="allreduce in place, shmcomm's on a shmcomm.shared_empty array; reducescatter's input, "
+                             "allgather's output and broadcast's buffer in one too")
     parser.add_argument("--setting", help="VAR=v1,v2,...: time shmcomm with each value of VAR (unset: without it)")
     options = parser.parse_args(argv)
     variable, values = None, [None]

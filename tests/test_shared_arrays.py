@@ -129,6 +129,61 @@ def test_reducescatter_of_shared_arrays(size):
     assert multiproc.run(size, _reducescatter, size, timeout=120) == [True] * size
 
 
+def _broadcast_and_allgather(size):
+    import shmcomm
+    from shmcomm import session
+    from shmcomm._native import lib
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    shm = session.communicator().shm
+    shared_from, half = shm.tuning.shared_from_bytes, shm.tuning.slot_bytes // 2  # slot sizes here: whole pages
+    single = lib.smc_comm_single_copy_from(shm.handle, 0) or float("inf")
+    broadcast_single = lib.smc_comm_single_copy_from(shm.handle, 1) or float("inf")
+    taken, want_taken = _shared_count(), 0
+    for count in (300, 5000, 100_003, 400_000):  # under the shared path's size, one staging step, single copy
+        for dtype in ("float32", "int16"):
+            data = _inputs(me, count, dtype)
+            buf = shmcomm.shared_empty(count + 64, dtype)
+            for root in (0, size - 1):
+                # Each rank's buffer at another offset; one rank's an ordinary array; then every rank's shared.
+                for plain_rank in (1, -1):
+                    mine = np.empty(count, dtype) if me == plain_rank else buf[me * 5:me * 5 + count]
+                    mine[:] = data
+                    assert shmcomm.broadcast_(mine, root) is mine
+                    np.testing.assert_array_equal(mine, _inputs(root, count, dtype),
+                                                  err_msg="broadcast %s %d root %d" % (dtype, count, root))
+                    # A broadcast of one staging step keeps to it: the shared path would synchronise once more.
+                    want_taken += (plain_rank < 0 and mine.nbytes >= shared_from
+                                   and (mine.nbytes >= broadcast_single or mine.nbytes > half))
+            # Allgather into shared outputs: from an ordinary input, in place, and with one rank's output ordinary.
+            rows = [count // size + (r < count % size) for r in range(size)]
+            at = sum(rows[:me])
+            part = data[:rows[me]]
+            want = np.concatenate([_inputs(r, count, dtype)[:rows[r]] for r in range(size)])
+            out = buf[7:7 + count] if me % 2 else buf[:count]
+            got = shmcomm.allgather(part, output=out)
+            np.testing.assert_array_equal(got, want, err_msg="allgather %s %d" % (dtype, count))
+            out[:] = 0
+            out[at:at + rows[me]] = part
+            np.testing.assert_array_equal(shmcomm.allgather(out[at:at + rows[me]], output=out), want)
+            plain = np.empty(count, dtype) if me == 0 else out
+            np.testing.assert_array_equal(shmcomm.allgather(part, output=plain), want)
+            want_taken += 2 * (max(rows) * np.dtype(dtype).itemsize >= single and out.nbytes >= shared_from)
+    return _shared_count() - taken == want_taken and want_taken > 0
+
+
+@pytest.mark.parametrize("size, settings", [(2, {}), (3, {}),
+                                            (2, {"SHMCOMM_SINGLE_COPY_BYTES": "0", "SHMCOMM_SLOT_BYTES": "65536"})])
+def test_broadcast_and_allgather_of_shared_arrays(size, settings):
+    """A broadcast of shared arrays copies the root's straight into every rank's; an allgather into shared outputs
+    copies each rank's input straight into every rank's output; a rank with an ordinary array sends every rank down
+    the ordinary path. Without single copy and with small staging halves, broadcasts of several staging steps take
+    the shared path, and a root whose buffer alone is shared sends its first step late (allgather then keeps to the
+    staging path)."""
+    assert multiproc.run(size, _broadcast_and_allgather, size, timeout=180, env=settings) == [True] * size
+
+
 def _not_all_shared(size):
     import shmcomm
 

@@ -5,7 +5,8 @@
  * The first step also tells every rank what the others contribute: each publishes its row count in its descriptor
  * (`own`, not compared), so a caller that does not know the other ranks' sizes learns them from the same
  * synchronisation that carries the first window, instead of a step of its own before the data (smc_allgather_begin,
- * then smc_allgather_finish once the caller has a place for the result). */
+ * then smc_allgather_finish once the caller has a place for the result). By single copy into outputs that lie in shared
+ * buffers every rank maps, each rank copies its input straight into every output (in_windows). */
 #include <stdio.h>
 
 #include "coll/comm.h"
@@ -21,6 +22,38 @@ static smc_result_t begin_step(smc_comm_t* c, const void* sendbuf, uint64_t send
   return smc_coll_begin(c, desc, "allgather");
 }
 
+/* Every rank's output in a shared buffer that every rank maps (coll/window.c): each rank copies its input into its
+ * place in every rank's output, its own included, a chunk at a time, with plain copies where single copy passes every
+ * byte through the kernel; chunks and stores as there. The synchronisation before proved every output ready for
+ * writing, the one after proves every output whole. */
+static smc_result_t in_windows(smc_comm_t* c, const uint8_t* src, uint64_t mine, uint8_t* const* outs, uint64_t at_me,
+                               int large, uint64_t chunk) {
+  for (uint64_t at = 0; at < mine; at += chunk) {
+    uint64_t len = mine - at < chunk ? mine - at : chunk;
+    for (int k = 0; k < c->size; k++) {
+      uint8_t* to = outs[(c->rank + k) % c->size] + at_me + at;
+      if (to != src + at) (large ? smc_copy_bypassing : smc_copy)(to, src + at, (size_t)len);
+    }
+  }
+  smc_result_t rc = smc_sync(c, "allgather");
+  smc_flip(c);
+  c->window_calls++;
+  return rc;
+}
+
+/* Whether every rank published (in its half: output, window, offset) an output in this rank's shared buffer w; if so,
+ * outs[j] is rank j's output as this process maps it. The same answer on every rank: all published the same window
+ * or some rank's differs from every rank's own. */
+static int outputs_shared(smc_comm_t* c, const smc_window_t* w, uint64_t window, uint64_t total, uint8_t** outs) {
+  if (w == NULL) return 0;
+  for (int j = 0; j < c->size; j++) {
+    const uint64_t* theirs = (const uint64_t*)smc_half(c, j);
+    if (theirs[1] != window || theirs[2] > smc_window_bytes(w) - total) return 0;
+    outs[j] = smc_window_peer(w, j) + theirs[2];
+  }
+  return 1;
+}
+
 /* Single copy by pushing: each rank publishes its output's address in its half (0: it keeps nothing), then copies its
  * own input a cache-sized chunk at a time into its own output and, from the cache, into every peer's output
  * (process_vm_writev); a last synchronisation tells every rank its output is whole. Each input is read from memory
@@ -30,12 +63,17 @@ static smc_result_t begin_step(smc_comm_t* c, const void* sendbuf, uint64_t send
 static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out, const uint64_t* displ,
                                 const uint64_t* every_rows, uint64_t row_bytes) {
   const int me = c->rank;
-  *(uint64_t*)smc_half(c, me) = (uint64_t)(uintptr_t)out;
-  SMC_CHECK(smc_sync(c, "allgather"));
   smc_result_t rc = SMC_SUCCESS;
   const uint64_t mine = every_rows[me] * row_bytes;
   const uint64_t total = displ[c->size - 1] + every_rows[c->size - 1] * row_bytes;
   const uint8_t* src = sendbuf;
+  smc_desc_t named = {0}; /* the shared buffer holding the output, if any */
+  smc_window_t* w = out != NULL ? smc_window_name(c, &named, out, total) : NULL;
+  uint64_t* published = (uint64_t*)smc_half(c, me);
+  published[0] = (uint64_t)(uintptr_t)out;
+  published[1] = named.window;
+  published[2] = named.window_at;
+  SMC_CHECK(smc_sync(c, "allgather"));
   /* An output of 16 L2s or more is written by the own copy with
    * streaming stores, which save the read of each destination line, in chunks of a quarter L2 that stay in cache
    * for the writes to the peers. A smaller output stays in the caches: cached stores, and chunks of a whole L2 (fewer
@@ -45,6 +83,8 @@ static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out
   const int large = total >= 16 * c->cache_bytes;
   uint64_t chunk = large ? c->cache_bytes / 4 : c->cache_bytes;
   chunk = chunk < (16u << 10) ? (16u << 10) : chunk > (2u << 20) ? (2u << 20) : chunk;
+  uint8_t* outs[SMC_MAX_RANKS];
+  if (outputs_shared(c, w, named.window, total, outs)) return in_windows(c, src, mine, outs, displ[me], large, chunk);
   for (uint64_t at = 0; at < mine; at += chunk) {
     uint64_t len = mine - at < chunk ? mine - at : chunk;
     if (out != NULL && out + displ[me] != src)

@@ -110,25 +110,6 @@ static void copy_in(smc_comm_t* c, const plan_t* p, size_t k, size_t section, si
   }
 }
 
-/* Whether every rank's data lies in shared buffer w (each rank's descriptor names it and an offset that leaves room
- * for the data); if so, bufs[j] is rank j's data as this process maps it. The same answer on every rank: it reads
- * only the descriptors, and a window every rank names is one every rank mapped completely. */
-static int windows_agreed(smc_comm_t* c, const smc_window_t* w, uint64_t bytes, uint8_t** bufs) {
-  if (w == NULL) return 0;
-  for (int j = 0; j < c->size; j++) {
-    const smc_desc_t* d = smc_peer_desc(c, j);
-    if (d->window != smc_window_serial(w) + 1 || d->window_at > smc_window_bytes(w) - bytes) return 0;
-    bufs[j] = smc_window_peer(w, j) + d->window_at;
-  }
-  return 1;
-}
-
-static int any_window(smc_comm_t* c) {
-  for (int j = 0; j < c->size; j++)
-    if (smc_peer_desc(c, j)->window != 0) return 1;
-  return 0;
-}
-
 /* The in-place allreduce of shared buffers: rank r reduces range r of every rank's buffer into its own, a piece at
  * a time so that the piece is still in cache when it copies it into every peer's buffer. A reduce-scatter of shared
  * inputs reduces range r into rank r's output and copies nothing. Only rank r touches range r of any buffer, so the
@@ -157,26 +138,15 @@ static smc_result_t in_windows(smc_comm_t* c, const plan_t* p, uint8_t* const* b
   return synced != SMC_SUCCESS ? synced : rc;
 }
 
-/* The shared buffer holding [data, data + bytes), named in `desc` (serial and offset) for the peers; NULL, and
- * nothing named, below the size from which shared buffers pay (smc_config_t.shared_from_bytes) or outside them. */
-static smc_window_t* name_window(smc_comm_t* c, smc_desc_t* desc, const void* data, uint64_t bytes) {
-  smc_window_t* w = bytes >= c->shared_from_bytes ? smc_window_holding(c, data, bytes) : NULL;
-  if (w != NULL) {
-    desc->window = smc_window_serial(w) + 1;
-    desc->window_at = (uint64_t)((const uint8_t*)data - smc_window_peer(w, c->rank));
-  }
-  return w;
-}
-
 /* The small path; a rank whose data is in shared buffer `w` took no copy before the first synchronisation, as in
  * pipelined below. */
 static smc_result_t one_step(smc_comm_t* c, const plan_t* p, size_t count, smc_desc_t* desc, const smc_window_t* w) {
   const void* srcs[SMC_MAX_RANKS];
   if (desc->window == 0) smc_copy(smc_half(c, c->rank), p->src, count * p->esize);
   SMC_CHECK(smc_coll_begin(c, desc, "allreduce"));
-  if (any_window(c)) {
+  if (smc_any_window(c)) {
     uint8_t* bufs[SMC_MAX_RANKS];
-    if (windows_agreed(c, w, count * p->esize, bufs)) return in_windows(c, p, bufs, count, "allreduce");
+    if (smc_windows_agreed(c, w, count * p->esize, bufs)) return in_windows(c, p, bufs, count, "allreduce");
     if (desc->window != 0) smc_copy(smc_half(c, c->rank), p->src, count * p->esize);
     SMC_CHECK(smc_sync(c, "allreduce"));
   }
@@ -219,9 +189,9 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
     if (k == 0) {
       SMC_CHECK(smc_coll_begin(c, desc, what));
       uint8_t* bufs[SMC_MAX_RANKS];
-      if (windows_agreed(c, w, (p->start[n - 1] + p->len[n - 1]) * es, bufs))
+      if (smc_windows_agreed(c, w, (p->start[n - 1] + p->len[n - 1]) * es, bufs))
         return in_windows(c, p, bufs, per_piece, what);
-      if (any_window(c)) {
+      if (smc_any_window(c)) {
         if (desc->window != 0) copy_in(c, p, 0, section, per_piece);
         SMC_CHECK(smc_sync(c, what));
       }
@@ -264,7 +234,7 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   smc_desc_t desc = {.prescale = prescale, .postscale = postscale, .count = count, .tag = tag, .divisor = divisor,
                      .coll = SMC_COLL_ALLREDUCE, .dtype = dtype, .op = op, .root = -1};
   const uint64_t bytes = count * p.esize;
-  smc_window_t* w = sendbuf == recvbuf ? name_window(c, &desc, recvbuf, bytes) : NULL;
+  smc_window_t* w = sendbuf == recvbuf ? smc_window_name(c, &desc, recvbuf, bytes) : NULL;
   /* Equal ranges, each a whole number of cache lines, so that no two ranks write the same line of the output. The
    * small path needs them only to take the shared buffers' path (the smallest calls' latency is made of such loops). */
   uint64_t start[SMC_MAX_RANKS], len[SMC_MAX_RANKS];
@@ -304,6 +274,6 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
   const uint64_t bytes = total * p.esize;
   const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf, out_bytes = counts[c->rank] * p.esize;
   int apart = out + out_bytes <= in || out >= in + bytes;
-  smc_window_t* w = apart ? name_window(c, &desc, sendbuf, bytes) : NULL;
+  smc_window_t* w = apart ? smc_window_name(c, &desc, sendbuf, bytes) : NULL;
   return pipelined(c, &p, &desc, w, "reducescatter");
 }

@@ -5,10 +5,27 @@
  * By single copy (large buffers, see coll/comm.h) the root does not idle while the others read its buffer: it
  * writes the first 1/size of the data into every other rank's buffer itself (process_vm_writev; each published its
  * buffer's address), while each of them reads the rest. Every rank then moves (size-1)/size of the data, in
- * parallel, instead of the others moving all of it while the root waits. */
+ * parallel, instead of the others moving all of it while the root waits.
+ *
+ * Where every rank's buffer lies in a shared buffer that every rank maps (coll/window.c), the same split runs with
+ * plain copies between the mappings: no staging half, no kernel copy (in_windows). */
 #include "coll/comm.h"
 #include "core/copy.h"
 #include "core/error.h"
+
+/* The root copies the first 1/size of its buffer into every peer's, each peer copies the rest out of the root's; the
+ * synchronisation at the end keeps the root's buffer as it is until every peer is done with it. */
+static smc_result_t in_windows(smc_comm_t* c, uint8_t* const* bufs, uint64_t bytes, int root, const void* sendbuf,
+                               void* recvbuf) {
+  const uint64_t share = (bytes / (uint64_t)c->size) & ~(uint64_t)(SMC_CACHE_LINE - 1);
+  for (int k = 1; c->rank == root && k < c->size; k++) smc_copy(bufs[(root + k) % c->size], bufs[root], share);
+  if (c->rank != root) smc_copy(bufs[c->rank] + share, bufs[root] + share, bytes - share);
+  smc_result_t rc = smc_sync(c, "broadcast");
+  smc_flip(c);
+  c->window_calls++;
+  if (c->rank == root && sendbuf != recvbuf) smc_copy(recvbuf, sendbuf, bytes);
+  return rc;
+}
 
 smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t bytes, int root, uint64_t tag) {
   SMC_CHECK(smc_comm_usable(c, "broadcast"));
@@ -23,8 +40,17 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .count = bytes, .tag = tag, .divisor = 1,
                      .addr = (uint64_t)(uintptr_t)(me == root ? sendbuf : recvbuf), .coll = SMC_COLL_BROADCAST,
                      .root = root};
-  if (c->size > 1 && smc_broadcast_single_copy(c, bytes)) {
+  /* Shared buffers' path synchronises twice, as single copy and a staging path of several steps do; a staging path
+   * of one step synchronises once, which is what a small broadcast's time is made of with more ranks than cores (4
+   * ranks on 2 cores, 8 KiB: 22.7 us staged, 49.5 us through the shared buffers). */
+  const int single = c->size > 1 && smc_broadcast_single_copy(c, bytes);
+  smc_window_t* w = c->size > 1 && (single || bytes > c->half_bytes)
+                        ? smc_window_name(c, &desc, me == root ? sendbuf : recvbuf, bytes)
+                        : NULL;
+  uint8_t* bufs[SMC_MAX_RANKS];
+  if (single) {
     SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
+    if (smc_windows_agreed(c, w, bytes, bufs)) return in_windows(c, bufs, bytes, root, sendbuf, recvbuf);
     const uint64_t share = (bytes / (uint64_t)c->size) & ~(uint64_t)(SMC_CACHE_LINE - 1); /* what the root writes */
     smc_result_t rc = SMC_SUCCESS;
     for (int k = 1; me == root && k < c->size; k++) {
@@ -44,11 +70,19 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   for (size_t k = 0; c->size > 1 && k < steps; k++) {
     size_t at = k * c->half_bytes;
     size_t len = bytes - at < c->half_bytes ? bytes - at : c->half_bytes;
-    if (me == root && len > 0) smc_copy(smc_half(c, me), (const uint8_t*)sendbuf + at, len);
-    if (k == 0)
-      SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
-    else
+    /* A root whose buffer is shared leaves it out of the first step's half until it knows that not every rank's is. */
+    if (me == root && len > 0 && (k > 0 || desc.window == 0))
+      smc_copy(smc_half(c, me), (const uint8_t*)sendbuf + at, len);
+    if (k > 0) {
       SMC_CHECK(smc_sync(c, "broadcast"));
+    } else {
+      SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
+      if (smc_windows_agreed(c, w, bytes, bufs)) return in_windows(c, bufs, bytes, root, sendbuf, recvbuf);
+      if (smc_any_window(c)) { /* the same on every rank: the root's first window goes out late, with a step more */
+        if (me == root && desc.window != 0 && len > 0) smc_copy(smc_half(c, me), sendbuf, len);
+        SMC_CHECK(smc_sync(c, "broadcast"));
+      }
+    }
     if (me != root && len > 0) smc_copy((uint8_t*)recvbuf + at, smc_half(c, root), len);
     smc_flip(c);
   }

@@ -124,5 +124,13 @@ uint64_t smc_window_serial(const smc_window_t* w);
 uint8_t* smc_window_peer(const smc_window_t* w, int r);
 uint64_t smc_window_bytes(const smc_window_t* w);
 void smc_windows_close(smc_comm_t* c);
+/* smc_window_name: the shared buffer holding [data, data + bytes), named in `desc` (serial and offset) for the peers;
+ * NULL, and nothing named, below the size from which shared buffers pay (smc_config_t.shared_from_bytes) or outside
+ * them. After the first step: smc_windows_agreed, whether every rank's data lies in w (each rank's descriptor names it
+ * with an offset that leaves room for `bytes`), and if so bufs[j] is rank j's data as this process maps it;
+ * smc_any_window, whether any rank named one. Both give the same answer on every rank. */
+smc_window_t* smc_window_name(smc_comm_t* c, smc_desc_t* desc, const void* data, uint64_t bytes);
+int smc_windows_agreed(smc_comm_t* c, const smc_window_t* w, uint64_t bytes, uint8_t** bufs);
+int smc_any_window(smc_comm_t* c);
 
 #endif

@@ -209,3 +209,31 @@ uint64_t smc_window_serial(const smc_window_t* w) { return w->serial; }
 uint8_t* smc_window_peer(const smc_window_t* w, int r) { return w->peer[r]; }
 
 uint64_t smc_window_bytes(const smc_window_t* w) { return w->bytes; }
+
+/* Every rank names its data's shared buffer (serial and offset) in its first step's descriptor; after that step each
+ * reads the others' from their descriptors alone, so all reach the same verdict. A window every rank names is one every
+ * rank mapped completely: creating it told every rank whether all did. */
+smc_window_t* smc_window_name(smc_comm_t* c, smc_desc_t* desc, const void* data, uint64_t bytes) {
+  smc_window_t* w = bytes >= c->shared_from_bytes ? smc_window_holding(c, data, bytes) : NULL;
+  if (w != NULL) {
+    desc->window = w->serial + 1;
+    desc->window_at = (uint64_t)((const uint8_t*)data - w->base);
+  }
+  return w;
+}
+
+int smc_windows_agreed(smc_comm_t* c, const smc_window_t* w, uint64_t bytes, uint8_t** bufs) {
+  if (w == NULL) return 0;
+  for (int j = 0; j < c->size; j++) {
+    const smc_desc_t* d = smc_peer_desc(c, j);
+    if (d->window != w->serial + 1 || d->window_at > w->bytes - bytes) return 0;
+    bufs[j] = w->peer[j] + d->window_at;
+  }
+  return 1;
+}
+
+int smc_any_window(smc_comm_t* c) {
+  for (int j = 0; j < c->size; j++)
+    if (smc_peer_desc(c, j)->window != 0) return 1;
+  return 0;
+}

@@ -204,7 +204,8 @@ smc_result_t smc_coll_refuse(smc_comm_t* comm, smc_coll_kind_t kind, const char*
 /* ---- shared buffers (csrc/coll/window.c) ----
  * Collective: every rank makes a buffer of `bytes` (bytes and tag the same on every rank, else every rank fails with
  * SMC_ERR_MISMATCH) that every rank of the communicator maps,
- * so that an in-place allreduce of memory inside it reads and writes the peers' buffers directly. With share 0, or
+ * so that an in-place allreduce, a reduce-scatter of an input, an allgather into an output or a broadcast of a buffer
+ * inside it reads and writes the peers' buffers directly. With share 0, or
  * where some rank cannot map the others' (no ptrace rights, a kernel before 5.6), the buffer is this rank's plain
  * memory (smc_window_shared says 0) and collectives on it take their ordinary paths. The buffer stays mapped until
  * the caller's reference is dropped, whatever happens to the communicator; smc_window_drop is safe from any thread. */
@@ -212,8 +213,7 @@ smc_result_t smc_window_create(smc_comm_t* comm, uint64_t bytes, uint64_t tag, i
 void* smc_window_base(const smc_window_t* window);
 int smc_window_shared(const smc_window_t* window);
 void smc_window_drop(smc_window_t* window);
-/* How many allreduces (and reduce-scatters) of this communicator read and wrote shared buffers directly; for logs
- * and tests. */
+/* How many collectives of this communicator read and wrote shared buffers directly; for logs and tests. */
 uint64_t smc_comm_shared_calls(smc_comm_t* comm);
 
 /* ---- Soft Memory Box (csrc/shm/box.c): named typed buffers in the job arena ---- */

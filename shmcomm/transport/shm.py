@@ -117,7 +117,7 @@ class SharedMemory(Transport):
         return np.asarray(memory)
 
     def shared_calls(self):
-        """How many allreduces and reduce-scatters read and wrote shared buffers directly (for logs and tests)."""
+        """How many collectives read and wrote shared buffers directly (for logs and tests)."""
         return lib.smc_comm_shared_calls(self.handle)
 
     # ---- steps ----
