@@ -6,7 +6,7 @@
  * (`own`, not compared), so a caller that does not know the other ranks' sizes learns them from the same
  * synchronisation that carries the first window, instead of a step of its own before the data (smc_allgather_begin,
  * then smc_allgather_finish once the caller has a place for the result). By single copy into outputs that lie in shared
- * buffers every rank maps, each rank copies its input straight into every output (in_windows). */
+ * buffers every rank maps, each rank copies its input straight into every output, with no kernel copy. */
 #include <stdio.h>
 
 #include "coll/comm.h"
@@ -20,25 +20,6 @@ static smc_result_t begin_step(smc_comm_t* c, const void* sendbuf, uint64_t send
   uint64_t first = send_bytes < c->half_bytes ? send_bytes : c->half_bytes;
   if (first > 0 && !smc_single_copy(c, send_bytes)) smc_copy(smc_half(c, c->rank), sendbuf, (size_t)first);
   return smc_coll_begin(c, desc, "allgather");
-}
-
-/* Every rank's output in a shared buffer that every rank maps (coll/window.c): each rank copies its input into its
- * place in every rank's output, its own included, a chunk at a time, with plain copies where single copy passes every
- * byte through the kernel; chunks and stores as there. The synchronisation before proved every output ready for
- * writing, the one after proves every output whole. */
-static smc_result_t in_windows(smc_comm_t* c, const uint8_t* src, uint64_t mine, uint8_t* const* outs, uint64_t at_me,
-                               int large, uint64_t chunk) {
-  for (uint64_t at = 0; at < mine; at += chunk) {
-    uint64_t len = mine - at < chunk ? mine - at : chunk;
-    for (int k = 0; k < c->size; k++) {
-      uint8_t* to = outs[(c->rank + k) % c->size] + at_me + at;
-      if (to != src + at) (large ? smc_copy_bypassing : smc_copy)(to, src + at, (size_t)len);
-    }
-  }
-  smc_result_t rc = smc_sync(c, "allgather");
-  smc_flip(c);
-  c->window_calls++;
-  return rc;
 }
 
 /* Whether every rank published (in its half: output, window, offset) an output in this rank's shared buffer w; if so,
@@ -83,8 +64,9 @@ static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out
   const int large = total >= 16 * c->cache_bytes;
   uint64_t chunk = large ? c->cache_bytes / 4 : c->cache_bytes;
   chunk = chunk < (16u << 10) ? (16u << 10) : chunk > (2u << 20) ? (2u << 20) : chunk;
+  /* Outputs that all lie in shared buffers are written with plain copies into the peers' mappings instead. */
   uint8_t* outs[SMC_MAX_RANKS];
-  if (outputs_shared(c, w, named.window, total, outs)) return in_windows(c, src, mine, outs, displ[me], large, chunk);
+  const int shared = outputs_shared(c, w, named.window, total, outs);
   for (uint64_t at = 0; at < mine; at += chunk) {
     uint64_t len = mine - at < chunk ? mine - at : chunk;
     if (out != NULL && out + displ[me] != src)
@@ -92,11 +74,15 @@ static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out
     for (int k = 1; k < c->size && rc == SMC_SUCCESS; k++) {
       int j = (me + k) % c->size;
       uint64_t theirs = *(const uint64_t*)smc_half(c, j);
-      if (theirs != 0) rc = smc_cma_write(c, j, theirs + displ[me] + at, src + at, len, "allgather");
+      if (shared)
+        (large ? smc_copy_bypassing : smc_copy)(outs[j] + displ[me] + at, src + at, (size_t)len);
+      else if (theirs != 0)
+        rc = smc_cma_write(c, j, theirs + displ[me] + at, src + at, len, "allgather");
     }
   }
   smc_result_t synced = smc_sync(c, "allgather");
   smc_flip(c);
+  c->window_calls += (uint64_t)shared;
   return synced != SMC_SUCCESS ? synced : rc;
 }
 
