@@ -8,23 +8,37 @@
  * parallel, instead of the others moving all of it while the root waits.
  *
  * Where every rank's buffer lies in a shared buffer that every rank maps (coll/window.c), the same split runs with
- * plain copies between the mappings: no staging half, no kernel copy (in_windows). */
+ * plain copies between the mappings: no staging half, no kernel copy (split). */
 #include "coll/comm.h"
 #include "core/copy.h"
 #include "core/error.h"
 
-/* The root copies the first 1/size of its buffer into every peer's, each peer copies the rest out of the root's; the
- * synchronisation at the end keeps the root's buffer as it is until every peer is done with it. */
-static smc_result_t in_windows(smc_comm_t* c, uint8_t* const* bufs, uint64_t bytes, int root, const void* sendbuf,
-                               void* recvbuf) {
-  const uint64_t share = (bytes / (uint64_t)c->size) & ~(uint64_t)(SMC_CACHE_LINE - 1);
-  for (int k = 1; c->rank == root && k < c->size; k++) smc_copy(bufs[(root + k) % c->size], bufs[root], share);
-  if (c->rank != root) smc_copy(bufs[c->rank] + share, bufs[root] + share, bytes - share);
-  smc_result_t rc = smc_sync(c, "broadcast");
+/* The root writes the first 1/size of its data into every peer's buffer while each peer reads the rest: through the
+ * peers' mappings where every rank's buffer lies in a shared buffer (bufs: rank j's buffer as this process maps it),
+ * else by the kernel's copy (each rank published its buffer's address). The synchronisation at the end keeps every
+ * buffer as it is until every rank is done: the root's is read, the others' written. A failed copy still
+ * synchronises, so the peers go on, and is reported by this rank alone. */
+static smc_result_t split(smc_comm_t* c, const void* sendbuf, void* recvbuf, uint64_t bytes, int root,
+                          uint8_t* const* bufs) {
+  const int me = c->rank;
+  const uint64_t share = (bytes / (uint64_t)c->size) & ~(uint64_t)(SMC_CACHE_LINE - 1); /* what the root writes */
+  smc_result_t rc = SMC_SUCCESS;
+  for (int k = 1; me == root && k < c->size && rc == SMC_SUCCESS; k++) {
+    int j = (root + k) % c->size;
+    if (bufs != NULL)
+      smc_copy(bufs[j], sendbuf, share);
+    else
+      rc = smc_cma_write(c, j, smc_peer_desc(c, j)->addr, sendbuf, share, "broadcast");
+  }
+  if (me != root && bufs != NULL) smc_copy((uint8_t*)recvbuf + share, bufs[root] + share, bytes - share);
+  if (me != root && bufs == NULL)
+    rc = smc_cma_read(c, root, (uint8_t*)recvbuf + share, smc_peer_desc(c, root)->addr + share, bytes - share,
+                      "broadcast");
+  smc_result_t synced = smc_sync(c, "broadcast");
   smc_flip(c);
-  c->window_calls++;
-  if (c->rank == root && sendbuf != recvbuf) smc_copy(recvbuf, sendbuf, bytes);
-  return rc;
+  c->window_calls += bufs != NULL;
+  if (me == root && sendbuf != recvbuf) smc_copy(recvbuf, sendbuf, bytes);
+  return synced != SMC_SUCCESS ? synced : rc;
 }
 
 smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t bytes, int root, uint64_t tag) {
@@ -50,21 +64,7 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   uint8_t* bufs[SMC_MAX_RANKS];
   if (single) {
     SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
-    if (smc_windows_agreed(c, w, bytes, bufs)) return in_windows(c, bufs, bytes, root, sendbuf, recvbuf);
-    const uint64_t share = (bytes / (uint64_t)c->size) & ~(uint64_t)(SMC_CACHE_LINE - 1); /* what the root writes */
-    smc_result_t rc = SMC_SUCCESS;
-    for (int k = 1; me == root && k < c->size; k++) {
-      int j = (root + k) % c->size;
-      if (rc == SMC_SUCCESS) rc = smc_cma_write(c, j, smc_peer_desc(c, j)->addr, sendbuf, share, "broadcast");
-    }
-    if (me != root)
-      rc = smc_cma_read(c, root, (uint8_t*)recvbuf + share, smc_peer_desc(c, root)->addr + share, bytes - share,
-                        "broadcast");
-    /* Every buffer stays as it is until every rank is done: the root's is read, the others' written. */
-    smc_result_t synced = smc_sync(c, "broadcast");
-    smc_flip(c);
-    if (me == root && sendbuf != recvbuf) smc_copy(recvbuf, sendbuf, bytes);
-    return synced != SMC_SUCCESS ? synced : rc;
+    return split(c, sendbuf, recvbuf, bytes, root, smc_windows_agreed(c, w, bytes, bufs) ? bufs : NULL);
   }
   size_t steps = bytes == 0 ? 1 : (bytes + c->half_bytes - 1) / c->half_bytes;
   for (size_t k = 0; c->size > 1 && k < steps; k++) {
@@ -77,7 +77,7 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
       SMC_CHECK(smc_sync(c, "broadcast"));
     } else {
       SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
-      if (smc_windows_agreed(c, w, bytes, bufs)) return in_windows(c, bufs, bytes, root, sendbuf, recvbuf);
+      if (smc_windows_agreed(c, w, bytes, bufs)) return split(c, sendbuf, recvbuf, bytes, root, bufs);
       if (smc_any_window(c)) { /* the same on every rank: the root's first window goes out late, with a step more */
         if (me == root && desc.window != 0 && len > 0) smc_copy(smc_half(c, me), sendbuf, len);
         SMC_CHECK(smc_sync(c, "broadcast"));
