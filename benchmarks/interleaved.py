@@ -12,7 +12,7 @@ allreduce, alltoall and broadcast (in place, from rank 0), allgather's output an
 libraries' results are checked against each other once per op and size. --inplace makes allreduce reduce its
 buffer in place (MPI_IN_PLACE), as a training step's fusion buffer is; --shared makes shmcomm's buffer a
 shmcomm.shared_empty array, as the engine's fusion buffer is (MPI's stays an ordinary one, in place), and
-reducescatter's input, allgather's output and broadcast's buffer too. The op `fused`
+reducescatter's and alltoall's inputs, allgather's output and broadcast's buffer too. The op `fused`
 (not in the default list) is DistributedOptimizer's path: 8 tensors of the size in all, each allreduce_async_ in
 the engine, which fuses them into one allreduce of its fusion buffer, and synchronize(); MPI allreduces the same bytes
 in place in one call, as if they were packed already. The engine starts with the first such call, so each round then
@@ -64,7 +64,11 @@ def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False):
             ours = shmcomm.shared_empty(count, np.float32)
         return lambda: shmcomm.allgather(part, output=ours), lambda: comm.Allgather(part, theirs), ours, theirs
     if op == "alltoall":
-        return lambda: shmcomm.alltoall(x, output=ours), lambda: comm.Alltoall(x, theirs), ours, theirs
+        mine = x
+        if shared:  # the input in a shared array, each rank's part read straight from there
+            mine = shmcomm.shared_empty(count, np.float32)
+            mine[:] = x
+        return lambda: shmcomm.alltoall(mine, output=ours), lambda: comm.Alltoall(x, theirs), ours, theirs
     if op == "broadcast":  # in place from rank 0, as MPI_Bcast is
         if shared:
             ours = shmcomm.shared_empty(count, np.float32)
@@ -102,8 +106,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=11, help="calls timed per library, op, size and round")
     parser.add_argument("--inplace", action="store_true", help="allreduce in place (MPI_IN_PLACE)")
     parser.add_argument("--shared", action="store_true",
-                        help="allreduce in place, shmcomm's on a shmcomm.shared_empty array; reducescatter's input, "
-                             "allgather's output and broadcast's buffer in one too")
+                        help="allreduce in place, shmcomm's on a shmcomm.shared_empty array; reducescatter's and "
+                             "alltoall's inputs, allgather's output and broadcast's buffer in one too")
     parser.add_argument("--setting", help="VAR=v1,v2,...: time shmcomm with each value of VAR (unset: without it)")
     options = parser.parse_args(argv)
     variable, values = None, [None]

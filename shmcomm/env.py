@@ -147,7 +147,7 @@ class Tuning:
     cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
     single_copy_probed: bool  # the thresholds are defaults, raised to cache_bytes where the kernel's copy is slow
     shared_buffers: bool   # the engine's fusion buffer and shmcomm.shared_empty are mapped by every rank of the host
-    shared_from_bytes: int  # in-place allreduces of shared buffers from this size read and write the peers' directly
+    shared_from_bytes: int  # collectives on shared buffers from this size read and write the peers' directly
 
 
 def timeout_s(environ=None):

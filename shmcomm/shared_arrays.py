@@ -9,10 +9,10 @@ An in-place allreduce of such an array (or of a slice of it, at any offset on ea
 arrays directly: each rank reduces its share of every rank's array and writes the result into all of them, with no
 copy into the staging slots and no kernel copy (csrc/coll/window.c); at 4 MiB on 2 ranks a third of the time of an
 ordinary array. A reduce-scatter of such arrays reduces each rank's share straight out of every rank's; an allgather
-into such arrays copies each rank's input straight into every rank's output, and a broadcast of such arrays copies
-the root's straight into the others' (both with plain copies where ordinary arrays pass through the kernel). The engine's
-fusion buffer is one such buffer, so DistributedOptimizer's fused allreduces take that
-path by themselves."""
+into such arrays copies each rank's input straight into every rank's output, a broadcast of such arrays copies the
+root's straight into the others', and an alltoall reads each part of such an input straight out of its sender's (all
+with plain copies where ordinary arrays pass through the kernel). The engine's fusion buffer is one such buffer, so
+DistributedOptimizer's fused allreduces take that path by themselves."""
 import math
 import operator
 

@@ -184,6 +184,54 @@ def test_broadcast_and_allgather_of_shared_arrays(size, settings):
     assert multiproc.run(size, _broadcast_and_allgather, size, timeout=180, env=settings) == [True] * size
 
 
+def _alltoall(size):
+    import shmcomm
+    from shmcomm import session
+    from shmcomm._native import lib
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    shm = session.communicator().shm
+    shared_from, single = shm.tuning.shared_from_bytes, lib.smc_comm_single_copy_from(shm.handle, 0)
+    assert single > 0, "single copy is set on: the test reads the shared path's count against its threshold"
+
+    def sends(i, count):  # rows rank i sends to each rank: uneven, and different for every sender
+        return [count // size + i + 2 * j for j in range(size)]
+
+    taken, want_taken = _shared_count(), 0
+    for count in (300, 20_000, 100_003, 400_000):  # under single copy's threshold, and over it
+        for dtype in ("float32", "int16"):
+            inputs = [_inputs(i, sum(sends(i, count)), dtype) for i in range(size)]
+            want = np.concatenate([inputs[i][sum(sends(i, count)[:me]):][:sends(i, count)[me]] for i in range(size)])
+            buf = shmcomm.shared_empty(max(x.size for x in inputs) + 64, dtype)
+            for plain_rank in (size - 1, -1):  # one rank's input an ordinary array; then every rank's shared
+                mine = np.empty_like(inputs[me]) if me == plain_rank else buf[me * 5:me * 5 + inputs[me].size]
+                mine[:] = inputs[me]
+                got, received = shmcomm.alltoall(mine, splits=sends(me, count))
+                np.testing.assert_array_equal(got, want, err_msg="alltoall %s %d" % (dtype, count))
+                assert list(received) == [sends(i, count)[me] for i in range(size)]
+                out = np.zeros_like(want)
+                assert shmcomm.alltoall(mine, splits=sends(me, count), output=out)[0] is out
+                np.testing.assert_array_equal(out, want)
+                # Decided on the mean part of the largest input (SHMCOMM_SINGLE_COPY_BYTES is set: no probe's rule);
+                # each part a plain copy where its sender's input is shared and named (at least shared_from).
+                itemsize = np.dtype(dtype).itemsize
+                by_single_copy = max(x.size for x in inputs) * itemsize // size >= single
+                peers_shared = any(i != me and i != plain_rank and inputs[i].size * itemsize >= shared_from
+                                   for i in range(size))
+                want_taken += 2 * (by_single_copy and peers_shared)
+    return _shared_count() - taken == want_taken and want_taken > 0
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_alltoall_of_shared_inputs(size):
+    """An alltoall by single copy reads each part of a shared input straight out of its sender's mapping, at any
+    offset and with uneven splits; a part whose sender's input is an ordinary array goes through the kernel's copy,
+    alone (every other part still read from the mappings)."""
+    env = {"SHMCOMM_SINGLE_COPY_BYTES": "16384"}
+    assert multiproc.run(size, _alltoall, size, timeout=180, env=env) == [True] * size
+
+
 def _not_all_shared(size):
     import shmcomm
 

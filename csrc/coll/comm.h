@@ -52,7 +52,7 @@ struct smc_comm {
   size_t bounce_bytes;
   smc_window_t* windows[SMC_MAX_WINDOWS]; /* shared buffers every rank maps (coll/window.c) */
   uint64_t window_serial;                 /* how many this communicator has created, on every rank alike */
-  uint64_t window_calls;                  /* allreduces and reduce-scatters that took the shared buffers' path */
+  uint64_t window_calls;                  /* collectives that read or wrote shared buffers directly */
   uint64_t shared_from_bytes;             /* smc_config_t's */
 };
 
@@ -132,5 +132,9 @@ void smc_windows_close(smc_comm_t* c);
 smc_window_t* smc_window_name(smc_comm_t* c, smc_desc_t* desc, const void* data, uint64_t bytes);
 int smc_windows_agreed(smc_comm_t* c, const smc_window_t* w, uint64_t bytes, uint8_t** bufs);
 int smc_any_window(smc_comm_t* c);
+/* smc_window_peer_data: rank j's data of `bytes` as this process maps it, where j's first step's descriptor named a
+ * shared buffer this rank lists (it may have dropped one that j still uses); else NULL. For a collective whose ranks
+ * may each choose, peer by peer, between the mapping and the kernel's copy. */
+uint8_t* smc_window_peer_data(smc_comm_t* c, int j, uint64_t bytes);
 
 #endif

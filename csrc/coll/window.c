@@ -237,3 +237,13 @@ int smc_any_window(smc_comm_t* c) {
     if (smc_peer_desc(c, j)->window != 0) return 1;
   return 0;
 }
+
+uint8_t* smc_window_peer_data(smc_comm_t* c, int j, uint64_t bytes) {
+  const smc_desc_t* d = smc_peer_desc(c, j);
+  for (int i = 0; d->window != 0 && i < SMC_MAX_WINDOWS; i++) {
+    const smc_window_t* w = c->windows[i];
+    if (w != NULL && w->serial + 1 == d->window && bytes <= w->bytes && d->window_at <= w->bytes - bytes)
+      return w->peer[j] + d->window_at;
+  }
+  return NULL;
+}

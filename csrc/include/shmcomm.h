@@ -113,8 +113,8 @@ typedef struct {
   size_t push_bytes;      /* allreduces of at least this size write each reduced piece straight into the peers'
                            * outputs (cross-memory attach) where every rank's kernel copy proved fast at init, instead
                            * of through the staging halves; 0: never */
-  size_t shared_from_bytes; /* in-place allreduces of at least this size whose every rank's data lies in a shared
-                             * buffer (smc_window_create) read and write the peers' buffers directly */
+  size_t shared_from_bytes; /* collectives on at least this much data in shared buffers (smc_window_create) read
+                             * and write the peers' buffers directly */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL
                            * means rank r is job rank r. Copied by smc_comm_create. */
   const uint32_t* abandon;  /* NULL, or a word another thread of the caller sets to non-zero when the world being
@@ -204,8 +204,8 @@ smc_result_t smc_coll_refuse(smc_comm_t* comm, smc_coll_kind_t kind, const char*
 /* ---- shared buffers (csrc/coll/window.c) ----
  * Collective: every rank makes a buffer of `bytes` (bytes and tag the same on every rank, else every rank fails with
  * SMC_ERR_MISMATCH) that every rank of the communicator maps,
- * so that an in-place allreduce, a reduce-scatter of an input, an allgather into an output or a broadcast of a buffer
- * inside it reads and writes the peers' buffers directly. With share 0, or
+ * so that an in-place allreduce, a reduce-scatter or alltoall of an input, an allgather into an output or a broadcast
+ * of a buffer inside it reads and writes the peers' buffers directly. With share 0, or
  * where some rank cannot map the others' (no ptrace rights, a kernel before 5.6), the buffer is this rank's plain
  * memory (smc_window_shared says 0) and collectives on it take their ordinary paths. The buffer stays mapped until
  * the caller's reference is dropped, whatever happens to the communicator; smc_window_drop is safe from any thread. */
