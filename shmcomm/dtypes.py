@@ -14,12 +14,22 @@ _NUMPY = {
     np.dtype(np.int32): lib.SMC_INT32,
     np.dtype(np.int64): lib.SMC_INT64,
 }
-try:  # numpy has no bfloat16 of its own; ml_dtypes (shipped with jax) provides one
-    import ml_dtypes
+_bfloat16_looked_for = False
 
-    _NUMPY[np.dtype(ml_dtypes.bfloat16)] = lib.SMC_BFLOAT16
-except ImportError:
-    pass
+
+def _look_for_bfloat16():
+    """numpy has no bfloat16 of its own; ml_dtypes (shipped with jax) provides one. Looked for on first need, not at
+    import: importing ml_dtypes 0.7 takes 1.3-1.5 s of CPU (it registers dozens of types and every cast between
+    them), which every rank paid at start, and an array of its bfloat16 exists only once its maker imported it."""
+    global _bfloat16_looked_for
+    if not _bfloat16_looked_for:
+        _bfloat16_looked_for = True
+        try:
+            import ml_dtypes
+        except ImportError:
+            return
+        _NUMPY[np.dtype(ml_dtypes.bfloat16)] = lib.SMC_BFLOAT16
+
 
 NAMES = {
     lib.SMC_FLOAT16: "float16", lib.SMC_BFLOAT16: "bfloat16", lib.SMC_FLOAT32: "float32", lib.SMC_FLOAT64: "float64",
@@ -56,10 +66,16 @@ def torch_codes():
 
 
 def numpy_code(dtype):
-    return _NUMPY.get(dtype)
+    code = _NUMPY.get(dtype)
+    if code is None and not _bfloat16_looked_for and getattr(dtype, "name", None) == "bfloat16":
+        _look_for_bfloat16()
+        code = _NUMPY.get(dtype)
+    return code
 
 
 def numpy_dtype(code):
+    if code == lib.SMC_BFLOAT16:
+        _look_for_bfloat16()
     for dt, c in _NUMPY.items():
         if c == code:
             return dt
