@@ -113,10 +113,10 @@ def fuzz_plain_calls(fuzz, comm):
             seen = fuzz.call("smc_comm_doorbell_value", (handle,), returns_code=False)
             timeout = fuzz.pick([0.0, -1.0, math.nan, -math.inf, 1e-4])
             fuzz.call("smc_comm_doorbell_wait", (handle, seen + fuzz.pick([0, 1]), timeout), returns_code=False)
-            fuzz.call("smc_comm_set_spin", (handle, fuzz.pick([-(1 << 31), -1, 0, 5, (1 << 31) - 1])),
-                      returns_code=False)
+            fuzz.call("smc_comm_set_spin", (handle, fuzz.pick([-(1 << 31), -1, 0, 5, (1 << 31) - 1]),
+                                            fuzz.pick([-(1 << 31), -1, 0, 1000, (1 << 31) - 1])), returns_code=False)
             fuzz.call("smc_comm_failed_ranks", (handle,), returns_code=False)
-    fuzz.call("smc_comm_set_spin", (comm, 10), returns_code=False)
+    fuzz.call("smc_comm_set_spin", (comm, 10, 10), returns_code=False)
     fuzz.call("smc_comm_destroy", (ffi.NULL,), returns_code=False)
     for dtype in ENUM_NEGATIVE + [0, 8, 9, 100, (1 << 31) - 1]:
         fuzz.call("smc_dtype_size", (dtype,), returns_code=False)

@@ -170,6 +170,41 @@ def test_engine_does_not_cycle_while_nobody_waits():
     assert all(c <= 15 for c in cycles), cycles
 
 
+def _waits_of_the_engine():
+    import shmcomm
+    from shmcomm import engine
+
+    shmcomm.init(engine=True)
+    shmcomm.allreduce(np.ones(2), name="warm")
+    comm = engine.current().comm
+    calls, real = [], comm.set_spin
+
+    def recording(spin_us, yield_us):
+        calls.append((time.monotonic(), spin_us, yield_us))
+        real(spin_us, yield_us)
+
+    comm.set_spin = recording  # what every cycle sets for its waits
+    if shmcomm.rank() == 0:  # waits for rank 1, which computes meanwhile
+        got = shmcomm.synchronize(shmcomm.allreduce_async(np.ones(3), op=shmcomm.Sum, name="x"))
+        computing = calls
+    else:
+        time.sleep(0.5)
+        computing = list(calls)
+        got = shmcomm.synchronize(shmcomm.allreduce_async(np.ones(3), op=shmcomm.Sum, name="x"))
+    assert got.tolist() == [2.0] * 3
+    return [c[1:] for c in computing], comm.tuning.spin_us, comm.tuning.yield_us
+
+
+def test_an_engine_yields_while_its_caller_waits_and_polls_briefly_while_it_computes():
+    """While its caller waits, a rank's engine waits yielding the core (the wake-ups of sleeping waits were most of a
+    fused allreduce's time); while its caller computes, it polls briefly and sleeps, even though a peer's caller
+    waits, so that the core stays the computation's."""
+    (waiting, spin, yield_us), (computing, *_) = multiproc.run(2, _waits_of_the_engine)
+    assert waiting and computing, (waiting, computing)  # both engines cycled meanwhile
+    assert any(y == max(yield_us, 1000) and s <= min(spin, 50) for s, y in waiting), waiting
+    assert all(y == yield_us and s <= min(spin, 50) for s, y in computing), computing
+
+
 def _join(size):
     import shmcomm
 

@@ -294,8 +294,11 @@ uint32_t smc_comm_doorbell_wait(smc_comm_t* c, uint32_t seen, double timeout_s) 
   return atomic_load(&me->bell);
 }
 
-void smc_comm_set_spin(smc_comm_t* c, int spin_us) {
-  if (c != NULL) c->spin_us = spin_us < 0 ? 0 : spin_us;
+void smc_comm_set_spin(smc_comm_t* c, int spin_us, int yield_us) {
+  if (c == NULL) return;
+  c->spin_us = spin_us < 0 ? 0 : spin_us;
+  yield_us = yield_us < 0 ? 0 : yield_us;
+  if (yield_us != c->yield_us) c->yield_us = c->yield_now_us = yield_us; /* else keep what the waits learnt (step.c) */
 }
 
 int smc_comm_single_copy(smc_comm_t* c) { return c->cma; }

@@ -144,8 +144,9 @@ void smc_comm_doorbell_ring(smc_comm_t* comm, int rank);
 uint32_t smc_comm_doorbell_value(smc_comm_t* comm);
 /* Sleeps while this rank's doorbell still reads `seen`, at most timeout_s; returns the value it reads then. */
 uint32_t smc_comm_doorbell_wait(smc_comm_t* comm, uint32_t seen, double timeout_s);
-/* Changes how long waits poll before sleeping (the engine polls briefly while negotiating). */
-void smc_comm_set_spin(smc_comm_t* comm, int spin_us);
+/* Changes how long waits poll, and how long a collective's waits then yield the core, before they sleep (the
+ * engine polls briefly while its caller computes, and yields while its caller waits). */
+void smc_comm_set_spin(smc_comm_t* comm, int spin_us, int yield_us);
 /* 1 when large allgather, alltoall and broadcast inputs move by single copy (every rank could read its neighbour's
  * memory at init, and single_copy_bytes is not 0). */
 int smc_comm_single_copy(smc_comm_t* comm);

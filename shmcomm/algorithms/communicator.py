@@ -35,8 +35,8 @@ class Communicator:
     def wait_doorbell(self, seen, timeout_s):
         return self.shm.wait_doorbell(seen, timeout_s)
 
-    def set_spin(self, spin_us):
-        self.shm.set_spin(spin_us)
+    def set_spin(self, spin_us, yield_us):
+        self.shm.set_spin(spin_us, yield_us)
 
     def failed_ranks(self):
         return self.shm.failed_ranks()

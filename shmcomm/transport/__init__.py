@@ -79,8 +79,8 @@ class Transport(abc.ABC):
     def failed_ranks(self):
         return []
 
-    def set_spin(self, spin_us):
-        """How long waits poll before they sleep; transports that do not poll ignore it."""
+    def set_spin(self, spin_us, yield_us):
+        """How long waits poll, then yield the core, before they sleep; transports that do not poll ignore it."""
 
     def close(self):
         """Leaves the communicator; never blocks on peers."""

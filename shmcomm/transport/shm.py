@@ -253,8 +253,8 @@ class SharedMemory(Transport):
         mask = lib.smc_comm_failed_ranks(self.handle)  # 0 once closed (NULL)
         return [self.ranks[r] for r in range(self.size) if mask >> r & 1]
 
-    def set_spin(self, spin_us):
-        lib.smc_comm_set_spin(self.handle, spin_us)
+    def set_spin(self, spin_us, yield_us):
+        lib.smc_comm_set_spin(self.handle, spin_us, yield_us)
 
     def ring_doorbell(self, everyone=False):
         lib.smc_comm_doorbell_ring(self.handle, -1 if everyone else self.rank)
