@@ -2,7 +2,7 @@
 """Allreduce across simulated hosts: the 2D torus, the flat ring and the MPI library's own allreduce, in one job,
 then the cost model (shmcomm.sim) calibrated on these measurements, predicted against measured.
 
-    python -m benchmarks.multihost --hosts 2 --ranks-per-host 2 [--rate 1gbit] [--bytes 4K,256K,4M,64M]
+    python -m benchmarks.multihost --hosts 2 --ranks-per-host 2 [--rate 1gbit] [--bytes 4K,256K,4M,64M] [--shared]
 
 Each time is the median over iterations of the slowest rank's time; the algorithms take turns within each
 iteration. Needs root (network namespaces); see shmcomm/testing/simhosts.py for how the hosts are made. Each
@@ -27,7 +27,7 @@ SHARED_CORES = {"SHMCOMM_SPIN_US": "2"}
 SMALL_SIZE, SMALL_ITERS = 1 << 20, 200  # below SMALL_SIZE bytes, at least SMALL_ITERS iterations
 
 
-def worker(sizes, iters, warmup, breakdown=False):
+def worker(sizes, iters, warmup, breakdown=False, shared=False):
     """Every rank: time each algorithm on each size; rank 0 prints one JSON line per (algorithm, size)."""
     import numpy as np
     from mpi4py import MPI
@@ -40,10 +40,14 @@ def worker(sizes, iters, warmup, breakdown=False):
     names = ("torus", "ring", "auto", "mpi library")  # auto: what shmcomm picks by default for the size
     for size in sizes:
         x = np.ones(max(1, size // 4), dtype=np.float32)
+        theirs = x.copy()  # MPI's, an ordinary array in any case
+        if shared:  # memory every rank of the host maps, as the engine's fusion buffer is: the row steps use it
+            x = shmcomm.shared_empty(x.size, np.float32)
+            x[:] = 1
 
         def call(name):
             if name == "mpi library":
-                mpi.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+                mpi.Allreduce(MPI.IN_PLACE, theirs, MPI.SUM)
             else:
                 world.algorithm = name
                 shmcomm.allreduce_(x, op=shmcomm.Sum)
@@ -209,13 +213,16 @@ def main():
     parser.add_argument("--fit-from", help="calibrate the model on this earlier --json file, predict this run")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the phases of the torus's small path on every rank (sizes it takes)")
+    parser.add_argument("--shared", action="store_true",
+                        help="shmcomm's buffer a shmcomm.shared_empty array, as the engine's fusion buffer is "
+                             "(MPI's an ordinary one)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     from benchmarks.collectives import parse_size
 
     sizes = [parse_size(s) for s in args.bytes.split(",")]
     if args.worker:
-        worker(sizes, args.iters, args.warmup, args.breakdown)
+        worker(sizes, args.iters, args.warmup, args.breakdown, args.shared)
         return
     from shmcomm.testing.simhosts import SimulatedHosts
 
@@ -225,7 +232,8 @@ def main():
         cpus = "shared" if args.shared_cpus else " ".join("%s:%s" % hc for hc in zip(sim.hosts, sim.cpus))
         cmd = [sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(args.ranks_per_host, extra_env=env),
                sys.executable, "-m", "benchmarks.multihost", "--worker", "--bytes", args.bytes, "--iters",
-               str(args.iters), "--warmup", str(args.warmup)] + (["--breakdown"] if args.breakdown else [])
+               str(args.iters), "--warmup", str(args.warmup)] + (["--breakdown"] if args.breakdown else []) + (
+                   ["--shared"] if args.shared else [])
         run_env = {k: v for k, v in os.environ.items() if not k.startswith(("SHMCOMM_", "HOROVOD_"))}
         run_env["PYTHONPATH"] = ROOT
         run = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=args.timeout)

@@ -27,9 +27,11 @@ def shared_empty(shape, dtype=np.float32):
     """A new uninitialised numpy array that every rank of this host maps. Collective: every rank calls it, with the
     same shape and dtype (a difference raises MismatchError on every rank). Its memory lives as long as the array and
     its views, past shutdown() too. Where the ranks cannot map each other's memory (no ptrace rights between them, a
-    kernel before Linux 5.6, SHMCOMM_SHARED_BUFFERS=0), in a world of one rank, or in a world of several hosts, it is
-    an ordinary array and every collective works on it as on any other. Not while the engine runs (after the first
-    asynchronous call, or init(engine=True)): the engine's own fusion buffer is shared already."""
+    kernel before Linux 5.6, SHMCOMM_SHARED_BUFFERS=0) or in a world of one rank, it is an ordinary array and every
+    collective works on it as on any other. Across hosts, the ranks of each host map each other's (the torus's steps
+    inside a host then read and write them directly); every rank must still pass the same shape and dtype. Not while
+    the engine runs (after the first asynchronous call, or init(engine=True)): the engine's own fusion buffer is shared
+    already."""
     try:
         shape = tuple(operator.index(d) for d in shape) if np.iterable(shape) else (operator.index(shape),)
     except TypeError:

@@ -173,7 +173,7 @@ def test_streamed_and_plain_exchanges_across_simulated_hosts():
 
 
 def test_multihost_breakdown_times_every_phase_on_every_rank():
-    """benchmarks.multihost --breakdown: each rank's row of the torus's small path, the first rank of each host
+    """benchmarks.multihost --breakdown --shared: each rank's row of the torus's small path, the first rank of each host
     (the leader) with its cross-host phase and a bare MPI_Sendrecv beside it, the others with the row broadcast they
     wait in, and every rank the same call in one C call. Only that the phases were seen is checked, never how long
     they took."""
@@ -181,10 +181,11 @@ def test_multihost_breakdown_times_every_phase_on_every_rank():
     missing = simhosts.missing_prerequisite()
     if missing is not None and os.environ.get("SHMCOMM_REQUIRE_SIMHOSTS") != "1":
         pytest.skip(missing)
-    proc = run_module("benchmarks.multihost", ["--hosts", "2", "--ranks-per-host", "2", "--bytes", "4K", "--iters", "1",
-                                               "--warmup", "1", "--breakdown"], 300)
+    proc = run_module("benchmarks.multihost", ["--hosts", "2", "--ranks-per-host", "2", "--bytes", "4K,1M", "--iters",
+                                               "1", "--warmup", "1", "--breakdown", "--shared"], 300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
+    assert any(line.split()[:1] == ["1048576"] for line in lines), proc.stdout  # the three-phase path, shared
     at = next(i for i, line in enumerate(lines) if line.startswith("where the torus's small path"))
     rows = [line.split() for line in lines[at + 2:at + 6]]
     assert [(int(r[0]), int(r[1]), r[2]) for r in rows] == [(4096, 0, "yes"), (4096, 1, "no"), (4096, 2, "yes"),

@@ -105,6 +105,47 @@ def test_distributed_optimizer_across_hosts(two_hosts):
     assert_same_on_every_rank(run.stdout, 2)
 
 
+SHARED_ACROSS_HOSTS = """
+    import numpy as np, shmcomm
+    from shmcomm import session
+    from shmcomm._native import lib
+    shmcomm.init()
+    me, n = shmcomm.rank(), shmcomm.size()
+    shm = session.communicator().host.shm  # the host's transport, which the torus's rows run on
+    count = 1 << 21  # 4 MiB per rank of a row: the three-phase path, and the row's allgather by single copy
+    try:
+        shmcomm.shared_empty(count + (me >= 2))  # the hosts disagree, each host's ranks agree among themselves
+        raised = "nothing"
+    except shmcomm.MismatchError as error:
+        raised = "MismatchError" if "shared buffer" in str(error) else str(error)
+    x = shmcomm.shared_empty(count, np.float32)
+    before = shm.shared_calls()
+    for k in range(3):
+        x[:] = me + k
+        shmcomm.allreduce_(x, op=shmcomm.Sum)
+        assert (x == sum(range(n)) + n * k).all(), (k, x[:4])
+    taken = shm.shared_calls() - before
+    single = lib.smc_comm_single_copy_from(shm.handle, 0)
+    expected = 3 * (1 + (0 < single <= count * 4 // 2))  # the reduce-scatter; the allgather where single copy takes it
+    before = shm.shared_calls()
+    parts = [np.full(1 << 19, me + i, np.float32) for i in range(4)]  # fused by the engine, in its fusion buffer
+    handles = [shmcomm.allreduce_async(p, op=shmcomm.Sum, name="p%d" % i) for i, p in enumerate(parts)]
+    for i, handle in enumerate(handles):
+        assert (shmcomm.synchronize(handle) == sum(range(n)) + n * i).all()
+    print("ok", raised, shmcomm.is_shared(x), taken == expected, shm.shared_calls() > before, flush=True)
+"""
+
+
+def test_shared_arrays_across_hosts(two_hosts):
+    """Across hosts, shared_empty's arrays and the engine's fusion buffer are memory every rank of a host maps: the
+    torus's row steps take the shared buffers' paths, with the same sums. A shape that differs between hosts alone
+    (which each host's own check cannot see) raises MismatchError on every rank, and the job goes on."""
+    run = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(SHARED_ACROSS_HOSTS)],
+                      SHMCOMM_ALLREDUCE_ALGO="torus")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert rank_lines(run.stdout) == {r: ["ok MismatchError True True True"] for r in range(4)}, run.stdout
+
+
 KILLED = """
     import os, signal, threading, numpy as np, shmcomm
     shmcomm.init()

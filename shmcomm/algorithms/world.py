@@ -309,6 +309,23 @@ class WorldComm(Communicator):
             self.host.barrier(what)
 
     @_naming_holdups
+    def shared_buffer(self, nbytes, what, tag=0):
+        """`nbytes` (a uint8 array) that every rank of this host maps (host.HostComm.shared_buffer): the torus's row
+        steps then read and write it directly, as a host's collectives do (the row's reduce-scatter reads each rank's
+        share out of the peers' inputs, its allgather writes into the peers' outputs). Collective over the world:
+        each host's ranks make theirs together, and that step compares only them, so every rank first hears every
+        rank's size and tag, and a difference raises MismatchError on every rank."""
+        mine = b"%d %d" % (nbytes, tag & description.MASK)
+        everyone = self.allgather_bytes(mine)
+        differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if differ:
+            size0, size = int(everyone[0].split()[0]), int(everyone[differ[0]].split()[0])
+            raise MismatchError("%s: ranks disagree: rank 0 asks for a shared buffer of %d bytes, rank %d for %d%s" % (
+                what, size0, differ[0], size, " of another shape or dtype" if size == size0 else ""),
+                field="shape" if size == size0 else "count")
+        return self.host.shared_buffer(nbytes, what, tag)
+
+    @_naming_holdups
     def allgather_bytes(self, payload):
         if self.mpi is None:
             return self.host.allgather_bytes(payload)
