@@ -2,7 +2,8 @@
 """Allreduce across simulated hosts: the 2D torus, the flat ring and the MPI library's own allreduce, in one job,
 then the cost model (shmcomm.sim) calibrated on these measurements, predicted against measured.
 
-    python -m benchmarks.multihost --hosts 2 --ranks-per-host 2 [--rate 1gbit] [--bytes 4K,256K,4M,64M] [--shared]
+    python -m benchmarks.multihost --hosts 2 --ranks-per-host 2 [--rate 1gbit] [--bytes 4K,256K,4M,64M]
+                                   [--shared | --fused]
 
 Each time is the median over iterations of the slowest rank's time; the algorithms take turns within each
 iteration. Needs root (network namespaces); see shmcomm/testing/simhosts.py for how the hosts are made. Each
@@ -27,7 +28,10 @@ SHARED_CORES = {"SHMCOMM_SPIN_US": "2"}
 SMALL_SIZE, SMALL_ITERS = 1 << 20, 200  # below SMALL_SIZE bytes, at least SMALL_ITERS iterations
 
 
-def worker(sizes, iters, warmup, breakdown=False, shared=False):
+FUSED_TENSORS = 8
+
+
+def worker(sizes, iters, warmup, breakdown=False, shared=False, fused=False):
     """Every rank: time each algorithm on each size; rank 0 prints one JSON line per (algorithm, size)."""
     import numpy as np
     from mpi4py import MPI
@@ -44,10 +48,17 @@ def worker(sizes, iters, warmup, breakdown=False, shared=False):
         if shared:  # memory every rank of the host maps, as the engine's fusion buffer is: the row steps use it
             x = shmcomm.shared_empty(x.size, np.float32)
             x[:] = 1
+        parts = np.array_split(x, FUSED_TENSORS)
 
         def call(name):
             if name == "mpi library":
                 mpi.Allreduce(MPI.IN_PLACE, theirs, MPI.SUM)
+            elif fused:  # DistributedOptimizer's path: the engine fuses the tensors into one allreduce by `name`
+                world.algorithm = name
+                handles = [shmcomm.allreduce_async_(t, op=shmcomm.Sum, name="fused.%d" % i) for i, t in
+                           enumerate(parts)]
+                for handle in handles:
+                    shmcomm.synchronize(handle)
             else:
                 world.algorithm = name
                 shmcomm.allreduce_(x, op=shmcomm.Sum)
@@ -216,13 +227,21 @@ def main():
     parser.add_argument("--shared", action="store_true",
                         help="shmcomm's buffer a shmcomm.shared_empty array, as the engine's fusion buffer is "
                              "(MPI's an ordinary one)")
+    parser.add_argument("--fused", action="store_true",
+                        help="shmcomm's calls through the engine: %d tensors of the size in all, each "
+                             "allreduce_async_, fused into one allreduce (DistributedOptimizer's path); MPI's one call "
+                             "as before"
+                        % FUSED_TENSORS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.fused and (args.shared or args.breakdown):
+        parser.error("--fused takes neither --shared (the engine packs the tensors into its own fusion buffer, shared "
+                     "by default) nor --breakdown")
     from benchmarks.collectives import parse_size
 
     sizes = [parse_size(s) for s in args.bytes.split(",")]
     if args.worker:
-        worker(sizes, args.iters, args.warmup, args.breakdown, args.shared)
+        worker(sizes, args.iters, args.warmup, args.breakdown, args.shared, args.fused)
         return
     from shmcomm.testing.simhosts import SimulatedHosts
 
@@ -233,7 +252,7 @@ def main():
         cmd = [sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(args.ranks_per_host, extra_env=env),
                sys.executable, "-m", "benchmarks.multihost", "--worker", "--bytes", args.bytes, "--iters",
                str(args.iters), "--warmup", str(args.warmup)] + (["--breakdown"] if args.breakdown else []) + (
-                   ["--shared"] if args.shared else [])
+                   ["--shared"] if args.shared else []) + (["--fused"] if args.fused else [])
         run_env = {k: v for k, v in os.environ.items() if not k.startswith(("SHMCOMM_", "HOROVOD_"))}
         run_env["PYTHONPATH"] = ROOT
         run = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=args.timeout)
@@ -261,6 +280,9 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"hosts": args.hosts, "local": args.ranks_per_host, "rate": args.rate, "results": results,
                        "torus_small_bytes": small_bytes}, f)
+    if args.shared or args.fused:  # the model describes one allreduce through the staging copies, not these
+        print("cost model not calibrated: it models allreduces of ordinary arrays (no --shared, no --fused)")
+        return
     fit_from = None
     if args.fit_from:
         with open(args.fit_from) as f:

@@ -172,6 +172,20 @@ def test_streamed_and_plain_exchanges_across_simulated_hosts():
     assert all(float(row[3]) > 0 and float(row[6]) > 0 for row in rows), proc.stdout
 
 
+def test_multihost_fused_goes_through_the_engine():
+    """benchmarks.multihost --fused: every algorithm's row, the tensors fused by the engine across hosts."""
+    from shmcomm.testing import simhosts
+    missing = simhosts.missing_prerequisite()
+    if missing is not None and os.environ.get("SHMCOMM_REQUIRE_SIMHOSTS") != "1":
+        pytest.skip(missing)
+    proc = run_module("benchmarks.multihost", ["--hosts", "2", "--ranks-per-host", "2", "--bytes", "1M", "--iters",
+                                               "1", "--warmup", "1", "--fused"], 300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] == ["1048576"]]
+    assert len(rows) == 1 and all(float(v) > 0 for v in rows[0][1:5]), proc.stdout
+    assert "cost model not calibrated" in proc.stdout, proc.stdout
+
+
 def test_multihost_breakdown_times_every_phase_on_every_rank():
     """benchmarks.multihost --breakdown --shared: each rank's row of the torus's small path, the first rank of each host
     (the leader) with its cross-host phase and a bare MPI_Sendrecv beside it, the others with the row broadcast they
