@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from shmcomm import ops
+from shmcomm._native import ffi, lib
 from shmcomm.engine import bayes
 
 log = logging.getLogger("shmcomm.engine")
@@ -253,6 +255,22 @@ class Autotuner:
 RANGES_INDEX = {name: index for index, name in enumerate(RANGES)}
 CONFIRM = 5  # pairs of confirmation samples: the search's best and the start
 CONFIRM_WINS = 4  # pairs the best must win; 5 of 5 would let one outlier veto a real gain
+
+
+def probe(comm, sizes):
+    """[(bytes, seconds)]: the fastest of three allreduces of each size on `comm`, run by every rank alike (the
+    engine's thread, when the tuner asks)."""
+    buf = np.zeros(max(sizes) // 4, dtype=np.float32)
+    ptr = ffi.from_buffer(buf)
+    timings = []
+    for nbytes in sizes:
+        fastest = float("inf")
+        for _ in range(3):
+            started = time.monotonic()
+            comm.allreduce_raw(ptr, nbytes // 4, lib.SMC_FLOAT32, ops.Sum, 1.0, 1.0, "autotune probe")
+            fastest = min(fastest, time.monotonic() - started)
+        timings.append((nbytes, fastest))
+    return timings
 
 
 def _median(values):

@@ -14,10 +14,7 @@ import os
 import threading
 import time
 
-import numpy as np
-
-from shmcomm import env, ops
-from shmcomm._native import ffi, lib
+from shmcomm import env
 from shmcomm.engine import autotune, fusion, timeline
 from shmcomm.engine.negotiate import Negotiator, checked_signature, members_of, plan_text, refusal
 from shmcomm.engine.request import Handle, execute, finish
@@ -186,7 +183,7 @@ class Engine:
         """Rank 0's decision, applied by every rank in the same cycle, before its plan."""
         self.tuning_applied.append((self._cycle, decision))  # the same list on every rank
         if "probe" in decision:
-            timings = self._probe(decision["probe"])
+            timings = autotune.probe(self.comm, decision["probe"])
             self.tuner.probed(timings)
         if "fusion" in decision:
             if decision["fusion"] != self.fusion_threshold:
@@ -197,20 +194,6 @@ class Engine:
             if decision.get("algorithm"):
                 self.comm.algorithm = decision["algorithm"]
         self.tuner.applied(decision)
-
-    def _probe(self, sizes):
-        """[(bytes, seconds)]: the fastest of three allreduces of each size, run by every rank alike."""
-        buf = np.zeros(max(sizes) // 4, dtype=np.float32)
-        ptr = ffi.from_buffer(buf)
-        timings = []
-        for nbytes in sizes:
-            fastest = float("inf")
-            for _ in range(3):
-                started = time.monotonic()
-                self.comm.allreduce_raw(ptr, nbytes // 4, lib.SMC_FLOAT32, ops.Sum, 1.0, 1.0, "autotune probe")
-                fastest = min(fastest, time.monotonic() - started)
-            timings.append((nbytes, fastest))
-        return timings
 
     # ---- the thread ----
     def _run(self):
@@ -283,13 +266,10 @@ class Engine:
     def _waits(self, caller_waits, spin_us):
         """(spin, yield) in us for this cycle's waits: poll for at most spin_us, then sleep, to leave the core to the
         training thread. While a caller of this rank waits for a result, its thread computes nothing, and a sleep
-        that ends in a wake-up takes 0.1-0.6 ms here, several times per fused allreduce: the waits then yield the
-        core for at least _CALLER_WAITS_YIELD_US first, so that they catch the peer at once and still let a thread
-        that shares the core (a caller on its way to wait, the other rank's engine) run. Polling without yielding
-        starved those: with 2 ranks and their engines on 2 cores, a caller took 1-3 ms to ring its engine behind a
-        peer's polling one. Measured (`benchmarks.interleaved --ops fused`, np=2, alternating runs): 64 KiB 413-450
-        us yielding, 558-1706 polling 1 ms, 1635-3681 polling briefly; 512 KiB 532-621, 695-1032 and 1645-3360. A
-        peer's caller that waits is no reason: this rank's may still be computing."""
+        that ends in a wake-up took 0.1-0.6 ms here, several times per fused allreduce: the waits then yield the core
+        first, so that they catch the peer at once and still let a thread that shares the core run (polling instead
+        starved those; benchmarks/RESULTS.md, "The engine's waits while a caller waits"). A peer's caller that waits
+        is no reason: this rank's may still be computing."""
         spin, yield_us = min(self.comm.tuning.spin_us, spin_us), self.comm.tuning.yield_us
         return (spin, max(yield_us, _CALLER_WAITS_YIELD_US)) if caller_waits else (spin, yield_us)
 
