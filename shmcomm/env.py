@@ -143,7 +143,7 @@ class Tuning:
     single_copy_bytes: int  # allgather inputs and alltoall parts per peer from this size read peers' memory; 0: never
     broadcast_single_copy_bytes: int  # broadcast's, which differs with more ranks than cores
     piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
-    push_bytes: int        # allreduces from this size write their reduced pieces into the peers' outputs; 0: never
+    push_bytes: int        # allreduces from this size read the peers' inputs and write into their outputs; 0: never
     cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
     single_copy_probed: bool  # the thresholds are defaults, raised to cache_bytes where the kernel's copy is slow
     shared_buffers: bool   # the engine's fusion buffer and shmcomm.shared_empty are mapped by every rank of the host
@@ -200,12 +200,13 @@ def tuning(local_size):
         # Xeon with 2 MiB of L2, 2-16 MiB against Open MPI 1.20-1.37x with 512 KiB pieces, 1.16-1.32x with 1 MiB. With
         # more ranks than cores every step costs context switches instead, so take as much as a half holds.
         piece_bytes=_number("PIECE_BYTES", l2_bytes // 4 if local_size <= cores else 0, int, low=0, high=MAX_BYTES),
-        # Pushing a reduced piece into the peers' outputs replaces a copy into the staging half, the peers' copies out
-        # of it and a synchronisation per step with one kernel copy per peer (csrc/coll/allreduce.c). At 2 ranks that
-        # is one kernel copy for two copies; with more ranks the kernel copies outnumber what they save. Measured on
-        # a Xeon with 2 MiB of L2 against Open MPI in the same job: np=2, 256 KiB-4 MiB 1.42-2.06x pushed against
-        # 1.12-1.65x, 64 MiB 1.92x against 1.80x, 128 KiB even; np=8 on 2 cores, 96 KiB-16 MiB 1.19-1.58x pushed
-        # against 1.28-2.37x. The core pushes only where every rank's kernel copy proved fast at init.
+        # Pulling (csrc/coll/allreduce.c) reads each rank's range of the peers' inputs and writes its reduced pieces
+        # into their outputs by the kernel's copy, with no synchronisation between pieces, where the staging steps
+        # copy every piece into a half, out of it again and synchronise each step. At 2 ranks that is two kernel
+        # copies for three copies; with more ranks the kernel copies outnumber what they save. Measured on a Xeon
+        # with 2 MiB of L2, in place against Open MPI in the same job: np=2, 128 KiB-4 MiB 1.31-2.28x pulled against
+        # 0.82-1.37x (a kernel write per piece after staging steps); np=4 on 2 cores, 256 KiB-16 MiB 1.21-2.25x
+        # pulled against 1.25-2.98x (MPICH). The core pulls only where every rank's kernel copy proved fast at init.
         push_bytes=_number("PUSH_BYTES", 128 << 10 if local_size == 2 <= cores else 0, int, low=0, high=MAX_BYTES),
         cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
         single_copy_probed=not is_set("SINGLE_COPY_BYTES"),

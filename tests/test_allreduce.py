@@ -81,6 +81,62 @@ def test_pushed_and_gathered_pieces(size, push, piece):
     assert len(set(digests)) == 1, digests
 
 
+def _pulled_or_staged(size, pulling_ranks):
+    """Allreduces of 128 KiB and more where the ranks in `pulling_ranks` would pull (SHMCOMM_PUSH_BYTES=1) and the
+    others would not (0): they pull only if all would, and the results are the same either way. Returns how many
+    calls pulled on this rank."""
+    import os
+
+    import shmcomm
+    from shmcomm import basics
+
+    me = int(os.environ["SHMCOMM_RANK"])
+    os.environ["SHMCOMM_PUSH_BYTES"] = "1" if me in pulling_ranks else "0"
+    shmcomm.init()
+    shm = basics.communicator().shm
+    before = shm.pulled_calls()
+    calls = 0
+    for count in (40_001, 300_007, 1_200_003):
+        for dtype in ("float32", "int64", "float16"):
+            x = _inputs(me, count, dtype)
+            want = np.asarray(expected_allreduce([_inputs(r, count, dtype) for r in range(size)], dtype, "Sum"), dtype)
+            np.testing.assert_array_equal(shmcomm.allreduce(x, op=shmcomm.Sum), want)
+            inplace = x.copy()
+            shmcomm.allreduce_(inplace, op=shmcomm.Sum)
+            np.testing.assert_array_equal(inplace, want)
+            # Input and output apart, inside one array: the output's bytes before and after stay as they were.
+            room = np.full(3 * count, 7, dtype)
+            room[:count] = x
+            shmcomm.allreduce(room[:count], op=shmcomm.Sum, output=room[count + 5:2 * count + 5])
+            np.testing.assert_array_equal(room[count + 5:2 * count + 5], want)
+            assert (room[count:count + 5] == 7).all() and (room[2 * count + 5:] == 7).all()
+            calls += 3
+    # Prescale, postscale and Average take the same path.
+    x = np.full(300_000, me + 1.0)
+    np.testing.assert_allclose(shmcomm.allreduce(x, prescale_factor=2.0, postscale_factor=0.5),
+                               sum(range(1, size + 1)) / size)
+    calls += 1
+    from shmcomm._native import lib
+
+    return shm.pulled_calls() - before, calls, lib.smc_comm_push_from(shm.handle)
+
+
+@pytest.mark.parametrize("size,pulling", [(2, (0, 1)), (2, (1,)), (3, (0, 1, 2)), (3, (0, 2))])
+def test_allreduces_pull_only_where_every_rank_would(size, pulling):
+    """csrc/coll/allreduce.c, pulled: where every rank would pull, every allreduce from 128 KiB does (where the
+    kernel's copy proved fast at init; elsewhere none does); where one would not, none does, the others take their
+    first copy late and the results are the same."""
+    got = multiproc.run(size, _pulled_or_staged, size, pulling, timeout=180)
+    calls = got[0][1]
+    if len(pulling) < size:
+        assert [p for p, _, _ in got] == [0] * size, got
+        return
+    if got[0][2] == 0:
+        assert [p for p, _, _ in got] == [0] * size, got
+        pytest.skip("this machine's kernel copy proved slow at init: allreduces do not pull")
+    assert [p for p, _, _ in got] == [calls] * size, got
+
+
 def _average_and_scaling(size):
     import shmcomm
 

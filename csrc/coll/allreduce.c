@@ -15,9 +15,9 @@
  *   3b. rank r copies its reduced piece into section r of its half;
  *   4. sync
  *   5. gather:   rank r copies section j of rank j's half into its output, for every j != r.
- *   Or, where the ranks push (smc_push: two ranks whose kernel copy is fast), 3b-5 are one step instead: rank r writes
- *   its reduced piece straight into every peer's output, and one synchronisation after the last step says that
- *   every output is whole.
+ *   Or, where the ranks pull (smc_push: two ranks whose kernel copy is fast), no step synchronises: rank r reads
+ *   piece k of range r straight out of every peer's input, reduces it and writes it straight into every peer's
+ *   output (pulled), and one synchronisation after the last step says that every output is whole.
  * In place in shared buffers that every rank maps (coll/window.c), no step copies anything into a half: rank r
  * reduces range r of every rank's buffer into its own and copies the result into every peer's (in_windows).
  * Pieces are sized so that a step's working set stays in cache. Reduce-scatter is steps 1-3 with per-rank ranges
@@ -70,21 +70,35 @@ static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
   return p->len[j] - done < per_piece ? (size_t)(p->len[j] - done) : per_piece;
 }
 
-/* Pushing the reduced pieces. Instead of copying its reduced piece into its half for every peer to copy out (a copy
- * and a synchronisation more per step), a rank writes it straight into every peer's output (process_vm_writev, the
- * piece still in its cache), as allgather's single copy does. Each rank publishes its output in its first step's
- * descriptor (`addr`, 0: it will not push), and the ranks push only if every one did, so every rank takes the same
- * path whatever its settings. A write lands in the peer's output range of the writer, which the peer reads nowhere
- * (in place, it copied that piece of its input into its half before the step's synchronisation). */
-static int pushing_agreed(smc_comm_t* c, uint64_t* outs) {
+/* Pulling. Each rank publishes its input and its output in its first step's descriptor (`own` and `addr`, 0: it
+ * will not pull), and the ranks pull only if every one did, so every rank takes the same path whatever its settings.
+ * Rank r then reads range r of every peer's input by the kernel's copy (process_vm_readv) into its half, which no
+ * peer reads in this path, reduces it with its own and writes the result into every peer's output
+ * (process_vm_writev, the piece still in its cache), a piece at a time. Only rank r reads or writes range r of any
+ * rank's buffers, in place or not, so the pieces need no synchronisation: the first step's proved every input whole,
+ * push_finish's proves every output written. Against the staging steps, no peer copies a piece into its half for
+ * this rank to read out of the other core's cache, and no step waits for the slowest rank (np=2 on a Xeon, in place
+ * against Open MPI in the same job: 512 KiB-4 MiB 1.31-2.28x against 0.82-1.23x with a kernel write per piece after
+ * staging steps; benchmarks/RESULTS.md, "Allreduce pulls"). */
+static int pulling_agreed(smc_comm_t* c, uint64_t* ins, uint64_t* outs) {
+  int all = 1;
   for (int j = 0; j < c->size; j++) {
+    ins[j] = smc_peer_desc(c, j)->own;
     outs[j] = smc_peer_desc(c, j)->addr;
-    if (outs[j] == 0) return 0;
+    all = all && ins[j] != 0 && outs[j] != 0;
   }
-  return 1;
+  return all;
 }
 
-/* The last synchronisation of a pushed allreduce: after it every peer's writes into this rank's output are done.
+/* Whether some rank meant to pull or named a shared buffer, and so took no copy before the first synchronisation. */
+static int someone_copies_late(smc_comm_t* c) {
+  if (smc_any_window(c)) return 1;
+  for (int j = 0; j < c->size; j++)
+    if (smc_peer_desc(c, j)->addr != 0) return 1;
+  return 0;
+}
+
+/* The last synchronisation of a pulled allreduce: after it every peer's writes into this rank's output are done.
  * Each rank first puts whether its writes succeeded in its half (free: its last reader finished before the last
  * step's synchronisation), so that a rank whose output a peer failed to fill raises too, naming that peer. */
 static smc_result_t push_finish(smc_comm_t* c, smc_result_t pushed, const char* what) {
@@ -98,6 +112,33 @@ static smc_result_t push_finish(smc_comm_t* c, smc_result_t pushed, const char* 
                                 smc_job_rank(c, j));
   smc_flip(c);
   return rc != SMC_SUCCESS ? rc : pushed;
+}
+
+static smc_result_t pulled(smc_comm_t* c, const plan_t* p, const uint64_t* ins, const uint64_t* outs, size_t section,
+                           size_t per_piece, const char* what) {
+  const void* srcs[SMC_MAX_RANKS];
+  const int me = c->rank, n = c->size;
+  const size_t es = p->esize;
+  uint8_t* mine = smc_half(c, me);
+  smc_result_t rc = SMC_SUCCESS;
+  for (size_t k = 0; rc == SMC_SUCCESS; k++) {
+    size_t l = piece_len(p, me, k, per_piece);
+    if (l == 0) break;
+    size_t at = (p->start[me] + k * per_piece) * es;
+    for (int j = 0; j < n && rc == SMC_SUCCESS; j++) {
+      srcs[j] = j == me ? (const void*)(p->src + at) : mine + (size_t)j * section;
+      if (j != me) rc = smc_cma_read(c, j, mine + (size_t)j * section, ins[j] + at, l * es, what);
+    }
+    if (rc == SMC_SUCCESS)
+      rc = smc_reduce(p->dst + at, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor);
+    for (int d = 1; d < n && rc == SMC_SUCCESS; d++) {
+      int j = (me + d) % n;
+      rc = smc_cma_write(c, j, outs[j] + at, p->dst + at, l * es, what);
+    }
+  }
+  smc_flip(c); /* even after a failure: the peers wait in push_finish's synchronisation, which says who failed */
+  c->pulled_calls++;
+  return push_finish(c, rc, what);
 }
 
 /* Step k's copy-in: piece k of every peer's range into its section of this rank's half. */
@@ -157,9 +198,9 @@ static smc_result_t one_step(smc_comm_t* c, const plan_t* p, size_t count, smc_d
 }
 
 /* `w`: the shared buffer holding this rank's data (an in-place allreduce's, a reduce-scatter's input), or NULL. A
- * rank whose data is in one names it in its descriptor and takes no copy before the first synchronisation; if then
- * not every rank named it, those that did make that copy and every rank synchronises once more, so all take the same
- * steps. */
+ * rank whose data is in one names it in its descriptor and takes no copy before the first synchronisation, as does
+ * one that means to pull; if then not every rank named it (or meant to), those that did make that copy and every
+ * rank synchronises once more, so all take the same steps. */
 static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, const smc_window_t* w,
                               const char* what) {
   const void* srcs[SMC_MAX_RANKS];
@@ -180,22 +221,20 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   for (int j = 0; j < n; j++) longest = p->len[j] > longest ? p->len[j] : longest;
   size_t steps = longest == 0 ? 1 : (size_t)((longest + per_piece - 1) / per_piece);
 
-  uint64_t outs[SMC_MAX_RANKS]; /* push: every rank's output, as its descriptor published it */
-  int push = 0;
-  smc_result_t pushed = SMC_SUCCESS;
   for (size_t k = 0; k < steps; k++) {
     uint8_t* mine = smc_half(c, me);
-    if (k > 0 || desc->window == 0) copy_in(c, p, k, section, per_piece);
+    if (k > 0 || (desc->window == 0 && desc->addr == 0)) copy_in(c, p, k, section, per_piece);
     if (k == 0) {
       SMC_CHECK(smc_coll_begin(c, desc, what));
       uint8_t* bufs[SMC_MAX_RANKS];
+      uint64_t ins[SMC_MAX_RANKS], outs[SMC_MAX_RANKS];
       if (smc_windows_agreed(c, w, (p->start[n - 1] + p->len[n - 1]) * es, bufs))
         return in_windows(c, p, bufs, per_piece, what);
-      if (smc_any_window(c)) {
-        if (desc->window != 0) copy_in(c, p, 0, section, per_piece);
+      if (p->gather && pulling_agreed(c, ins, outs)) return pulled(c, p, ins, outs, section, per_piece, what);
+      if (someone_copies_late(c)) {
+        if (desc->window != 0 || desc->addr != 0) copy_in(c, p, 0, section, per_piece);
         SMC_CHECK(smc_sync(c, what));
       }
-      push = p->gather && pushing_agreed(c, outs);
     } else {
       SMC_CHECK(smc_sync(c, what));
     }
@@ -206,13 +245,9 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
       for (int j = 0; j < n; j++) srcs[j] = j == me ? (const void*)(p->src + at * es) : smc_half(c, j) + (size_t)me * section;
       uint8_t* out = p->gather ? p->dst + at * es : p->dst + k * per_piece * es;
       SMC_CHECK(smc_reduce(out, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor));
-      for (int d = 1; push && d < n && pushed == SMC_SUCCESS; d++) {
-        int j = (me + d) % n;
-        pushed = smc_cma_write(c, j, outs[j] + at * es, out, l * es, what);
-      }
-      if (p->gather && !push) smc_copy(mine + (size_t)me * section, out, l * es);
+      if (p->gather) smc_copy(mine + (size_t)me * section, out, l * es);
     }
-    if (p->gather && !push) {
+    if (p->gather) {
       SMC_CHECK(smc_sync(c, what));
       for (int j = 0; j < n; j++) {
         size_t lj = piece_len(p, j, k, per_piece);
@@ -222,7 +257,7 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
     }
     smc_flip(c);
   }
-  return push ? push_finish(c, pushed, what) : SMC_SUCCESS;
+  return SMC_SUCCESS;
 }
 
 smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t count, smc_datatype_t dtype,
@@ -249,7 +284,12 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
     }
   }
   if (bytes <= c->small_bytes) return one_step(c, &p, count, &desc, w);
-  if (smc_push(c, bytes)) desc.addr = (uint64_t)(uintptr_t)recvbuf;
+  /* pulled's ranges are one rank's alone only if input and output are the same buffer or apart */
+  const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf;
+  if (smc_push(c, bytes) && (in == out || in + bytes <= out || out + bytes <= in)) {
+    desc.own = (uint64_t)in;
+    desc.addr = (uint64_t)out;
+  }
   return pipelined(c, &p, &desc, w, "allreduce");
 }
 

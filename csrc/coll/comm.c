@@ -311,6 +311,8 @@ uint64_t smc_comm_shared_calls(smc_comm_t* c) { return c != NULL ? c->window_cal
 
 uint64_t smc_comm_push_from(smc_comm_t* c) { return smc_push(c, UINT64_MAX) ? c->push_bytes : 0; }
 
+uint64_t smc_comm_pulled_calls(smc_comm_t* c) { return c != NULL ? c->pulled_calls : 0; }
+
 uint64_t smc_comm_failed_ranks(smc_comm_t* c) {
   uint64_t mask = 0;
   if (c == NULL) return 0;

@@ -44,7 +44,7 @@ struct smc_comm {
   int single_copy_whole;      /* alltoall decides on its whole input, not its mean part per peer: the rule where the
                                * kernel's copy proved slow at init (coll/cma.c), as measured on such a machine */
   size_t piece_bytes;         /* allreduce's bytes per rank and step (coll/allreduce.c); 0: a half's share */
-  uint64_t push_bytes;        /* allreduces of at least this size push their reduced pieces (coll/allreduce.c); 0: never */
+  uint64_t push_bytes;        /* allreduces of at least this size pull (coll/allreduce.c); 0: never */
   int cma;                    /* every rank can read its peers' memory (decided together at init) */
   int cma_fast;               /* and every rank's kernel copy proved fast (coll/cma.c) */
   uint64_t cma_probe;         /* the value a neighbour reads at init to prove it reads this process */
@@ -53,6 +53,7 @@ struct smc_comm {
   smc_window_t* windows[SMC_MAX_WINDOWS]; /* shared buffers every rank maps (coll/window.c) */
   uint64_t window_serial;                 /* how many this communicator has created, on every rank alike */
   uint64_t window_calls;                  /* collectives that read or wrote shared buffers directly */
+  uint64_t pulled_calls;                  /* allreduces that read and wrote the peers' buffers by single copy */
   uint64_t shared_from_bytes;             /* smc_config_t's */
 };
 
@@ -106,8 +107,9 @@ static inline int smc_single_copy(const smc_comm_t* c, uint64_t bytes) {
 static inline int smc_broadcast_single_copy(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && c->broadcast_single_copy_bytes > 0 && bytes >= c->broadcast_single_copy_bytes;
 }
-/* smc_push: whether an allreduce of `bytes` writes its reduced pieces straight into the peers' outputs; only where the
- * kernel's copy proved fast on every rank, since each piece then goes through it once per peer. */
+/* smc_push: whether an allreduce of `bytes` reads its range of the peers' inputs and writes its reduced pieces
+ * straight into their outputs (coll/allreduce.c, pulled); only where the kernel's copy proved fast on every rank,
+ * since each piece then goes through it twice per peer. */
 static inline int smc_push(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && c->cma_fast && c->push_bytes > 0 && bytes >= c->push_bytes;
 }

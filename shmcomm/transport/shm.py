@@ -89,8 +89,9 @@ class SharedMemory(Transport):
                       "(process_vm_readv and process_vm_writev)", self.size,
                       lib.smc_comm_single_copy_from(self.handle, 0), lib.smc_comm_single_copy_from(self.handle, 1))
             pushing = lib.smc_comm_push_from(self.handle)
-            log.debug("allreduces %s" % ("from %d bytes push their reduced pieces into the peers' outputs" % pushing
-                                         if pushing else "gather their reduced pieces through the staging halves"))
+            log.debug("allreduces %s" % ("from %d bytes read the peers' inputs and write the reduced pieces into "
+                                         "their outputs" % pushing if pushing else
+                                         "gather their reduced pieces through the staging halves"))
         else:
             log.debug("shared memory of %d ranks: every size moves through the staging halves (single copy is off "
                       "or not allowed here)", self.size)
@@ -119,6 +120,10 @@ class SharedMemory(Transport):
     def shared_calls(self):
         """How many collectives read and wrote shared buffers directly (for logs and tests)."""
         return lib.smc_comm_shared_calls(self.handle)
+
+    def pulled_calls(self):
+        """How many allreduces read the peers' inputs and wrote into their outputs by single copy (for tests)."""
+        return lib.smc_comm_pulled_calls(self.handle)
 
     # ---- steps ----
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
