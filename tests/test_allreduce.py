@@ -82,9 +82,9 @@ def test_pushed_and_gathered_pieces(size, push, piece):
 
 
 def _pulled_or_staged(size, pulling_ranks):
-    """Allreduces of 128 KiB and more where the ranks in `pulling_ranks` would pull (SHMCOMM_PUSH_BYTES=1) and the
-    others would not (0): they pull only if all would, and the results are the same either way. Returns how many
-    calls pulled on this rank."""
+    """Allreduces and reduce-scatters of 80 KiB and more where the ranks in `pulling_ranks` would pull
+    (SHMCOMM_PUSH_BYTES=1) and the others would not (0): they pull only if all would, and the results are the same
+    either way. Returns how many calls pulled on this rank, of how many."""
     import os
 
     import shmcomm
@@ -116,16 +116,28 @@ def _pulled_or_staged(size, pulling_ranks):
     np.testing.assert_allclose(shmcomm.allreduce(x, prescale_factor=2.0, postscale_factor=0.5),
                                sum(range(1, size + 1)) / size)
     calls += 1
+    # Reduce-scatter pulls its own range and writes nothing into the peers' outputs, with rows that do not divide
+    # evenly (the first ranks get one more) and an output of its own.
+    for rows in (20_001, 300_001):
+        x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) + me
+        full = sum(np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) + r for r in range(size))
+        share = [rows // size + (r < rows % size) for r in range(size)]
+        mine = full[sum(share[:me]):sum(share[:me + 1])]
+        np.testing.assert_array_equal(shmcomm.reducescatter(x, op=shmcomm.Sum), mine)
+        out = np.full_like(mine, -1)
+        shmcomm.reducescatter(x, op=shmcomm.Sum, output=out)
+        np.testing.assert_array_equal(out, mine)
+        calls += 2
     from shmcomm._native import lib
 
     return shm.pulled_calls() - before, calls, lib.smc_comm_push_from(shm.handle)
 
 
 @pytest.mark.parametrize("size,pulling", [(2, (0, 1)), (2, (1,)), (3, (0, 1, 2)), (3, (0, 2))])
-def test_allreduces_pull_only_where_every_rank_would(size, pulling):
-    """csrc/coll/allreduce.c, pulled: where every rank would pull, every allreduce from 128 KiB does (where the
-    kernel's copy proved fast at init; elsewhere none does); where one would not, none does, the others take their
-    first copy late and the results are the same."""
+def test_ranks_pull_only_where_every_rank_would(size, pulling):
+    """csrc/coll/allreduce.c, pulled: where every rank would pull, every allreduce and reduce-scatter does (where
+    the kernel's copy proved fast at init; elsewhere none does); where one would not, none does, the others take
+    their first copy late and the results are the same."""
     got = multiproc.run(size, _pulled_or_staged, size, pulling, timeout=180)
     calls = got[0][1]
     if len(pulling) < size:

@@ -21,7 +21,7 @@
  * In place in shared buffers that every rank maps (coll/window.c), no step copies anything into a half: rank r
  * reduces range r of every rank's buffer into its own and copies the result into every peer's (in_windows).
  * Pieces are sized so that a step's working set stays in cache. Reduce-scatter is steps 1-3 with per-rank ranges
- * given by the caller. */
+ * given by the caller, or pulls its ranges where allreduce would. */
 #include "coll/comm.h"
 #include "core/copy.h"
 #include "core/error.h"
@@ -79,13 +79,15 @@ static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
  * push_finish's proves every output written. Against the staging steps, no peer copies a piece into its half for
  * this rank to read out of the other core's cache, and no step waits for the slowest rank (np=2 on a Xeon, in place
  * against Open MPI in the same job: 512 KiB-4 MiB 1.31-2.28x against 0.82-1.23x with a kernel write per piece after
- * staging steps; benchmarks/RESULTS.md, "Allreduce pulls"). */
-static int pulling_agreed(smc_comm_t* c, uint64_t* ins, uint64_t* outs) {
+ * staging steps; benchmarks/RESULTS.md, "Allreduce pulls"). A reduce-scatter pulls the same way (its input and its
+ * output apart), reduces into its output and writes nothing into the peers'; its last synchronisation says only that
+ * every peer has read this rank's input. */
+static int pulling_agreed(smc_comm_t* c, const plan_t* p, uint64_t* ins, uint64_t* outs) {
   int all = 1;
   for (int j = 0; j < c->size; j++) {
     ins[j] = smc_peer_desc(c, j)->own;
     outs[j] = smc_peer_desc(c, j)->addr;
-    all = all && ins[j] != 0 && outs[j] != 0;
+    all = all && ins[j] != 0 && (outs[j] != 0 || !p->gather);
   }
   return all;
 }
@@ -94,7 +96,7 @@ static int pulling_agreed(smc_comm_t* c, uint64_t* ins, uint64_t* outs) {
 static int someone_copies_late(smc_comm_t* c) {
   if (smc_any_window(c)) return 1;
   for (int j = 0; j < c->size; j++)
-    if (smc_peer_desc(c, j)->addr != 0) return 1;
+    if (smc_peer_desc(c, j)->own != 0) return 1;
   return 0;
 }
 
@@ -129,16 +131,20 @@ static smc_result_t pulled(smc_comm_t* c, const plan_t* p, const uint64_t* ins, 
       srcs[j] = j == me ? (const void*)(p->src + at) : mine + (size_t)j * section;
       if (j != me) rc = smc_cma_read(c, j, mine + (size_t)j * section, ins[j] + at, l * es, what);
     }
+    uint8_t* out = p->gather ? p->dst + at : p->dst + k * per_piece * es;
     if (rc == SMC_SUCCESS)
-      rc = smc_reduce(p->dst + at, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor);
-    for (int d = 1; d < n && rc == SMC_SUCCESS; d++) {
+      rc = smc_reduce(out, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor);
+    for (int d = 1; p->gather && d < n && rc == SMC_SUCCESS; d++) {
       int j = (me + d) % n;
-      rc = smc_cma_write(c, j, outs[j] + at, p->dst + at, l * es, what);
+      rc = smc_cma_write(c, j, outs[j] + at, out, l * es, what);
     }
   }
-  smc_flip(c); /* even after a failure: the peers wait in push_finish's synchronisation, which says who failed */
+  smc_flip(c); /* even after a failure: the peers wait in the last synchronisation */
   c->pulled_calls++;
-  return push_finish(c, rc, what);
+  if (p->gather) return push_finish(c, rc, what); /* which also says who failed to write into whose output */
+  smc_result_t synced = smc_sync(c, what);        /* a reduce-scatter's: every peer has read this rank's input */
+  smc_flip(c);
+  return synced != SMC_SUCCESS ? synced : rc;
 }
 
 /* Step k's copy-in: piece k of every peer's range into its section of this rank's half. */
@@ -223,16 +229,16 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
 
   for (size_t k = 0; k < steps; k++) {
     uint8_t* mine = smc_half(c, me);
-    if (k > 0 || (desc->window == 0 && desc->addr == 0)) copy_in(c, p, k, section, per_piece);
+    if (k > 0 || (desc->window == 0 && desc->own == 0)) copy_in(c, p, k, section, per_piece);
     if (k == 0) {
       SMC_CHECK(smc_coll_begin(c, desc, what));
       uint8_t* bufs[SMC_MAX_RANKS];
       uint64_t ins[SMC_MAX_RANKS], outs[SMC_MAX_RANKS];
       if (smc_windows_agreed(c, w, (p->start[n - 1] + p->len[n - 1]) * es, bufs))
         return in_windows(c, p, bufs, per_piece, what);
-      if (p->gather && pulling_agreed(c, ins, outs)) return pulled(c, p, ins, outs, section, per_piece, what);
+      if (pulling_agreed(c, p, ins, outs)) return pulled(c, p, ins, outs, section, per_piece, what);
       if (someone_copies_late(c)) {
-        if (desc->window != 0 || desc->addr != 0) copy_in(c, p, 0, section, per_piece);
+        if (desc->window != 0 || desc->own != 0) copy_in(c, p, 0, section, per_piece);
         SMC_CHECK(smc_sync(c, what));
       }
     } else {
@@ -315,5 +321,6 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
   const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf, out_bytes = counts[c->rank] * p.esize;
   int apart = out + out_bytes <= in || out >= in + bytes;
   smc_window_t* w = apart ? smc_window_name(c, &desc, sendbuf, bytes) : NULL;
+  if (apart && smc_push(c, bytes)) desc.own = (uint64_t)in; /* pulled: the peers read their ranges of it */
   return pipelined(c, &p, &desc, w, "reducescatter");
 }

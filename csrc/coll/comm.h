@@ -53,7 +53,7 @@ struct smc_comm {
   smc_window_t* windows[SMC_MAX_WINDOWS]; /* shared buffers every rank maps (coll/window.c) */
   uint64_t window_serial;                 /* how many this communicator has created, on every rank alike */
   uint64_t window_calls;                  /* collectives that read or wrote shared buffers directly */
-  uint64_t pulled_calls;                  /* allreduces that read and wrote the peers' buffers by single copy */
+  uint64_t pulled_calls;                  /* allreduces and reduce-scatters that pulled (coll/allreduce.c) */
   uint64_t shared_from_bytes;             /* smc_config_t's */
 };
 

@@ -110,9 +110,10 @@ typedef struct {
                            * thresholds rise to cache_bytes at the least; 0: they stay as given */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
                            * so that a step's copies stay in the cache; 0: as many as a staging half holds */
-  size_t push_bytes;      /* allreduces of at least this size read each rank's range of the peers' inputs and write
-                           * its reduced pieces straight into their outputs (cross-memory attach) where every rank's
-                           * kernel copy proved fast at init, instead of through the staging halves; 0: never */
+  size_t push_bytes;      /* allreduces and reduce-scatters of at least this size read each rank's range of the
+                           * peers' inputs (and allreduces write its reduced pieces straight into their outputs) by
+                           * cross-memory attach where every rank's kernel copy proved fast at init, instead of
+                           * through the staging halves; 0: never */
   size_t shared_from_bytes; /* collectives on at least this much data in shared buffers (smc_window_create) read
                              * and write the peers' buffers directly */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL
@@ -156,7 +157,7 @@ uint64_t smc_comm_single_copy_from(smc_comm_t* comm, int broadcast);
 /* The size from which allreduces read the peers' inputs and write their reduced pieces into the peers' outputs
  * (smc_config_t.push_bytes), after init's probe; 0 where none does. */
 uint64_t smc_comm_push_from(smc_comm_t* comm);
-/* How many allreduces of this communicator did so; for logs and tests. */
+/* How many allreduces and reduce-scatters of this communicator did so; for logs and tests. */
 uint64_t smc_comm_pulled_calls(smc_comm_t* comm);
 /* Ranks whose process is gone, as a bit mask (bit i = the communicator's i-th rank, job_ranks[i]; the first 64
  * only); for error reports and tests. Overwrites this thread's last failure. */

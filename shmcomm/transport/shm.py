@@ -122,7 +122,7 @@ class SharedMemory(Transport):
         return lib.smc_comm_shared_calls(self.handle)
 
     def pulled_calls(self):
-        """How many allreduces read the peers' inputs and wrote into their outputs by single copy (for tests)."""
+        """How many allreduces and reduce-scatters read the peers' inputs by single copy (for tests)."""
         return lib.smc_comm_pulled_calls(self.handle)
 
     # ---- steps ----
