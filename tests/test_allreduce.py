@@ -149,6 +149,39 @@ def test_ranks_pull_only_where_every_rank_would(size, pulling):
     assert [p for p, _, _ in got] == [calls] * size, got
 
 
+def _dies_while_pulling(victim):
+    import os
+    import signal
+    import threading
+    import time
+
+    import shmcomm
+    from shmcomm import basics
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    x = np.ones(1 << 20, np.float32)  # 4 MiB: 8 pieces of each rank's range
+    if me == victim:  # killed in the middle of its calls, whichever step it is in
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(shmcomm.RankFailure) as info:
+        while time.monotonic() - start < 30:
+            shmcomm.allreduce_(x, op=shmcomm.Max)
+            shmcomm.reducescatter(x, op=shmcomm.Max)
+    return info.value.rank, time.monotonic() - start < 15, basics.communicator().shm.pulled_calls() > 0
+
+
+def test_a_rank_that_dies_while_pulling_is_named():
+    """Killed while the ranks read each other's inputs and write into each other's outputs by the kernel's copy:
+    the survivor raises RankFailure naming it within the timeout instead of waiting, and leaves no segment behind
+    (multiproc checks)."""
+    results = multiproc.run(2, _dies_while_pulling, 1, timeout=60, check=False, env={"SHMCOMM_TIMEOUT": "10"})
+    assert results[1][0] == "died", results
+    assert results[0][0] == "ok" and results[0][1][:2] == (1, True), results
+    if not results[0][1][2]:
+        pytest.skip("this machine's kernel copy proved slow at init: allreduces do not pull")
+
+
 def _average_and_scaling(size):
     import shmcomm
 
