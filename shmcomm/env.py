@@ -143,7 +143,7 @@ class Tuning:
     single_copy_bytes: int  # allgather inputs and alltoall parts per peer from this size read peers' memory; 0: never
     broadcast_single_copy_bytes: int  # broadcast's, which differs with more ranks than cores
     piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
-    push_bytes: int        # allreduces and reduce-scatters from this size read the peers' inputs; 0: never
+    pull_bytes: int        # allreduces and reduce-scatters from this size read the peers' inputs; 0: never
     cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
     single_copy_probed: bool  # the thresholds are defaults, raised to cache_bytes where the kernel's copy is slow
     shared_buffers: bool   # the engine's fusion buffer and shmcomm.shared_empty are mapped by every rank of the host
@@ -208,7 +208,7 @@ def tuning(local_size):
         # 0.82-1.37x (a kernel write per piece after staging steps); np=4 on 2 cores, 256 KiB-16 MiB 1.21-2.25x
         # pulled against 1.25-2.98x (MPICH). Reduce-scatters pull too (np=2, 128 KiB-64 MiB: 1.06-1.56x faster than
         # staged). The core pulls only where every rank's kernel copy proved fast at init.
-        push_bytes=_number("PUSH_BYTES", 128 << 10 if local_size == 2 <= cores else 0, int, low=0, high=MAX_BYTES),
+        pull_bytes=_number("PULL_BYTES", 128 << 10 if local_size == 2 <= cores else 0, int, low=0, high=MAX_BYTES),
         cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
         single_copy_probed=not is_set("SINGLE_COPY_BYTES"),
         # An in-place allreduce of memory every rank maps reads and writes the peers' buffers directly

@@ -69,13 +69,14 @@ def test_pieces_smaller_than_a_half(piece):
     assert multiproc.run(3, _pieces, 3, timeout=240, env={"SHMCOMM_PIECE_BYTES": piece}) == [True] * 3
 
 
-@pytest.mark.parametrize("size,push,piece", [(2, "0", None), (3, "1", None), (4, "1", "64"), (2, "1", "1000")])
-def test_pushed_and_gathered_pieces(size, push, piece):
+@pytest.mark.parametrize("size,pull,piece", [(2, "0", None), (3, "1", None), (4, "1", "64"), (2, "1", "1000")])
+def test_pulled_and_staged_pieces(size, pull, piece):
     """Both ways of handing out the reduced pieces (csrc/coll/allreduce.c), whichever the defaults pick for this
-    world: through the staging halves (SHMCOMM_PUSH_BYTES=0; the default at 2 ranks pushes) and pushed into the
-    peers' outputs at every pipelined size, with more ranks than the default pushes for and down to one cache line
-    per step. Every dtype and op, in place and out of place; reduce-scatter never pushes."""
-    env = {"SHMCOMM_PUSH_BYTES": push, **({"SHMCOMM_PIECE_BYTES": piece} if piece else {})}
+    world: through the staging halves (SHMCOMM_PULL_BYTES=0; the default at 2 ranks pulls) and pulled, each rank
+    reading its range of the peers' inputs and writing it into their outputs, at every pipelined size, with more
+    ranks than the default pulls for and down to one cache line per piece. Every dtype and op, in place and out of
+    place, and reduce-scatters."""
+    env = {"SHMCOMM_PULL_BYTES": pull, **({"SHMCOMM_PIECE_BYTES": piece} if piece else {})}
     assert multiproc.run(size, _pieces, size, timeout=240, env=env) == [True] * size
     digests = multiproc.run(size, _average_and_scaling, size, timeout=120, env=env)
     assert len(set(digests)) == 1, digests
@@ -83,7 +84,7 @@ def test_pushed_and_gathered_pieces(size, push, piece):
 
 def _pulled_or_staged(size, pulling_ranks):
     """Allreduces and reduce-scatters of 80 KiB and more where the ranks in `pulling_ranks` would pull
-    (SHMCOMM_PUSH_BYTES=1) and the others would not (0): they pull only if all would, and the results are the same
+    (SHMCOMM_PULL_BYTES=1) and the others would not (0): they pull only if all would, and the results are the same
     either way. Returns how many calls pulled on this rank, of how many."""
     import os
 
@@ -91,7 +92,7 @@ def _pulled_or_staged(size, pulling_ranks):
     from shmcomm import basics
 
     me = int(os.environ["SHMCOMM_RANK"])
-    os.environ["SHMCOMM_PUSH_BYTES"] = "1" if me in pulling_ranks else "0"
+    os.environ["SHMCOMM_PULL_BYTES"] = "1" if me in pulling_ranks else "0"
     shmcomm.init()
     shm = basics.communicator().shm
     before = shm.pulled_calls()
@@ -130,7 +131,7 @@ def _pulled_or_staged(size, pulling_ranks):
         calls += 2
     from shmcomm._native import lib
 
-    return shm.pulled_calls() - before, calls, lib.smc_comm_push_from(shm.handle)
+    return shm.pulled_calls() - before, calls, lib.smc_comm_pull_from(shm.handle)
 
 
 @pytest.mark.parametrize("size,pulling", [(2, (0, 1)), (2, (1,)), (3, (0, 1, 2)), (3, (0, 2))])

@@ -57,7 +57,7 @@ def test_interleaved_compares_settings_in_one_job():
         pytest.skip("no mpiexec beside this interpreter")
     proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.interleaved", "--bytes", "4K,1M",
                            "--ops", "allreduce,broadcast", "--rounds", "2", "--iters", "3",
-                           "--setting", "SHMCOMM_PUSH_BYTES=unset,0"], cwd=str(REPO), env=backends.job_environment(),
+                           "--setting", "SHMCOMM_PULL_BYTES=unset,0"], cwd=str(REPO), env=backends.job_environment(),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]

@@ -45,7 +45,7 @@ BAD_SETTINGS = [
     ("SINGLE_COPY_BYTES", ["-1", "lots", str(1 << 60)]),
     ("CACHE_BYTES", ["0", "lots", str(1 << 60)]),
     ("PIECE_BYTES", ["-1", "1.5", str(1 << 60)]),
-    ("PUSH_BYTES", ["-1", "128K", str(1 << 60)]),
+    ("PULL_BYTES", ["-1", "128K", str(1 << 60)]),
     ("SHARED_BUFFERS", ["2", "shared"]),
     ("CYCLE_TIME", ["0", "-1", "nan", "fast"]),
     ("FUSION_THRESHOLD", ["-1", "64MB"]),
@@ -126,11 +126,11 @@ def test_allreduce_pieces_follow_the_l2_only_while_every_rank_has_a_core(monkeyp
     assert env.tuning(cores).cache_bytes == env.tuning(cores + 1).cache_bytes == l2
     monkeypatch.setenv("SHMCOMM_PIECE_BYTES", "4096")
     assert env.tuning(cores + 1).piece_bytes == 4096
-    # Allreduces push their reduced pieces from 128 KiB at two ranks with a core each, never otherwise unless set.
-    assert env.tuning(2).push_bytes == (128 << 10 if cores >= 2 else 0)
-    assert env.tuning(1).push_bytes == env.tuning(3).push_bytes == env.tuning(cores + 1).push_bytes == 0
-    monkeypatch.setenv("SHMCOMM_PUSH_BYTES", "1")
-    assert env.tuning(cores + 1).push_bytes == 1
+    # Allreduces and reduce-scatters pull from 128 KiB at two ranks with a core each, never otherwise unless set.
+    assert env.tuning(2).pull_bytes == (128 << 10 if cores >= 2 else 0)
+    assert env.tuning(1).pull_bytes == env.tuning(3).pull_bytes == env.tuning(cores + 1).pull_bytes == 0
+    monkeypatch.setenv("SHMCOMM_PULL_BYTES", "1")
+    assert env.tuning(cores + 1).pull_bytes == 1
     monkeypatch.setenv("SHMCOMM_SINGLE_COPY_BYTES", "1")  # set: every collective's, broadcast's too
     assert env.tuning(cores + 1).single_copy_bytes == env.tuning(cores + 1).broadcast_single_copy_bytes == 1
 

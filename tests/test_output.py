@@ -126,8 +126,8 @@ def _output_a_peer_cannot_write():
     from shmcomm._native import lib
 
     shmcomm.init()
-    if not lib.smc_comm_push_from(basics.communicator().shm.handle):
-        return None  # a kernel copy proved slow at init: nothing is pushed here
+    if not lib.smc_comm_pull_from(basics.communicator().shm.handle):
+        return None  # a kernel copy proved slow at init: nothing is pulled here
     me, count = shmcomm.rank(), 1 << 20  # float32: rank 0 reduces the first 2 MiB, rank 1 the second
     area = mmap.mmap(-1, count * 4)
     out = np.frombuffer(area, np.float32)
@@ -142,19 +142,19 @@ def _output_a_peer_cannot_write():
         failure = str(e)
     else:
         failure = None
-    if me == 0:  # its own range is whole; the job goes on, pushing into outputs that can be written
+    if me == 0:  # its own range is whole; the job goes on, writing into outputs that can be written
         np.testing.assert_array_equal(out[:count // 2], 3)
     np.testing.assert_array_equal(shmcomm.allreduce(x, op=shmcomm.Sum), np.full(count, 3, np.float32))
     return failure
 
 
-def test_a_pushed_piece_that_cannot_be_written_fails_both_ranks():
-    """An allreduce that pushes its reduced pieces (csrc/coll/allreduce.c): when rank 1 cannot write its piece into
+def test_a_pulled_piece_that_cannot_be_written_fails_both_ranks():
+    """An allreduce that pulls (csrc/coll/allreduce.c): when rank 1 cannot write its reduced piece into
     rank 0's output, rank 1 says why and rank 0, whose output lacks that piece, names rank 1; neither waits, and the
     next call works."""
-    got = multiproc.run(2, _output_a_peer_cannot_write, timeout=60, env=dict(FAST_TIMEOUT, SHMCOMM_PUSH_BYTES="1"))
+    got = multiproc.run(2, _output_a_peer_cannot_write, timeout=60, env=dict(FAST_TIMEOUT, SHMCOMM_PULL_BYTES="1"))
     if got == [None, None]:
-        pytest.skip("this machine's kernel copy is slow: allreduces do not push")
+        pytest.skip("this machine's kernel copy is slow: allreduces do not pull")
     assert "rank 1 could not write its part of the result into this rank's output" in got[0], got
     assert "writing into rank 0's buffer failed: Bad address" in got[1], got
 

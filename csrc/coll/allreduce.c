@@ -15,7 +15,7 @@
  *   3b. rank r copies its reduced piece into section r of its half;
  *   4. sync
  *   5. gather:   rank r copies section j of rank j's half into its output, for every j != r.
- *   Or, where the ranks pull (smc_push: two ranks whose kernel copy is fast), no step synchronises: rank r reads
+ *   Or, where the ranks pull (smc_pull: two ranks whose kernel copy is fast), no step synchronises: rank r reads
  *   piece k of range r straight out of every peer's input, reduces it and writes it straight into every peer's
  *   output (pulled), and one synchronisation after the last step says that every output is whole.
  * In place in shared buffers that every rank maps (coll/window.c), no step copies anything into a half: rank r
@@ -76,7 +76,7 @@ static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
  * peer reads in this path, reduces it with its own and writes the result into every peer's output
  * (process_vm_writev, the piece still in its cache), a piece at a time. Only rank r reads or writes range r of any
  * rank's buffers, in place or not, so the pieces need no synchronisation: the first step's proved every input whole,
- * push_finish's proves every output written. Against the staging steps, no peer copies a piece into its half for
+ * pull_finish's proves every output written. Against the staging steps, no peer copies a piece into its half for
  * this rank to read out of the other core's cache, and no step waits for the slowest rank (np=2 on a Xeon, in place
  * against Open MPI in the same job: 512 KiB-4 MiB 1.31-2.28x against 0.82-1.23x with a kernel write per piece after
  * staging steps; benchmarks/RESULTS.md, "Allreduce pulls"). A reduce-scatter pulls the same way (its input and its
@@ -103,17 +103,17 @@ static int someone_copies_late(smc_comm_t* c) {
 /* The last synchronisation of a pulled allreduce: after it every peer's writes into this rank's output are done.
  * Each rank first puts whether its writes succeeded in its half (free: its last reader finished before the last
  * step's synchronisation), so that a rank whose output a peer failed to fill raises too, naming that peer. */
-static smc_result_t push_finish(smc_comm_t* c, smc_result_t pushed, const char* what) {
-  *(volatile uint64_t*)smc_half(c, c->rank) = pushed == SMC_SUCCESS ? 0 : 1;
+static smc_result_t pull_finish(smc_comm_t* c, smc_result_t wrote, const char* what) {
+  *(volatile uint64_t*)smc_half(c, c->rank) = wrote == SMC_SUCCESS ? 0 : 1;
   smc_result_t rc = smc_sync(c, what);
-  if (rc == SMC_SUCCESS && pushed == SMC_SUCCESS)
+  if (rc == SMC_SUCCESS && wrote == SMC_SUCCESS)
     for (int j = 0; j < c->size && rc == SMC_SUCCESS; j++)
       if (j != c->rank && *(volatile const uint64_t*)smc_half(c, j) != 0)
         rc = smc_set_peer_error(SMC_ERR_SYSTEM, smc_job_rank(c, j), SMC_FIELD_NONE,
                                 "%s: rank %d could not write its part of the result into this rank's output", what,
                                 smc_job_rank(c, j));
   smc_flip(c);
-  return rc != SMC_SUCCESS ? rc : pushed;
+  return rc != SMC_SUCCESS ? rc : wrote;
 }
 
 static smc_result_t pulled(smc_comm_t* c, const plan_t* p, const uint64_t* ins, const uint64_t* outs, size_t section,
@@ -141,7 +141,7 @@ static smc_result_t pulled(smc_comm_t* c, const plan_t* p, const uint64_t* ins, 
   }
   smc_flip(c); /* even after a failure: the peers wait in the last synchronisation */
   c->pulled_calls++;
-  if (p->gather) return push_finish(c, rc, what); /* which also says who failed to write into whose output */
+  if (p->gather) return pull_finish(c, rc, what); /* which also says who failed to write into whose output */
   smc_result_t synced = smc_sync(c, what);        /* a reduce-scatter's: every peer has read this rank's input */
   smc_flip(c);
   return synced != SMC_SUCCESS ? synced : rc;
@@ -162,7 +162,7 @@ static void copy_in(smc_comm_t* c, const plan_t* p, size_t k, size_t section, si
  * inputs reduces range r into rank r's output and copies nothing. Only rank r touches range r of any buffer, so the
  * pieces need no synchronisation; the one that began the call proved every input whole, the one at the end proves
  * every range reduced. Per element that is n reads and n writes, where the staging path also
- * copies every piece into a half and the pushing one passes it through the kernel (4 MiB at 2 ranks on a Xeon:
+ * copies every piece into a half and the pulling one passes it through the kernel (4 MiB at 2 ranks on a Xeon:
  * 0.32 ms, against 1.1 ms through the halves). */
 static smc_result_t in_windows(smc_comm_t* c, const plan_t* p, uint8_t* const* bufs, size_t per_piece,
                                const char* what) {
@@ -292,7 +292,7 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   if (bytes <= c->small_bytes) return one_step(c, &p, count, &desc, w);
   /* pulled's ranges are one rank's alone only if input and output are the same buffer or apart */
   const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf;
-  if (smc_push(c, bytes) && (in == out || in + bytes <= out || out + bytes <= in)) {
+  if (smc_pull(c, bytes) && (in == out || in + bytes <= out || out + bytes <= in)) {
     desc.own = (uint64_t)in;
     desc.addr = (uint64_t)out;
   }
@@ -321,6 +321,6 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
   const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf, out_bytes = counts[c->rank] * p.esize;
   int apart = out + out_bytes <= in || out >= in + bytes;
   smc_window_t* w = apart ? smc_window_name(c, &desc, sendbuf, bytes) : NULL;
-  if (apart && smc_push(c, bytes)) desc.own = (uint64_t)in; /* pulled: the peers read their ranges of it */
+  if (apart && smc_pull(c, bytes)) desc.own = (uint64_t)in; /* pulled: the peers read their ranges of it */
   return pipelined(c, &p, &desc, w, "reducescatter");
 }

@@ -84,7 +84,7 @@ static int kernel_copy_is_fast(void) {
 
 smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
   c->cma = c->cma_fast = 0;
-  if (c->size == 1 || (c->single_copy_bytes == 0 && c->broadcast_single_copy_bytes == 0 && c->push_bytes == 0))
+  if (c->size == 1 || (c->single_copy_bytes == 0 && c->broadcast_single_copy_bytes == 0 && c->pull_bytes == 0))
     return SMC_SUCCESS; /* every rank has the same settings */
   smc_rank_ctl_t* me = &c->ctl[c->rank];
   c->cma_probe = ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)c ^ 0x9e3779b97f4a7c15ULL;

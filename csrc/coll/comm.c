@@ -192,7 +192,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->cache_bytes = cfg->cache_bytes > 0 ? cfg->cache_bytes : (1u << 20);
   c->single_copy_probed = cfg->single_copy_probed;
   c->piece_bytes = cfg->piece_bytes;
-  c->push_bytes = cfg->push_bytes;
+  c->pull_bytes = cfg->pull_bytes;
   c->shared_from_bytes = cfg->shared_from_bytes;
   for (int r = 0; r < c->size; r++) c->job_ranks[r] = cfg->job_ranks != NULL ? cfg->job_ranks[r] : r;
   snprintf(c->name, sizeof(c->name), "/shmcomm-%s-%d", cfg->token, cfg->generation);
@@ -309,7 +309,7 @@ uint64_t smc_comm_single_copy_from(smc_comm_t* c, int broadcast) {
 
 uint64_t smc_comm_shared_calls(smc_comm_t* c) { return c != NULL ? c->window_calls : 0; }
 
-uint64_t smc_comm_push_from(smc_comm_t* c) { return smc_push(c, UINT64_MAX) ? c->push_bytes : 0; }
+uint64_t smc_comm_pull_from(smc_comm_t* c) { return smc_pull(c, UINT64_MAX) ? c->pull_bytes : 0; }
 
 uint64_t smc_comm_pulled_calls(smc_comm_t* c) { return c != NULL ? c->pulled_calls : 0; }
 

@@ -110,7 +110,7 @@ typedef struct {
                            * thresholds rise to cache_bytes at the least; 0: they stay as given */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
                            * so that a step's copies stay in the cache; 0: as many as a staging half holds */
-  size_t push_bytes;      /* allreduces and reduce-scatters of at least this size read each rank's range of the
+  size_t pull_bytes;      /* allreduces and reduce-scatters of at least this size read each rank's range of the
                            * peers' inputs (and allreduces write its reduced pieces straight into their outputs) by
                            * cross-memory attach where every rank's kernel copy proved fast at init, instead of
                            * through the staging halves; 0: never */
@@ -155,8 +155,8 @@ int smc_comm_single_copy(smc_comm_t* comm);
  * (broadcast = 1), after init's probe (smc_config_t.single_copy_probed); 0 where nothing moves by single copy. */
 uint64_t smc_comm_single_copy_from(smc_comm_t* comm, int broadcast);
 /* The size from which allreduces read the peers' inputs and write their reduced pieces into the peers' outputs
- * (smc_config_t.push_bytes), after init's probe; 0 where none does. */
-uint64_t smc_comm_push_from(smc_comm_t* comm);
+ * (smc_config_t.pull_bytes), after init's probe; 0 where none does. */
+uint64_t smc_comm_pull_from(smc_comm_t* comm);
 /* How many allreduces and reduce-scatters of this communicator did so; for logs and tests. */
 uint64_t smc_comm_pulled_calls(smc_comm_t* comm);
 /* Ranks whose process is gone, as a bit mask (bit i = the communicator's i-th rank, job_ranks[i]; the first 64

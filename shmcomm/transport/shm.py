@@ -70,7 +70,7 @@ class SharedMemory(Transport):
         cfg.single_copy_bytes = tuning.single_copy_bytes
         cfg.broadcast_single_copy_bytes = tuning.broadcast_single_copy_bytes
         cfg.piece_bytes = tuning.piece_bytes
-        cfg.push_bytes = tuning.push_bytes
+        cfg.pull_bytes = tuning.pull_bytes
         cfg.shared_from_bytes = tuning.shared_from_bytes
         cfg.cache_bytes = tuning.cache_bytes
         cfg.single_copy_probed = tuning.single_copy_probed
@@ -88,9 +88,9 @@ class SharedMemory(Transport):
             log.debug("shared memory of %d ranks: pieces from %d bytes (broadcasts from %d) move by single copy "
                       "(process_vm_readv and process_vm_writev)", self.size,
                       lib.smc_comm_single_copy_from(self.handle, 0), lib.smc_comm_single_copy_from(self.handle, 1))
-            pushing = lib.smc_comm_push_from(self.handle)
+            pulling = lib.smc_comm_pull_from(self.handle)
             log.debug("allreduces %s" % ("from %d bytes read the peers' inputs and write the reduced pieces into "
-                                         "their outputs" % pushing if pushing else
+                                         "their outputs" % pulling if pulling else
                                          "gather their reduced pieces through the staging halves"))
         else:
             log.debug("shared memory of %d ranks: every size moves through the staging halves (single copy is off "

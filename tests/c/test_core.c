@@ -78,7 +78,7 @@ static void test_wait_timeout(void) {
 typedef struct {
   const char* token;
   int size, rounds, die_rank;
-  int push; /* allreduces push their reduced pieces (smc_config_t.push_bytes), in place every other round */
+  int pull; /* allreduces pull (smc_config_t.pull_bytes), in place every other round */
 } job_t;
 
 /* Child body: create, run `rounds` barriers and allreduces, check the sums, leave. Exit code 0 = fine. */
@@ -87,7 +87,7 @@ static int rank_main(int rank, void* arg) {
   const int size = job->size, rounds = job->rounds, die_rank = job->die_rank;
   smc_config_t cfg = config(job->token, rank, size);
   cfg.yield_us = size >= 8 ? 2000 : 0; /* more ranks than cores on most machines: the default yields */
-  cfg.push_bytes = job->push ? 1 : 0;
+  cfg.pull_bytes = job->pull ? 1 : 0;
   smc_comm_t* comm = NULL;
   if (smc_comm_create(&cfg, &comm) != SMC_SUCCESS) {
     fprintf(stderr, "rank %d: create: %s\n", rank, smc_last_error());
@@ -104,7 +104,7 @@ static int rank_main(int rank, void* arg) {
     }
     size_t count = (size_t)(i % 7 == 0 ? 1000 : i % 97 + 1);
     for (size_t k = 0; k < count; k++) data[k] = rank + (int64_t)k;
-    int64_t* result = job->push && i % 2 ? data : out;
+    int64_t* result = job->pull && i % 2 ? data : out;
     if (smc_allreduce(comm, data, result, count, SMC_INT64, SMC_SUM, 1, 1, 1, 0) != SMC_SUCCESS) return 12;
     for (size_t k = 0; k < count; k++)
       if (result[k] != (int64_t)size * (int64_t)k + (int64_t)size * (size - 1) / 2) return 13;
@@ -132,8 +132,8 @@ int main(void) {
   printf("8 ranks x 300 rounds: %.2f s\n", smc_now() - t0);
   for (int size = 2; size <= 3; size++) {
     make_token(token, sizeof(token), size == 2 ? "p" : "q");
-    job_t pushing = {token, size, 2000, -1, 1};
-    EXPECT(fork_ranks(size, rank_main, &pushing) == 0, "%d ranks pushing their reduced pieces", size);
+    job_t pulling = {token, size, 2000, -1, 1};
+    EXPECT(fork_ranks(size, rank_main, &pulling) == 0, "%d ranks pulling", size);
   }
   make_token(token, sizeof(token), "c");
   EXPECT(run_ranks(3, 100000, 2, token) == 0, "a vanished rank is named by the others");
