@@ -215,6 +215,33 @@ def test_collective_with_a_rank_that_left_raises():
     assert multiproc.run(2, _peer_shut_down) == ["raised", "left"]
 
 
+def _cause_before_consequence():
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    if me == 0:  # arrives at the barrier, then dies in it, before the others come
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        shmcomm.barrier()
+    if me == 1:  # leaves after rank 0's death, as a rank that raised for it does
+        time.sleep(1.0)
+        shmcomm.shutdown()
+        return "left"
+    time.sleep(2.0)  # rank 0 has arrived and died, rank 1 has left: the first peer gone that it waits for is rank 1
+    with pytest.raises(shmcomm.RankFailure) as info:
+        shmcomm.barrier()
+    return info.value.rank, str(info.value)
+
+
+def test_a_dead_rank_is_named_before_a_rank_that_left_after_it():
+    """The rank that died is the cause; a rank that shut down after it is a consequence, and naming it sent the user
+    looking at the wrong process (a chaos run: rank 0 killed in init, one survivor said "rank 1 has shut down")."""
+    results = multiproc.run(3, _cause_before_consequence, timeout=60, check=False)
+    assert results[0][0] == "died" and results[1] == ("ok", "left"), results
+    assert results[2][0] == "ok" and results[2][1][0] == 0 and "rank 0 (pid" in results[2][1][1], results
+    assert "died" in results[2][1][1], results
+
+
 def _stuck_peer(done):
     import shmcomm
 

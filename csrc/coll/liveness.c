@@ -8,29 +8,45 @@
 #include "coll/comm.h"
 #include "core/error.h"
 
-smc_result_t smc_peer_check(smc_comm_t* c, int r, const char* what) {
+/* 1 if rank r's process is gone, else 0; -1 (errno-style code in *err) if the check itself failed. */
+static int gone(smc_comm_t* c, int r, int* err) {
   smc_rank_ctl_t* peer = &c->ctl[r];
-  const int job_rank = smc_job_rank(c, r);
-  if (atomic_load(&peer->dead))
-    return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE, "%s: rank %d (pid %d) died", what,
-                              job_rank, (int)peer->pid);
+  if (atomic_load(&peer->dead)) return 1;
   int rc = pthread_mutex_trylock(&peer->alive);
-  if (rc == EBUSY) return SMC_SUCCESS;
+  if (rc == EBUSY) return 0;
   if (rc == EOWNERDEAD || rc == ENOTRECOVERABLE) {
     atomic_store(&peer->dead, 1);
     /* Unlocking without pthread_mutex_consistent makes the mutex permanently unrecoverable: every later trylock, from
      * any rank, reports the death too. */
     if (rc == EOWNERDEAD) pthread_mutex_unlock(&peer->alive);
-    return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE, "%s: rank %d (pid %d) died", what,
-                              job_rank, (int)peer->pid);
+    return 1;
   }
   if (rc == 0) {
-    pthread_mutex_unlock(&peer->alive);
-    if (atomic_load(&peer->departed))
-      return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE,
-                                "%s: rank %d (pid %d) has shut down; the ranks did not call the same collectives",
-                                what, job_rank, (int)peer->pid);
-    return SMC_SUCCESS; /* not attached yet: only possible during init, which waits for it */
+    pthread_mutex_unlock(&peer->alive); /* not attached (yet, or any more: departed) */
+    return 0;
   }
-  return smc_set_error(SMC_ERR_SYSTEM, "%s: checking rank %d failed: %s", what, job_rank, strerror(rc));
+  *err = rc;
+  return -1;
+}
+
+static smc_result_t died(smc_comm_t* c, int r, const char* what) {
+  const int job_rank = smc_job_rank(c, r);
+  return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE, "%s: rank %d (pid %d) died", what,
+                            job_rank, (int)c->ctl[r].pid);
+}
+
+smc_result_t smc_peer_check(smc_comm_t* c, int r, const char* what) {
+  int err = 0, dead = gone(c, r, &err);
+  if (dead < 0)
+    return smc_set_error(SMC_ERR_SYSTEM, "%s: checking rank %d failed: %s", what, smc_job_rank(c, r), strerror(err));
+  if (dead) return died(c, r, what);
+  if (!atomic_load(&c->ctl[r].departed)) return SMC_SUCCESS; /* alive, or not attached yet (init waits for it) */
+  /* A peer that shut down while this rank waits for it has most often raised first, for a rank that died: name the
+   * dead rank, the cause, where there is one (a rank killed in init otherwise came out as a survivor's shutdown). */
+  for (int o = 0; o < c->size; o++)
+    if (o != c->rank && o != r && gone(c, o, &err) == 1) return died(c, o, what);
+  const int job_rank = smc_job_rank(c, r);
+  return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE,
+                            "%s: rank %d (pid %d) has shut down; the ranks did not call the same collectives", what,
+                            job_rank, (int)c->ctl[r].pid);
 }
