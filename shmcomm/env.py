@@ -200,14 +200,11 @@ def tuning(local_size):
         # Xeon with 2 MiB of L2, 2-16 MiB against Open MPI 1.20-1.37x with 512 KiB pieces, 1.16-1.32x with 1 MiB. With
         # more ranks than cores every step costs context switches instead, so take as much as a half holds.
         piece_bytes=_number("PIECE_BYTES", l2_bytes // 4 if local_size <= cores else 0, int, low=0, high=MAX_BYTES),
-        # Pulling (csrc/coll/allreduce.c) reads each rank's range of the peers' inputs and writes its reduced pieces
-        # into their outputs by the kernel's copy, with no synchronisation between pieces, where the staging steps
-        # copy every piece into a half, out of it again and synchronise each step. At 2 ranks that is two kernel
-        # copies for three copies; with more ranks the kernel copies outnumber what they save. Measured on a Xeon
-        # with 2 MiB of L2, in place against Open MPI in the same job: np=2, 128 KiB-4 MiB 1.31-2.28x pulled against
-        # 0.82-1.37x (a kernel write per piece after staging steps); np=4 on 2 cores, 256 KiB-16 MiB 1.21-2.25x
-        # pulled against 1.25-2.98x (MPICH). Reduce-scatters pull too (np=2, 128 KiB-64 MiB: 1.06-1.56x faster than
-        # staged). The core pulls only where every rank's kernel copy proved fast at init.
+        # Pulling (csrc/coll/allreduce.c): two kernel copies per element and no synchronisation between pieces, for
+        # the staging steps' three copies and one per step; with more ranks the kernel copies outnumber what they
+        # save (np=2 on a Xeon, 128 KiB-4 MiB against Open MPI 1.31-2.28x, staged 0.82-1.37x; np=4 neither better
+        # nor worse: benchmarks/RESULTS.md, "Allreduce and reduce-scatter pull"). Only where every rank's kernel copy
+        # proved fast at init.
         pull_bytes=_number("PULL_BYTES", 128 << 10 if local_size == 2 <= cores else 0, int, low=0, high=MAX_BYTES),
         cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
         single_copy_probed=not is_set("SINGLE_COPY_BYTES"),

@@ -154,8 +154,8 @@ int smc_comm_single_copy(smc_comm_t* comm);
 /* The sizes from which single copy moves allgather's and alltoall's pieces (broadcast = 0) or broadcast's buffer
  * (broadcast = 1), after init's probe (smc_config_t.single_copy_probed); 0 where nothing moves by single copy. */
 uint64_t smc_comm_single_copy_from(smc_comm_t* comm, int broadcast);
-/* The size from which allreduces read the peers' inputs and write their reduced pieces into the peers' outputs
- * (smc_config_t.pull_bytes), after init's probe; 0 where none does. */
+/* The size from which allreduces and reduce-scatters read the peers' inputs (and allreduces write the reduced pieces
+ * into the peers' outputs: smc_config_t.pull_bytes), after init's probe; 0 where none does. */
 uint64_t smc_comm_pull_from(smc_comm_t* comm);
 /* How many allreduces and reduce-scatters of this communicator did so; for logs and tests. */
 uint64_t smc_comm_pulled_calls(smc_comm_t* comm);

@@ -49,7 +49,8 @@ typedef struct {
   int64_t divisor;
   uint64_t own;  /* a per-rank value that is not compared (what this rank contributes to an allgatherv, where an
                   * allreduce's or reduce-scatter's peers may read its input by single copy) */
-  uint64_t addr; /* not compared: where peers may read this rank's input by single copy (coll/cma.c), or 0 */
+  uint64_t addr; /* not compared: where peers may read this rank's input by single copy (coll/cma.c), or write
+                  * into its output (allgather, a pulled allreduce), or 0 */
   uint64_t window;    /* not compared: 1 + the serial of the shared buffer holding this rank's data (coll/window.c), */
   uint64_t window_at; /* or 0; and the data's offset in it */
   uint32_t coll; /* smc_coll_kind_t */
