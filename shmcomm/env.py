@@ -195,11 +195,12 @@ def tuning(local_size):
         # 0.62-1.05x MPICH against 1.57-2.20x through the staging halves). From the L2's size it pays again.
         broadcast_single_copy_bytes=single_copy_bytes if local_size <= cores or is_set("SINGLE_COPY_BYTES") else max(
             single_copy_bytes, l2_bytes),
-        # A quarter of the L2 per step keeps a step's copies in it: at np=2 a rank writes two sections of its half
-        # (its copy-in and its reduced piece) and reads two of its peer's. Measured (csrc/coll/allreduce.c): on a
-        # Xeon with 2 MiB of L2, 2-16 MiB against Open MPI 1.20-1.37x with 512 KiB pieces, 1.16-1.32x with 1 MiB. With
-        # more ranks than cores every step costs context switches instead, so take as much as a half holds.
-        piece_bytes=_number("PIECE_BYTES", l2_bytes // 4 if local_size <= cores else 0, int, low=0, high=MAX_BYTES),
+        # An eighth of the L2 per step keeps a step's copies in it, with room: a rank writes its copy-in and its
+        # reduced piece and reads its peer's, or the kernel's copy of it. On a Xeon with 2 MiB of L2 at np=2, 2-16 MiB
+        # in place against Open MPI: pulled 1.44-1.69x with 256 KiB, 1.30-1.40x with 512 KiB; staged 1.04-1.29x both.
+        # With more ranks than cores every step costs context switches instead, so take as much as a half holds.
+        piece_bytes=_number("PIECE_BYTES", max(l2_bytes // 8, 128 << 10) if local_size <= cores else 0, int, low=0,
+                            high=MAX_BYTES),
         # Pulling (csrc/coll/allreduce.c): two kernel copies per element and no synchronisation between pieces, for
         # the staging steps' three copies and one per step; with more ranks the kernel copies outnumber what they
         # save (np=2 on a Xeon, 128 KiB-4 MiB against Open MPI 1.31-2.28x, staged 0.82-1.37x; np=4 neither better

@@ -110,8 +110,8 @@ def test_waiters_yield_only_with_more_ranks_than_cores(monkeypatch):
 
 
 def test_allreduce_pieces_follow_the_l2_only_while_every_rank_has_a_core(monkeypatch):
-    """SHMCOMM_PIECE_BYTES's default: a quarter of the L2 the machine reports; 0 (a staging half's share) with more
-    ranks than cores, where each step costs context switches. Single copy from 16 KiB, or from the L2's size with more
+    """SHMCOMM_PIECE_BYTES's default: an eighth of the L2 the machine reports, at least 128 KiB; 0 (a staging half's
+    share) with more ranks than cores, where each step costs context switches. Single copy from 16 KiB, or from the L2's size with more
     ranks than cores for broadcast; the L2 sizes its chunks either way."""
     from shmcomm import env, machine
 
@@ -119,7 +119,7 @@ def test_allreduce_pieces_follow_the_l2_only_while_every_rank_has_a_core(monkeyp
         monkeypatch.delenv(variable)
     cores = len(os.sched_getaffinity(0))
     l2 = machine.cache_bytes(2) or (1 << 20)
-    assert env.tuning(cores).piece_bytes == l2 // 4 and env.tuning(cores).single_copy_bytes == 16 << 10
+    assert env.tuning(cores).piece_bytes == max(l2 // 8, 128 << 10) and env.tuning(cores).single_copy_bytes == 16 << 10
     assert env.tuning(cores).broadcast_single_copy_bytes == 16 << 10
     assert env.tuning(cores + 1).piece_bytes == 0 and env.tuning(cores + 1).single_copy_bytes == 32 << 10
     assert env.tuning(cores + 1).broadcast_single_copy_bytes == max(32 << 10, l2)
