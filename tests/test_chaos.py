@@ -44,9 +44,11 @@ def test_a_rank_stopped_across_two_simulated_hosts_is_named_and_the_job_ends():
 
 @pytest.mark.slow
 def test_a_rank_killed_in_init_across_two_simulated_hosts_is_named_and_the_job_ends():
-    """SIGKILL of one rank during init (MPI's start among it) across two simulated hosts: no survivor dies in MPI
-    (UCX crashed or aborted them when it connected to the dead rank: MPICH's ofi module is used instead), each
-    raises within 10 s, the launcher names the killed rank."""
+    """SIGKILL of one rank during init (MPI's start among it) across two simulated hosts: each survivor raises within
+    10 s naming it, the launcher names the killed rank. MPICH's ofi module is used (UCX crashed or aborted survivors
+    when it connected to the dead rank); it too aborts a survivor whose connection the killed rank reset while it was
+    being made, in about one run of fifteen, and says so in that rank's output: such a survivor is let off
+    (chaos._aborted_by_mpich), any other that raises nothing fails the run."""
     from test_simhosts import open_hosts
 
     open_hosts(1).close()  # skips, with the reason, where simulated hosts cannot be made

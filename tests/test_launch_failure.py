@@ -81,3 +81,27 @@ def test_a_rank_stopped_after_the_others_ended_fails_the_job(tmp_path):
     assert not os.path.exists("/proc/%d" % pid) or open("/proc/%d/stat" % pid).read().split(") ")[1][0] == "Z"
     token = run.stdout.split("segment ")[1].split()[0]
     assert not [n for n in os.listdir("/dev/shm") if token in n]
+
+
+def test_the_launcher_names_a_killed_rank_before_one_that_mpi_aborted_after_it():
+    """Across hosts MPICH's network module aborts a survivor whose connection a dying rank reset, and that rank's
+    guard may report first: the launcher's last word still names the killed rank first (the output of a run of
+    tests/chaos.py that this happened in)."""
+    from shmcomm.runner.mpi_launch import _Report
+
+    lines = [
+        "[0]<stderr>: Abort(807596687) on node 0: Fatal error in internal_Testall: Other MPI error, error stack:",
+        "[0]<stderr>: MPIDI_OFI_handle_cq_error(593): OFI poll failed (default nic=eth0: Connection reset by peer)",
+        "[0]<stderr>: shmcommrun: rank 0 on simhost0 exited with code 143; stopping the job in 10 s",
+        "[2]<stderr>: shmcommrun: rank 2 on simhost1 was killed by signal 9; stopping the job in 10 s",
+        "[3]<stderr>: rank 3: RankFailure: broadcast: rank 2 (pid 29448) died; ranks 0, 2 are gone (the process ended)",
+    ]
+    report = _Report()
+    for line in lines:
+        report.read(line)
+    assert report.summary() == ("rank 2 on simhost1 was killed by signal 9 (MPI aborted rank 0 after it) first; "
+                                "the first error found ranks 0, 2 gone")
+    plain = _Report()  # no abort by MPI: the first guard line, as it came
+    for line in lines[2:]:
+        plain.read(line)
+    assert plain.summary().startswith("rank 0 on simhost0 exited with code 143 first")

@@ -101,6 +101,7 @@ _SILENT_LINE = re.compile(r"^\[\d+\]<stderr>: .*\b(ranks? [\d, ]+) do(?:es)? not
 _STOPPED_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: rank (\d+) \(pid \d+\) on (\S+) is stopped")
 _FAILURE = re.compile(r"^rank (\d+) on (\S+) (.*)$")  # a guard line's failure: rank, host, how
 _GONE_LINE = re.compile(r"^\[\d+\]<stderr>: .*\b(ranks? [\d, ]+) (?:is|are) gone")
+_MPI_ABORT_LINE = re.compile(r"^\[(\d+)\]<stderr>: Abort\(\d+\) on node \d+: Fatal error")  # MPICH's own abort
 
 
 def find_mpiexec():
@@ -276,6 +277,7 @@ class _Report:
         self.failed_at = None  # time.monotonic() of the first guard line
         self.silent = set()
         self.gone = None
+        self.aborted_by_mpi = set()  # ranks whose MPI aborted them itself (MPICH's "Abort(...): Fatal error")
 
     def read(self, line):
         found = _GUARD_LINE.match(line)
@@ -293,12 +295,15 @@ class _Report:
         found = _SILENT_LINE.match(line) or found
         if found:
             self.silent.update(int(r) for r in re.findall(r"\d+", found.group(1)))
+        found = _MPI_ABORT_LINE.match(line)
+        if found:
+            self.aborted_by_mpi.add(int(found.group(1)))
         found = _GONE_LINE.match(line)
         if found and self.gone is None:
             self.gone = sorted(int(r) for r in re.findall(r"\d+", found.group(1)))
 
     def summary(self):
-        parts = [f"{self.failures[0]} first"] if self.failures else []
+        parts = [f"{self._first()} first"] if self.failures else []
         if self.silent:
             ranks = sorted(self.silent)
             parts.append(f"{_ranks_text(ranks)} did not answer the others (stopped or hung): "
@@ -306,6 +311,19 @@ class _Report:
         elif self.gone:
             parts.append(f"the first error found {_ranks_text(self.gone)} gone")
         return "; ".join(parts)
+
+
+    def _first(self):
+        """The first guard line's failure; but where MPI aborted that rank itself (MPICH's network module aborts a
+        rank whose connection a dying peer reset) and a guard saw a rank killed by a signal, the killed one: the
+        abort followed from it, and came out first only because that rank's guard is nearer."""
+        first = self.failures[0]
+        parts = _FAILURE.match(first)
+        if parts and int(parts.group(1)) in self.aborted_by_mpi:
+            killed = [f for f in self.failures[1:] if " was killed by signal " in f]
+            if killed:
+                return f"{killed[0]} (MPI aborted rank {parts.group(1)} after it)"
+        return first
 
 
 def _ranks_text(ranks):
