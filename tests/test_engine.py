@@ -288,6 +288,30 @@ def test_a_caller_that_waits_runs_the_engines_cycles_itself():
         assert in_callers >= 10 and cycles >= 20 and not engine_alive, (in_callers, cycles, engine_alive)
 
 
+def _interrupted_while_serving(ready):
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    if shmcomm.rank() == 1:
+        assert ready.wait(60)  # rank 0 has been interrupted: only now submit what it waits for
+        got = shmcomm.allreduce(np.ones(3), op=shmcomm.Sum, name="late")
+        return got.tolist(), shmcomm.allreduce(np.ones(2), op=shmcomm.Sum, name="after").tolist()
+    handle = shmcomm.allreduce_async(np.ones(3), op=shmcomm.Sum, name="late")
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        shmcomm.synchronize(handle)  # its caller runs the cycles meanwhile: the interrupt comes between two of them
+    took = time.monotonic() - started
+    ready.set()
+    got = shmcomm.synchronize(handle)  # the engine went on: the same handle completes once rank 1 submits
+    return got.tolist(), shmcomm.allreduce(np.ones(2), op=shmcomm.Sum, name="after").tolist(), took
+
+
+def test_ctrl_c_while_a_caller_runs_the_cycles_leaves_the_engine_running():
+    (got, after, took), (got1, after1) = multiproc.run(2, _interrupted_while_serving, multiproc.Event(), timeout=120)
+    assert got == got1 == [2.0] * 3 and after == after1 == [2.0] * 2 and took < 5, (got, after, took)
+
+
 def _rank_dies_under_engine():
     import shmcomm
 

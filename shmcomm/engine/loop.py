@@ -17,6 +17,7 @@ import time
 
 from shmcomm import env
 from shmcomm.engine import autotune, fusion, timeline
+from shmcomm.engine.interrupts import Interrupts
 from shmcomm.engine.negotiate import Negotiator, checked_signature, members_of, plan_text, refusal
 from shmcomm.engine.request import Handle, execute, finish
 from shmcomm.engine.stall import StallInspector
@@ -61,6 +62,7 @@ class Engine:
         self._cycling = None      # the thread in a cycle now
         self._serving = 0         # callers of this rank that run cycles while they wait
         self._ended = False       # a cycle saw the shutdown, or failed: no more cycles
+        self._interrupts = Interrupts()
         self._cycle = 0
         self._last_start = 0.0
         self._waited = False      # a caller of this rank waits for a request still pending
@@ -145,9 +147,14 @@ class Engine:
         with the engine's thread, instead of waking that thread and waiting to be woken in turn. Each such wake-up
         took 50-100 us here, a few per blocking call, where the cycle's own work is a few tens of us
         (benchmarks/RESULTS.md, "Callers run the engine's cycles"). Returns when the handle is done, at the deadline,
-        or once the engine has ended (the handle then holds its error)."""
-        if self._cycling is threading.current_thread():
+        or once the engine has ended (the handle then holds its error). A Ctrl-C meanwhile is raised between
+        cycles (engine/interrupts.py), as it was in the wait."""
+        me = threading.current_thread()
+        if self._cycling is me:
             return  # a callback inside a cycle: the lock is this thread's own
+        main = me is threading.main_thread()
+        if main:
+            self._interrupts.install()
         with self._cond:
             self._serving += 1
             self._flush, self._flush_waits = True, True
@@ -160,9 +167,15 @@ class Engine:
                     return
                 try:
                     if not handle.done and not self._ended:
-                        self._cycle_here()
+                        self._interrupts.deferring = main
+                        try:
+                            self._cycle_here()
+                        finally:
+                            self._interrupts.deferring = False
                 finally:
                     self._cycle_lock.release()
+                if main:
+                    self._interrupts.deliver()
         finally:
             with self._cond:
                 self._serving -= 1
@@ -192,6 +205,8 @@ class Engine:
         self.comm.ring_doorbell(everyone=True)
         if not self.in_engine_thread():
             self._thread.join(timeout=self.comm.tuning.timeout_s)
+        if threading.current_thread() is threading.main_thread():
+            self._interrupts.uninstall()
         self.timeline.stop()
         if self.tuner is not None:
             self.tuner.close()
