@@ -242,53 +242,7 @@ def test_join_needs_the_engine():
     assert multiproc.run(1, body) == [True]
 
 
-def _callers_run_the_cycles():
-    import shmcomm
-    from shmcomm import engine
-
-    shmcomm.init(engine=True)
-    me, eng = shmcomm.rank(), engine.current()
-    by_caller, real = [], eng.negotiator.exchange
-
-    def recording(pending, flags):
-        by_caller.append(threading.current_thread() is not eng._thread)
-        return real(pending, flags)
-
-    eng.negotiator.exchange = recording
-    for i in range(20):
-        got = shmcomm.allreduce(np.full(3, float(i + me)), op=shmcomm.Sum, name="step")
-        assert got.tolist() == [2.0 * i + 1] * 3
-    # Two threads of a rank wait at once, each for its own requests: one cycle at a time, every result right.
-    results, errors = {}, []
-
-    def worker(k):
-        try:
-            for i in range(25):
-                h = shmcomm.allreduce_async(np.full(2, float(k * 100 + i)), op=shmcomm.Sum, name="w%d.%d" % (k, i))
-                results[(k, i)] = shmcomm.synchronize(h).tolist()
-        except BaseException as error:  # noqa: BLE001 -- reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors and len(results) == 50, errors
-    assert all(v == [2.0 * (k * 100 + i)] * 2 for (k, i), v in results.items())
-    thread = eng._thread
-    shmcomm.shutdown()
-    return sum(by_caller[:20]), len(by_caller), thread.is_alive()
-
-
-def test_a_caller_that_waits_runs_the_engines_cycles_itself():
-    """A blocking call through the engine is negotiated and run in its caller's thread, not handed to the engine's
-    thread and back; callers of two threads at once take turns with it, and the engine's thread ends at shutdown."""
-    for in_callers, cycles, engine_alive in multiproc.run(2, _callers_run_the_cycles, timeout=120):
-        assert in_callers >= 10 and cycles >= 20 and not engine_alive, (in_callers, cycles, engine_alive)
-
-
-def _interrupted_while_serving(ready):
+def _interrupted_while_waiting(ready):
     import shmcomm
 
     shmcomm.init(engine=True)
@@ -300,15 +254,17 @@ def _interrupted_while_serving(ready):
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        shmcomm.synchronize(handle)  # its caller runs the cycles meanwhile: the interrupt comes between two of them
+        shmcomm.synchronize(handle)  # interrupted while it waits; the engine's cycles go on
     took = time.monotonic() - started
     ready.set()
     got = shmcomm.synchronize(handle)  # the engine went on: the same handle completes once rank 1 submits
     return got.tolist(), shmcomm.allreduce(np.ones(2), op=shmcomm.Sum, name="after").tolist(), took
 
 
-def test_ctrl_c_while_a_caller_runs_the_cycles_leaves_the_engine_running():
-    (got, after, took), (got1, after1) = multiproc.run(2, _interrupted_while_serving, multiproc.Event(), timeout=120)
+def test_ctrl_c_while_a_caller_waits_leaves_the_engine_running():
+    """Ctrl-C in synchronize() raises KeyboardInterrupt at once, and the engine goes on: the same handle completes
+    later. (A caller that ran the engine's cycles itself failed this: an interrupt inside a cycle stops it halfway.)"""
+    (got, after, took), (got1, after1) = multiproc.run(2, _interrupted_while_waiting, multiproc.Event(), timeout=120)
     assert got == got1 == [2.0] * 3 and after == after1 == [2.0] * 2 and took < 5, (got, after, took)
 
 

@@ -5,8 +5,7 @@ Why a thread: a request must not run until every rank has submitted it, ranks su
 hooks fire as backward reaches each parameter), and the caller must get control back at once. So callers only queue
 requests; this thread, once per cycle (SHMCOMM_CYCLE_TIME ms, default 1), publishes what is pending, agrees with the
 other ranks on what is ready everywhere (negotiate.py), runs it in the agreed order, fusing small allreduces
-(fusion.py), and completes the handles. Shutdown travels in the same messages, as does join(). A caller that waits
-for a result runs the cycles itself meanwhile (Engine.serve), one at a time with this thread, which then sleeps."""
+(fusion.py), and completes the handles. Shutdown travels in the same messages, as does join()."""
 import collections
 import functools
 import itertools
@@ -17,7 +16,6 @@ import time
 
 from shmcomm import env
 from shmcomm.engine import autotune, fusion, timeline
-from shmcomm.engine.interrupts import Interrupts
 from shmcomm.engine.negotiate import Negotiator, checked_signature, members_of, plan_text, refusal
 from shmcomm.engine.request import Handle, execute, finish
 from shmcomm.engine.stall import StallInspector
@@ -56,13 +54,6 @@ class Engine:
         self._join_cycle = 0
         self._stopping = False
         self._fatal = None
-        # One cycle at a time, by the engine's thread or by a caller that waits for a result (serve): each rank's
-        # cycles pair up with the other ranks' in order, whichever thread runs them.
-        self._cycle_lock = threading.Lock()
-        self._cycling = None      # the thread in a cycle now
-        self._serving = 0         # callers of this rank that run cycles while they wait
-        self._ended = False       # a cycle saw the shutdown, or failed: no more cycles
-        self._interrupts = Interrupts()
         self._cycle = 0
         self._last_start = 0.0
         self._waited = False      # a caller of this rank waits for a request still pending
@@ -87,9 +78,7 @@ class Engine:
 
     # ---- the callers' side ----
     def in_engine_thread(self):
-        """Whether this thread runs the engine's cycles: its own thread, or a caller in a cycle of serve()."""
-        me = threading.current_thread()
-        return me is self._thread or me is self._cycling
+        return threading.current_thread() is self._thread
 
     def submit(self, req, settle=False):
         """Queues a request and returns its Handle. Checks the arguments now, so bad input raises in the caller; the
@@ -108,7 +97,6 @@ class Engine:
             refused, req.buffer = error, None
             sig = refusal(req, str(error))
         handle = Handle(req)
-        handle.serve = self.serve
         req.handle = handle
         with self._cond:
             if self._fatal is not None:
@@ -142,44 +130,6 @@ class Engine:
             raise refused
         return handle
 
-    def serve(self, handle, deadline):
-        """A caller waits for `handle` until `deadline` (monotonic, or None): it runs the cycles itself, one at a time
-        with the engine's thread, instead of waking that thread and waiting to be woken in turn. Each such wake-up
-        took 50-100 us here, a few per blocking call, where the cycle's own work is a few tens of us
-        (benchmarks/RESULTS.md, "Callers run the engine's cycles"). Returns when the handle is done, at the deadline,
-        or once the engine has ended (the handle then holds its error). A Ctrl-C meanwhile is raised between
-        cycles (engine/interrupts.py), as it was in the wait."""
-        me = threading.current_thread()
-        if self._cycling is me:
-            return  # a callback inside a cycle: the lock is this thread's own
-        main = me is threading.main_thread()
-        if main:
-            self._interrupts.install()
-        with self._cond:
-            self._serving += 1
-            self._flush, self._flush_waits = True, True
-        try:
-            while not handle.done and not self._ended:
-                left = -1 if deadline is None else deadline - time.monotonic()
-                if deadline is not None and left <= 0:
-                    return
-                if not self._cycle_lock.acquire(timeout=left):
-                    return
-                try:
-                    if not handle.done and not self._ended:
-                        self._interrupts.deferring = main
-                        try:
-                            self._cycle_here()
-                        finally:
-                            self._interrupts.deferring = False
-                finally:
-                    self._cycle_lock.release()
-                if main:
-                    self._interrupts.deliver()
-        finally:
-            with self._cond:
-                self._serving -= 1
-
     def flush(self, waiting=True):
         """Someone waits for a result (or a bucket is full): negotiate now. Wakes this rank's engine only (the others
         wake when their callers wait for the same request), every rank's when a rank has joined and will never wait.
@@ -205,8 +155,6 @@ class Engine:
         self.comm.ring_doorbell(everyone=True)
         if not self.in_engine_thread():
             self._thread.join(timeout=self.comm.tuning.timeout_s)
-        if threading.current_thread() is threading.main_thread():
-            self._interrupts.uninstall()
         self.timeline.stop()
         if self.tuner is not None:
             self.tuner.close()
@@ -251,43 +199,25 @@ class Engine:
     def _run(self):
         if self.core is not None:
             os.sched_setaffinity(0, {self.core})  # 0: this thread only
-        while not self._ended:
-            self._sleep(self._last_start)
-            with self._cycle_lock:
-                if not self._ended and (not self._serving or self._stopping):  # a caller that serves cycles itself
-                    self._cycle_here()
-
-    def _cycle_here(self):
-        """One cycle in this thread, under the cycle lock; anything unexpected still releases the callers."""
-        self._cycling = threading.current_thread()
         try:
-            self._ended = not self._cycle_once()
-        except BaseException as error:
-            self._ended = True
+            while self._cycle_once():
+                pass
+        except BaseException as error:  # anything unexpected must still release the callers
             self._fail_everything(error if isinstance(error, ShmCommError) else
                                   ShmCommError("shmcomm engine failed: %r" % (error,)))
-            if not isinstance(error, Exception):
-                raise  # a caller's KeyboardInterrupt, after the engine has failed every request
-        finally:
-            self._cycling = None
-            if self._ended:
-                self.comm.ring_doorbell()  # the engine's thread, asleep, ends too
 
-    def _sleep(self, started):
-        """Sleeps on the doorbell until the cycle time is up or a request is queued on any rank of the host. While a
-        caller serves (serve), only its end or the cycle time wakes the thread."""
+    def _wait_for_work(self, started):
+        """Sleeps on the doorbell until the cycle time is up or a request is queued on any rank of the host."""
         seen = self.comm.doorbell()  # read first: a ring after this point ends the sleep at once
         with self._cond:
-            idle = (not self._flush or self._serving) and not self._stopping
+            idle = not self._flush and not self._stopping
         # While no caller waits, nothing needs to happen until one does, which rings the doorbell: sleep long instead
         # of negotiating half-submitted steps a thousand times a second, on the cores the training needs. Across
         # hosts the doorbell does not reach the other hosts' engines, so the cycle time stays the bound there.
         period = self.cycle_s if (self._someone_waits or not self.comm.doorbell_reaches_all) else _IDLE_SLEEP_S
-        left = period if self._serving else period - (time.monotonic() - started)  # the caller's cycles: not ours
+        left = period - (time.monotonic() - started)
         if idle and left > 0:
             self.comm.wait_doorbell(seen, left)
-
-    def _take_work(self):
         with self._cond:
             queued, self._queue = self._queue, []
             self._waited = self._waited or self._flush_waits
@@ -295,7 +225,7 @@ class Engine:
             return queued, self._stopping, self._join
 
     def _cycle_once(self):
-        queued, stopping, join = self._take_work()
+        queued, stopping, join = self._wait_for_work(self._last_start)
         self._last_start = time.monotonic()
         for req, sig in queued:
             self._pending[req.name] = (req, sig)

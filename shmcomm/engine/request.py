@@ -87,7 +87,7 @@ _completed = threading.Condition(threading.Lock())
 class Handle:
     """The caller's side of a submitted request: poll() without blocking, wait() for the result or the error."""
 
-    __slots__ = ("request", "done", "_result", "_error", "finished", "_callbacks", "wake", "serve")
+    __slots__ = ("request", "done", "_result", "_error", "finished", "_callbacks", "wake")
 
     def __init__(self, request):
         self.request = request
@@ -97,7 +97,6 @@ class Handle:
         self.finished = 0.0
         self._callbacks = None
         self.wake = None  # the engine's flush: asking about a result makes the engine negotiate now
-        self.serve = None  # the engine's serve: a caller that waits runs the engine's cycles meanwhile
 
     def add_done_callback(self, fn):
         """Calls fn(handle) once done, at once if it is already; from the engine's thread otherwise. fn must be quick
@@ -118,14 +117,10 @@ class Handle:
 
     def wait(self, timeout=None):
         if not self.done:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            if self.serve is not None:
-                self.serve(self, deadline)
-            if not self.done and self.wake is not None:
-                self.wake()  # the engine's thread runs the cycles: no serve, or serve could not (a callback's wait)
+            if self.wake is not None:
+                self.wake()
             with _completed:
-                if not _completed.wait_for(lambda: self.done, None if deadline is None else
-                                           max(0.0, deadline - time.monotonic())):
+                if not _completed.wait_for(lambda: self.done, timeout):
                     from shmcomm.exceptions import TimeoutError
 
                     what = self.request.what if self.request is not None else "join"
