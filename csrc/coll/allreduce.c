@@ -79,9 +79,9 @@ static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
  * pull_finish's proves every output written. Against the staging steps, no peer copies a piece into its half for
  * this rank to read out of the other core's cache, and no step waits for the slowest rank (np=2 on a Xeon, in place
  * against Open MPI in the same job: 512 KiB-4 MiB 1.31-2.28x against 0.82-1.23x with a kernel write per piece after
- * staging steps; benchmarks/RESULTS.md, "Allreduce and reduce-scatter pull"). A reduce-scatter pulls the same way (its input and its
- * output apart), reduces into its output and writes nothing into the peers'; its last synchronisation says only that
- * every peer has read this rank's input. */
+ * staging steps; benchmarks/RESULTS.md, "Allreduce and reduce-scatter pull"). A reduce-scatter pulls the same way
+ * (its input and its output apart), reduces into its output and writes nothing into the peers'; its last
+ * synchronisation says only that every peer has read this rank's input. */
 static int pulling_agreed(smc_comm_t* c, const plan_t* p, uint64_t* ins, uint64_t* outs) {
   int all = 1;
   for (int j = 0; j < c->size; j++) {

@@ -44,7 +44,7 @@ struct smc_comm {
   int single_copy_whole;      /* alltoall decides on its whole input, not its mean part per peer: the rule where the
                                * kernel's copy proved slow at init (coll/cma.c), as measured on such a machine */
   size_t piece_bytes;         /* allreduce's bytes per rank and step (coll/allreduce.c); 0: a half's share */
-  uint64_t pull_bytes;        /* allreduces of at least this size pull (coll/allreduce.c); 0: never */
+  uint64_t pull_bytes;        /* allreduces and reduce-scatters of at least this size pull (coll/allreduce.c) */
   int cma;                    /* every rank can read its peers' memory (decided together at init) */
   int cma_fast;               /* and every rank's kernel copy proved fast (coll/cma.c) */
   uint64_t cma_probe;         /* the value a neighbour reads at init to prove it reads this process */
@@ -107,9 +107,9 @@ static inline int smc_single_copy(const smc_comm_t* c, uint64_t bytes) {
 static inline int smc_broadcast_single_copy(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && c->broadcast_single_copy_bytes > 0 && bytes >= c->broadcast_single_copy_bytes;
 }
-/* smc_pull: whether an allreduce (or reduce-scatter) of `bytes` reads its range of the peers' inputs and writes its
- * reduced pieces straight into their outputs (coll/allreduce.c, pulled); only where the kernel's copy proved fast on
- * every rank, since each piece then goes through it twice per peer. */
+/* smc_pull: whether an allreduce or reduce-scatter of `bytes` reads its range of the peers' inputs (and an allreduce
+ * writes its reduced pieces straight into their outputs: coll/allreduce.c, pulled); only where the kernel's copy
+ * proved fast on every rank, since each piece then goes through it once or twice per peer. */
 static inline int smc_pull(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && c->cma_fast && c->pull_bytes > 0 && bytes >= c->pull_bytes;
 }

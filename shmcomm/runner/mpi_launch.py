@@ -312,7 +312,6 @@ class _Report:
             parts.append(f"the first error found {_ranks_text(self.gone)} gone")
         return "; ".join(parts)
 
-
     def _first(self):
         """The first guard line's failure; but where MPI aborted that rank itself (MPICH's network module aborts a
         rank whose connection a dying peer reset) and a guard saw a rank killed by a signal, the killed one: the
