@@ -145,7 +145,7 @@ class Tuning:
     piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
     pull_bytes: int        # allreduces and reduce-scatters from this size read the peers' inputs; 0: never
     cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
-    single_copy_probed: bool  # the thresholds are defaults, raised to cache_bytes where the kernel's copy is slow
+    single_copy_probed: bool  # the thresholds are defaults: pieces' rises to 2 L2s where the kernel's copy is slow
     shared_buffers: bool   # the engine's fusion buffer and shmcomm.shared_empty are mapped by every rank of the host
     shared_from_bytes: int  # collectives on shared buffers from this size read and write the peers' directly
 
@@ -175,7 +175,7 @@ def tuning(local_size):
     # through the staging halves; np=4 on 2 cores, alltoall of 512 KiB 1.11x against 0.68x, allgather of 512 KiB-2 MiB
     # 1.5-1.8x against 1.1-1.4x; np=8, alltoall of 32 KiB (4 KiB pieces) 1.84x staged against 1.09x. That needs a
     # kernel that pins pages fast; where its copy proves slow at init (an AMD EPYC: 0.4 us a page against 60 ns),
-    # the core raises these defaults to the L2's size (csrc/coll/cma.c, single_copy_probed).
+    # the core raises the pieces' default to two L2s (csrc/coll/cma.c, single_copy_probed); broadcast's stays.
     single_copy_bytes = _number("SINGLE_COPY_BYTES", (16 << 10) * -(-local_size // cores), int, low=0, high=MAX_BYTES)
     return Tuning(
         timeout_s=timeout_s(),

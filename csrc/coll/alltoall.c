@@ -2,8 +2,8 @@
 /* Alltoall with explicit per-destination byte counts.
  *
  * Step 0 publishes every rank's send and receive counts, so every rank can check the whole matrix (rank i sends
- * rank j exactly what rank j expects) and reach the same verdict. Then each rank streams its whole send buffer
- * through its half, a window per step, and every rank picks out of each window the bytes addressed to it.
+ * rank j exactly what rank j expects) and reach the same verdict. Then the data moves through the staging halves
+ * (staged, below) or by single copy.
  *
  * By single copy (smc_alltoall_finish) each rank reads its part of every peer's input: with plain copies where the
  * input lies in a shared buffer that this rank maps (coll/window.c), else by the kernel's copy. */
@@ -20,9 +20,10 @@ typedef struct {
   uint64_t to;    /* where it lands in my receive buffer */
 } route_t;
 
-static smc_result_t plan_routes(smc_comm_t* c, route_t* routes, uint64_t* longest) {
+/* Routes into this rank from the counts in every half, and the largest part any rank sends a peer (`widest`). */
+static smc_result_t plan_routes(smc_comm_t* c, route_t* routes, uint64_t* widest) {
   const int n = c->size, me = c->rank;
-  *longest = 0;
+  *widest = 0;
   uint64_t to = 0;
   for (int j = 0; j < n; j++) {
     const uint64_t* sent_by_j = (const uint64_t*)smc_half(c, j);
@@ -41,11 +42,95 @@ static smc_result_t plan_routes(smc_comm_t* c, route_t* routes, uint64_t* longes
     for (int m = 0; m < n; m++) {
       if (m < me) r->from += sent_by_j[m];
       r->total += sent_by_j[m];
+      if (m != j && sent_by_j[m] > *widest) *widest = sent_by_j[m];
     }
     r->len = sent_by_j[me];
     r->to = to;
     to += r->len;
-    *longest = r->total > *longest ? r->total : *longest;
+  }
+  return SMC_SUCCESS;
+}
+
+/* ---- The staged path ----
+ * Each window, every sender puts into its half, for each other rank d, the next `cap` bytes of its part for d, at
+ * d's place among the sender's peers (place * cap); after the window's synchronisation every rank copies its chunk
+ * out of each peer's half. The own part is copied once, straight. Only bytes bound for a peer pass through a half,
+ * one copy in and one out; the windows' number is set by the largest part in the matrix, the same on every rank.
+ * (Streaming the whole send buffer through the half instead copied the own part in for nothing and took twice the
+ * windows at np=2: on an AMD EPYC, whose kernel copy is 4-5x a memcpy in cache, 4 MiB took 714 us against 310 us
+ * by single copy; benchmarks/RESULTS.md, "Alltoall through the halves, part by part".) Window 0 may start `skip`
+ * bytes in, after the counts that smc_alltoall_begin sends with it. */
+typedef struct {
+  uint64_t from; /* where this rank's part for rank d starts in its send buffer */
+  uint64_t len;
+} part_t;
+
+/* Bytes per peer in a window whose data has `room` bytes: cache-line multiples where that leaves a page or more. */
+static uint64_t chunk_bytes(uint64_t room, int n) {
+  uint64_t cap = room / (uint64_t)(n - 1);
+  return cap >= 4096 ? cap & ~(uint64_t)63 : cap;
+}
+
+/* This rank's parts, from its row of counts (in rows of row_bytes). */
+static void plan_parts(part_t* parts, const uint64_t* sends, uint64_t row_bytes, int n) {
+  for (int d = 0; d < n; d++) {
+    parts[d].len = sends[d] * row_bytes;
+    parts[d].from = d == 0 ? 0 : parts[d - 1].from + parts[d - 1].len;
+  }
+}
+
+static int place(int sender, int d) { return d < sender ? d : d - 1; } /* d's among the sender's peers */
+
+/* Window k's [start, start + cap) of every part. */
+static void window_span(uint64_t k, uint64_t cap0, uint64_t cap, uint64_t* start, uint64_t* len) {
+  *start = k == 0 ? 0 : cap0 + (k - 1) * cap;
+  *len = k == 0 ? cap0 : cap;
+}
+
+/* Copies this rank's window-k chunks into its half (after `skip` bytes). */
+static void stage_in(smc_comm_t* c, const uint8_t* sendbuf, const part_t* parts, uint64_t k, uint64_t cap0,
+                     uint64_t cap, uint64_t skip) {
+  const int n = c->size, me = c->rank;
+  uint64_t start, len;
+  window_span(k, cap0, cap, &start, &len);
+  uint8_t* half = smc_half(c, me) + skip;
+  for (int d = 0; d < n; d++) {
+    if (d == me || parts[d].len <= start) continue;
+    uint64_t bytes = parts[d].len - start < len ? parts[d].len - start : len;
+    smc_copy(half + (uint64_t)place(me, d) * len, sendbuf + parts[d].from + start, (size_t)bytes);
+  }
+}
+
+/* Copies this rank's window-k chunks out of every peer's half into `out` (NULL: keeps nothing). */
+static void stage_out(smc_comm_t* c, uint8_t* out, const route_t* routes, uint64_t k, uint64_t cap0, uint64_t cap,
+                      uint64_t skip) {
+  const int n = c->size, me = c->rank;
+  uint64_t start, len;
+  window_span(k, cap0, cap, &start, &len);
+  for (int i = 1; out != NULL && i < n; i++) {
+    int j = (me + i) % n; /* each rank starts at another peer's half */
+    const route_t* r = &routes[j];
+    if (r->len <= start) continue;
+    uint64_t bytes = r->len - start < len ? r->len - start : len;
+    smc_copy(out + r->to + start, smc_half(c, j) + skip + (uint64_t)place(j, me) * len, (size_t)bytes);
+  }
+}
+
+/* Every window until every part of the matrix, the largest `widest` bytes, has moved; the own part in the first.
+ * Window 0 is in the halves and synchronised already where `synced` (it went out with the counts). */
+static smc_result_t staged(smc_comm_t* c, const uint8_t* sendbuf, uint8_t* out, const part_t* parts,
+                           const route_t* routes, uint64_t widest, uint64_t skip, int synced, const char* what) {
+  const uint64_t cap0 = chunk_bytes(c->half_bytes - skip, c->size), cap = chunk_bytes(c->half_bytes, c->size);
+  const route_t* own = &routes[c->rank];
+  uint64_t start = 0, len = 0;
+  for (uint64_t k = 0; k == 0 || (window_span(k, cap0, cap, &start, &len), start < widest); k++) {
+    const uint64_t at = k == 0 ? skip : 0;
+    if (k > 0 || !synced) stage_in(c, sendbuf, parts, k, cap0, cap, at);
+    if (k == 0 && out != NULL && own->len > 0) /* while the peers stage theirs */
+      smc_copy(out + own->to, sendbuf + parts[c->rank].from, (size_t)own->len);
+    if (k > 0 || !synced) SMC_CHECK(smc_sync(c, what));
+    stage_out(c, out, routes, k, cap0, cap, at);
+    smc_flip(c);
   }
   return SMC_SUCCESS;
 }
@@ -71,36 +156,37 @@ smc_result_t smc_alltoallv(smc_comm_t* c, const void* sendbuf, const uint64_t* s
     if (my_total > 0 && sendbuf != recvbuf) smc_copy(recvbuf, sendbuf, my_total);
     return SMC_SUCCESS;
   }
+  const uint64_t counts_bytes = 2 * sizeof(uint64_t) * (uint64_t)n;
+  if (counts_bytes + (uint64_t)n > c->half_bytes) /* the same on every rank: all fail alike, no step taken */
+    return smc_set_error(SMC_ERR_INVALID, "alltoall: %d ranks' counts need %llu bytes, more than a staging half (%zu)",
+                         n, (unsigned long long)counts_bytes, c->half_bytes);
   route_t* routes = malloc(sizeof(route_t) * (size_t)n);
-  if (routes == NULL)
+  part_t* parts = malloc(sizeof(part_t) * (size_t)n);
+  if (routes == NULL || parts == NULL) {
+    free(routes);
+    free(parts);
     return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory"));
+  }
+  plan_parts(parts, send_bytes, 1, n);
   smc_result_t rc = SMC_SUCCESS;
-  uint64_t longest = 0;
+  uint64_t widest = 0;
   uint64_t* counts = (uint64_t*)smc_half(c, me);
   memcpy(counts, send_bytes, sizeof(uint64_t) * (size_t)n);
   memcpy(counts + n, recv_bytes, sizeof(uint64_t) * (size_t)n);
+  /* Window 0 goes out with the counts; where they disagree, nobody reads it. */
+  const uint64_t cap0 = chunk_bytes(c->half_bytes - counts_bytes, n), cap = chunk_bytes(c->half_bytes, n);
+  stage_in(c, sendbuf, parts, 0, cap0, cap, counts_bytes);
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .tag = tag, .divisor = 1, .coll = SMC_COLL_ALLTOALLV, .root = -1};
   SMC_CHECK_GOTO(smc_coll_begin(c, &desc, "alltoall"), rc, out);
-  rc = plan_routes(c, routes, &longest);
-  smc_flip(c);
-  if (rc != SMC_SUCCESS) goto out;
-
-  const size_t half = c->half_bytes;
-  for (uint64_t at = 0; at < longest; at += half) {
-    if (at < my_total) smc_copy(smc_half(c, me), (const uint8_t*)sendbuf + at, my_total - at < half ? my_total - at : half);
-    SMC_CHECK_GOTO(smc_sync(c, "alltoall"), rc, out);
-    for (int j = 0; j < n; j++) {
-      const route_t* r = &routes[j];
-      uint64_t lo = r->from > at ? r->from : at;
-      uint64_t hi = r->from + r->len < at + half ? r->from + r->len : at + half;
-      if (lo >= hi) continue;
-      const uint8_t* from = j == me ? (const uint8_t*)sendbuf + lo : smc_half(c, j) + (lo - at);
-      smc_copy((uint8_t*)recvbuf + r->to + (lo - r->from), from, hi - lo);
-    }
+  rc = plan_routes(c, routes, &widest);
+  if (rc != SMC_SUCCESS) {
     smc_flip(c);
+    goto out;
   }
+  rc = staged(c, sendbuf, recvbuf, parts, routes, widest, counts_bytes, 1, "alltoall");
 out:
   free(routes);
+  free(parts);
   return rc;
 }
 
@@ -108,10 +194,7 @@ out:
  * Step 0 carries, in each rank's half, its row counts to every rank followed by the first window of its data, so
  * every rank learns the whole matrix of counts from the synchronisation that also brings the first data: a small
  * alltoall is one synchronisation. Nothing can disagree on counts (each receiver takes what is sent to it); the
- * descriptor still compares the tag (dtype and row shape). Later windows are whole halves. */
-
-/* Where window k of a sender's data starts in its buffer, and how much of its half it fills. */
-static uint64_t window_start(uint64_t k, uint64_t first, uint64_t half) { return k == 0 ? 0 : first + (k - 1) * half; }
+ * descriptor still compares the tag (dtype and row shape). */
 
 smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64_t* send_rows, uint64_t row_bytes,
                                 uint64_t tag, uint64_t* matrix) {
@@ -133,16 +216,20 @@ smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64
     return SMC_SUCCESS;
   }
   const uint64_t counts_bytes = sizeof(uint64_t) * (uint64_t)n;
-  if (counts_bytes >= c->half_bytes) /* the same on every rank: all fail alike, no step taken */
+  if (counts_bytes + (uint64_t)n > c->half_bytes) /* the same on every rank: all fail alike, no step taken */
     return smc_set_error(SMC_ERR_INVALID, "alltoall: %d ranks' counts need %llu bytes, more than a staging half (%zu)",
                          n, (unsigned long long)counts_bytes, c->half_bytes);
-  uint8_t* mine = smc_half(c, c->rank);
-  memcpy(mine, send_rows, (size_t)counts_bytes);
-  uint64_t first = c->half_bytes - counts_bytes;
-  /* An input that will move by single copy stays where it is: the largest input is at least this one. Single copy
-   * moves a part per peer, one system call each: the parts' mean size is what it is decided on. */
-  if (my_total > 0 && !smc_single_copy(c, c->single_copy_whole ? my_total : my_total / (uint64_t)n))
-    memcpy(mine + counts_bytes, sendbuf, (size_t)(my_total < first ? my_total : first));
+  memcpy(smc_half(c, c->rank), send_rows, (size_t)counts_bytes);
+  /* An input that will move by single copy stays where it is: the largest input is at least this one. */
+  if (my_total > 0 && !smc_alltoall_single_copy(c, my_total)) {
+    part_t* parts = malloc(sizeof(part_t) * (size_t)n);
+    if (parts == NULL)
+      return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory"));
+    plan_parts(parts, send_rows, row_bytes, n);
+    stage_in(c, sendbuf, parts, 0, chunk_bytes(c->half_bytes - counts_bytes, n), chunk_bytes(c->half_bytes, n),
+             counts_bytes);
+    free(parts);
+  }
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .tag = tag, .divisor = 1, .own = my_total,
                      .addr = (uint64_t)(uintptr_t)sendbuf, .coll = SMC_COLL_ALLTOALLV, .root = -1};
   if (my_total > 0) smc_window_name(c, &desc, sendbuf, my_total); /* a shared input: the peers read it mapped */
@@ -163,8 +250,13 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
     return SMC_SUCCESS;
   }
   route_t* routes = malloc(sizeof(route_t) * (size_t)n);
-  if (routes == NULL) return smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory");
-  uint64_t longest = 0, to = 0, my_total = 0;
+  part_t* parts = malloc(sizeof(part_t) * (size_t)n);
+  if (routes == NULL || parts == NULL) {
+    free(routes);
+    free(parts);
+    return smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory");
+  }
+  uint64_t longest = 0, to = 0, widest = 0;
   for (int j = 0; j < n; j++) { /* each sender's total passed its own check: no sum within a row wraps */
     const uint64_t* sent_by_j = matrix + (size_t)j * n;
     route_t* r = &routes[j];
@@ -172,15 +264,15 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
     for (int m = 0; m < n; m++) {
       if (m < me) r->from += sent_by_j[m] * row_bytes;
       r->total += sent_by_j[m] * row_bytes;
+      if (m != j && sent_by_j[m] * row_bytes > widest) widest = sent_by_j[m] * row_bytes;
     }
     r->len = sent_by_j[me] * row_bytes;
     r->to = to;
     to = smc_add_bytes(to, r->len);
     longest = r->total > longest ? r->total : longest;
-    if (j == me) my_total = r->total;
   }
   smc_result_t rc = SMC_SUCCESS;
-  if (smc_single_copy(c, c->single_copy_whole ? longest : longest / (uint64_t)n)) { /* reads of parts (comm.h) */
+  if (smc_alltoall_single_copy(c, longest)) { /* reads of parts (comm.h) */
     /* Into an output of 16 L2s or more, this rank's copies bypass the cache, as allgather's (coll/allgather.c).
      * Against MPICH's alltoall in the same job, 2 ranks, the own part: 8 and 16 MiB per rank 1.00x and 1.19x that
      * way against 0.86x and 0.98x through the cache; 2 MiB 0.96x through the cache against 0.84x; 1 and 4 MiB the
@@ -207,26 +299,12 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
     smc_flip(c);
     c->window_calls += (uint64_t)mapped;
     free(routes);
+    free(parts);
     return synced != SMC_SUCCESS ? synced : rc;
   }
-  const uint64_t half = c->half_bytes, counts_bytes = sizeof(uint64_t) * (uint64_t)n, first = half - counts_bytes;
-  for (uint64_t k = 0; k == 0 || window_start(k, first, half) < longest; k++) {
-    uint64_t at = window_start(k, first, half), len = k == 0 ? first : half, skip = k == 0 ? counts_bytes : 0;
-    if (k > 0) { /* window 0 went out with smc_alltoall_begin */
-      if (at < my_total) smc_copy(smc_half(c, me), (const uint8_t*)sendbuf + at, (size_t)(my_total - at < len ? my_total - at : len));
-      SMC_CHECK_GOTO(smc_sync(c, "alltoall"), rc, done);
-    }
-    for (int j = 0; out != NULL && j < n; j++) {
-      const route_t* r = &routes[j];
-      uint64_t lo = r->from > at ? r->from : at;
-      uint64_t hi = r->from + r->len < at + len ? r->from + r->len : at + len;
-      if (lo >= hi) continue;
-      const uint8_t* from = j == me ? (const uint8_t*)sendbuf + lo : smc_half(c, j) + skip + (lo - at);
-      smc_copy(out + r->to + (lo - r->from), from, (size_t)(hi - lo));
-    }
-    smc_flip(c);
-  }
-done:
+  plan_parts(parts, matrix + (size_t)me * n, row_bytes, n);
+  rc = staged(c, sendbuf, out, parts, routes, widest, sizeof(uint64_t) * (uint64_t)n, 1, "alltoall");
   free(routes);
+  free(parts);
   return rc;
 }

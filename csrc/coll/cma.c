@@ -15,6 +15,7 @@
 
 /* Probe states, in order: CAN_FAST is CAN where this rank's kernel copy also proved fast (kernel_copy_is_fast). */
 enum { PUBLISHED = 1, CANNOT = 2, CAN = 3, CAN_FAST = 4 };
+enum { PAGE = SMC_PAGE_BYTES };
 
 typedef struct {
   smc_comm_t* comm;
@@ -55,8 +56,12 @@ static int read_neighbour(smc_comm_t* c, int r) {
  * either side from one start to the next. */
 static int kernel_copy_is_fast(void) {
   enum { BYTES = 128 << 10, TRIES = 8 };
-  uint8_t* from = malloc(BYTES);
-  uint8_t* to = malloc(BYTES);
+  /* Both on a page: where malloc puts them varies with the process's history, and a destination a few bytes past its
+   * source slows both copies on some CPUs (core/copy.h), by different amounts. On an AMD EPYC, ranks whose buffers
+   * landed so measured 3.4-3.6x where page-aligned ones measure 4.3-4.7x: the verdict flipped between job starts. */
+  uint8_t *from = NULL, *to = NULL;
+  if (posix_memalign((void**)&from, PAGE, BYTES) != 0) from = NULL;
+  if (posix_memalign((void**)&to, PAGE, BYTES) != 0) to = NULL;
   double kernel = 1e9, user = 1e9;
   int fast = 0;
   if (from != NULL && to != NULL) {
@@ -107,10 +112,16 @@ smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
   }
   c->cma = all;
   c->cma_fast = all && all_fast;
+  /* Where the kernel's copy proved slow, two copies through the staging halves beat it until the data outgrows the
+   * L2s. Against Open MPI in the same job, 2 ranks on an AMD EPYC (1 MiB L2, its kernel copy 4.3-5.3x a memcpy in
+   * cache), staged against single copy: allgather of 1-2 MiB 1.33-1.45x against 0.76-0.89x, 4 MiB 0.77-0.93x
+   * against 0.77-0.84x, 6-8 MiB 0.68-1.03x against 0.98-1.79x; alltoall of 1-2 MiB 1.09-1.35x against 0.73-0.87x,
+   * 3-8 MiB 1.04-1.34x against 0.87-1.12x, from 32 MiB 0.73-0.85x against 1.05-1.24x (benchmarks/RESULTS.md). So
+   * allgather inputs move by single copy from two L2s there, and alltoalls from whole inputs of eight. Not
+   * broadcast's: its readers copy from a buffer the root did not just write, and single copy won from 64 KiB
+   * (1.17-1.69x against 0.56-1.47x staged, 64-768 KiB). */
   if (c->single_copy_probed && !all_fast) { /* the same on every rank: each read every rank's state */
-    c->single_copy_bytes = c->single_copy_bytes > c->cache_bytes ? c->single_copy_bytes : c->cache_bytes;
-    c->broadcast_single_copy_bytes = c->broadcast_single_copy_bytes > c->cache_bytes ? c->broadcast_single_copy_bytes
-                                                                                     : c->cache_bytes;
+    c->single_copy_bytes = c->single_copy_bytes > 2 * c->cache_bytes ? c->single_copy_bytes : 2 * c->cache_bytes;
     c->single_copy_whole = 1;
   }
   return SMC_SUCCESS;
@@ -144,7 +155,6 @@ static smc_result_t move_direct(smc_comm_t* c, int r, uint8_t* local, uint64_t r
  * stores, for the largest reads: see move) moves each chunk between it and the local buffer while it is in cache.
  * The chunk is a quarter of the L2 (smc_config_t.cache_bytes): the bounce and the lines being written share that
  * cache. */
-enum { PAGE = SMC_PAGE_BYTES };
 
 static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
                                  int stream, const char* what) {

@@ -106,8 +106,8 @@ typedef struct {
   size_t broadcast_single_copy_bytes; /* the same for broadcast buffers; 0: never */
   size_t cache_bytes;     /* one core's L2 cache: sizes single copy's chunks, and from which sizes its copies bypass
                            * the caches; 0: 1 MiB */
-  int single_copy_probed; /* 1: where the kernel's copy proves slow at init on any rank (coll/cma.c), both single-copy
-                           * thresholds rise to cache_bytes at the least; 0: they stay as given */
+  int single_copy_probed; /* 1: where the kernel's copy proves slow at init on any rank (coll/cma.c), single_copy_bytes
+                           * rises to twice cache_bytes at the least; 0: it stays as given */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
                            * so that a step's copies stay in the cache; 0: as many as a staging half holds */
   size_t pull_bytes;      /* allreduces and reduce-scatters of at least this size read each rank's range of the
