@@ -20,7 +20,12 @@ ends with a shutdown.
 
 --setting VAR=v1,v2,... compares settings of shmcomm's in the same way: each round re-initialises shmcomm once per
 value (`unset` leaves VAR out) and times every op and size with it, MPI once per round; the table then has a column
-per value, each with its own ratio to MPI's time of the same round. That is how a change of a default is measured."""
+per value, each with its own ratio to MPI's time of the same round. That is how a change of a default is measured.
+
+--torch-memory takes every buffer of both libraries from torch's allocator, as a training job's tensors are. numpy asks
+the kernel for transparent huge pages for arrays from 4 MiB and torch does not, and the kernel's copy (single copy, in
+shmcomm and in MPI) pins the pages it reaches one by one: where huge pages are only given on request, the two kinds of
+memory are different benchmarks from 4 MiB."""
 import argparse
 import os
 import sys
@@ -33,12 +38,22 @@ EXTRA_OPS = ("fused",)
 FUSED_TENSORS = 8
 
 
-def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False):
-    """(shmcomm's call, MPI's call, shmcomm's output, MPI's output) on preallocated buffers."""
+def torch_empty(count):
+    """float32 memory from torch's allocator, as a training job's tensors are: unlike numpy, which asks for huge pages
+    from 4 MiB, it leaves them to the system (4 KiB pages where transparent huge pages are madvise-only)."""
+    import torch
+    return torch.empty(count, dtype=torch.float32).numpy()  # the array keeps the tensor alive
+
+
+def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False, empty=None):
+    """(shmcomm's call, MPI's call, shmcomm's output, MPI's output) on preallocated buffers from `empty` (a count of
+    float32 elements; numpy's by default)."""
     n = comm.size
     count = max(nbytes // 4 // n * n, n)  # float32 elements, a multiple of the ranks
-    x = np.arange(count, dtype=np.float32) % 251 + comm.rank
-    ours, theirs = np.empty(count, np.float32), np.empty(count, np.float32)
+    empty = empty or (lambda size: np.empty(size, np.float32))
+    x = empty(count)
+    x[:] = np.arange(count, dtype=np.float32) % 251 + comm.rank
+    ours, theirs = empty(count), empty(count)
     if op == "fused":
         ours[:], theirs[:] = x, x
         parts = np.array_split(ours, FUSED_TENSORS)
@@ -109,6 +124,8 @@ def main(argv=None):
                         help="allreduce in place, shmcomm's on a shmcomm.shared_empty array; reducescatter's and "
                              "alltoall's inputs, allgather's output and broadcast's buffer in one too")
     parser.add_argument("--setting", help="VAR=v1,v2,...: time shmcomm with each value of VAR (unset: without it)")
+    parser.add_argument("--torch-memory", action="store_true",
+                        help="both libraries' buffers from torch's allocator (4 KiB pages where numpy's would be huge)")
     options = parser.parse_args(argv)
     variable, values = None, [None]
     if options.setting:
@@ -138,7 +155,7 @@ def main(argv=None):
                                  % (shmcomm.size(), comm.size))
             for i, (op, nbytes) in enumerate(cases):
                 ours, theirs, our_out, their_out = calls(op, nbytes, comm, shmcomm, MPI, options.inplace,
-                                                         options.shared)
+                                                         options.shared, torch_empty if options.torch_memory else None)
                 if r == 0:  # the same answer from both, once per setting
                     ours()
                     theirs()
