@@ -148,6 +148,7 @@ class Tuning:
     single_copy_probed: bool  # the thresholds are defaults: pieces' rises to 2 L2s where the kernel's copy is slow
     shared_buffers: bool   # the engine's fusion buffer and shmcomm.shared_empty are mapped by every rank of the host
     shared_from_bytes: int  # collectives on shared buffers from this size read and write the peers' directly
+    huge_pages: bool       # buffers that peers reach by the kernel's copy are collapsed into huge pages when reused
 
 
 def timeout_s(environ=None):
@@ -216,6 +217,9 @@ def tuning(local_size):
         # 63-68/69-82: from 4 KiB times the ranks sharing a core.
         shared_buffers=_flag("SHARED_BUFFERS", True),
         shared_from_bytes=(4 << 10) * -(-local_size // cores),
+        # The kernel's copy pins the remote buffer's pages one by one: from huge pages it ran at 1.15-1.2x a memcpy
+        # where from 4 KiB pages it took 3.8-4.2x (csrc/coll/huge_pages.c, benchmarks/RESULTS.md).
+        huge_pages=_flag("HUGE_PAGES", True),
     )
 
 

@@ -62,6 +62,8 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
                         ? smc_window_name(c, &desc, me == root ? sendbuf : recvbuf, bytes)
                         : NULL;
   uint8_t* bufs[SMC_MAX_RANKS];
+  if (single && w == NULL) /* the root's is read by the kernel's copy, a share of the others' written so */
+    smc_huge_pages_offer(c, me == root ? sendbuf : recvbuf, bytes);
   if (single) {
     SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
     return split(c, sendbuf, recvbuf, bytes, root, smc_windows_agreed(c, w, bytes, bufs) ? bufs : NULL);

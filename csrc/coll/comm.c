@@ -194,6 +194,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->piece_bytes = cfg->piece_bytes;
   c->pull_bytes = cfg->pull_bytes;
   c->shared_from_bytes = cfg->shared_from_bytes;
+  smc_huge_pages_init(c, cfg->huge_pages);
   for (int r = 0; r < c->size; r++) c->job_ranks[r] = cfg->job_ranks != NULL ? cfg->job_ranks[r] : r;
   snprintf(c->name, sizeof(c->name), "/shmcomm-%s-%d", cfg->token, cfg->generation);
 

@@ -11,6 +11,12 @@
 #include "shmcomm.h"
 
 #define SMC_MAX_WINDOWS 16 /* shared buffers a communicator lists at once; more stay plain memory */
+#define SMC_OFFERED_RANGES 32 /* buffers offered for huge pages that a communicator remembers (coll/huge_pages.c) */
+
+typedef struct {
+  uint64_t start, end; /* the whole huge pages inside an offered buffer */
+  uint32_t seen;       /* times offered; collapsed at the second */
+} smc_offered_range_t;
 
 struct smc_comm {
   int rank;
@@ -55,6 +61,10 @@ struct smc_comm {
   uint64_t window_calls;                  /* collectives that read or wrote shared buffers directly */
   uint64_t pulled_calls;                  /* allreduces and reduce-scatters that pulled (coll/allreduce.c) */
   uint64_t shared_from_bytes;             /* smc_config_t's */
+  uint64_t huge_bytes;                    /* a transparent huge page's size; 0: buffers are not offered */
+  smc_offered_range_t offered[SMC_OFFERED_RANGES];
+  uint32_t offered_next;                  /* the slot the next new range takes */
+  uint64_t huge_collapses;                /* ranges collapsed into huge pages */
 };
 
 /* How messages and failure data name rank r of this communicator. */
@@ -123,6 +133,12 @@ smc_result_t smc_cma_read(smc_comm_t* c, int r, void* local, uint64_t remote, ui
 /* smc_cma_write: copies `bytes` from `local` into rank r's address `remote` (process_vm_writev). */
 smc_result_t smc_cma_write(smc_comm_t* c, int r, uint64_t remote, const void* local, uint64_t bytes,
                            const char* what);
+
+/* huge_pages.c: smc_huge_pages_init reads the huge page size where `enabled` (smc_config_t.huge_pages) and the kernel
+ * has them. smc_huge_pages_offer: a buffer of this rank that its peers are about to reach by the kernel's copy; its
+ * whole huge pages are collapsed into transparent huge pages the second time the same range is offered. */
+void smc_huge_pages_init(smc_comm_t* c, int enabled);
+void smc_huge_pages_offer(smc_comm_t* c, const void* p, uint64_t bytes);
 
 /* window.c, for the collectives: the listed shared buffer holding [p, p + bytes), or NULL; its serial; rank r's buffer
  * as this process maps it (complete in every listed window); its size. smc_windows_close drops the communicator's

@@ -74,6 +74,7 @@ class SharedMemory(Transport):
         cfg.shared_from_bytes = tuning.shared_from_bytes
         cfg.cache_bytes = tuning.cache_bytes
         cfg.single_copy_probed = tuning.single_copy_probed
+        cfg.huge_pages = tuning.huge_pages
         job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
         cfg.job_ranks = job_ranks
         cfg.abandon = ffi.NULL if abandon is None else abandon
@@ -124,6 +125,10 @@ class SharedMemory(Transport):
     def pulled_calls(self):
         """How many allreduces and reduce-scatters read the peers' inputs by single copy (for tests)."""
         return lib.smc_comm_pulled_calls(self.handle)
+
+    def huge_collapses(self):
+        """How many of this rank's buffers were collapsed into huge pages for the peers' kernel copies (for tests)."""
+        return lib.smc_comm_huge_collapses(self.handle)
 
     # ---- steps ----
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
