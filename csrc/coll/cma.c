@@ -117,12 +117,16 @@ smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
    * cache), staged against single copy: allgather of 1-2 MiB 1.33-1.45x against 0.76-0.89x, 4 MiB 0.77-0.93x
    * against 0.77-0.84x, 6-8 MiB 0.68-1.03x against 0.98-1.79x; alltoall of 1-2 MiB 1.09-1.35x against 0.73-0.87x,
    * 3-8 MiB 1.04-1.34x against 0.87-1.12x, from 32 MiB 0.73-0.85x against 1.05-1.24x (benchmarks/RESULTS.md). So
-   * allgather inputs move by single copy from two L2s there, and alltoalls from whole inputs of eight. Not
+   * allgather inputs move by single copy from two L2s there, and alltoalls from whole inputs of eight; of four where
+   * reused inputs are collapsed into huge pages (coll/huge_pages.c), whose kernel copy is nearly a memcpy. Single
+   * copy of 4-8 MiB stayed at 0.86-1.15x the faster MPI in every run there, where the staged path ran at 1.12-1.33x
+   * in one and 0.37-0.98x in four (its time doubled for minutes at a time: it reads lines the other core just wrote);
+   * at 2 MiB staged won (1.03-1.55x against 0.91-0.97x) but in its slow spells (benchmarks/RESULTS.md). Not
    * broadcast's: its readers copy from a buffer the root did not just write, and single copy won from 64 KiB
    * (1.17-1.69x against 0.56-1.47x staged, 64-768 KiB). */
   if (c->single_copy_probed && !all_fast) { /* the same on every rank: each read every rank's state */
     c->single_copy_bytes = c->single_copy_bytes > 2 * c->cache_bytes ? c->single_copy_bytes : 2 * c->cache_bytes;
-    c->single_copy_whole = 1;
+    c->single_copy_whole = c->huge_bytes > 0 ? 2 : 4;
   }
   return SMC_SUCCESS;
 }

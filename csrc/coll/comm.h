@@ -47,8 +47,8 @@ struct smc_comm {
   uint64_t broadcast_single_copy_bytes; /* broadcast's (smc_config_t) */
   uint64_t cache_bytes;       /* one core's L2 (smc_config_t.cache_bytes) */
   int single_copy_probed;     /* smc_config_t's */
-  int single_copy_whole;      /* the kernel's copy proved slow at init: alltoall decides on its whole input
-                               * (smc_alltoall_single_copy) */
+  int single_copy_whole;      /* the kernel's copy proved slow at init: alltoall decides on its whole input, against
+                               * this many times the threshold (smc_alltoall_single_copy); 0: on its parts */
   size_t piece_bytes;         /* allreduce's bytes per rank and step (coll/allreduce.c); 0: a half's share */
   uint64_t pull_bytes;        /* allreduces and reduce-scatters of at least this size pull (coll/allreduce.c) */
   int cma;                    /* every rank can read its peers' memory (decided together at init) */
@@ -116,9 +116,10 @@ static inline int smc_single_copy(const smc_comm_t* c, uint64_t bytes) {
 }
 /* smc_alltoall_single_copy: the same for an alltoall whose largest input is `bytes`. Single copy moves a part per
  * peer, one system call each: the parts' mean size decides; where the kernel's copy proved slow, the whole input,
- * against four times the threshold (coll/cma.c). */
+ * against two or four times the threshold (coll/cma.c). */
 static inline int smc_alltoall_single_copy(const smc_comm_t* c, uint64_t bytes) {
-  return c->single_copy_whole ? smc_single_copy(c, bytes / 4) : smc_single_copy(c, bytes / (uint64_t)c->size);
+  return c->single_copy_whole ? smc_single_copy(c, bytes / (uint64_t)c->single_copy_whole)
+                              : smc_single_copy(c, bytes / (uint64_t)c->size);
 }
 static inline int smc_broadcast_single_copy(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && c->broadcast_single_copy_bytes > 0 && bytes >= c->broadcast_single_copy_bytes;
