@@ -71,10 +71,8 @@ def topology():
     local_rank = _number("LOCAL_RANK", rank, int)
     token = _get("JOB_TOKEN")
     if token is None:
-        raise ValueError(
-            "SHMCOMM_RANK is set but SHMCOMM_JOB_TOKEN is not: start the job with shmcommrun, or set a job token "
-            "(a random string of 8 to 64 letters and digits shared by all ranks)"
-        )
+        raise ValueError("SHMCOMM_RANK is set but SHMCOMM_JOB_TOKEN is not: start the job with shmcommrun, or set a "
+                         "job token (a random string of 8 to 64 letters and digits shared by all ranks)")
     if not (0 <= rank < size and 0 <= local_rank < local_size <= size):
         raise ValueError("inconsistent launch variables: rank %d of %d, local rank %d of %d"
                          % (rank, size, local_rank, local_size))
@@ -217,9 +215,7 @@ def tuning(local_size):
         # 63-68/69-82: from 4 KiB times the ranks sharing a core.
         shared_buffers=_flag("SHARED_BUFFERS", True),
         shared_from_bytes=(4 << 10) * -(-local_size // cores),
-        # The kernel's copy pins the remote buffer's pages one by one: from huge pages it ran at 1.15-1.2x a memcpy
-        # where from 4 KiB pages it took 3.8-4.2x (csrc/coll/huge_pages.c, benchmarks/RESULTS.md).
-        huge_pages=_flag("HUGE_PAGES", True),
+        huge_pages=_flag("HUGE_PAGES", True),  # why: csrc/coll/huge_pages.c
     )
 
 

@@ -68,6 +68,35 @@ def test_interleaved_compares_settings_in_one_job():
         assert all(float(row[i]) > 0 for i in (3, 6, 9)) and row[4].endswith("x") and row[7].endswith("x")
 
 
+def test_interleaved_on_torch_memory():
+    """--torch-memory: every buffer of both libraries from torch's allocator, both libraries' results checked against
+    each other (the benchmark raises otherwise), at a size whose buffers hold whole huge pages."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec beside this interpreter")
+    pytest.importorskip("torch")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.interleaved", "--bytes", "4K,5M",
+                           "--rounds", "1", "--iters", "3", "--torch-memory"], cwd=str(REPO),
+                          env=backends.job_environment(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert sorted((row[0], int(row[1])) for row in rows) == sorted(
+        (op, size) for op in interleaved.OPS for size in (4096, 5 << 20)), proc.stdout
+    import torch
+
+    assert interleaved.torch_empty(8).base is not None  # a view of a tensor's memory, not numpy's own
+    assert isinstance(interleaved.torch_empty(8).base, torch.Tensor)
+
+
+def test_kernel_copy_reports_both_kinds_of_pages():
+    proc = run_module("benchmarks.kernel_copy", ["--bytes", "64K,5M", "--tries", "2"], 120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert [int(row[0]) for row in rows] == [64 << 10, 5 << 20], proc.stdout
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows), proc.stdout
+    assert "no whole huge page inside" in proc.stdout.splitlines()[2], proc.stdout  # 64 KiB holds none
+
+
 def test_collectives_every_backend_and_op(tmp_path):
     out = tmp_path / "collectives.json"
     proc = run_module("benchmarks.collectives", ["-np", "2", "-b", "8", "-e", "64K", "-f", "32", "-n", "3", "-w", "1",

@@ -47,6 +47,7 @@ BAD_SETTINGS = [
     ("PIECE_BYTES", ["-1", "1.5", str(1 << 60)]),
     ("PULL_BYTES", ["-1", "128K", str(1 << 60)]),
     ("SHARED_BUFFERS", ["2", "shared"]),
+    ("HUGE_PAGES", ["2", "huge"]),
     ("CYCLE_TIME", ["0", "-1", "nan", "fast"]),
     ("FUSION_THRESHOLD", ["-1", "64MB"]),
     ("BUCKET_BYTES", ["-1", "1.5"]),
