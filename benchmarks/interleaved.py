@@ -22,6 +22,12 @@ ends with a shutdown.
 value (`unset` leaves VAR out) and times every op and size with it, MPI once per round; the table then has a column
 per value, each with its own ratio to MPI's time of the same round. That is how a change of a default is measured.
 
+Each call is timed alone, after an MPI barrier: the time a rank waits for the others in every call counts, which for a
+collective that checks every rank's arguments before it returns (every shmcomm collective, so that a mismatch raises on
+every rank) is a barrier's worth more than for an MPI broadcast, whose root returns once it has posted. --loop times
+--iters calls back to back after one barrier instead, as nccl-tests and the OSU benchmarks do: the rate of a loop of
+calls, where each call's wait overlaps the previous one's.
+
 --torch-memory takes every buffer of both libraries from torch's allocator, as a training job's tensors are. numpy asks
 the kernel for transparent huge pages for arrays from 4 MiB and torch does not, and the kernel's copy (single copy, in
 shmcomm and in MPI) pins the pages it reaches one by one: where huge pages are only given on request, the two kinds of
@@ -98,9 +104,17 @@ def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False, empty=Non
             lambda: comm.Reduce_scatter_block(x, theirs, MPI.SUM), ours, theirs)
 
 
-def timed(fn, comm, iters):
+def timed(fn, comm, iters, loop=False):
+    """Seconds per call: the median of `iters` calls each timed alone after a barrier, or with `loop` the mean of
+    `iters` calls back to back after one barrier."""
     for _ in range(2):
         fn()
+    if loop:
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) / iters
     times = []
     for _ in range(iters):
         comm.Barrier()
@@ -124,6 +138,9 @@ def main(argv=None):
                         help="allreduce in place, shmcomm's on a shmcomm.shared_empty array; reducescatter's and "
                              "alltoall's inputs, allgather's output and broadcast's buffer in one too")
     parser.add_argument("--setting", help="VAR=v1,v2,...: time shmcomm with each value of VAR (unset: without it)")
+    parser.add_argument("--loop", action="store_true",
+                        help="time --iters calls back to back after one barrier (as nccl-tests and OSU do), not each "
+                             "call after a barrier of its own")
     parser.add_argument("--torch-memory", action="store_true",
                         help="both libraries' buffers from torch's allocator (4 KiB pages where numpy's would be huge)")
     options = parser.parse_args(argv)
@@ -161,9 +178,9 @@ def main(argv=None):
                     theirs()
                     np.testing.assert_array_equal(our_out, their_out, err_msg="%s of %d bytes%s" % (
                         op, nbytes, "" if variable is None else ", %s=%s" % (variable, value)))
-                times[r, i, v] = timed(ours, comm, options.iters)
+                times[r, i, v] = timed(ours, comm, options.iters, options.loop)
                 if v == 0:
-                    times[r, i, -1] = timed(theirs, comm, options.iters)
+                    times[r, i, -1] = timed(theirs, comm, options.iters, options.loop)
             if variable is not None or r == options.rounds - 1 or "fused" in ops:
                 shmcomm.shutdown()
     slowest = np.empty_like(times)
@@ -173,7 +190,8 @@ def main(argv=None):
         print("# mpiexec -n %d python -m benchmarks.interleaved %s | %s UTC | %s" % (
             comm.size, " ".join(sys.argv[1:] if argv is None else argv),
             time.strftime("%Y-%m-%d %H:%M", time.gmtime()), library))
-        print("# slowest rank's median per round; MPI/shmcomm above 1: shmcomm is faster. Median of the rounds.")
+        print("# slowest rank's %s per round; MPI/shmcomm above 1: shmcomm is faster. Median of the rounds." % (
+            "mean of --iters calls back to back" if options.loop else "median of calls each after a barrier"))
         if variable is None:
             print("#  op                 bytes  shmcomm us      MPI us  MPI/shmcomm  per round")
         else:

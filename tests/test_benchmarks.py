@@ -68,6 +68,21 @@ def test_interleaved_compares_settings_in_one_job():
         assert all(float(row[i]) > 0 for i in (3, 6, 9)) and row[4].endswith("x") and row[7].endswith("x")
 
 
+def test_interleaved_loop_times_calls_back_to_back():
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec beside this interpreter")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.interleaved", "--bytes", "8,4K",
+                           "--ops", "broadcast,allreduce", "--rounds", "2", "--iters", "20", "--loop"], cwd=str(REPO),
+                          env=backends.job_environment(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mean of --iters calls back to back" in proc.stdout, proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert sorted((row[0], int(row[1])) for row in rows) == sorted(
+        (op, size) for op in ("broadcast", "allreduce") for size in (8, 4096)), proc.stdout
+    assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows), proc.stdout
+
+
 def test_interleaved_on_torch_memory():
     """--torch-memory: every buffer of both libraries from torch's allocator, both libraries' results checked against
     each other (the benchmark raises otherwise), at a size whose buffers hold whole huge pages."""
