@@ -120,18 +120,30 @@ def _twice_each():
     return steps
 
 
+def _always():
+    """Whether this kernel gives every anonymous mapping huge pages unasked (then no buffer here is on 4 KiB pages)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[always]" in f.read()
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def collapsing():
     if not _collapse_works():
         pytest.skip("this kernel does not collapse pages into transparent huge pages (MADV_COLLAPSE: Linux 6.1)")
+    if _always():
+        pytest.skip("transparent huge pages are 'always' here: buffers are on huge pages without being offered")
 
 
 def test_reused_buffers_are_collapsed_once_and_results_stay_exact(collapsing):
-    for steps in multiproc.run(2, _twice_each, timeout=120, env=SINGLE):
+    for rank, steps in enumerate(multiproc.run(2, _twice_each, timeout=120, env=SINGLE)):
         for op in ("allgather", "alltoall", "broadcast"):
             collapsed, huge_kib = steps[op]
             assert collapsed == 1, (op, steps)
-            assert huge_kib >= 3 * (HUGE >> 10), (op, steps)  # 8 MiB holds three whole huge pages at least
+            # 8 MiB holds three whole huge pages at least; of broadcast's, rank 1 offers the half the root writes into
+            assert huge_kib >= (1 if op == "broadcast" and rank == 1 else 3) * (HUGE >> 10), (rank, op, steps)
         assert steps["fresh"] == (0, 0), steps  # used once each: left on 4 KiB pages
 
 

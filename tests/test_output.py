@@ -331,28 +331,40 @@ def test_buffers_at_every_placement(threshold):
     assert multiproc.run(3, _placements, 3, timeout=180, env=env) == [True] * 3
 
 
-def _single_copy_sizes():
+def _single_copy_sizes(huge_pages_off_on=()):
     import shmcomm
     from shmcomm import basics, machine
     from shmcomm._native import lib
 
+    if int(os.environ["SHMCOMM_RANK"]) in huge_pages_off_on:
+        os.environ["SHMCOMM_HUGE_PAGES"] = "0"
     shmcomm.init()
     handle = basics.communicator().shm.handle
     return (lib.smc_comm_single_copy(handle), lib.smc_comm_single_copy_from(handle, 0),
-            lib.smc_comm_single_copy_from(handle, 1), machine.cache_bytes(2) or (1 << 20))
+            lib.smc_comm_single_copy_from(handle, 1), lib.smc_comm_alltoall_single_copy_from(handle),
+            machine.cache_bytes(2) or (1 << 20))
 
 
-@pytest.mark.parametrize("size,setting", [(2, None), (3, None), (2, "5000"), (3, "0")])
-def test_single_copy_sizes_after_the_probe_are_every_ranks_own(size, setting):
+def _collapse_works():
+    from test_huge_pages import _collapse_works as works
+
+    return works()
+
+
+@pytest.mark.parametrize("size,setting,off", [(2, None, ()), (3, None, ()), (2, "5000", ()), (3, "0", ()),
+                                              (3, None, (1,))])
+def test_single_copy_sizes_after_the_probe_are_every_ranks_own(size, setting, off):
     """Unset, the defaults hold where every rank's kernel copy proved fast at init, and the pieces' is raised to two
-    L2s where any rank's proved slow (csrc/coll/cma.c; broadcast's stays): either way the same on every rank, since
-    ranks that took different paths would wait for each other. A value set is kept as it is; 0 turns single copy off."""
+    L2s where any rank's proved slow (csrc/coll/cma.c; broadcast's stays), alltoall's then deciding on whole inputs
+    of twice that where every rank collapses its buffers into huge pages, else four times: either way the same on
+    every rank (`off`: the ranks with SHMCOMM_HUGE_PAGES=0), since ranks that took different paths would wait for
+    each other. A value set is kept as it is; 0 turns single copy off."""
     env = dict(FAST_TIMEOUT, **({"SHMCOMM_SINGLE_COPY_BYTES": setting} if setting else {}))
-    got = multiproc.run(size, _single_copy_sizes, timeout=60, env=env)
+    got = multiproc.run(size, _single_copy_sizes, off, timeout=60, env=env)
     assert len(set(got)) == 1, got
-    can, pieces, broadcasts, l2 = got[0]
+    can, pieces, broadcasts, alltoall_whole, l2 = got[0]
     if not can:
-        assert pieces == broadcasts == 0
+        assert pieces == broadcasts == alltoall_whole == 0
         return
     cores = len(os.sched_getaffinity(0))
     if setting is not None:
@@ -361,3 +373,7 @@ def test_single_copy_sizes_after_the_probe_are_every_ranks_own(size, setting):
         default = 16384 * -(-size // cores)
         assert broadcasts == (default if size <= cores else max(default, l2)), got
         assert pieces in (default, max(default, 2 * l2)), got  # two L2s: a slow kernel copy somewhere
+    if setting is not None or pieces == default and default != 2 * l2:  # every kernel copy fast: parts decide
+        assert alltoall_whole == 0, got
+    else:
+        assert alltoall_whole == pieces * (2 if _collapse_works() and not off else 4), got

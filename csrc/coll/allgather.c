@@ -50,7 +50,7 @@ static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out
   const uint8_t* src = sendbuf;
   smc_desc_t named = {0}; /* the shared buffer holding the output, if any */
   smc_window_t* w = out != NULL ? smc_window_name(c, &named, out, total) : NULL;
-  if (w == NULL && out != NULL) smc_huge_pages_offer(c, out, total); /* the peers write into it by the kernel's copy */
+  smc_huge_pages_offer(c, out, total); /* the peers write into it by the kernel's copy (unless it is shared) */
   uint64_t* published = (uint64_t*)smc_half(c, me);
   published[0] = (uint64_t)(uintptr_t)out;
   published[1] = named.window;

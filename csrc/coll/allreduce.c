@@ -296,10 +296,10 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   if (smc_pull(c, bytes) && (in == out || in + bytes <= out || out + bytes <= in)) {
     desc.own = (uint64_t)in;
     desc.addr = (uint64_t)out;
-    if (w == NULL) { /* the peers read its input and write into its output by the kernel's copy */
-      smc_huge_pages_offer(c, sendbuf, bytes);
-      if (out != in) smc_huge_pages_offer(c, recvbuf, bytes);
-    }
+    /* The peers read its input and write into its output by the kernel's copy (offered before the ranks agree to
+     * pull: where one would not, a reused buffer is collapsed for nothing, once) */
+    smc_huge_pages_offer(c, sendbuf, bytes);
+    if (out != in) smc_huge_pages_offer(c, recvbuf, bytes);
   }
   return pipelined(c, &p, &desc, w, "allreduce");
 }
@@ -328,7 +328,7 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
   smc_window_t* w = apart ? smc_window_name(c, &desc, sendbuf, bytes) : NULL;
   if (apart && smc_pull(c, bytes)) { /* pulled: the peers read their ranges of it */
     desc.own = (uint64_t)in;
-    if (w == NULL) smc_huge_pages_offer(c, sendbuf, bytes);
+    smc_huge_pages_offer(c, sendbuf, bytes);
   }
   return pipelined(c, &p, &desc, w, "reducescatter");
 }

@@ -232,8 +232,8 @@ smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64
   }
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .tag = tag, .divisor = 1, .own = my_total,
                      .addr = (uint64_t)(uintptr_t)sendbuf, .coll = SMC_COLL_ALLTOALLV, .root = -1};
-  /* A shared input: the peers read it mapped; else by the kernel's copy, if it moves by single copy */
-  if (my_total > 0 && smc_window_name(c, &desc, sendbuf, my_total) == NULL && smc_alltoall_single_copy(c, my_total))
+  if (my_total > 0) smc_window_name(c, &desc, sendbuf, my_total); /* a shared input: the peers read it mapped */
+  if (my_total > 0 && smc_alltoall_single_copy(c, my_total)) /* else by the kernel's copy */
     smc_huge_pages_offer(c, sendbuf, my_total);
   SMC_CHECK(smc_coll_begin(c, &desc, "alltoall"));
   for (int j = 0; j < n; j++) memcpy(matrix + (size_t)j * n, smc_half(c, j), (size_t)counts_bytes);

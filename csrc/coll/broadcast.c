@@ -18,10 +18,14 @@
  * else by the kernel's copy (each rank published its buffer's address). The synchronisation at the end keeps every
  * buffer as it is until every rank is done: the root's is read, the others' written. A failed copy still
  * synchronises, so the peers go on, and is reported by this rank alone. */
+static uint64_t root_share(const smc_comm_t* c, uint64_t bytes) { /* what the root writes into each peer's buffer */
+  return (bytes / (uint64_t)c->size) & ~(uint64_t)(SMC_CACHE_LINE - 1);
+}
+
 static smc_result_t split(smc_comm_t* c, const void* sendbuf, void* recvbuf, uint64_t bytes, int root,
                           uint8_t* const* bufs) {
   const int me = c->rank;
-  const uint64_t share = (bytes / (uint64_t)c->size) & ~(uint64_t)(SMC_CACHE_LINE - 1); /* what the root writes */
+  const uint64_t share = root_share(c, bytes);
   smc_result_t rc = SMC_SUCCESS;
   for (int k = 1; me == root && k < c->size && rc == SMC_SUCCESS; k++) {
     int j = (root + k) % c->size;
@@ -62,8 +66,8 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
                         ? smc_window_name(c, &desc, me == root ? sendbuf : recvbuf, bytes)
                         : NULL;
   uint8_t* bufs[SMC_MAX_RANKS];
-  if (single && w == NULL) /* the root's is read by the kernel's copy, a share of the others' written so */
-    smc_huge_pages_offer(c, me == root ? sendbuf : recvbuf, bytes);
+  if (single) /* the root's buffer is read by the kernel's copy, and the root's share of the others' written so */
+    smc_huge_pages_offer(c, me == root ? sendbuf : recvbuf, me == root ? bytes : root_share(c, bytes));
   if (single) {
     SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
     return split(c, sendbuf, recvbuf, bytes, root, smc_windows_agreed(c, w, bytes, bufs) ? bufs : NULL);

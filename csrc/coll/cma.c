@@ -102,13 +102,15 @@ smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
   /* One rank at a time times its copies: two ranks timing at once on a 2-core Xeon made the kernel's copy 2.3-3.1x
    * the user's where alone it is 2.2x, so a job's verdict flipped from one start to the next. */
   if (c->rank > 0) SMC_CHECK(wait_state(c, c->rank - 1, CANNOT, timeout_s));
+  me->cma_huge = c->huge_bytes > 0; /* published with the verdict */
   smc_post(&me->cma_state, &me->cma_sleepers, !can ? CANNOT : kernel_copy_is_fast() ? CAN_FAST : CAN);
-  int all = 1, all_fast = 1;
+  int all = 1, all_fast = 1, all_huge = 1;
   for (int r = 0; r < c->size; r++) {
     SMC_CHECK(wait_state(c, r, CANNOT, timeout_s));
     uint32_t state = atomic_load(&c->ctl[r].cma_state);
     all &= state >= CAN;
     all_fast &= state == CAN_FAST;
+    all_huge &= c->ctl[r].cma_huge == 1;
   }
   c->cma = all;
   c->cma_fast = all && all_fast;
@@ -118,15 +120,15 @@ smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
    * against 0.77-0.84x, 6-8 MiB 0.68-1.03x against 0.98-1.79x; alltoall of 1-2 MiB 1.09-1.35x against 0.73-0.87x,
    * 3-8 MiB 1.04-1.34x against 0.87-1.12x, from 32 MiB 0.73-0.85x against 1.05-1.24x (benchmarks/RESULTS.md). So
    * allgather inputs move by single copy from two L2s there, and alltoalls from whole inputs of eight; of four where
-   * reused inputs are collapsed into huge pages (coll/huge_pages.c), whose kernel copy is nearly a memcpy. Single
-   * copy of 4-8 MiB stayed at 0.86-1.15x the faster MPI in every run there, where the staged path ran at 1.12-1.33x
-   * in one and 0.37-0.98x in four (its time doubled for minutes at a time: it reads lines the other core just wrote);
-   * at 2 MiB staged won (1.03-1.55x against 0.91-0.97x) but in its slow spells (benchmarks/RESULTS.md). Not
-   * broadcast's: its readers copy from a buffer the root did not just write, and single copy won from 64 KiB
+   * every rank collapses reused inputs into huge pages (coll/huge_pages.c), whose kernel copy is nearly a memcpy.
+   * Single copy of 4-8 MiB stayed at 0.86-1.15x the faster MPI in every run there, where the staged path ran at
+   * 1.12-1.33x in one and 0.37-0.98x in four (its time doubled for minutes at a time: it reads lines the other core
+   * just wrote); at 2 MiB staged won (1.03-1.55x against 0.91-0.97x) but in its slow spells (benchmarks/RESULTS.md).
+   * Not broadcast's: its readers copy from a buffer the root did not just write, and single copy won from 64 KiB
    * (1.17-1.69x against 0.56-1.47x staged, 64-768 KiB). */
   if (c->single_copy_probed && !all_fast) { /* the same on every rank: each read every rank's state */
     c->single_copy_bytes = c->single_copy_bytes > 2 * c->cache_bytes ? c->single_copy_bytes : 2 * c->cache_bytes;
-    c->single_copy_whole = c->huge_bytes > 0 ? 2 : 4;
+    c->single_copy_whole = all_huge ? 2 : 4;
   }
   return SMC_SUCCESS;
 }

@@ -308,6 +308,10 @@ uint64_t smc_comm_single_copy_from(smc_comm_t* c, int broadcast) {
   return !c->cma ? 0 : broadcast ? c->broadcast_single_copy_bytes : c->single_copy_bytes;
 }
 
+uint64_t smc_comm_alltoall_single_copy_from(smc_comm_t* c) {
+  return !c->cma || c->single_copy_bytes == 0 ? 0 : c->single_copy_bytes * (uint64_t)c->single_copy_whole;
+}
+
 uint64_t smc_comm_shared_calls(smc_comm_t* c) { return c != NULL ? c->window_calls : 0; }
 
 uint64_t smc_comm_pull_from(smc_comm_t* c) { return smc_pull(c, UINT64_MAX) ? c->pull_bytes : 0; }

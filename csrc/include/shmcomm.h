@@ -157,6 +157,10 @@ int smc_comm_single_copy(smc_comm_t* comm);
 /* The sizes from which single copy moves allgather's and alltoall's pieces (broadcast = 0) or broadcast's buffer
  * (broadcast = 1), after init's probe (smc_config_t.single_copy_probed); 0 where nothing moves by single copy. */
 uint64_t smc_comm_single_copy_from(smc_comm_t* comm, int broadcast);
+/* Where alltoall decides on its whole input (the kernel's copy proved slow at init), the input size from which it
+ * moves by single copy: single_copy_from's four times, or twice where every rank collapses the buffers it offers
+ * into huge pages (smc_config_t.huge_pages); 0 where it decides on its parts' mean size, or nothing moves so. */
+uint64_t smc_comm_alltoall_single_copy_from(smc_comm_t* comm);
 /* The size from which allreduces and reduce-scatters read the peers' inputs (and allreduces write the reduced pieces
  * into the peers' outputs: smc_config_t.pull_bytes), after init's probe; 0 where none does. */
 uint64_t smc_comm_pull_from(smc_comm_t* comm);

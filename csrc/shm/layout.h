@@ -16,7 +16,7 @@
 #define SMC_CACHE_LINE 64
 #define SMC_PAGE 4096
 #define SMC_MAGIC 0x31474553434d53ULL /* "SMCSEG1" */
-#define SMC_LAYOUT_VERSION 3
+#define SMC_LAYOUT_VERSION 4
 #define SMC_MAX_RANKS 1024
 #define SMC_MAX_BOXES 256
 #define SMC_BOX_NAME_MAX 64
@@ -81,6 +81,7 @@ typedef struct {
   uint64_t cma_value;
   _Atomic uint32_t cma_state;
   _Atomic uint32_t cma_sleepers;
+  uint32_t cma_huge; /* 1: this rank collapses the buffers it offers into huge pages (coll/huge_pages.c) */
 } smc_rank_ctl_t;
 
 typedef struct {
