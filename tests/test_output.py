@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import multiproc
+from test_huge_pages import _collapse_works
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_TIMEOUT = {"SHMCOMM_TIMEOUT": "20"}  # a rank left waiting fails the test in seconds, not minutes
@@ -331,24 +332,18 @@ def test_buffers_at_every_placement(threshold):
     assert multiproc.run(3, _placements, 3, timeout=180, env=env) == [True] * 3
 
 
-def _single_copy_sizes(huge_pages_off_on=()):
+def _single_copy_sizes(without_huge_pages=()):
     import shmcomm
     from shmcomm import basics, machine
     from shmcomm._native import lib
 
-    if int(os.environ["SHMCOMM_RANK"]) in huge_pages_off_on:
+    if int(os.environ["SHMCOMM_RANK"]) in without_huge_pages:
         os.environ["SHMCOMM_HUGE_PAGES"] = "0"
     shmcomm.init()
     handle = basics.communicator().shm.handle
     return (lib.smc_comm_single_copy(handle), lib.smc_comm_single_copy_from(handle, 0),
             lib.smc_comm_single_copy_from(handle, 1), lib.smc_comm_alltoall_single_copy_from(handle),
             machine.cache_bytes(2) or (1 << 20))
-
-
-def _collapse_works():
-    from test_huge_pages import _collapse_works as works
-
-    return works()
 
 
 @pytest.mark.parametrize("size,setting,off", [(2, None, ()), (3, None, ()), (2, "5000", ()), (3, "0", ()),

@@ -66,9 +66,9 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
                         ? smc_window_name(c, &desc, me == root ? sendbuf : recvbuf, bytes)
                         : NULL;
   uint8_t* bufs[SMC_MAX_RANKS];
-  if (single) /* the root's buffer is read by the kernel's copy, and the root's share of the others' written so */
-    smc_huge_pages_offer(c, me == root ? sendbuf : recvbuf, me == root ? bytes : root_share(c, bytes));
   if (single) {
+    /* The root's buffer is read by the kernel's copy, and the root's share of the others' written so */
+    smc_huge_pages_offer(c, me == root ? sendbuf : recvbuf, me == root ? bytes : root_share(c, bytes));
     SMC_CHECK(smc_coll_begin(c, &desc, "broadcast"));
     return split(c, sendbuf, recvbuf, bytes, root, smc_windows_agreed(c, w, bytes, bufs) ? bufs : NULL);
   }
