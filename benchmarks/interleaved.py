@@ -8,7 +8,7 @@ and on a shared machine separate jobs differ by up to 3x (benchmarks/RESULTS.md,
 cache lines between the cores gets slower for a while, whoever runs). Here both libraries run in the same processes:
 each round times every op and size with shmcomm, then with MPI, a median of --iters calls each, the slowest rank's;
 the ratio is taken per round, so both sides of a ratio saw the same machine. Sizes follow nccl-tests: the buffer of
-allreduce, alltoall and broadcast (in place, from rank 0), allgather's output and reducescatter's input. Both
+allreduce, alltoall and broadcast (in place, from rank 0 or --root), allgather's output and reducescatter's input. Both
 libraries' results are checked against each other once per op and size. --inplace makes allreduce reduce its
 buffer in place (MPI_IN_PLACE), as a training step's fusion buffer is; --shared makes shmcomm's buffer a
 shmcomm.shared_empty array, as the engine's fusion buffer is (MPI's stays an ordinary one, in place), and
@@ -26,7 +26,9 @@ Each call is timed alone, after an MPI barrier: the time a rank waits for the ot
 collective that checks every rank's arguments before it returns (every shmcomm collective, so that a mismatch raises on
 every rank) is a barrier's worth more than for an MPI broadcast, whose root returns once it has posted. --loop times
 --iters calls back to back after one barrier instead, as nccl-tests and the OSU benchmarks do: the rate of a loop of
-calls, where each call's wait overlaps the previous one's.
+calls, where each call's wait overlaps the previous one's. Both MPIs' barriers let rank 0 out first (np=4: 1999 times
+of 2000, the last rank 2.7 us later under Open MPI, 11.8 us under MPICH), so an MPI broadcast from rank 0 finds its
+readers after the barrier with the data already posted; --root -1 broadcasts from the rank let out last instead.
 
 --torch-memory takes every buffer of both libraries from torch's allocator, as a training job's tensors are. numpy asks
 the kernel for transparent huge pages for arrays from 4 MiB and torch does not, and the kernel's copy (single copy, in
@@ -51,9 +53,9 @@ def torch_empty(count):
     return torch.empty(count, dtype=torch.float32).numpy()  # the array keeps the tensor alive
 
 
-def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False, empty=None):
+def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False, empty=None, root=0):
     """(shmcomm's call, MPI's call, shmcomm's output, MPI's output) on preallocated buffers from `empty` (a count of
-    float32 elements; numpy's by default)."""
+    float32 elements; numpy's by default); broadcast's from `root`."""
     n = comm.size
     count = max(nbytes // 4 // n * n, n)  # float32 elements, a multiple of the ranks
     empty = empty or (lambda size: np.empty(size, np.float32))
@@ -90,11 +92,11 @@ def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False, empty=Non
             mine = shmcomm.shared_empty(count, np.float32)
             mine[:] = x
         return lambda: shmcomm.alltoall(mine, output=ours), lambda: comm.Alltoall(x, theirs), ours, theirs
-    if op == "broadcast":  # in place from rank 0, as MPI_Bcast is
+    if op == "broadcast":  # in place, as MPI_Bcast is
         if shared:
             ours = shmcomm.shared_empty(count, np.float32)
         ours[:], theirs[:] = x, x
-        return lambda: shmcomm.broadcast_(ours, 0), lambda: comm.Bcast(theirs, 0), ours, theirs
+        return lambda: shmcomm.broadcast_(ours, root), lambda: comm.Bcast(theirs, root), ours, theirs
     ours, theirs = ours[:count // n], theirs[:count // n]
     mine = x
     if shared:  # the input in a shared array, read straight from there by every rank
@@ -143,6 +145,9 @@ def main(argv=None):
                              "call after a barrier of its own")
     parser.add_argument("--torch-memory", action="store_true",
                         help="both libraries' buffers from torch's allocator (4 KiB pages where numpy's would be huge)")
+    parser.add_argument("--root", type=int, default=0,
+                        help="broadcast's root; negative counts from the last rank (-1: the last, which MPI's barriers "
+                             "let out last)")
     options = parser.parse_args(argv)
     variable, values = None, [None]
     if options.setting:
@@ -161,6 +166,9 @@ def main(argv=None):
     import shmcomm
 
     comm = MPI.COMM_WORLD
+    if not -comm.size <= options.root < comm.size:
+        parser.error("--root %d: the job has %d ranks" % (options.root, comm.size))
+    root = options.root % comm.size
     cases = [(op, nbytes) for op in ops for nbytes in sizes]
     times = np.zeros((options.rounds, len(cases), len(values) + 1))  # shmcomm with each value, then MPI
     for r in range(options.rounds):
@@ -172,7 +180,8 @@ def main(argv=None):
                                  % (shmcomm.size(), comm.size))
             for i, (op, nbytes) in enumerate(cases):
                 ours, theirs, our_out, their_out = calls(op, nbytes, comm, shmcomm, MPI, options.inplace,
-                                                         options.shared, torch_empty if options.torch_memory else None)
+                                                         options.shared, torch_empty if options.torch_memory else None,
+                                                         root)
                 if r == 0:  # the same answer from both, once per setting
                     ours()
                     theirs()

@@ -83,6 +83,24 @@ def test_interleaved_loop_times_calls_back_to_back():
     assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows), proc.stdout
 
 
+def test_interleaved_broadcast_from_another_root():
+    """--root: broadcast from the last rank (both libraries' results are checked against each other, so a root that one
+    of them ignored fails the job); a root outside the job is refused."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec beside this interpreter")
+    command = [mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.interleaved", "--bytes", "8,4K", "--ops",
+               "broadcast", "--rounds", "1", "--iters", "3", "--root"]
+    proc = subprocess.run(command + ["-1"], cwd=str(REPO), env=backends.job_environment(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert sorted((row[0], int(row[1])) for row in rows) == [("broadcast", 8), ("broadcast", 4096)], proc.stdout
+    proc = subprocess.run(command + ["2"], cwd=str(REPO), env=backends.job_environment(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode != 0 and "--root 2: the job has 2 ranks" in proc.stderr, proc.stdout + proc.stderr
+
+
 def test_interleaved_on_torch_memory():
     """--torch-memory: every buffer of both libraries from torch's allocator, both libraries' results checked against
     each other (the benchmark raises otherwise), at a size whose buffers hold whole huge pages."""
