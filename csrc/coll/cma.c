@@ -122,8 +122,8 @@ smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
    * allgather inputs move by single copy from two L2s there, and alltoalls from whole inputs of eight; of four where
    * every rank collapses reused inputs into huge pages (coll/huge_pages.c), whose kernel copy is nearly a memcpy.
    * Single copy of 4-8 MiB stayed at 0.86-1.15x the faster MPI in every run there, where the staged path ran at
-   * 1.12-1.33x in one and 0.37-0.98x in four (its time doubled for minutes at a time: it reads lines the other core
-   * just wrote); at 2 MiB staged won (1.03-1.55x against 0.91-0.97x) but in its slow spells (benchmarks/RESULTS.md).
+   * 1.12-1.33x in one and 0.37-0.98x in four (in some jobs its time more than doubles throughout, for a cause not
+   * found); at 2 MiB staged won (1.03-1.55x against 0.91-0.97x) but in those jobs (benchmarks/RESULTS.md).
    * Not broadcast's: its readers copy from a buffer the root did not just write, and single copy won from 64 KiB
    * (1.17-1.69x against 0.56-1.47x staged, 64-768 KiB). */
   if (c->single_copy_probed && !all_fast) { /* the same on every rank: each read every rank's state */
