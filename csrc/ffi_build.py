@@ -31,6 +31,13 @@ def _sources():
     return [os.path.relpath(p) for p in found]
 
 
+def _depends():
+    """Every header and every included C file (csrc/py/*.c) the core's sources and the cffi module read: setuptools
+    rebuilds the core when any of them is newer than it, not only when a compiled source is."""
+    found = glob.glob(os.path.join(HERE, "**", "*.[ch]"), recursive=True) + [os.path.join(HERE, "cflags.txt")]
+    return sorted(os.path.relpath(p) for p in found if os.path.relpath(p, HERE).split(os.sep)[0] not in ("jax", "mpi"))
+
+
 def core_flags():
     """The flags of csrc/cflags.txt, which says why each is there: the first word of every line starting with '-'."""
     with open(os.path.join(HERE, "cflags.txt")) as f:
@@ -59,6 +66,7 @@ ffibuilder.set_source(
     "shmcomm._C",
     '#include <string.h>\n#include "shmcomm.h"\n#include "py/quick_crossing.h"\n#include "py/quick_calls.c"',
     sources=_sources(),
+    depends=_depends(),
     define_macros=_limited_api(),
     include_dirs=[os.path.relpath(os.path.join(HERE, "include")), os.path.relpath(HERE)],
     extra_compile_args=_compile_args(),

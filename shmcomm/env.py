@@ -105,6 +105,14 @@ def elastic():
     return _flag("ELASTIC")
 
 
+ERROR_REPORT_DIR = "SHMCOMM_ERROR_REPORT_DIR"  # set by shmcommrun -H (runner/mpi_launch.py), which reads it
+
+
+def error_report_dir():
+    """Where a rank of a multi-host job saves the traceback of an uncaught exception (topology.py); None without."""
+    return os.environ.get(ERROR_REPORT_DIR) or None
+
+
 def launcher_notices():
     """The multi-host launcher's notice server, "ip:port,ip:port" (transport/notices.py); None without one."""
     return _get("LAUNCHER_NOTICES")
@@ -147,6 +155,8 @@ class Tuning:
     shared_buffers: bool   # the engine's fusion buffer and shmcomm.shared_empty are mapped by every rank of the host
     shared_from_bytes: int  # collectives on shared buffers from this size read and write the peers' directly
     huge_pages: bool       # buffers that peers reach by the kernel's copy are collapsed into huge pages when reused
+    pull_probed: bool      # PULL_BYTES is its default: pull only where init found the kernel's copy fast
+    race_pause_us: int     # tests only: a pause inside a box update's locked section, so that a lost lock shows
 
 
 def timeout_s(environ=None):
@@ -216,6 +226,9 @@ def tuning(local_size):
         shared_buffers=_flag("SHARED_BUFFERS", True),
         shared_from_bytes=(4 << 10) * -(-local_size // cores),
         huge_pages=_flag("HUGE_PAGES", True),  # why: csrc/coll/huge_pages.c
+        # Set, the pull threshold holds whatever init's speed probe found: tests force the path so.
+        pull_probed=not is_set("PULL_BYTES"),
+        race_pause_us=_number("TEST_RACE_PAUSE_US", 0, int, low=0, high=10 ** 6),
     )
 
 

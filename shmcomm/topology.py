@@ -4,9 +4,15 @@
 A job started by mpiexec/mpirun (directly, through shmcommrun -H, or by srun) has no SHMCOMM_RANK of its own; MPI
 knows the ranks, and MPI_Comm_split_type(SHARED) groups them by host. Only such a job imports mpi4py: a single-host
 job never pays for MPI's start-up."""
+import fcntl
 import os
 import secrets
+import stat
+import struct
 import sys
+import termios
+import time
+import traceback
 from dataclasses import dataclass
 
 from shmcomm import env
@@ -99,12 +105,73 @@ def from_mpi():
 
 def _abort_job_on_uncaught_exception(world):
     """A rank that dies of an exception would otherwise wait in MPI_Finalize for ranks that wait for it: print the
-    traceback, then abort the whole job (what `python -m mpi4py` does)."""
+    traceback, then abort the whole job (what `python -m mpi4py` does).
+
+    MPI_Abort has hydra kill every process of the job at once, the rank's output still on its way to mpiexec among
+    them, so the traceback is also saved where shmcommrun reads it once the job has ended (save_error_report), and
+    the hook lets the reader of its stderr take what it wrote before aborting (_wait_until_read)."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        previous(kind, value, tb)
-        sys.stderr.flush()
+        try:
+            text = "".join(traceback.format_exception(kind, value, tb))
+            # First: a stderr nobody reads (a stopped reader, a full pipe) must not keep the report from the launcher.
+            save_error_report(world.rank, text)
+            if previous is sys.__excepthook__ and sys.stderr is not None:
+                sys.stderr.write(text)  # the default hook's text, to the letter the report's: the launcher compares
+            else:
+                previous(kind, value, tb)
+            sys.stderr.flush()
+            _wait_until_read(sys.stderr.fileno())
+        except BaseException:
+            pass  # nothing may keep the rank from aborting the job
         world.Abort(1)
 
     sys.excepthook = hook
+
+
+_READ_WAIT_S = 2.0
+
+
+def save_error_report(rank, text):
+    """Saves an uncaught exception's traceback as rank<N> in the directory SHMCOMM_ERROR_REPORT_DIR names, where the
+    multi-host launcher prints it from if it did not come through the job's output. Does nothing without that
+    directory: on a remote host, which does not share the launcher's file system, the forwarded stderr is all the
+    launcher gets."""
+    directory = env.error_report_dir()
+    if directory is None:
+        return
+    path = os.path.join(directory, "rank%d" % rank)
+    partial = path + ".partial"  # renamed when whole: the launcher reads complete reports only
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        data = text.encode("utf-8", errors="backslashreplace")
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+    try:
+        os.rename(partial, path)
+    except OSError:
+        pass
+
+
+def _wait_until_read(fd):
+    """Waits, _READ_WAIT_S at most, until whoever reads the pipe on fd (shmcommrun's guard of the rank, or hydra's
+    proxy) has taken everything written to it: what is still in the pipe when MPI_Abort has hydra kill the reader is
+    lost. Only the first step of the way to the launcher can be seen from here; the saved report covers the rest."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return  # a terminal or a file holds what was written; a socket cannot say what is unread
+        deadline = time.monotonic() + _READ_WAIT_S
+        while struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] > 0:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
+    except OSError:
+        pass

@@ -2,6 +2,7 @@
 import compileall
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -29,9 +30,44 @@ def _compile_sources():
 
 _compile_sources()
 
+# MPI jobs of one host (pretend hosts, benchmarks) keep their network transport on the loopback: UCX and libfabric
+# otherwise open every interface, bridges of simulated hosts of other jobs among them, and fail when one disappears.
+# Jobs on simulated hosts set their own interface (shmcomm/testing/simhosts.py, MPI_ENVIRONMENT), which overrides this.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("FI_PROVIDER", "tcp")
+os.environ.setdefault("FI_TCP_IFACE", "lo")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-load", type=int, default=0, metavar="N",
+                     help="run the tests beside N CPU-bound processes, as on a training machine that is never idle")
+
+
+_BUSY_LOOP = """
+import os, sys
+parent = int(sys.argv[1])
+while os.getppid() == parent:  # ends with the test session, however it ends
+    for _ in range(1000000):
+        pass
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_load(request):
+    """--cpu-load N: N processes that spin for the whole session."""
+    count = request.config.getoption("--cpu-load")
+    busy = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(os.getpid())], stdin=subprocess.DEVNULL)
+            for _ in range(count)]
+    yield
+    for process in busy:
+        process.kill()
+        process.wait()
+
 
 def pytest_report_header(config):
-    return "shmcomm tests: ranks are forked processes on one host (%d cores)" % (os.cpu_count() or 1)
+    load = config.getoption("--cpu-load")
+    return "shmcomm tests: ranks are forked processes on one host (%d cores)%s" % (
+        os.cpu_count() or 1, ", beside %d CPU-bound processes" % load if load else "")
 
 
 def pytest_configure(config):

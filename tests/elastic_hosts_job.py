@@ -95,8 +95,9 @@ def main():
         print("epochs %d every sample once %s recoveries %s" % (state.epoch, state.exact,
                                                                  ",".join(r[0] for r in state.recoveries)), flush=True)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    print("done rank %d size %d host %s digest %s sizes %s" % (hvd.rank(), hvd.size(), socket.gethostname(), digest,
-                                                               ",".join(map(str, state.sizes))), flush=True)
+    print("done rank %d size %d host %s digest %s sizes %s token %s" % (
+        hvd.rank(), hvd.size(), socket.gethostname(), digest, ",".join(map(str, state.sizes)),
+        os.environ["SHMCOMM_JOB_TOKEN"]), flush=True)
     hvd.shutdown()
 
 

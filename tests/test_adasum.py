@@ -160,8 +160,9 @@ ACROSS = textwrap.dedent("""
 """ % os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("n,per_host,algo", [(4, "2", "torus"), (8, "2", "torus"), (8, "4", "mpi"),
-                                             (8, "1", "ring")])
+@pytest.mark.parametrize("n,per_host,algo", [(4, "2", "torus"), pytest.param(8, "2", "torus", marks=pytest.mark.long),
+                                             pytest.param(8, "4", "mpi", marks=pytest.mark.long),
+                                             pytest.param(8, "1", "ring", marks=pytest.mark.long)])
 def test_across_pretend_hosts(tmp_path, n, per_host, algo):
     """The levels between hosts over MPI (the torus's column); the allreduce algorithm setting does not matter."""
     import pickle
@@ -178,6 +179,7 @@ def test_across_pretend_hosts(tmp_path, n, per_host, algo):
     assert_matches([out for _, _, out in reports], n, "float32")
 
 
+@pytest.mark.long
 def test_synthetic_benchmark_with_adasum():
     run = subprocess.run([sys.executable, "-m", "shmcomm.runner", "-np", "2", sys.executable,
                           "examples/torch_synthetic_benchmark.py", "--use-adasum", "--num-iters", "2",

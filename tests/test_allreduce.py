@@ -62,24 +62,34 @@ def _pieces(size):
     return True
 
 
-@pytest.mark.parametrize("piece", ["1000", "64"])
+@pytest.mark.parametrize("piece", ["1000", pytest.param("64", marks=pytest.mark.long)])
 def test_pieces_smaller_than_a_half(piece):
     """SHMCOMM_PIECE_BYTES cuts each rank's range into many steps, down to one cache line per step (1000 rounds
     down to 960 bytes: 480, 240 and 120 elements of 2, 4 and 8 bytes)."""
     assert multiproc.run(3, _pieces, 3, timeout=240, env={"SHMCOMM_PIECE_BYTES": piece}) == [True] * 3
 
 
-@pytest.mark.parametrize("size,pull,piece", [(2, "0", None), (3, "1", None), (4, "1", "64"), (2, "1", "1000")])
+def _pieces_and_scaling(size):
+    from shmcomm import basics
+
+    _pieces(size)
+    digest = _average_and_scaling(size)
+    return digest, basics.communicator().shm.pulled_calls()
+
+
+@pytest.mark.parametrize("size,pull,piece", [(2, "0", None), (3, "1", None), (2, "1", "1000"),
+                                             pytest.param(4, "1", "64", marks=pytest.mark.long)])
 def test_pulled_and_staged_pieces(size, pull, piece):
-    """Both ways of handing out the reduced pieces (csrc/coll/allreduce.c), whichever the defaults pick for this
-    world: through the staging halves (SHMCOMM_PULL_BYTES=0; the default at 2 ranks pulls) and pulled, each rank
-    reading its range of the peers' inputs and writing it into their outputs, at every pipelined size, with more
-    ranks than the default pulls for and down to one cache line per piece. Every dtype and op, in place and out of
-    place, and reduce-scatters."""
+    """Both ways of handing out the reduced pieces (csrc/coll/allreduce.c), whatever init's probe found: through the
+    staging halves (SHMCOMM_PULL_BYTES=0) and pulled (a set threshold forces it), each rank reading its range of the
+    peers' inputs and writing it into their outputs, at every pipelined size, with more ranks than the default pulls
+    for and down to one cache line per piece. Every dtype and op, in place and out of place, and reduce-scatters;
+    the core's counter says which way the calls went."""
     env = {"SHMCOMM_PULL_BYTES": pull, **({"SHMCOMM_PIECE_BYTES": piece} if piece else {})}
-    assert multiproc.run(size, _pieces, size, timeout=240, env=env) == [True] * size
-    digests = multiproc.run(size, _average_and_scaling, size, timeout=120, env=env)
-    assert len(set(digests)) == 1, digests
+    got = multiproc.run(size, _pieces_and_scaling, size, timeout=240, env=env)
+    assert len({digest for digest, _ in got}) == 1, got
+    pulled = [calls for _, calls in got]
+    assert pulled == [pulled[0]] * size and (pulled[0] > 0) == (pull == "1"), pulled
 
 
 def _pulled_or_staged(size, pulling_ranks):
@@ -136,17 +146,15 @@ def _pulled_or_staged(size, pulling_ranks):
 
 @pytest.mark.parametrize("size,pulling", [(2, (0, 1)), (2, (1,)), (3, (0, 1, 2)), (3, (0, 2))])
 def test_ranks_pull_only_where_every_rank_would(size, pulling):
-    """csrc/coll/allreduce.c, pulled: where every rank would pull, every allreduce and reduce-scatter does (where
-    the kernel's copy proved fast at init; elsewhere none does); where one would not, none does, the others take
-    their first copy late and the results are the same."""
+    """csrc/coll/allreduce.c, pulled: where every rank would pull, every allreduce and reduce-scatter does (a set
+    SHMCOMM_PULL_BYTES forces the path, whatever init's speed probe found); where one would not, none does, the
+    others take their first copy late and the results are the same."""
     got = multiproc.run(size, _pulled_or_staged, size, pulling, timeout=180)
     calls = got[0][1]
     if len(pulling) < size:
         assert [p for p, _, _ in got] == [0] * size, got
         return
-    if got[0][2] == 0:
-        assert [p for p, _, _ in got] == [0] * size, got
-        pytest.skip("this machine's kernel copy proved slow at init: allreduces do not pull")
+    assert got[0][2] == 1, got  # the forced threshold, not the probe's verdict
     assert [p for p, _, _ in got] == [calls] * size, got
 
 
@@ -176,11 +184,10 @@ def test_a_rank_that_dies_while_pulling_is_named():
     """Killed while the ranks read each other's inputs and write into each other's outputs by the kernel's copy:
     the survivor raises RankFailure naming it within the timeout instead of waiting, and leaves no segment behind
     (multiproc checks)."""
-    results = multiproc.run(2, _dies_while_pulling, 1, timeout=60, check=False, env={"SHMCOMM_TIMEOUT": "10"})
+    results = multiproc.run(2, _dies_while_pulling, 1, timeout=60, check=False,
+                            env={"SHMCOMM_TIMEOUT": "10", "SHMCOMM_PULL_BYTES": str(128 << 10)})
     assert results[1][0] == "died", results
-    assert results[0][0] == "ok" and results[0][1][:2] == (1, True), results
-    if not results[0][1][2]:
-        pytest.skip("this machine's kernel copy proved slow at init: allreduces do not pull")
+    assert results[0][0] == "ok" and results[0][1] == (1, True, True), results
 
 
 def _average_and_scaling(size):
@@ -212,7 +219,10 @@ def _average_and_scaling(size):
     # Results are bit-identical on every rank, even for float sums whose order matters: the test compares digests
     # of all their bytes.
     noisy = np.random.default_rng(me).standard_normal(300_001).astype(np.float32)
-    return hashlib.sha256(shmcomm.allreduce(noisy, op=shmcomm.Sum).tobytes()).hexdigest()
+    got = shmcomm.allreduce(noisy, op=shmcomm.Sum)
+    every = [np.random.default_rng(r).standard_normal(300_001).astype(np.float32) for r in range(size)]
+    np.testing.assert_allclose(got, np.sum(every, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
+    return hashlib.sha256(got.tobytes()).hexdigest()
 
 
 @pytest.mark.parametrize("size", [1, 2, 3])

@@ -109,3 +109,20 @@ def test_no_regular_expression_reads_an_error_message():
             if "re" in names and not allowed & set(path.relative_to(PACKAGE).parts):
                 users.append(str(path.relative_to(PACKAGE.parent)))
     assert users == []
+
+
+def test_the_core_is_rebuilt_when_any_file_it_reads_changes():
+    """setuptools rebuilds an extension only when a file it names is newer than the library: every header and every
+    C file that the core's sources or the cffi module include must be named (csrc/ffi_build.py, depends)."""
+    import sys
+
+    csrc = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    sys.path.insert(0, str(csrc))
+    try:
+        import ffi_build
+    finally:
+        sys.path.remove(str(csrc))
+    named = {pathlib.Path(p).resolve() for p in ffi_build.ffibuilder._assigned_source[3]["depends"]}
+    named |= {pathlib.Path(p).resolve() for p in ffi_build.ffibuilder._assigned_source[3]["sources"]}
+    read = {p.resolve() for p in csrc.rglob("*.[ch]") if p.relative_to(csrc).parts[0] not in ("jax", "mpi")}
+    assert read and not read - named, sorted(str(p) for p in read - named)

@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Elastic averaging over a job-wide Soft Memory Box: the numpy building blocks (the exchange's arithmetic, and
 what every exchange conserves however stale its read), ElasticAveragingOptimizer's hybrid mode (a host's ranks stay
-identical), bad inputs, and digits reaching 95% asynchronously and in the hybrid mode on one host and on 2x2
+identical), bad inputs, the optimizer's schedule, alpha and host averages against a numpy reference (one rank, one
+host of 2, 2 pretend hosts of 2), and digits reaching 95% asynchronously and in the hybrid mode on one host and on 2x2
 simulated hosts."""
+import itertools
+import json
 import os
 import re
 import subprocess
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 
 import multiproc
-from test_simhosts import job_env, open_hosts
+from test_simhosts import MPIEXEC, job_env, open_hosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,6 +85,158 @@ def test_optimizer_bad_inputs_are_typed_errors():
     assert sorted(raised) == ["alpha 0", "mixed dtypes", "period 0", "period 1.5"], raised
 
 
+# The optimizer's schedule and alpha, exactly: a float64 parameter vector, plain SGD on gradients given per step and
+# per rank, against the same arithmetic in numpy (_reference). 10 steps of period 3 exchange at steps 3, 6 and 9 (a
+# tenth step after the last); alpha 0.25 is not the default.
+X0 = [1.0, -2.0, 3.0, 0.5]
+ALPHA, PERIOD, STEPS, LR = 0.25, 3, 10, 0.125
+
+
+def _gradient(step, rank):
+    """Rank `rank`'s gradient at step `step` (from 0): dyadic, different at every step and on every rank."""
+    return (step + 1) * np.array([1.0, -0.5, 0.25, 2.0]) + rank * np.array([0.5, 1.0, -1.5, 0.25])
+
+
+def _host_gradient(ranks):
+    """The average of `ranks`' gradients at a step: what every rank of a host steps on in the hybrid mode."""
+    return lambda step: np.mean([_gradient(step, r) for r in ranks], axis=0)
+
+
+def _reference(host_gradients, overlap, order, steps=STEPS):
+    """Elastic averaging in numpy: every host steps x -= LR * g(step), and at every PERIOD-th step exchanges with the
+    centre c: d = ALPHA (x - c); c += d; x -= d (with overlap, at the host's next exchange or at finish). `order`: the
+    host of each exchange, in the order they reach the centre. Returns each host's (x, c, the centre's version) after
+    every step and after finish(), and the final centre."""
+    c = np.array(X0)
+    hosts = [{"x": c.copy(), "step": 0, "pending": 0.0, "seen": []} for _ in host_gradients]
+    versions = [1]  # initialise
+
+    def run(h):  # host h's steps up to its next exchange, or to the end
+        nonlocal c
+        host = hosts[h]
+        while host["step"] < steps:
+            host["x"] = host["x"] - LR * host_gradients[h](host["step"])
+            host["step"] += 1
+            exchanged = host["step"] % PERIOD == 0
+            if exchanged:
+                host["x"] = host["x"] - host["pending"]
+                d = ALPHA * (host["x"] - c)
+                c = c + d
+                versions[0] += 1
+                host["pending"] = d if overlap else 0.0
+                host["x"] = host["x"] - (0.0 if overlap else d)
+            host["seen"].append((host["x"], c, versions[0]))
+            if exchanged:
+                return
+
+    for h in list(order) + list(range(len(hosts))):
+        run(h)
+    for host in hosts:
+        assert host["step"] == steps and len(host["seen"]) == steps, "order %s misses exchanges" % (order,)
+        host["x"] = host["x"] - host["pending"]
+        host["seen"].append((host["x"], c, versions[0]))
+    return [host["seen"] for host in hosts], c
+
+
+def _elastic_trajectory(overlap, hybrid):
+    """Runs ElasticAveragingOptimizer for STEPS steps on X0 with this rank's _gradient; returns (x, c, version) after
+    every step (c and the version once this rank's exchange in flight has reached the centre, without applying its d
+    to x) and after finish() and a barrier. c and the version are None where this rank does not exchange."""
+    import torch
+
+    import shmcomm.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
+    x = torch.nn.Parameter(torch.tensor(X0, dtype=torch.float64))
+    opt = hvd.ElasticAveragingOptimizer(torch.optim.SGD([x], lr=LR), named_parameters=[("x", x)], alpha=ALPHA,
+                                        period=PERIOD, hybrid=hybrid, overlap=overlap)
+    centre = opt._centre
+    seen = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        x.grad = torch.from_numpy(_gradient(step, rank))
+        opt.step()
+        if centre._pending is not None:
+            centre._pending[0].result()  # the centre has it; its d is still to land in x
+        if opt._exchanger:
+            seen.append((x.detach().tolist(), centre.pull().tolist(), centre.box.version))
+        else:
+            seen.append((x.detach().tolist(), None, None))
+    opt.finish()
+    hvd.barrier()
+    seen.append((x.detach().tolist(), centre.pull().tolist(), centre.box.version))
+    return seen
+
+
+def _assert_trajectory(got, expected, what, centre=True):
+    assert len(got) == len(expected), (what, len(got), len(expected))
+    for step, ((x, c, version), (x_ref, c_ref, version_ref)) in enumerate(zip(got, expected)):
+        where = "%s after %s" % (what, "finish()" if step == STEPS else "step %d" % (step + 1))
+        np.testing.assert_allclose(x, x_ref, rtol=0, atol=1e-12, err_msg="x, " + where)
+        if centre and c is not None:
+            np.testing.assert_allclose(c, c_ref, rtol=0, atol=1e-12, err_msg="centre, " + where)
+            assert version == version_ref, "centre version %d, expected %d, %s" % (version, version_ref, where)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_asynchronous_schedule_and_alpha_are_exact(overlap):
+    """One rank, asynchronous: x and the centre after every step and after finish() equal the numpy reference, so
+    the steps at which it exchanges (every PERIOD-th), the alpha it passes, and (with overlap) its d landing in x one
+    exchange late are as documented; the centre's version is 1 + the exchanges so far."""
+    pytest.importorskip("torch")
+    got = multiproc.run(1, _elastic_trajectory, overlap, False)[0]
+    (expected,), _ = _reference([_host_gradient([0])], overlap, [0] * (STEPS // PERIOD))
+    _assert_trajectory(got, expected, "rank 0")
+
+
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.long), True])
+def test_hybrid_schedule_alpha_and_host_average_are_exact_on_one_host(overlap):
+    """Hybrid on one host of 2 ranks with different gradients: both ranks' x after every step equal the reference
+    on the ranks' average gradient, and rank 0's centre and its version (1 + exchanges) after every step too."""
+    pytest.importorskip("torch")
+    got = multiproc.run(2, _elastic_trajectory, overlap, True)
+    (expected,), _ = _reference([_host_gradient([0, 1])], overlap, [0] * (STEPS // PERIOD))
+    _assert_trajectory(got[0], expected, "rank 0")
+    _assert_trajectory(got[1][:STEPS], expected[:STEPS], "rank 1")
+    assert got[1][STEPS][1:] == got[0][STEPS][1:]
+    np.testing.assert_allclose(got[1][STEPS][0], expected[STEPS][0], rtol=0, atol=1e-12, err_msg="rank 1 finish()")
+
+
+# Two pretend hosts of 2 ranks (an MPI job, SHMCOMM_RANKS_PER_HOST=2): the hosts' exchanges reach the centre in an
+# order that varies from run to run, so the run must match the reference of one of the 20 orders of 3 + 3 exchanges.
+ACROSS = ("import json, pathlib, sys; sys.path.insert(0, 'tests'); import test_averaging, shmcomm.torch as hvd; "
+          "seen = test_averaging._elastic_trajectory(False, True); "
+          "pathlib.Path(sys.argv[1], 'rank%d.json' % hvd.rank()).write_text(json.dumps(seen))")
+
+
+def test_hybrid_across_pretend_hosts_averages_each_hosts_gradients(tmp_path):
+    """Hybrid on 2 pretend hosts of 2 ranks: every rank's x after every step and the final centre equal the
+    reference on its own host's average gradient for one order of the hosts' exchanges; the centre's version is 1 +
+    both hosts' exchanges."""
+    pytest.importorskip("torch")
+    run = subprocess.run([MPIEXEC, "-n", "4", sys.executable, "-c", ACROSS, str(tmp_path)], cwd=ROOT,
+                         env=job_env(SHMCOMM_RANKS_PER_HOST="2"), stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = {rank: json.loads((tmp_path / ("rank%d.json" % rank)).read_text()) for rank in range(4)}
+    hosts, exchanges = [_host_gradient([0, 1]), _host_gradient([2, 3])], STEPS // PERIOD
+    before, _ = _reference(hosts, False, [], steps=PERIOD - 1)  # no exchange yet: no other host involved
+    for rank, seen in got.items():
+        _assert_trajectory(seen[:PERIOD - 1], before[rank // 2][:PERIOD - 1], "rank %d" % rank, centre=False)
+        assert seen[STEPS][1:] == got[0][STEPS][1:], "the final centre as ranks 0 and %d read it" % rank
+    assert got[0][STEPS][2] == 1 + 2 * exchanges, "centre version %d after finish()" % got[0][STEPS][2]
+    orders = []
+    for firsts in itertools.combinations(range(2 * exchanges), exchanges):
+        order = [0 if i in firsts else 1 for i in range(2 * exchanges)]
+        expected, c = _reference(hosts, False, order)
+        if np.allclose(got[0][STEPS][1], c, rtol=0, atol=1e-12) and all(
+                np.allclose([x for x, _, _ in seen], [x for x, _, _ in expected[rank // 2]], rtol=0, atol=1e-12)
+                for rank, seen in got.items()):
+            orders.append(order)
+    assert len(orders) == 1, (orders, got)
+
+
 # Every exchange moves d from the worker to the centre: the sum of every worker and the centre never changes,
 # however stale the centre a worker read (a lost update would break it). alpha 1 keeps every value an integer, so
 # the sums are exact in float64 whatever the interleaving (with alpha 0.5 the halvings chain across ranks and
@@ -145,6 +300,7 @@ def _time_to_target(run):
 ONE_HOST = [sys.executable, "-m", "shmcomm.runner", "-np", "2"]
 
 
+@pytest.mark.long
 def test_conservation_and_hybrid_on_one_host():
     pytest.importorskip("torch")
     run = _launch(ONE_HOST, sys.executable, "-c", CONSERVED)
@@ -157,6 +313,7 @@ def test_conservation_and_hybrid_on_one_host():
 # by the conservation tests); -m long runs hybrid on one host and both modes across two hosts.
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", pytest.param("hybrid", marks=pytest.mark.long)])
+@pytest.mark.long
 def test_digits_reach_95_percent_on_one_host(mode):
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
@@ -165,6 +322,7 @@ def test_digits_reach_95_percent_on_one_host(mode):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_step_rates_in_phases_with_and_without_the_slow_rank():
     """--duration: the job trains for that long, the slow rank sleeps in every other phase only, and every rank
     reports its rate in both kinds of phase (what benchmarks.elastic compares). A rank that sleeps twice its step
@@ -195,6 +353,7 @@ def _across(sim):
     return [sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(2)]
 
 
+@pytest.mark.long
 def test_conservation_and_hybrid_on_two_hosts(hosts):
     pytest.importorskip("torch")
     run = _launch(_across(hosts), sys.executable, "-c", CONSERVED)

@@ -101,6 +101,7 @@ def test_interleaved_broadcast_from_another_root():
     assert proc.returncode != 0 and "--root 2: the job has 2 ranks" in proc.stderr, proc.stdout + proc.stderr
 
 
+@pytest.mark.long
 def test_interleaved_on_torch_memory():
     """--torch-memory: every buffer of both libraries from torch's allocator, both libraries' results checked against
     each other (the benchmark raises otherwise), at a size whose buffers hold whole huge pages."""
@@ -130,18 +131,21 @@ def test_kernel_copy_reports_both_kinds_of_pages():
     assert "no whole huge page inside" in proc.stdout.splitlines()[2], proc.stdout  # 64 KiB holds none
 
 
-def test_collectives_every_backend_and_op(tmp_path):
+# The default run compares with MPICH; the second tier with every backend (Open MPI and torch's gloo too).
+@pytest.mark.parametrize("names", [("shmcomm", "mpi", "memcpy"), pytest.param(backends.NAMES, marks=pytest.mark.long)],
+                         ids=["mpich", "every-backend"])
+def test_collectives_every_backend_and_op(tmp_path, names):
     out = tmp_path / "collectives.json"
     proc = run_module("benchmarks.collectives", ["-np", "2", "-b", "8", "-e", "64K", "-f", "32", "-n", "3", "-w", "1",
                                                  "--ops", ",".join(collectives.OPS),
-                                                 "--backends", ",".join(backends.NAMES), "--json", str(out)], 240)
+                                                 "--backends", ",".join(names), "--json", str(out)], 240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert HEADER in proc.stdout
     assert "# Summary" in proc.stdout
     document = json.loads(out.read_text())
     results = document["results"]
     expected = ["shmcomm"]
-    for name in ("mpi", "openmpi", "gloo"):
+    for name in [name for name in ("mpi", "openmpi", "gloo") if name in names]:
         why = backends.unavailable(name)
         if why:  # said on the console, and the rest must still run
             assert "%s skipped" % name in proc.stdout

@@ -85,7 +85,10 @@ def _objects(test, extra, core_objects):
     return extra, core_objects(extra)
 
 
-@pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_reduce.c", "test_box_server.c", "test_copy.c"])
+# test_core.c and test_box_server.c run their rounds in the second tier: the Python tests drive the same code.
+@pytest.mark.parametrize("test", [pytest.param("test_core.c", marks=pytest.mark.long), "test_failure.c",
+                                  "test_reduce.c", pytest.param("test_box_server.c", marks=pytest.mark.long),
+                                  "test_copy.c"])
 def test_c_units(tmp_path, test, core_objects):
     _build_and_run(tmp_path, test, *_objects(test, ["-O2"], core_objects))
 
@@ -103,6 +106,7 @@ def _require_sanitizers(tmp_path):
 
 
 @pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_box_server.c", "test_copy.c"])
+@pytest.mark.long
 def test_core_units_under_sanitizers(tmp_path, test, core_objects):
     """test_reduce.c runs under them through `make asan`, below, without -fwrapv."""
     _require_sanitizers(tmp_path)
@@ -119,6 +123,7 @@ def _make(tmp_path, target):
     return run.stdout
 
 
+@pytest.mark.long
 def test_reduce_kernels_under_ubsan_without_fwrapv(tmp_path):
     """`make asan`: the kernels built without -fwrapv, so that UBSan sees any signed overflow they rely on, and with
     float-cast-overflow, which guards their double -> integer conversions."""
@@ -126,6 +131,7 @@ def test_reduce_kernels_under_ubsan_without_fwrapv(tmp_path):
     assert _make(tmp_path, "asan").count(" 0 failed") == 1
 
 
+@pytest.mark.long
 def test_every_clone_of_the_reduce_kernels(tmp_path):
     """`make clones`: the kernels pinned to the portable code and, where the CPU has it, to the avx2 code, so that
     every target_clones variant is checked on one machine (the library runs only the best one)."""

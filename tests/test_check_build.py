@@ -65,18 +65,28 @@ PRELUDES = {
 }
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    """{case: CompletedProcess}: every case's report, their subprocesses run at once (each imports torch and jax,
+def _run_cases(cases, fake=None):
+    """{case: CompletedProcess}: the cases' reports, their subprocesses run at once (each imports torch and jax,
     seconds of CPU apiece, with waits for the disk between: at once they take less time than one after another)."""
-    fake = tmp_path_factory.mktemp("fake")
-    (fake / "jax").mkdir()
-    (fake / "jax" / "__init__.py").write_text("__version__ = '0.4.30'\n")
-    commands = {case: ([sys.executable, "-c", textwrap.dedent(prelude) + REPORT], _env())
-                for case, prelude in PRELUDES.items()}
-    commands["fake jax"] = ([sys.executable, "-m", "shmcomm.runner", "--check-build"], _env([fake]))
+    commands = {case: ([sys.executable, "-c", textwrap.dedent(PRELUDES[case]) + REPORT], _env()) for case in cases}
+    if fake is not None:
+        (fake / "jax").mkdir()
+        (fake / "jax" / "__init__.py").write_text("__version__ = '0.4.30'\n")
+        commands["fake jax"] = ([sys.executable, "-m", "shmcomm.runner", "--check-build"], _env([fake]))
     done = run_at_once([(argv, {"cwd": REPO, "env": env}) for argv, env in commands.values()], timeout=240)
     return dict(zip(commands, done))
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """The reports as installed, without the core and with a JAX that lacks the FFI."""
+    return _run_cases(["as installed", "no core"], tmp_path_factory.mktemp("fake"))
+
+
+@pytest.fixture(scope="module")
+def more_reports():
+    """The reports without mpi4py, mpiexec or torch, and with a torch too old (the second tier)."""
+    return _run_cases(["no mpi4py", "no mpiexec", "no torch", "old torch"])
 
 
 def _report(reports, case):
@@ -110,22 +120,25 @@ def test_without_the_c_core_shared_memory_is_unmarked(reports):
     assert details["C core"].startswith("NOT built (")
 
 
-def test_without_mpi4py_mpi_is_unmarked(reports):
-    marks, details = _report(reports, "no mpi4py")
+@pytest.mark.long
+def test_without_mpi4py_mpi_is_unmarked(more_reports):
+    marks, details = _report(more_reports, "no mpi4py")
     assert marks == dict(EVERYTHING, MPI=False)
     assert details["MPI"].startswith("not available (")
 
 
-def test_without_mpiexec_mpi_is_unmarked(reports):
-    marks, details = _report(reports, "no mpiexec")
+@pytest.mark.long
+def test_without_mpiexec_mpi_is_unmarked(more_reports):
+    marks, details = _report(more_reports, "no mpiexec")
     assert marks == dict(EVERYTHING, MPI=False)
     assert "no mpiexec" in details["MPI"]
 
 
-def test_without_torch_or_with_a_torch_too_old_pytorch_is_unmarked(reports):
-    marks, details = _report(reports, "no torch")
+@pytest.mark.long
+def test_without_torch_or_with_a_torch_too_old_pytorch_is_unmarked(more_reports):
+    marks, details = _report(more_reports, "no torch")
     assert marks == dict(EVERYTHING, PyTorch=False)
     assert details["PyTorch"].startswith("not available (")
-    marks, details = _report(reports, "old torch")
+    marks, details = _report(more_reports, "old torch")
     assert marks == dict(EVERYTHING, PyTorch=False)
     assert "2.0.1 is too old" in details["PyTorch"]

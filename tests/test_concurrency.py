@@ -58,19 +58,25 @@ def test_torch_collectives_from_several_threads_at_once():
     assert multiproc.run(3, _torch_threads, timeout=240, env={"SHMCOMM_TIMEOUT": "60"}) == [True] * 3
 
 
+def _boxes(ready, **shapes):
+    """The boxes {name: (count, dtype)}: rank 0 creates them, the others attach once it has."""
+    import shmcomm
+
+    if shmcomm.rank() == 0:
+        boxes = [shmcomm.SoftMemoryBox(name, shape=(count,), dtype=dtype, create=True)
+                 for name, (count, dtype) in shapes.items()]
+        ready.set()
+        return boxes
+    ready.wait(30)
+    return [shmcomm.SoftMemoryBox(name, timeout=30) for name in shapes]
+
+
 def _box_threads(ready):
     import shmcomm
 
     shmcomm.init()
     me, n = shmcomm.rank(), shmcomm.size()
-    if me == 0:
-        sums = shmcomm.SoftMemoryBox("sums", shape=(64,), dtype=np.int64, create=True)
-        counter = shmcomm.SoftMemoryBox("counter", shape=(2,), dtype=np.int64, create=True)
-        ready.set()
-    else:
-        ready.wait(30)
-        sums = shmcomm.SoftMemoryBox("sums", timeout=30)
-        counter = shmcomm.SoftMemoryBox("counter", timeout=30)
+    sums, counter = _boxes(ready, sums=(64, np.int64), counter=(2, np.int64))
     errors = []
 
     def worker(t):
@@ -97,3 +103,50 @@ def _box_threads(ready):
 
 def test_box_operations_from_threads_and_processes_at_once():
     assert multiproc.run(3, _box_threads, multiproc.Event(), timeout=240) == [True] * 3
+
+
+# A pause between the read and the write of every box update (SHMCOMM_TEST_RACE_PAUSE_US): without the lock, updates
+# that overlap it are lost every run, not once in a while.
+RACE_PAUSE = {"SHMCOMM_TEST_RACE_PAUSE_US": "2000"}
+
+
+def _updates_in_the_pause(ready):
+    import shmcomm
+
+    shmcomm.init()
+    me, n = shmcomm.rank(), shmcomm.size()
+    sums, centre = _boxes(ready, race_sums=(16, np.int64), race_centre=(16, np.float64))
+    shmcomm.barrier()
+    errors, rounds, kept = [], 5, {}
+
+    def worker(t):
+        try:
+            x = np.full(16, 1000.0 * (me * THREADS + t + 1))
+            for k in range(rounds):
+                sums.accumulate(np.full(16, 1 + t, np.int64))
+                d = x.copy()
+                centre.exchange(d, 0.5)  # x + c is kept: halvings of integers, exact in float64
+                x -= d
+            kept[t] = x
+        except BaseException as error:
+            errors.append((t, repr(error)))
+
+    _in_threads(worker, errors)
+    shmcomm.barrier()
+    total = n * rounds * sum(1 + t for t in range(THREADS))
+    mine = np.sum(list(kept.values()), axis=0)
+    together = shmcomm.allreduce(mine, op=shmcomm.Sum) + centre.read()
+    everyone = 1000.0 * sum(range(1, n * THREADS + 1))
+    got = sums.read().tolist(), bool(np.allclose(together, everyone, rtol=1e-12)), sums.version, centre.version
+    shmcomm.barrier()
+    sums.close()
+    centre.close()
+    return got == ([total] * 16, True, n * THREADS * rounds, n * THREADS * rounds), (got, together.tolist())
+
+
+def test_box_updates_keep_every_update_with_a_pause_inside_the_lock():
+    """Accumulates and exchanges from 4 threads of each of 3 ranks, each holding the box lock across a pause between
+    its read and its write: every update lands and the exchanges keep x + c, so a lock that does not exclude fails
+    this every run."""
+    got = multiproc.run(3, _updates_in_the_pause, multiproc.Event(), timeout=120, env=RACE_PAUSE)
+    assert [ok for ok, _ in got] == [True] * 3, got

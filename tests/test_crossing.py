@@ -14,7 +14,7 @@ pytest.importorskip("mpi4py")
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("ranks", [3, 4, 6])
+@pytest.mark.parametrize("ranks", [pytest.param(3, marks=pytest.mark.long), 4, pytest.param(6, marks=pytest.mark.long)])
 def test_compiled_rounds_match_the_python_rounds(ranks):
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():

@@ -67,6 +67,7 @@ def test_lost_worker_shrinks_the_world_and_a_discovered_slot_grows_it(tmp_path):
     assert all(d[3].startswith("3,2") and d[3].endswith(",3") for d in done if d[3] != "3"), done
 
 
+@pytest.mark.long
 def test_a_worker_dying_while_the_world_forms_does_not_hold_up_the_others(tmp_path):
     """Worker 1 dies at step 30; worker 2 dies too, after it heard of the next membership and before it attached to
     that world, so worker 0 waits for it there. The launcher's next membership (worker 0 and a replacement) must end
@@ -88,6 +89,7 @@ def test_a_worker_dying_while_the_world_forms_does_not_hold_up_the_others(tmp_pa
     assert len(done) == 2 and len({d[2] for d in done}) == 1, run.stdout  # worker 0 and the replacement, alike
 
 
+@pytest.mark.long
 def test_below_min_np_the_job_ends_with_an_error(tmp_path):
     pytest.importorskip("torch")
     script = _discovery(tmp_path, 2)

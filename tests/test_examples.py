@@ -50,6 +50,7 @@ def test_torch_digits_two_ranks_match_one():
     assert "training" in two_run.stderr  # rank 0's progress bar
 
 
+@pytest.mark.long
 def test_torch_synthetic_benchmark_reports_throughput():
     pytest.importorskip("torch")
     run = _launch("-np", "2", sys.executable, "examples/torch_synthetic_benchmark.py", "--model", "resnet_tiny",

@@ -61,6 +61,7 @@ BAD_SETTINGS = [
     ("LOG_LEVEL", ["loud", "7"]),
     ("RANKS_PER_HOST", ["-2", "two"]),
     ("JAX_HEAP_BYTES", ["-1", "1G", str(1 << 31)]),
+    ("TEST_RACE_PAUSE_US", ["-1", "1ms", str(1 << 31)]),
 ]
 
 

@@ -55,12 +55,11 @@ def test_on_a_logical_grid_the_handler_goes_through_python():
     _assert_all_ok(_launch(["-np", 4, sys.executable, CHECKS] + checks, SHMCOMM_TORUS_GRID="2x2"), 4, checks)
 
 
-# MPI's own allreduce under jit takes the same handler path as the torus (through Python); -m long runs it too, and
-# the optimizer, the ordering, the gradients and the engine across hosts (on the handler's Python path, which the
-# 3-rank run on one host checks them through too, and the run on a logical grid with -m long).
+# The second tier: the torus and MPI's own allreduce under jit across hosts take the handler's Python path, which the
+# 3-rank run on one host checks too; "torus+" adds the optimizer, the ordering, the gradients and the engine.
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["torus", pytest.param("mpi", marks=pytest.mark.long),
-                                  pytest.param("torus+", marks=pytest.mark.long)])
+@pytest.mark.long
+@pytest.mark.parametrize("algo", ["torus", "mpi", "torus+"])
 def test_across_two_simulated_hosts(two_hosts, algo):  # noqa: F811 (the fixture)
     checks = ["collectives", "mismatches"] + (["optimizer", "ordering", "gradients", "with_engine"]
                                               if algo == "torus+" else [])
@@ -118,6 +117,7 @@ def _spawn_job(script, ranks):
     return outputs
 
 
+@pytest.mark.long
 def test_a_killed_rank_is_named_under_jit(tmp_path):
     """The survivors' jitted allreduce raises, naming rank 1, within seconds; later calls say the same; under the
     launcher the job stops with a non-zero exit naming it."""
@@ -140,6 +140,7 @@ def test_a_killed_rank_is_named_under_jit(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_digits_example_trains_to_95_percent_with_identical_parameters():
     pytest.importorskip("sklearn")
     report = os.path.join(ROOT, "tests", "report_gathered_weights.py")
@@ -187,6 +188,7 @@ def test_the_handler_is_built_once_into_the_build_directory(tmp_path):
 
 
 
+@pytest.mark.long
 def test_results_memory_stays_mapped_between_calls():
     """shmcomm.jax raises glibc's mmap and trim thresholds (jax/results_heap.py): a 64 MiB block freed and taken
     again, as XLA does with a jitted call's result, keeps its pages; with SHMCOMM_JAX_HEAP_BYTES=0 (glibc's own

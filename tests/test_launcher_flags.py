@@ -123,6 +123,7 @@ def test_horovod_variables_work_without_the_launcher_flags():
         assert report["algorithm"] == "mpi" and report["mpi_threads_disabled"] is True
 
 
+@pytest.mark.long
 def test_version_and_check_build_need_no_np():
     from shmcomm import __version__
 

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# Builds a wheel from a copy of the sources and installs it: the second tier (`pytest -m long`).
+pytestmark = pytest.mark.long
+
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 180
 

@@ -156,6 +156,7 @@ def test_shmcommrun_starts_ranks_across_hosts_with_the_job_environment(sim):
         assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 4))
 
 
+@pytest.mark.long
 def test_a_failing_rank_fails_the_job_promptly(sim):
     failing = """
         import os, sys, time
@@ -177,6 +178,77 @@ def test_a_failing_rank_fails_the_job_promptly(sim):
     while any(processes_in(ns) for ns in sim.namespaces):  # hydra stops the sleeping ranks too
         assert time.monotonic() < deadline, "ranks still run after the job failed"
         time.sleep(0.1)
+
+
+RAISES = """
+    import os, signal, stat, sys, time, shmcomm
+    shmcomm.init()
+    if shmcomm.rank() == 3:
+        reports = os.environ["SHMCOMM_ERROR_REPORT_DIR"]
+        if sys.argv[1] == "cut":
+            os.kill(os.getppid(), signal.SIGSTOP)  # its guard, which forwards its stderr: none of it gets out
+            while open("/proc/%d/stat" % os.getppid()).read().rpartition(") ")[2][:1] != "T":
+                time.sleep(0.01)  # the signal is on its way, not yet taken
+        raise RuntimeError("distinctive-message-1234 (reports in %s, mode %o)"
+                           % (reports, stat.S_IMODE(os.stat(reports).st_mode)))
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["forwarded", "cut"])
+def test_an_uncaught_exception_reaches_the_launchers_output_once(sim, how):
+    """MPI_Abort, which the rank's excepthook calls, has hydra kill the job while the traceback may still be on its
+    way to the launcher; the launcher prints the copy the rank saved where it did not come through (always, when
+    the rank's guard is stopped and forwards nothing), and once only where it did."""
+    result = run([sys.executable, "-m", "shmcomm.runner", *sim.shmcommrun_args(2), *python_program(RAISES), how])
+    assert result.returncode != 0, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    raised = [line for line in lines if line.startswith("[3]<stderr>: RuntimeError: distinctive-message-1234 ")]
+    assert len(raised) == 1, result.stderr
+    assert lines[lines.index(raised[0]) - 2] == "[3]<stderr>: Traceback (most recent call last):", result.stderr
+    reports, mode = re.search(r"\(reports in (\S+), mode (\d+)\)", raised[0]).groups()
+    assert mode == "700" and not os.path.exists(reports), raised[0]
+    if how == "cut":
+        assert "shmcommrun: rank 3 died of an uncaught exception, whose traceback MPI_Abort cut off" in result.stderr
+    summary = next(line for line in lines if "mpiexec exited with code" in line)
+    assert "rank 3 " in summary, result.stderr
+
+
+def test_the_launcher_prints_the_saved_reports_that_did_not_come_through(tmp_path, capfd):
+    """A saved report whose last lines came through the rank's stderr is not printed again; one that came through in
+    part, or only on stdout, is printed whole with its rank; a report still being written is left alone."""
+    from shmcomm.runner.mpi_launch import _Report
+
+    traceback = ["Traceback (most recent call last):", '  File "job.py", line 3, in <module>', "ValueError: bad"]
+    for rank in (1, 2, 3):
+        (tmp_path / f"rank{rank}").write_text("\n".join(traceback) + "\n")
+    (tmp_path / "rank4.partial").write_text("Traceback (most recent call last):\n")  # never renamed: not whole
+    report = _Report()
+    for line in ["[1]<stderr>: something before\n"] + [f"[1]<stderr>: {line}\n" for line in traceback] + \
+            [f"[2]<stderr>: {traceback[0]}\n", "[3]<stdout>: " + traceback[-1] + "\n",
+             "[1]<stderr>: Abort(1) on node 1 (rank 1 in comm 0): application called MPI_Abort\n"]:
+        report.read(line)
+    report.print_lost_reports(str(tmp_path))
+    printed = capfd.readouterr().err.splitlines()
+    assert [line for line in printed if line.startswith("shmcommrun: ")] == [
+        f"shmcommrun: rank {rank} died of an uncaught exception, whose traceback MPI_Abort cut off from the job's "
+        "output; the rank saved it:" for rank in (2, 3)]
+    assert [line for line in printed if not line.startswith("shmcommrun: ")] == \
+        [f"[{rank}]<stderr>: {line}" for rank in (2, 3) for line in traceback]
+    assert report.summary() == "ranks 1, 2, 3 died of uncaught exceptions"
+
+
+def test_a_rank_saves_its_report_privately_and_only_where_asked(tmp_path, monkeypatch):
+    from shmcomm import topology
+
+    monkeypatch.setenv("SHMCOMM_ERROR_REPORT_DIR", str(tmp_path))
+    topology.save_error_report(5, "Traceback (most recent call last):\nValueError: \u00e9\n")
+    assert os.listdir(tmp_path) == ["rank5"]
+    assert (tmp_path / "rank5").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "rank5").read_bytes() == "Traceback (most recent call last):\nValueError: \u00e9\n".encode()
+    monkeypatch.setenv("SHMCOMM_ERROR_REPORT_DIR", str(tmp_path / "elsewhere"))  # as on a remote host: no such place
+    topology.save_error_report(6, "lost\n")
+    assert os.listdir(tmp_path) == ["rank5"]
 
 
 def test_teardown_kills_what_runs_inside_and_leaves_nothing():

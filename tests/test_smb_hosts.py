@@ -223,7 +223,9 @@ def _reports(hosts, per_host, directory):
         script = os.path.join(directory, "checks.py")
         with open(script, "w") as f:
             f.write(CHECKS)
-        run = _shmcommrun(sim, per_host, [sys.executable, script, directory])
+        # Every box update pauses between its read and its write under the lock, on the home host's server too:
+        # a lock that does not exclude loses remote and local updates every run.
+        run = _shmcommrun(sim, per_host, [sys.executable, script, directory], SHMCOMM_TEST_RACE_PAUSE_US="2000")
         assert run.returncode == 0, run.stdout + run.stderr
     finally:
         sim.close()
@@ -234,7 +236,7 @@ def _reports(hosts, per_host, directory):
     return found
 
 
-@pytest.fixture(scope="module", params=[(2, 2), (3, 2)], ids=["2x2", "3x2"])
+@pytest.fixture(scope="module", params=[(2, 2), pytest.param((3, 2), marks=pytest.mark.long)], ids=["2x2", "3x2"])
 def reports(request, tmp_path_factory):
     hosts, per_host = request.param
     return hosts, _reports(hosts, per_host, str(tmp_path_factory.mktemp("smb%dx%d" % request.param)))
@@ -350,6 +352,7 @@ os._exit(1)
 """
 
 
+@pytest.mark.long
 def test_home_host_killed_every_user_raises_naming_it(tmp_path):
     sim = open_hosts(2)
     try:
@@ -408,6 +411,7 @@ os._exit(1)
 """
 
 
+@pytest.mark.long
 def test_a_lock_holder_killed_on_another_host_leaves_the_box_usable(tmp_path):
     sim = open_hosts(2)
     try:

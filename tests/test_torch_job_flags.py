@@ -30,7 +30,9 @@ FLAGS = textwrap.dedent("""
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
-@pytest.mark.parametrize("ranks,per_host,homogeneous", [(4, 2, True), (3, 2, False)])
+@pytest.mark.parametrize("ranks,per_host,homogeneous",
+                         [pytest.param(4, 2, True, marks=pytest.mark.long),
+                          pytest.param(3, 2, False, marks=pytest.mark.long)])
 def test_flags_across_pretend_hosts(tmp_path, ranks, per_host, homogeneous):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                SHMCOMM_RANKS_PER_HOST=str(per_host))

@@ -87,8 +87,9 @@ MISMATCHES = textwrap.dedent("""
 
 
 # 2x3 (wider than tall, as 1x3 is) runs with -m long.
-GRIDS = [("2x2", None), pytest.param("2x3", None, marks=pytest.mark.long), ("3x2", None), ("4x2", None), ("1x3", None),
-         ("3x1", None), ("3x2", "0")]
+GRIDS = [("2x2", None), pytest.param("2x3", None, marks=pytest.mark.long),
+         pytest.param("3x2", None, marks=pytest.mark.long), pytest.param("4x2", None, marks=pytest.mark.long),
+         ("1x3", None), ("3x1", None), ("3x2", "0")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,6 +279,7 @@ def test_negotiation_across_hosts_times_out_on_a_stuck_rank(tmp_path):
         assert r["type"] == "TimeoutError" and r["seconds"] >= 2 and "negotiation: timed out" in r["message"], r
 
 
+@pytest.mark.long
 def test_a_rank_that_does_not_come_times_the_others_out_by_name(tmp_path):
     """MPI waits have no deadline of their own: the column's watchdog gives them SHMCOMM_TIMEOUT's."""
     raised = _run_stuck_rank_job(tmp_path, "shmcomm.allreduce(np.ones(10, np.float32))", 3)
@@ -287,7 +289,7 @@ def test_a_rank_that_does_not_come_times_the_others_out_by_name(tmp_path):
     assert "failed on rank 0" in raised[1]["message"], raised
 
 
-@pytest.mark.parametrize("count", [10, 25_000])
+@pytest.mark.parametrize("count", [10, pytest.param(25_000, marks=pytest.mark.long)])
 def test_a_rank_that_does_not_come_times_the_quick_call_across_hosts_out_by_name(tmp_path, count):
     """One rank per host: the small allreduce is one C call (csrc/py/quick_crossing.c), whose rounds keep the same
     deadline; after the timeout the transport refuses the next call, quick or not. (Two per host: the test above.)
@@ -308,8 +310,10 @@ def test_a_rank_that_does_not_come_times_the_quick_call_across_hosts_out_by_name
 
 # Three hosts of two (6, 2) run with -m long: two hosts of three and the uneven (5, 2) take the same paths. Four
 # hosts of one halve on the small path (agreement.HALVING_BYTES).
-PRETEND_HOSTS = [(4, 2, "torus"), (4, 2, "ring"), (4, 2, "mpi"), pytest.param(6, 2, "auto", marks=pytest.mark.long),
-                 (6, 3, "auto"), (5, 2, "auto"), (4, 1, "auto")]
+PRETEND_HOSTS = [(4, 2, "torus"), (4, 2, "ring"), pytest.param(4, 2, "mpi", marks=pytest.mark.long),
+                 pytest.param(6, 2, "auto", marks=pytest.mark.long),
+                 pytest.param(6, 3, "auto", marks=pytest.mark.long), (5, 2, "auto"),
+                 pytest.param(4, 1, "auto", marks=pytest.mark.long)]
 
 
 def run_checks_job(launch, ranks, program=CHECKS):

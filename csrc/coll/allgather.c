@@ -139,7 +139,10 @@ smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recv
     if (out != NULL && send_bytes > 0 && sendbuf != recvbuf) smc_copy(out, sendbuf, (size_t)send_bytes);
     return SMC_SUCCESS;
   }
-  if (smc_single_copy(c, longest)) return single_copy(c, sendbuf, out, displ, every_rows, row_bytes);
+  if (smc_single_copy(c, longest)) {
+    c->single_copy_calls++;
+    return single_copy(c, sendbuf, out, displ, every_rows, row_bytes);
+  }
   const uint64_t half = c->half_bytes;
   uint64_t steps = longest == 0 ? 1 : (longest + half - 1) / half;
   for (uint64_t k = 0; k < steps; k++) {

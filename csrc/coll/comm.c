@@ -193,6 +193,8 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->single_copy_probed = cfg->single_copy_probed;
   c->piece_bytes = cfg->piece_bytes;
   c->pull_bytes = cfg->pull_bytes;
+  c->pull_probed = cfg->pull_probed;
+  c->race_pause_us = cfg->race_pause_us > 0 ? cfg->race_pause_us : 0;
   c->shared_from_bytes = cfg->shared_from_bytes;
   smc_huge_pages_init(c, cfg->huge_pages);
   for (int r = 0; r < c->size; r++) c->job_ranks[r] = cfg->job_ranks != NULL ? cfg->job_ranks[r] : r;
@@ -317,6 +319,8 @@ uint64_t smc_comm_shared_calls(smc_comm_t* c) { return c != NULL ? c->window_cal
 uint64_t smc_comm_pull_from(smc_comm_t* c) { return smc_pull(c, UINT64_MAX) ? c->pull_bytes : 0; }
 
 uint64_t smc_comm_pulled_calls(smc_comm_t* c) { return c != NULL ? c->pulled_calls : 0; }
+
+uint64_t smc_comm_single_copy_calls(smc_comm_t* c) { return c != NULL ? c->single_copy_calls : 0; }
 
 uint64_t smc_comm_failed_ranks(smc_comm_t* c) {
   uint64_t mask = 0;

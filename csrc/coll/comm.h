@@ -51,6 +51,8 @@ struct smc_comm {
                                * this many times the threshold (smc_alltoall_single_copy); 0: on its parts */
   size_t piece_bytes;         /* allreduce's bytes per rank and step (coll/allreduce.c); 0: a half's share */
   uint64_t pull_bytes;        /* allreduces and reduce-scatters of at least this size pull (coll/allreduce.c) */
+  int pull_probed;            /* smc_config_t's */
+  int race_pause_us;          /* smc_config_t's */
   int cma;                    /* every rank can read its peers' memory (decided together at init) */
   int cma_fast;               /* and every rank's kernel copy proved fast (coll/cma.c) */
   uint64_t cma_probe;         /* the value a neighbour reads at init to prove it reads this process */
@@ -60,6 +62,7 @@ struct smc_comm {
   uint64_t window_serial;                 /* how many this communicator has created, on every rank alike */
   uint64_t window_calls;                  /* collectives that read or wrote shared buffers directly */
   uint64_t pulled_calls;                  /* allreduces and reduce-scatters that pulled (coll/allreduce.c) */
+  uint64_t single_copy_calls;             /* allgathers, alltoalls and broadcasts that moved by single copy */
   uint64_t shared_from_bytes;             /* smc_config_t's */
   uint64_t huge_bytes;                    /* a transparent huge page's size; 0: buffers are not offered */
   smc_offered_range_t offered[SMC_OFFERED_RANGES];
@@ -125,10 +128,10 @@ static inline int smc_broadcast_single_copy(const smc_comm_t* c, uint64_t bytes)
   return c->cma && c->broadcast_single_copy_bytes > 0 && bytes >= c->broadcast_single_copy_bytes;
 }
 /* smc_pull: whether an allreduce or reduce-scatter of `bytes` reads its range of the peers' inputs (and an allreduce
- * writes its reduced pieces straight into their outputs: coll/allreduce.c, pulled); only where the kernel's copy
- * proved fast on every rank, since each piece then goes through it once or twice per peer. */
+ * writes its reduced pieces straight into their outputs: coll/allreduce.c, pulled); by default only where the kernel's
+ * copy proved fast on every rank, since each piece then goes through it once or twice per peer. */
 static inline int smc_pull(const smc_comm_t* c, uint64_t bytes) {
-  return c->cma && c->cma_fast && c->pull_bytes > 0 && bytes >= c->pull_bytes;
+  return c->cma && (c->cma_fast || !c->pull_probed) && c->pull_bytes > 0 && bytes >= c->pull_bytes;
 }
 smc_result_t smc_cma_read(smc_comm_t* c, int r, void* local, uint64_t remote, uint64_t bytes, const char* what);
 /* smc_cma_write: copies `bytes` from `local` into rank r's address `remote` (process_vm_writev). */

@@ -114,11 +114,16 @@ typedef struct {
                            * peers' inputs (and allreduces write its reduced pieces straight into their outputs) by
                            * cross-memory attach where every rank's kernel copy proved fast at init, instead of
                            * through the staging halves; 0: never */
+  int pull_probed;        /* 1: pull only where every rank's kernel copy proved fast at init; 0: wherever every rank
+                           * may read its peers' memory (a set pull_bytes forces the path) */
   size_t shared_from_bytes; /* collectives on at least this much data in shared buffers (smc_window_create) read
                              * and write the peers' buffers directly */
   int huge_pages;         /* 1: a buffer that peers reach by the kernel's copy has the whole huge pages inside it
                            * collapsed into transparent huge pages the second time it is used so (coll/huge_pages.c);
                            * 0: buffers are left as they are */
+  int race_pause_us;      /* tests only: a box accumulate or exchange reads its range, sleeps this long, then writes
+                           * it, all under the box lock, so that a lock that does not exclude makes an update get lost
+                           * every time instead of rarely; 0 in any real job */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL
                            * means rank r is job rank r. Copied by smc_comm_create. */
   const uint32_t* abandon;  /* NULL, or a word another thread of the caller sets to non-zero when the world being
@@ -166,6 +171,8 @@ uint64_t smc_comm_alltoall_single_copy_from(smc_comm_t* comm);
 uint64_t smc_comm_pull_from(smc_comm_t* comm);
 /* How many allreduces and reduce-scatters of this communicator did so; for logs and tests. */
 uint64_t smc_comm_pulled_calls(smc_comm_t* comm);
+/* How many allgathers, alltoalls and broadcasts of this communicator moved by single copy; for logs and tests. */
+uint64_t smc_comm_single_copy_calls(smc_comm_t* comm);
 /* Buffers (ranges of whole huge pages) this rank collapsed into transparent huge pages (smc_config_t.huge_pages). */
 uint64_t smc_comm_huge_collapses(smc_comm_t* comm);
 /* Ranks whose process is gone, as a bit mask (bit i = the communicator's i-th rank, job_ranks[i]; the first 64

@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -305,11 +306,32 @@ smc_result_t smc_box_write(smc_box_t* b, size_t offset, size_t count, const void
   return SMC_SUCCESS;
 }
 
+/* Tests only (smc_config_t.race_pause_us): the locked section works on a copy of the range read before a pause and
+ * written back after it, so that a writer the lock failed to exclude loses its update every time, not now and then.
+ * Returns where the arithmetic goes: the copy, or the range itself when no pause is set (or no copy can be had). */
+static uint8_t* paused_read(smc_box_t* b, uint8_t* range, size_t bytes) {
+  int pause_us = b->comm->race_pause_us;
+  uint8_t* copy = pause_us > 0 && bytes > 0 ? malloc(bytes) : NULL;
+  if (copy == NULL) return range;
+  memcpy(copy, range, bytes);
+  usleep((useconds_t)pause_us);
+  return copy;
+}
+
+static void paused_write(uint8_t* range, uint8_t* worked, size_t bytes) {
+  if (worked == range) return;
+  memcpy(range, worked, bytes);
+  free(worked);
+}
+
 smc_result_t smc_box_accumulate(smc_box_t* b, size_t offset, size_t count, const void* src, double alpha,
                                 double beta, uint64_t* version) {
   SMC_CHECK(check_range(b, offset, count, src, "box accumulate"));
   SMC_CHECK(smc_box_lock(b, b->timeout_s));
-  smc_result_t rc = smc_axpby(b->data + offset * b->esize, src, count, (smc_datatype_t)b->entry->dtype, alpha, beta);
+  uint8_t* range = b->data + offset * b->esize;
+  uint8_t* worked = paused_read(b, range, count * b->esize);
+  smc_result_t rc = smc_axpby(worked, src, count, (smc_datatype_t)b->entry->dtype, alpha, beta);
+  paused_write(range, worked, count * b->esize);
   uint64_t v = rc == SMC_SUCCESS ? bump_version(b->entry) : 0;
   unlock_box(b->entry);
   if (version != NULL) *version = v;
@@ -324,9 +346,11 @@ smc_result_t smc_box_exchange(smc_box_t* b, size_t offset, size_t count, void* x
   SMC_CHECK(check_range(b, offset, count, x_to_d, "box exchange"));
   SMC_CHECK(smc_box_lock(b, b->timeout_s));
   smc_datatype_t dtype = (smc_datatype_t)b->entry->dtype;
-  uint8_t* c = b->data + offset * b->esize;
+  uint8_t* range = b->data + offset * b->esize;
+  uint8_t* c = paused_read(b, range, count * b->esize);
   smc_result_t rc = smc_axpby(x_to_d, c, count, dtype, -alpha, alpha);
   if (rc == SMC_SUCCESS) rc = smc_axpby(c, x_to_d, count, dtype, 1.0, 1.0);
+  paused_write(range, c, count * b->esize);
   uint64_t v = rc == SMC_SUCCESS ? bump_version(b->entry) : 0;
   unlock_box(b->entry);
   if (version != NULL) *version = v;
@@ -338,9 +362,12 @@ smc_result_t smc_box_exchange_held(smc_box_t* b, size_t offset, size_t count, vo
   if (b->entry->holder_tid != (int)syscall(SYS_gettid) || b->entry->depth == 0)
     return smc_set_error(SMC_ERR_INVALID, "box '%s': a part of an exchange without holding the lock", b->entry->name);
   smc_datatype_t dtype = (smc_datatype_t)b->entry->dtype;
-  uint8_t* c = b->data + offset * b->esize;
-  SMC_CHECK(smc_axpby(x_to_d, c, count, dtype, -alpha, alpha));
-  return smc_axpby(c, x_to_d, count, dtype, 1.0, 1.0);
+  uint8_t* range = b->data + offset * b->esize;
+  uint8_t* c = paused_read(b, range, count * b->esize);
+  smc_result_t rc = smc_axpby(x_to_d, c, count, dtype, -alpha, alpha);
+  if (rc == SMC_SUCCESS) rc = smc_axpby(c, x_to_d, count, dtype, 1.0, 1.0);
+  paused_write(range, c, count * b->esize);
+  return rc;
 }
 
 smc_result_t smc_box_wait_version(smc_box_t* b, uint64_t min_version, double timeout_s, uint64_t* version) {

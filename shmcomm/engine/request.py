@@ -82,6 +82,7 @@ def _dispatch(req):
 # One condition for every handle: completing a fused group of a hundred tensors then costs one wake-up, not a
 # hundred Event objects' worth.
 _completed = threading.Condition(threading.Lock())
+_WAKE_S = 0.1  # how often a caller waiting for a handle wakes to run signal handlers
 
 
 class Handle:
@@ -119,12 +120,18 @@ class Handle:
         if not self.done:
             if self.wake is not None:
                 self.wake()
+            deadline = None if timeout is None else time.monotonic() + timeout
             with _completed:
-                if not _completed.wait_for(lambda: self.done, timeout):
-                    from shmcomm.exceptions import TimeoutError
+                # In slices: a signal that lands on another thread runs its handler (Ctrl-C's KeyboardInterrupt)
+                # only once this thread wakes, and a wait without a bound would never wake for it.
+                while not self.done:
+                    left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.monotonic())
+                    if left <= 0:
+                        from shmcomm.exceptions import TimeoutError
 
-                    what = self.request.what if self.request is not None else "join"
-                    raise TimeoutError("%s: not done after %.1f s" % (what, timeout))
+                        what = self.request.what if self.request is not None else "join"
+                        raise TimeoutError("%s: not done after %.1f s" % (what, timeout))
+                    _completed.wait(left)
         if self._error is not None:
             raise self._error
         return self._result

@@ -17,8 +17,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections import deque
+
+from shmcomm.env import ERROR_REPORT_DIR
 
 from .cleanup import remove_job_segments, remove_orphaned_mpi_segments
 from .spawn import FORWARDED_SIGNALS, exit_code_of, say, signal_name, write_console
@@ -102,6 +106,16 @@ _STOPPED_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: rank (\d+) \(pid \d+\
 _FAILURE = re.compile(r"^rank (\d+) on (\S+) (.*)$")  # a guard line's failure: rank, host, how
 _GONE_LINE = re.compile(r"^\[\d+\]<stderr>: .*\b(ranks? [\d, ]+) (?:is|are) gone")
 _MPI_ABORT_LINE = re.compile(r"^\[(\d+)\]<stderr>: Abort\(\d+\) on node \d+: Fatal error")  # MPICH's own abort
+_RANK_STDERR_LINE = re.compile(r"^\[(\d+)\]<stderr>: (.*?)\n?\Z", re.DOTALL)
+
+# The directory, private to this launcher, where a rank that dies of an uncaught exception saves its traceback
+# (shmcomm/topology.py, save_error_report) before MPI_Abort has hydra kill the job: the kill may cut off the
+# traceback on its way through the guard, hydra's proxy and mpiexec, so the launcher prints the saved one when its
+# text did not come through. On remote hosts the directory does not exist and the forwarded stderr is all there is.
+_REPORT_RE = re.compile(r"rank(\d+)\Z")
+_MAX_REPORT_BYTES = 1 << 20
+_TAIL_LINES = 200  # of each rank's stderr, remembered to tell whether a saved report came through
+_MATCHED_LINES = 20  # of a report's last lines, which must have come through, in a row
 
 
 def find_mpiexec():
@@ -196,7 +210,22 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False, not
     rank failed, hydra has the guard's grace (kill_grace_seconds) and _TEARDOWN_S more to stop the job, or is
     killed too. The job's output passes through here, so that the end can say which rank failed first and which
     ranks held the job up, and so that `notices` (a notice_server.NoticeServer, closed here) tells the ranks still
-    starting which rank failed or is stopped."""
+    starting which rank failed or is stopped. A rank's traceback that MPI_Abort cut off from the output is printed
+    from the copy the rank saved in a private directory (ERROR_REPORT_DIR), removed at the end."""
+    try:
+        reports = tempfile.mkdtemp(prefix="shmcomm-errors-")  # mode 0700; its files are 0600 (topology.py)
+    except OSError as error:
+        say(f"note: cannot make a directory for the ranks' error reports ({error.strerror or error}): a traceback "
+            f"that MPI_Abort cuts off is lost")
+        return _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices, None)
+    try:
+        return _run_mpi_job([mpiexec_args[0], "-genv", ERROR_REPORT_DIR, reports] + list(mpiexec_args[1:]), env,
+                            token, kill_grace_seconds, verbose, notices, reports)
+    finally:
+        shutil.rmtree(reports, ignore_errors=True)
+
+
+def _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices, reports):
     if verbose:
         say("mpiexec command: " + shlex.join(mpiexec_args))
     started = time.time() - 1.0  # file times have coarse clocks: a margin, not a race
@@ -250,6 +279,8 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False, not
         deadline = time.monotonic() + _OUTPUT_DRAIN_S  # a process that outlived hydra may hold its pipes open
         for relay in relays:
             relay.join(max(0.0, deadline - time.monotonic()))
+        if reports is not None:
+            report.print_lost_reports(reports)
         # Ranks unlink their segments once all of them have attached; this removes what a failed job left on
         # this host. Simulated hosts share this host's /dev/shm, so it covers them all. On real hosts each
         # host's ranks unlink their own segments right after attaching; a crash before that leaves files there.
@@ -278,6 +309,8 @@ class _Report:
         self.silent = set()
         self.gone = None
         self.aborted_by_mpi = set()  # ranks whose MPI aborted them itself (MPICH's "Abort(...): Fatal error")
+        self.tails = {}  # rank: hashes of its last _TAIL_LINES stderr lines
+        self.raised = {}  # rank: the last line of its saved report, for the summary
 
     def read(self, line):
         found = _GUARD_LINE.match(line)
@@ -301,9 +334,48 @@ class _Report:
         found = _GONE_LINE.match(line)
         if found and self.gone is None:
             self.gone = sorted(int(r) for r in re.findall(r"\d+", found.group(1)))
+        found = _RANK_STDERR_LINE.match(line)
+        if found:
+            tail = self.tails.setdefault(int(found.group(1)), deque(maxlen=_TAIL_LINES))
+            tail.append(hash(found.group(2)))
+
+    def came_through(self, rank, lines):
+        """Whether these lines of the rank's stderr came through: its last _MATCHED_LINES, in a row. One rank's
+        stderr comes through in order, so the lines before them did too."""
+        wanted = [hash(line) for line in lines[-_MATCHED_LINES:]]
+        tail = list(self.tails.get(rank, ()))
+        return any(tail[at:at + len(wanted)] == wanted for at in range(len(tail) - len(wanted) + 1))
+
+    def print_lost_reports(self, directory):
+        """Prints, prefixed with the rank as its own output would be, each traceback a rank saved in directory
+        (shmcomm/topology.py, save_error_report) that did not come through the job's output."""
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            return
+        for rank, name in sorted((int(m.group(1)), m.group(0)) for m in map(_REPORT_RE.match, names) if m):
+            try:
+                with open(os.path.join(directory, name), "rb") as saved:
+                    saved.seek(max(0, os.fstat(saved.fileno()).st_size - _MAX_REPORT_BYTES))  # the end says most
+                    text = saved.read(_MAX_REPORT_BYTES).decode("utf-8", errors="replace")
+            except OSError:
+                continue
+            if not text.strip():
+                continue
+            lines = text.rstrip("\n").split("\n")
+            self.raised[rank] = next(line for line in reversed(lines) if line.strip())
+            if self.came_through(rank, lines):
+                continue
+            say(f"rank {rank} died of an uncaught exception, whose traceback MPI_Abort cut off from the job's "
+                f"output; the rank saved it:")
+            write_console(sys.stderr, "".join(f"[{rank}]<stderr>: {line}\n" for line in lines))
 
     def summary(self):
         parts = [f"{self._first()} first"] if self.failures else []
+        if not parts and self.raised:  # MPI_Abort killed the guards too: only the ranks' saved reports name them
+            ranks = sorted(self.raised)
+            parts.append(f"rank {ranks[0]} died of an uncaught exception: {self.raised[ranks[0]][:200]}"
+                         if len(ranks) == 1 else f"{_ranks_text(ranks)} died of uncaught exceptions")
         if self.silent:
             ranks = sorted(self.silent)
             parts.append(f"{_ranks_text(ranks)} did not answer the others (stopped or hung): "

@@ -55,13 +55,17 @@ class _ElasticAveraging:
         with torch.no_grad():
             if self._exchanger:
                 self._centre.exchange(self._flat_np, self._alpha)
-            if self._host_box is not None:
-                self._exchanges += 1
-                if self._exchanger:
-                    self._host_box.write(self._flat_np)
-                else:
-                    self._host_box.wait_version(self._exchanges)
-                    self._host_box.read(out=self._flat_np)
+            self._hand_to_host()
+
+    def _hand_to_host(self):
+        """In the hybrid mode, the host's root hands its parameters to the host's other ranks."""
+        if self._host_box is not None:
+            self._exchanges += 1
+            if self._exchanger:
+                self._host_box.write(self._flat_np)
+            else:
+                self._host_box.wait_version(self._exchanges)
+                self._host_box.read(out=self._flat_np)
 
     def centre_state_dict(self):
         """The centre's parameters by name, as new tensors (pushes of this rank still in flight land first)."""
@@ -74,8 +78,10 @@ class _ElasticAveraging:
 
     def finish(self):
         """Waits for this rank's last exchange with the centre and applies it (before evaluating or shutting
-        down)."""
-        self._centre.flush()
+        down); in the hybrid mode every rank of a host calls it, and all of them get the result."""
+        with torch.no_grad():
+            self._centre.flush()
+            self._hand_to_host()
 
 
 def ElasticAveragingOptimizer(optimizer, named_parameters=None, alpha=0.2, period=1, hybrid=False, home=None,

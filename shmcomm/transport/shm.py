@@ -75,6 +75,8 @@ class SharedMemory(Transport):
         cfg.cache_bytes = tuning.cache_bytes
         cfg.single_copy_probed = tuning.single_copy_probed
         cfg.huge_pages = tuning.huge_pages
+        cfg.pull_probed = tuning.pull_probed
+        cfg.race_pause_us = tuning.race_pause_us
         job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
         cfg.job_ranks = job_ranks
         cfg.abandon = ffi.NULL if abandon is None else abandon
@@ -121,6 +123,10 @@ class SharedMemory(Transport):
     def shared_calls(self):
         """How many collectives read and wrote shared buffers directly (for logs and tests)."""
         return lib.smc_comm_shared_calls(self.handle)
+
+    def single_copy_calls(self):
+        """How many allgathers, alltoalls and broadcasts moved by single copy (the core's count)."""
+        return lib.smc_comm_single_copy_calls(self.handle)
 
     def pulled_calls(self):
         """How many allreduces and reduce-scatters read the peers' inputs by single copy (for tests)."""
