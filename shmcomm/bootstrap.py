@@ -153,7 +153,7 @@ def _world_across_hosts(topo, ctx, tuning, shm, paths):
     return world
 
 
-_STOP_NOTICE_S = 2.5  # how long after a rank stopped its guard says so (mpi_launch.RANK_GUARD), and a margin
+_STOP_NOTICE_S = 2.5  # how long after a rank stopped its guard says so (runner/rank_guard.py), and a margin
 
 
 def _within(timeout_s, what, notices, fn, *args):

@@ -13,15 +13,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from shmcomm import env
+
 
 def cache_dir(setting, name):
-    """The directory the environment variable `setting` names, else ~/.cache/shmcomm/`name` (XDG_CACHE_HOME
-    honoured)."""
-    chosen = os.environ.get(setting)
-    if chosen:
-        return Path(chosen)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "shmcomm" / name
+    """The directory SHMCOMM_`setting` names, else ~/.cache/shmcomm/`name` (XDG_CACHE_HOME honoured)."""
+    return Path(env.build_cache_dir(setting, name))
 
 
 def built(root, key, build):

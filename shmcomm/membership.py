@@ -185,6 +185,5 @@ def join(timeout_s=None):
     local = [r for r in range(size) if hosts[r] == hosts[rank]]
     identity = {"RANK": rank, "SIZE": size, "LOCAL_RANK": local.index(rank), "LOCAL_SIZE": len(local),
                 "CROSS_RANK": order.index(hosts[rank]), "CROSS_SIZE": len(order), "JOB_TOKEN": record["token"]}
-    for key, value in identity.items():
-        os.environ["SHMCOMM_" + key] = os.environ["HOROVOD_" + key] = str(value)
+    env.adopt_identity(identity)
     return record

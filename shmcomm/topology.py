@@ -71,8 +71,8 @@ def _prefer_ofi(library_version):
     faster at 4 MiB; MPI's own collectives (broadcast, allgather, alltoall across hosts) are 33-41% slower at 4-64
     KiB. A job that prefers UCX's latency to naming a killed rank sets MPIR_CVAR_CH4_NETMOD=ucx."""
     device = next((line for line in library_version.splitlines() if line.startswith("MPICH Device:")), "")
-    if "ofi" in device.split(":", 1)[-1] and "MPIR_CVAR_CH4_NETMOD" not in os.environ:
-        os.environ["MPIR_CVAR_CH4_NETMOD"] = "ofi"
+    if "ofi" in device.split(":", 1)[-1]:
+        env.prefer_mpich_network("ofi")
 
 
 def _thread_level(MPI, name):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import shmcomm.torch as hvd
+from shmcomm import env
 
 SAMPLES, BATCH = 240, 4
 
@@ -97,7 +98,7 @@ def main():
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     print("done rank %d size %d host %s digest %s sizes %s token %s" % (
         hvd.rank(), hvd.size(), socket.gethostname(), digest, ",".join(map(str, state.sizes)),
-        os.environ["SHMCOMM_JOB_TOKEN"]), flush=True)
+        env.job_token()), flush=True)
     hvd.shutdown()
 
 

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The layering docs/architecture.md describes, checked from the source: no import cycles (function-level imports
-included), the C core's communication calls only inside the transports, no parsing of error text."""
+included), the C core's communication calls only inside the transports, no parsing of error text, the environment
+read and changed only in shmcomm/env/, no file over 400 lines."""
 import ast
 import pathlib
 
@@ -126,3 +127,77 @@ def test_the_core_is_rebuilt_when_any_file_it_reads_changes():
     named |= {pathlib.Path(p).resolve() for p in ffi_build.ffibuilder._assigned_source[3]["sources"]}
     read = {p.resolve() for p in csrc.rglob("*.[ch]") if p.relative_to(csrc).parts[0] not in ("jax", "mpi")}
     assert read and not read - named, sorted(str(p) for p in read - named)
+
+
+SETTINGS = PACKAGE / "env"
+_ENVIRONMENT = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+_CHANGES = {"__setitem__", "__delitem__", "setdefault", "update", "pop", "popitem", "clear"}
+
+
+def _environment_uses(source):
+    """[(line, 'read' or 'change')] of every use of the process environment in `source` (os.environ, os.getenv and
+    their kin, however imported)."""
+    tree = ast.parse(source)
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and _ENVIRONMENT & {a.name for a in node.names}:
+            uses.append((node.lineno, "read"))
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
+                and node.attr in _ENVIRONMENT):
+            continue
+        uses.append((node.lineno, "change" if node.attr in ("putenv", "unsetenv") else "read"))
+    for node in ast.walk(tree):  # os.environ[...] = ..., del os.environ[...], os.environ.update(...)
+        target = node.value if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)) else \
+            node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+            node.func.attr in _CHANGES else None
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "os" and \
+                target.attr in _ENVIRONMENT:
+            uses.append((node.lineno, "change"))
+    return uses
+
+
+def test_only_the_settings_read_the_environment():
+    """Settings are read in one place (shmcomm/env/), where their names, defaults and checks are; the launcher hands
+    its ranks a copy of its environment from there too."""
+    outside = ["%s:%d" % (path.relative_to(PACKAGE.parent), line) for path in sorted(PACKAGE.rglob("*.py"))
+               if SETTINGS not in path.parents for line, _ in _environment_uses(path.read_text())]
+    assert outside == []
+
+
+def test_the_environment_changes_only_for_mpich():
+    """Nothing changes the environment of the whole process, but for MPICH's network module before MPI starts (MPICH
+    reads its settings there only)."""
+    changes = []
+    for path in sorted(SETTINGS.glob("*.py")):
+        source = path.read_text()
+        tree = ast.parse(source)
+        allowed = {n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "prefer_mpich_network"
+                   for n in range(f.lineno, f.end_lineno + 1)}
+        changes += ["%s:%d" % (path.name, line) for line, kind in _environment_uses(source)
+                    if kind == "change" and line not in allowed]
+    assert changes == []
+
+
+def test_the_environment_check_finds_reads_and_changes():
+    source = """
+import os
+from os import getenv
+a = os.environ.get("X")
+os.environ["Y"] = "1"
+del os.environ["Y"]
+os.environ.setdefault("Z", "2")
+os.putenv("W", "3")
+b = {}.get("X")
+"""
+    assert sorted(_environment_uses(source)) == [(3, "read"), (4, "read"), (5, "change"), (5, "read"),
+                                                 (6, "change"), (6, "read"), (7, "change"), (7, "read"),
+                                                 (8, "change")]
+
+
+def test_no_file_is_over_400_lines():
+    """A file a reader can hold in mind: one job each, in the library and the C core."""
+    root = PACKAGE.parent
+    long = ["%s: %d" % (path.relative_to(root), n) for folder in (PACKAGE, root / "csrc")
+            for path in sorted(folder.rglob("*")) if path.suffix in (".py", ".c", ".h", ".cu", ".cuh")
+            for n in [len(path.read_text().splitlines())] if n > 400]
+    assert long == []

@@ -136,8 +136,11 @@ def compare_with_undisturbed(tmp_path, run=None, where="one host"):
     """The headline case: 6 epochs, rank 1 killed every 50 steps and a replacement gained back each time, against
     the same job undisturbed; prints the figures (pytest -s shows them)."""
     disturbed, accuracy, disturbed_s = _example(["--chaos", str(tmp_path / "events")], 6, 600, run)
-    times = _check_disturbed(disturbed, 5)
-    assert re.search(r"re-formed with 4 ranks, [\d.]+ s after the workers changed", disturbed.stdout)
+    # Kills come only while the world has more than 2 ranks, so how many there are depends on how soon the
+    # replacements start (seconds of imports, against a job of about half a minute): what is certain is 2 kills and
+    # the world regained to 4 ranks.
+    times = _check_disturbed(disturbed, 2)
+    assert re.search(r"re-formed with 4 ranks, [\d.]+ s after the workers changed", disturbed.stdout), disturbed.stdout
     undisturbed, reference, undisturbed_s = _example([], 6, 600, run)
     assert "after the kill" not in undisturbed.stdout
     print("\nelastic, %s: test accuracy %.1f%% with %d kills vs %.1f%% undisturbed; job time %.1f s vs %.1f s; "
@@ -148,6 +151,7 @@ def compare_with_undisturbed(tmp_path, run=None, where="one host"):
 
 
 @pytest.mark.long
+@pytest.mark.timeout(600)  # about a minute, slower beside other work
 def test_example_loses_a_rank_every_50_steps(tmp_path):
     """Every sample of every epoch in exactly one committed step; ranks lost at steps 50 and 100 at least. Half a
     minute of training: the default run loses and regains workers with tests/elastic_job.py (the tests above)."""
@@ -159,6 +163,7 @@ def test_example_loses_a_rank_every_50_steps(tmp_path):
 
 
 @pytest.mark.long
+@pytest.mark.timeout(900)  # two jobs of 1-2 minutes each, slower beside other work
 def test_example_disturbed_reaches_the_accuracy_of_an_undisturbed_run(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")

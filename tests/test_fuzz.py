@@ -32,7 +32,7 @@ def test_the_core_survives_many_seeds(tmp_path):
         test_the_core_survives_random_and_boundary_arguments(tmp_path, seed)
 
 
-# (setting, bad values): every SHMCOMM_* setting a rank reads (shmcomm/env.py). Launch variables are the launcher's.
+# (setting, bad values): every SHMCOMM_* setting a rank reads (shmcomm/env/). Launch variables are the launcher's.
 BAD_SETTINGS = [
     ("TIMEOUT", ["abc", "0", "-1", "nan", "inf", "1e12", ""]),
     ("START_TIMEOUT", ["x", "0", "-5", "nan"]),
@@ -62,6 +62,7 @@ BAD_SETTINGS = [
     ("RANKS_PER_HOST", ["-2", "two"]),
     ("JAX_HEAP_BYTES", ["-1", "1G", str(1 << 31)]),
     ("TEST_RACE_PAUSE_US", ["-1", "1ms", str(1 << 31)]),
+    ("MPI_CROSSING", ["2", "maybe"]),
 ]
 
 

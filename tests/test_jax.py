@@ -41,6 +41,7 @@ def _assert_all_ok(run, ranks, checks=ALL):
 # One rank's checks (a collective over one rank is a copy) and two ranks' run with -m long; the default run takes 3,
 # whose uneven splits and oversubscribed cores take every path that 2 ranks take.
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # about a minute at 2 ranks, slower beside other work
 @pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.long), pytest.param(2, marks=pytest.mark.long),
                                    3])
 def test_every_check_on_one_host(ranks):
@@ -59,6 +60,7 @@ def test_on_a_logical_grid_the_handler_goes_through_python():
 # 3-rank run on one host checks too; "torus+" adds the optimizer, the ordering, the gradients and the engine.
 @pytest.mark.slow
 @pytest.mark.long
+@pytest.mark.timeout(600)  # torus+ about a minute, slower beside other work
 @pytest.mark.parametrize("algo", ["torus", "mpi", "torus+"])
 def test_across_two_simulated_hosts(two_hosts, algo):  # noqa: F811 (the fixture)
     checks = ["collectives", "mismatches"] + (["optimizer", "ordering", "gradients", "with_engine"]

@@ -398,14 +398,16 @@ def test_orphaned_mpi_segments_are_removed_but_not_live_or_older_ones(tmp_path):
     shm, proc = tmp_path / "shm", tmp_path / "proc"
     shm.mkdir()
     (proc / "123").mkdir(parents=True)
+    # What counts is a file's ctime, which nothing can set back (os.utime moves it to now) and which the kernel takes
+    # from a clock that may lag time.time() by a tick: hence the pauses around the job's start.
     older = shm / "mpich_shm_old_0"
-    older.write_bytes(b"x")
+    older.write_bytes(b"x")  # made before the job started
+    time.sleep(0.05)
     since = time.time()
-    os.utime(older, (since - 100, since - 100))  # made before the job started
+    time.sleep(0.05)
     orphan, live, other = shm / "mpich_shm_dead_0", shm / "mpich_shm_live_0", shm / "shmcomm-notmpi"
     for f in (orphan, live, other):
-        f.write_bytes(b"x")
-        os.utime(f, (since + 1, since + 1))  # made during the job
+        f.write_bytes(b"x")  # made during the job
     # A live process maps `live` (as /proc/PID/maps lists it); nothing maps `orphan`.
     (proc / "123" / "maps").write_text("7f0000000000-7f0000001000 rw-s 00000000 00:1a 42    %s\n"
                                        "7f0000002000-7f0000003000 rw-p 00000000 00:00 0 \n" % live)

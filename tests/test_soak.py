@@ -7,6 +7,7 @@ import soak
 
 
 @pytest.mark.long
+@pytest.mark.timeout(2400)  # minutes on 2 quiet cores, several times longer beside CPU-bound processes
 def test_a_hundred_thousand_mixed_operations_leave_everything_flat(tmp_path):
     table, grew = soak.soak(str(tmp_path), 100_000)
     print(table)

@@ -218,7 +218,7 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
    * 2 MiB 0.30-0.32 against 0.31-0.38; the same within 3% while the machine's cross-core transfers were slow. On a
    * Xeon with 2 MiB of L2, against Open MPI in the same job at 2-16 MiB: 512 KiB pieces 1.20-1.37x, 256 KiB
    * 1.19-1.36x, 1 MiB 1.16-1.32x. Pulled steps, whose pieces meet the kernel's copies in the L2, 1.44-1.69x with
-   * 256 KiB against 1.30-1.40x with 512 KiB; hence an eighth of the L2 by default, env.py). */
+   * 256 KiB against 1.30-1.40x with 512 KiB; hence an eighth of the L2 by default, shmcomm/env/tuning.py). */
   size_t section = c->half_bytes / (size_t)n;
   if (c->piece_bytes > 0 && c->piece_bytes < section) section = c->piece_bytes;
   section = section / SMC_CACHE_LINE * SMC_CACHE_LINE;

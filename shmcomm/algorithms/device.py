@@ -1,22 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Collectives on CUDA tensors (torch), run by the engine in the order every rank agreed on.
-
-Every CUDA tensor request carries the point on its caller's stream after which the tensor may be read (an event
-recorded at submission, `prepare`). The engine's thread then runs it (`run`, or `run_fused` for a fusion group) on
-this rank's own stream, which first waits for that event: nothing synchronizes the device, and the caller's thread
-never waits at submission. Two paths, chosen once for the job at the first CUDA collective (shmcomm/devices.py):
-- NCCL, when every rank has a GPU of its own: the world communicator is created from a unique id that rank 0 draws
-  and the world communicator of host memory distributes; allreduce is one NCCL call or the 2D torus on row and
-  column communicators split from it (nccl_torus.py);
-- through the host, when ranks share a GPU (NCCL refuses that): the tensor is copied into pinned host memory in
-  chunks, each chunk goes through the world communicator's own collectives as soon as its copy is done, and comes
-  back while the next one is reduced.
-Either way the engine's thread then polls for the end of the work on this stream, with SHMCOMM_TIMEOUT and NCCL's
-asynchronous errors (transport/nccl.py), so the handle completes when the outputs are final; outputs are marked
-as used on the caller's stream (record_stream), so that torch's allocator does not hand their memory out early.
-Several allreduces of a fusion group are packed into one buffer on the device (with the batched-copy kernel of
-csrc/cuda/kernels.cu when nvcc could build it, torch's copies otherwise) and reduced once."""
+"""Collectives on CUDA tensors (torch), run by the engine's thread in the agreed order on this rank's own stream, after
+an event recorded on the caller's at submission: nothing synchronizes the device. Two paths, chosen once per job
+(devices.py): NCCL where every rank has a GPU of its own (one call, or the 2D torus on communicators split from the
+world's: nccl_torus.py), else through pinned host memory in chunks that the world communicator reduces as their
+copies finish. A handle completes once the outputs are final (a bounded poll; NCCL's asynchronous errors); a fusion
+group is packed on the device and reduced once. docs/architecture.md, "CUDA tensors", has the whole story."""
 import logging
+import math
 import pickle
 import socket
 import threading
@@ -80,8 +70,7 @@ class DeviceComm:
         self.device = None   # this rank's CUDA device: every CUDA tensor of a rank must be on it
         self.stream = None   # this rank's stream for collectives
         self.path = None     # "nccl" or "host", agreed at the first collective
-        self.nccl = self.row = self.column = None
-        self.kernels = None
+        self.nccl = self.row = self.column = self.kernels = None
         self.failed = None   # why the path could not be set up (every later CUDA collective raises it)
         self._keep = []      # host buffers the work in flight still copies from or to
 
@@ -150,9 +139,8 @@ class DeviceComm:
         return {r.name: out for r, out in zip(reqs, outputs)}
 
     def close(self):
-        for comm in (self.row, self.column, self.nccl):
-            if comm is not None:
-                comm.close()
+        for comm in [c for c in (self.row, self.column, self.nccl) if c is not None]:
+            comm.close()
 
     # ---- the collectives ----
     def _allreduce(self, req):
@@ -172,7 +160,7 @@ class DeviceComm:
                                     self.stream.cuda_stream)
             return out
         host = self._staged(x) if self.rank == root else self._pinned(x.shape, x.dtype)
-        self._host_ready(req.what)
+        self._wait_local(self._event(), req.what)  # the copies to host memory enqueued so far
         self.world.broadcast(host, host, root, req.what)
         out.copy_(host, non_blocking=True)
         return out
@@ -199,7 +187,7 @@ class DeviceComm:
             return out
         host_out = self._pinned(out.shape, x.dtype)
         host = self._staged(x.reshape(shape))
-        self._host_ready(req.what)
+        self._wait_local(self._event(), req.what)  # the copies to host memory enqueued so far
         self.world.allgather(host, req.what, host_out)
         out.copy_(host_out, non_blocking=True)
         return out
@@ -224,7 +212,7 @@ class DeviceComm:
             return out
         host = self._staged(x)
         host_out = self._pinned(out.shape, x.dtype)
-        self._host_ready(req.what)
+        self._wait_local(self._event(), req.what)  # the copies to host memory enqueued so far
         self.world.reducescatter(host, req.op, req.prescale, req.postscale, req.what, host_out)
         out.copy_(host_out, non_blocking=True)
         return out
@@ -249,7 +237,7 @@ class DeviceComm:
             return out, got
         host_out = self._pinned(out.shape, x.dtype)
         host = self._staged(x.reshape(shape))
-        self._host_ready(req.what)
+        self._wait_local(self._event(), req.what)  # the copies to host memory enqueued so far
         _, got = self.world.alltoall(host, splits, req.what, host_out)
         out.copy_(host_out, non_blocking=True)
         return out, [int(g) for g in got]
@@ -293,8 +281,7 @@ class DeviceComm:
 
     # ---- helpers ----
     def _agree_on_path(self):
-        """Once, at the first CUDA collective, on every rank at once: which path the job takes, and its NCCL
-        communicators."""
+        """Once, at the first CUDA collective, on every rank at once: the job's path, and its NCCL communicators."""
         if self.path is not None:
             return
         if self.failed is not None:  # the ranks cannot agree again: they may have failed differently
@@ -361,10 +348,6 @@ class DeviceComm:
             raise TimeoutError("%s: copies between the GPU and host memory did not finish within %.0f s "
                                "(SHMCOMM_TIMEOUT)" % (what, self.tuning.timeout_s))
 
-    def _host_ready(self, what):
-        """Host path: waits until the copies to host memory enqueued so far are done."""
-        self._wait_local(self._event(), what)
-
     def _event(self):
         event = self.torch.cuda.Event()
         event.record(self.stream)
@@ -382,10 +365,7 @@ class DeviceComm:
 
     @staticmethod
     def _row_bytes(x, shape):
-        count = 1
-        for d in shape[1:]:
-            count *= d
-        return count * x.element_size()
+        return math.prod(shape[1:]) * x.element_size()
 
     def _scale(self, t, factor):
         """t *= factor in place on this stream (integers truncate, as in host memory)."""

@@ -43,7 +43,7 @@ def _cdef(jax_dir):
 
 
 def build_dir():
-    return build_cache.cache_dir("SHMCOMM_JAX_BUILD_DIR", "jax-ffi")
+    return build_cache.cache_dir("JAX_BUILD_DIR", "jax-ffi")
 
 
 def _key(jax_dir, include, xla_include):

@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 
+from shmcomm import env
+
 from . import config_file
 from .notice_server import NoticeServer
 from .flags import ALLREDUCE_ALGORITHMS, build_parser as _build_parser, check, env_from_flags, notes
@@ -164,7 +166,7 @@ def main(argv=None):
     if elastic.requested(args):  # elastic mode: its own module
         if not command:
             parser.error("no command given: shmcommrun --min-np N --max-np M command [args ...]")
-        return elastic.main(parser, args, command, dict(os.environ), env_from_flags(args), _cores(), is_this_host)
+        return elastic.main(parser, args, command, env.environment(), env_from_flags(args), _cores(), is_this_host)
     if args.num_proc is None:
         parser.error("the number of ranks is required: -np N")
     if args.num_proc < 1:
@@ -192,7 +194,7 @@ def main(argv=None):
         parser.error(f"-np {args.num_proc} needs more slots than the hosts offer ({sum(s for _, s in hosts)})")
 
     token = secrets.token_hex(16)
-    base_env = dict(os.environ)
+    base_env = env.environment()
     environments = rank_environments(args.num_proc, token, socket.gethostname(), base_env,
                                      env_from_flags(args))
     if args.verbose:
@@ -209,8 +211,6 @@ def main(argv=None):
 
 def _timeout_s(environ):
     """The ranks' SHMCOMM_TIMEOUT; a bad value is theirs to refuse, naming it (init checks every setting)."""
-    from shmcomm import env
-
     try:
         return env.timeout_s(environ)
     except ValueError:
@@ -248,7 +248,7 @@ def launch_across_hosts(parser, args, command, hosts):
     interfaces = args.network_interfaces or []
 
     token = secrets.token_hex(16)
-    base_env = dict(os.environ)
+    base_env = env.environment()
     ranks_per_host = min(args.num_proc, max(count for _, count in hosts))
     job_env = mpi_launch.job_environment(token, env_from_flags(args), base_env, ranks_per_host, _cores(),
                                          args.tcp_flag)
@@ -259,5 +259,5 @@ def launch_across_hosts(parser, args, command, hosts):
                                               _timeout_s({**base_env, **job_env}))
     if args.verbose:
         say(f"launching {args.num_proc} rank(s) on {', '.join(f'{h}:{n}' for h, n in hosts)} with mpiexec")
-    env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file)
-    return mpi_launch.run_mpi_job(mpiexec_args, env, token, args.kill_grace_seconds, args.verbose, notices)
+    launcher_env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file)
+    return mpi_launch.run_mpi_job(mpiexec_args, launcher_env, token, args.kill_grace_seconds, args.verbose, notices)

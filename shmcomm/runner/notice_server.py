@@ -3,7 +3,7 @@
 rank connects to while MPI starts, on whatever host it runs.
 
 Until MPI has started everywhere, a rank cannot learn from MPI which rank is missing: MPI_Init waits for all of
-them and says nothing. The launcher can: each rank's guard (mpi_launch.RANK_GUARD) prints a line when its rank dies,
+them and says nothing. The launcher can: each rank's guard (runner/rank_guard.py) prints a line when its rank dies,
 exits or stays stopped, and those lines pass through the launcher. It sends each one to every rank here, as one JSON
 line, {"rank": 3, "host": "h1", "what": "was killed by signal 9", "stopped": false}, and every notice so far to a
 rank that connects later; the ranks' init then raises an error naming that rank instead of waiting out

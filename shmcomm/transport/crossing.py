@@ -15,11 +15,12 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
-from shmcomm import build_cache
+from shmcomm import build_cache, env
 
 log = logging.getLogger("shmcomm.transport")
 
@@ -54,23 +55,29 @@ def _key(folder, mpicc):
     return digest.hexdigest()[:20]
 
 
-def _compile(folder, mpicc, work):
-    from cffi import FFI
+# Run in a process of its own whose CC is mpicc, so that the build has MPI's headers and library (the linker follows
+# CC) without changing this process's environment.
+_BUILD = """
+import sys
+from cffi import FFI
+module, cdef, folder, tmpdir = sys.argv[1:]
+builder = FFI()
+builder.cdef(cdef)
+builder.set_source(module, '#include "crossing.h"', sources=[folder + "/crossing.c"], include_dirs=[folder],
+                   extra_compile_args=["-O2", "-std=gnu11", "-Wall"])
+print(builder.compile(tmpdir=tmpdir, verbose=False))
+"""
 
-    builder = FFI()
+
+def _compile(folder, mpicc, work):
     lines = (folder / "crossing.h").read_text().splitlines()
-    builder.cdef("\n".join(line for line in lines if not line.lstrip().startswith("#")))
-    builder.set_source(_MODULE, '#include "crossing.h"', sources=[str(folder / "crossing.c")],
-                       include_dirs=[str(folder)], extra_compile_args=["-O2", "-std=gnu11", "-Wall"])
-    before = os.environ.get("CC")
-    os.environ["CC"] = mpicc  # compiles with MPI's headers and links its library (the linker follows CC)
-    try:
-        built = Path(builder.compile(tmpdir=str(work.parent), verbose=False))
-    finally:
-        if before is None:
-            del os.environ["CC"]
-        else:
-            os.environ["CC"] = before
+    cdef = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    run = subprocess.run([sys.executable, "-c", _BUILD, _MODULE, cdef, str(folder), str(work.parent)],
+                         env=dict(env.environment(), CC=mpicc), stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=600)
+    if run.returncode != 0:
+        raise ImportError("building the cross-host rounds with %s failed: %s" % (mpicc, run.stderr[-2000:]))
+    built = Path(run.stdout.strip().splitlines()[-1])
     os.replace(built, work / built.name)
 
 
@@ -80,7 +87,7 @@ def _load():
     folder, mpicc = _sources(), _mpicc()
     if mpicc is None:
         raise ImportError("no mpicc beside %s or on PATH" % sys.executable)
-    target = build_cache.built(build_cache.cache_dir("SHMCOMM_CROSSING_BUILD_DIR", "crossing"), _key(folder, mpicc),
+    target = build_cache.built(build_cache.cache_dir("CROSSING_BUILD_DIR", "crossing"), _key(folder, mpicc),
                                lambda work: _compile(folder, mpicc, work))
     module = build_cache.imported(target, _MODULE)
     text = module.ffi.new("char[]", 8192)
@@ -96,7 +103,7 @@ def load():
     level: the Python rounds are the fallback, not an error)."""
     global _loaded
     if _loaded is None:
-        if os.environ.get("SHMCOMM_MPI_CROSSING", "1") == "0":
+        if not env.mpi_crossing():
             _loaded = False
         else:
             try:

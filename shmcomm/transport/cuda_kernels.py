@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from shmcomm import build_cache
+from shmcomm import build_cache, env
 
 ABI_VERSION = 2
 LIBRARY = "libshmcomm_cuda.so"
@@ -43,7 +43,7 @@ def source():
 
 def nvcc():
     """The nvcc to use: $CUDA_HOME/bin/nvcc, else the one on PATH; None without one."""
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    home = env.cuda_home()
     if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
         return os.path.join(home, "bin", "nvcc")
     return shutil.which("nvcc")
@@ -52,9 +52,9 @@ def nvcc():
 def archs(capability=None):
     """The architectures to compile for, as numbers ("90"): SHMCOMM_CUDA_ARCHS, else `capability` (major, minor),
     else 75 (the oldest CUDA 13 supports, as PTX that newer GPUs compile when they load it)."""
-    chosen = os.environ.get("SHMCOMM_CUDA_ARCHS", "").replace(",", ";").strip()
+    chosen = env.cuda_archs()
     if chosen:
-        return [a.strip() for a in chosen.split(";") if a.strip()]
+        return chosen
     if capability is not None:
         return ["%d%d" % tuple(capability)]
     return ["75"]
@@ -90,7 +90,7 @@ def build(arch_list):
             raise RuntimeError("nvcc failed (%s): %s" % (" ".join(command(compiler, src, LIBRARY, arch_list)),
                                                          done.stderr.strip()[-2000:]))
 
-    root = build_cache.cache_dir("SHMCOMM_CUDA_BUILD_DIR", "cuda-kernels")
+    root = build_cache.cache_dir("CUDA_BUILD_DIR", "cuda-kernels")
     return build_cache.built(root, _key(compiler, src, arch_list), compile_into) / LIBRARY
 
 

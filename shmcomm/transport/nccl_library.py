@@ -17,6 +17,7 @@ import os
 
 import cffi
 
+from shmcomm import env
 from shmcomm.exceptions import ShmCommError
 
 SETTING = "SHMCOMM_NCCL_LIBRARY"
@@ -161,7 +162,7 @@ def _on_loader_path():
 
 def find():
     """(path, found_by) of the library `load()` would take, or None; SHMCOMM_NCCL_LIBRARY wins when set."""
-    chosen = os.environ.get(SETTING, "").strip()
+    chosen = env.nccl_library()
     if chosen:
         return chosen, SETTING
     for look in (_from_wheels, _already_mapped, _on_loader_path):

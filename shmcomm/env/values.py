@@ -1,12 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How one setting is read and checked, for env.py (which says which settings there are): each SHMCOMM_* name also
+"""How one setting is read and checked, for shmcomm/env/ (which says which settings there are): each SHMCOMM_* name also
 under its HOROVOD_* spelling, numbers within their range, Horovod's on/off words; a bad value raises ValueError naming
 the variable."""
 import os
 
 
+_overrides = {}  # this process's settings that replace the environment's (env.adopt_identity)
+
+
+def set_overrides(values):
+    _overrides.update(values)
+
+
 def get(name, default=None, environ=None):
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        if name in _overrides:
+            return _overrides[name]
+        environ = os.environ
     for prefix in ("SHMCOMM_", "HOROVOD_"):
         value = environ.get(prefix + name)
         if value not in (None, ""):
