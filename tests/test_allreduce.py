@@ -49,15 +49,17 @@ def test_every_dtype_and_op(size):
     assert multiproc.run(size, _all_ops_all_dtypes, size, timeout=240) == [True] * size
 
 
-def _pieces(size):
-    import os
+def _largest(piece):
+    """The largest array of a run with SHMCOMM_PIECE_BYTES=piece: pieces of a cache line take a synchronised step per
+    line, and the 40,001-element arrays already cross hundreds of them, where the largest would cross tens of
+    thousands, minutes beside other work."""
+    return 40_001 if piece is not None and int(piece) < 1000 else COUNTS[-1]
 
+
+def _pieces(size, largest):
     import shmcomm
 
-    # Pieces of a cache line or so take a synchronised step per line: the 40,001-element arrays already cross
-    # hundreds of them, and the largest would cross tens of thousands, minutes beside other work.
-    small = int(os.environ.get("SHMCOMM_PIECE_BYTES") or 1 << 20) < 1000
-    _all_ops_all_dtypes(size, 40_001 if small else COUNTS[-1])
+    _all_ops_all_dtypes(size, largest)
     me = shmcomm.rank()
     for count in (0, 5, 1001, 70_003):  # reduce-scatter ranges of every length, cut into many pieces
         x = np.arange(count * size, dtype=np.float64) + me
@@ -71,13 +73,13 @@ def _pieces(size):
 def test_pieces_smaller_than_a_half(piece):
     """SHMCOMM_PIECE_BYTES cuts each rank's range into many steps, down to one cache line per step (1000 rounds
     down to 960 bytes: 480, 240 and 120 elements of 2, 4 and 8 bytes)."""
-    assert multiproc.run(3, _pieces, 3, timeout=240, env={"SHMCOMM_PIECE_BYTES": piece}) == [True] * 3
+    assert multiproc.run(3, _pieces, 3, _largest(piece), timeout=240, env={"SHMCOMM_PIECE_BYTES": piece}) == [True] * 3
 
 
-def _pieces_and_scaling(size):
+def _pieces_and_scaling(size, largest):
     from shmcomm import basics
 
-    _pieces(size)
+    _pieces(size, largest)
     digest = _average_and_scaling(size)
     return digest, basics.communicator().shm.pulled_calls()
 
@@ -91,7 +93,7 @@ def test_pulled_and_staged_pieces(size, pull, piece):
     for and down to one cache line per piece. Every dtype and op, in place and out of place, and reduce-scatters;
     the core's counter says which way the calls went."""
     env = {"SHMCOMM_PULL_BYTES": pull, **({"SHMCOMM_PIECE_BYTES": piece} if piece else {})}
-    got = multiproc.run(size, _pieces_and_scaling, size, timeout=240, env=env)
+    got = multiproc.run(size, _pieces_and_scaling, size, _largest(piece), timeout=240, env=env)
     assert len({digest for digest, _ in got}) == 1, got
     pulled = [calls for _, calls in got]
     assert pulled == [pulled[0]] * size and (pulled[0] > 0) == (pull == "1"), pulled

@@ -9,6 +9,7 @@ _overrides = {}  # this process's settings that replace the environment's (env.a
 
 
 def set_overrides(values):
+    """{name: text} read from here on instead of the environment's SHMCOMM_name/HOROVOD_name."""
     _overrides.update(values)
 
 
