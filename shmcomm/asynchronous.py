@@ -79,6 +79,7 @@ def start_timeline(file_path, mark_cycles=False):
 
 
 def stop_timeline():
+    """Stops the timeline; on return the file is a closed JSON array, written to the disk. No timeline: nothing."""
     eng = engine.current()
     if eng is not None:
         eng.timeline.stop()

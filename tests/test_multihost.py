@@ -3,6 +3,7 @@
 every allreduce algorithm and dtype, the other collectives, a DistributedOptimizer run, and a rank killed on one
 host. Skipped with the reason where this machine lacks what namespaces need (tests/test_simhosts.py: open_hosts)."""
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -294,3 +295,19 @@ def test_mpich_is_asked_for_its_ofi_network_module(monkeypatch, device, set_befo
         monkeypatch.setenv("MPIR_CVAR_CH4_NETMOD", set_before)
     topology._prefer_ofi("MPICH Version:      5.0.2\n%s\nMPICH configure:    --with-device=ch4:ucx,ofi\n" % device)
     assert os.environ.get("MPIR_CVAR_CH4_NETMOD") == chosen
+
+
+@pytest.mark.long
+def test_a_plain_torch_distributed_script_runs_across_hosts(two_hosts):
+    from test_runner import TORCH_DISTRIBUTED
+
+    result = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(TORCH_DISTRIBUTED)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = {rank: json.loads(lines[-1]) for rank, lines in rank_lines(result.stdout).items()}
+    assert sorted(reports) == [0, 1, 2, 3]
+    for rank, report in reports.items():
+        assert report["sum"] == [10.0, 10.0, 10.0]
+        assert report["env"] == {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
+                                 "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2),
+                                 "MASTER_ADDR": report["env"]["MASTER_ADDR"]}
+

@@ -127,6 +127,31 @@ def test_env_contract():
     assert tokens[0] != tokens[1]
 
 
+# A torch.distributed script as torchrun would run it: nothing but the environment tells it who it is.
+TORCH_DISTRIBUTED = """
+    import json, os
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    x = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(x)
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR")
+    print(json.dumps({"sum": x.tolist(), "env": {n: os.environ[n] for n in names}}))
+    dist.destroy_process_group()
+"""
+
+
+def test_a_plain_torch_distributed_script_runs_with_torchruns_variables():
+    result = launch("-np", 3, *rank_program(TORCH_DISTRIBUTED), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = {rank: json.loads(lines[-1]) for rank, lines in rank_lines(result.stdout).items()}
+    for rank, report in reports.items():
+        assert report["sum"] == [6.0, 6.0, 6.0]
+        assert report["env"] == {"RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank),
+                                 "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    assert sorted(reports) == [0, 1, 2]
+
+
 def test_output_is_prefixed_per_stream_and_keeps_a_partial_last_line():
     program = rank_program("""
         import sys
@@ -141,6 +166,89 @@ def test_output_is_prefixed_per_stream_and_keeps_a_partial_last_line():
         assert rank_lines(result.stdout)[rank] == ["first line", "bad byte \ufffd here", "no newline at the end"]
         assert rank_lines(result.stderr, "stderr")[rank] == ["an error line"]
     assert "<stderr>" not in result.stdout and "<stdout>" not in result.stderr
+
+
+class RawLauncher:
+    """A launcher run whose stdout the test reads as it comes, unfinished lines included."""
+
+    def __init__(self, *args):
+        self.process = subprocess.Popen(launcher_args(*args), cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE)
+        self.out = b""
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for data in iter(lambda: os.read(self.process.stdout.fileno(), 4096), b""):
+            with self._changed:
+                self.out += data
+                self._changed.notify_all()
+
+    def wait_for(self, text, timeout=60):
+        with self._changed:
+            if not self._changed.wait_for(lambda: text.encode() in self.out, timeout):
+                self.process.kill()
+                pytest.fail("no %r in the launcher's output: %r" % (text, self.out))
+
+    def finish(self):
+        try:
+            returncode = self.process.wait(timeout=TIMEOUT)
+        finally:
+            self.process.kill()
+        time.sleep(0.1)
+        return returncode, self.out.decode(), self.process.stderr.read().decode()
+
+
+def _after(path):
+    """Rank code that waits until the test has made `path` (the test saw the output before it)."""
+    return "while not os.path.exists(%r): time.sleep(0.01)\n" % str(path)
+
+
+def test_unfinished_lines_and_progress_bars_reach_the_output_as_they_are_written(tmp_path):
+    go = [tmp_path / ("go%d" % k) for k in range(3)]
+    program = rank_program("""
+        import os, sys, time
+        rank = int(os.environ["RANK"])
+        def out(text):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        if rank == 0:
+            out("\\r 10%%")
+            %s
+            out("\\r 50%%")
+            %s
+            out("\\r100%%\\n")
+        else:
+            %s
+            out("rank 1 speaks\\n")
+    """ % (_after(go[0]), _after(go[2]), _after(go[1])))
+    job = RawLauncher("-np", 2, *program)
+    job.wait_for("[0]<stdout>:  10%")  # a bar's update before its line ends, while the rank runs
+    go[0].touch()
+    job.wait_for("[0]<stdout>:  50%")
+    go[1].touch()
+    job.wait_for("rank 1 speaks\n")  # another rank's line ends the unfinished one first
+    go[2].touch()
+    returncode, out, err = job.finish()
+    assert returncode == 0, err
+    assert out == ("\r[0]<stdout>:  10%\r[0]<stdout>:  50%\n[1]<stdout>: rank 1 speaks\n"
+                   "\r[0]<stdout>: 100%\n"), repr(out)
+
+
+def test_a_line_cut_by_another_ranks_line_goes_on_under_its_prefix_and_keeps_no_empty_line():
+    import io
+
+    from shmcomm.runner.console import end_line, write_console
+
+    stream = io.StringIO()
+    rank = {r: ((r, "stdout"), lambda r=r: "[%d]<stdout>: " % r) for r in (0, 1)}
+    for r, text in [(0, "a print() writes its text"), (1, "and its newline apart"), (0, "\n"), (1, "\n"),
+                    (0, "half a line"), (1, "cut\n"), (0, " and the rest\n"), (1, "\r 10%"), (1, "\r 20%")]:
+        write_console(stream, text, *rank[r])
+    end_line(stream, rank[1][0])
+    assert stream.getvalue() == ("[0]<stdout>: a print() writes its text\n[1]<stdout>: and its newline apart\n"
+                                 "[0]<stdout>: half a line\n[1]<stdout>: cut\n[0]<stdout>:  and the rest\n"
+                                 "\r[1]<stdout>:  10%\r[1]<stdout>:  20%\n")
 
 
 def test_failing_rank_stops_the_others_and_sets_the_exit_code():

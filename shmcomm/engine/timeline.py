@@ -5,14 +5,16 @@ Each tensor is a trace "process" named after it; its phases are begin/end events
 agreement, then the op itself with MEMCPY_IN_FUSION_BUFFER, ALLREDUCE and MEMCPY_OUT_FUSION_BUFFER when fused.
 With mark_cycles, every engine cycle is an instant CYCLE_START event.
 
-The file is readable while the job runs, as Horovod's is: the trace format allows an array that is not closed yet,
-and the engine's cycles (which go on, at least every 0.1 s, while nobody waits) flush what was written within
-_FLUSH_S."""
+The file is readable while the job runs, as Horovod's is: the trace format allows an array that is not closed yet.
+The end of each phase is flushed at once, so that a finished collective is in the file when its caller returns (one
+write per phase, from the engine's thread); cycle marks alone wait for the engine's next cycle after _FLUSH_S, so that
+a busy engine does not write once per cycle. stop() leaves a closed array, synced to the disk."""
 import json
+import os
 import threading
 import time
 
-_FLUSH_S = 0.25  # events reach the file at most this long after they happen (plus one idle engine cycle)
+_FLUSH_S = 0.05  # cycle marks reach the file at most this long after they happen (plus one idle engine cycle)
 
 
 class Timeline:
@@ -49,6 +51,8 @@ class Timeline:
                 # The last event carries no comma so that the file is one valid JSON array.
                 self._file.write(json.dumps({"name": "timeline_end", "ph": "i", "s": "g", "pid": 0,
                                              "ts": self._now()}) + "\n]\n")
+                self._file.flush()
+                os.fsync(self._file.fileno())
                 self._file.close()
                 self._file = None
 
@@ -78,11 +82,18 @@ class Timeline:
                 if args:
                     event["args"] = args
                 self._emit(event)
+            if ph == "E":
+                self._flush(time.monotonic())
+
+    def _flush(self, now):
+        self._file.flush()
+        self._unflushed, self._flushed_at = False, now
 
     def begin(self, names, phase, args=None):
         self._phase(names, phase, "B", args)
 
     def end(self, names, phase):
+        """Ends `phase` of each tensor in `names`; what was written so far reaches the file before this returns."""
         self._phase(names, phase, "E")
 
     def cycle(self):
@@ -96,8 +107,7 @@ class Timeline:
                 self._emit({"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0, "ts": self._now()})
             now = time.monotonic()
             if self._unflushed and now - self._flushed_at >= _FLUSH_S:
-                self._file.flush()
-                self._unflushed, self._flushed_at = False, now
+                self._flush(now)
 
 
 def started(rank, path, mark_cycles):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 # The performance settings, read as env.tuning() and so on like the others.
 from shmcomm.env.tuning import (  # noqa: F401
     AutotuneSettings, EngineSettings, Tuning, autotune, engine, thread_affinity, timeout_s, tuning)
-from shmcomm.env.values import (MAX_BYTES, flag as _flag, get as _get, number as _number,
+from shmcomm.env.values import (MAX_BYTES, flag as _flag, get as _get, number as _number, reading_from,
                                 set_overrides as _set_overrides, switch)
 
 
@@ -27,10 +27,14 @@ class Topology:
     launched: bool  # False: a world of one started without a launcher
 
 
-def validate():
+def validate(environ=None):
     """Reads every setting this rank could read later, so that a bad value is refused at init, naming it, not when
-    the engine starts or a path is first taken. (Path settings are compared across ranks before they are parsed:
+    the engine starts or a path is first taken; environ: a rank's environment to check instead of this process's
+    (the launcher's check before ranks start). (Path settings are compared across ranks before they are parsed:
     bootstrap does that.)"""
+    if environ is not None:
+        with reading_from(environ):
+            return validate()
     tuning(1)
     engine()
     timeline()

@@ -2,10 +2,23 @@
 """How one setting is read and checked, for shmcomm/env/ (which says which settings there are): each SHMCOMM_* name also
 under its HOROVOD_* spelling, numbers within their range, Horovod's on/off words; a bad value raises ValueError naming
 the variable."""
+import contextlib
 import os
 
 
 _overrides = {}  # this process's settings that replace the environment's (env.adopt_identity)
+_source = [None]  # the mapping read instead of os.environ inside reading_from(), else None
+
+
+@contextlib.contextmanager
+def reading_from(environ):
+    """Inside the block, settings are read from `environ` (a rank's environment, which the launcher checks before it
+    starts ranks) instead of this process's."""
+    _source[0] = environ
+    try:
+        yield
+    finally:
+        _source[0] = None
 
 
 def set_overrides(values):
@@ -17,12 +30,20 @@ def get(name, default=None, environ=None):
     if environ is None:
         if name in _overrides:
             return _overrides[name]
-        environ = os.environ
+        environ = os.environ if _source[0] is None else _source[0]
     for prefix in ("SHMCOMM_", "HOROVOD_"):
         value = environ.get(prefix + name)
         if value not in (None, ""):
             return value
     return default
+
+
+def spelling(name, environ=None):
+    """The variable that gives the setting its value, as the user wrote it: SHMCOMM_name or HOROVOD_name."""
+    if environ is None:
+        environ = os.environ if _source[0] is None else _source[0]
+    return next((p + name for p in ("SHMCOMM_", "HOROVOD_") if environ.get(p + name) not in (None, "")),
+                "SHMCOMM_" + name)
 
 
 MAX_BYTES = 1 << 57      # the C core's SMC_MAX_BYTES: no buffer is larger than the address space
@@ -38,11 +59,12 @@ def number(name, default, kind=float, environ=None, low=None, high=None, positiv
     try:
         number = kind(value)
     except ValueError:
-        raise ValueError("environment variable SHMCOMM_%s=%r is not a valid %s" % (name, value, kind.__name__))
+        raise ValueError("environment variable %s=%r is not a valid %s" % (spelling(name, environ), value,
+                                                                           kind.__name__))
     if number != number or (low is not None and number < low) or (high is not None and number > high) or \
             (positive and not number > 0):
-        raise ValueError("environment variable SHMCOMM_%s=%r is out of range: expected %s" % (
-            name, value, _range_text(kind, low, high, positive)))
+        raise ValueError("environment variable %s=%r is out of range: expected %s" % (
+            spelling(name, environ), value, _range_text(kind, low, high, positive)))
     return number
 
 
@@ -74,8 +96,8 @@ def switch(name, environ=None):
         return True
     if value.strip().lower() in _FALSE:
         return False
-    raise ValueError("environment variable SHMCOMM_%s=%r: expected 1 or 0 (true/false, yes/no, on/off)"
-                     % (name, value))
+    raise ValueError("environment variable %s=%r: expected 1 or 0 (true/false, yes/no, on/off)"
+                     % (spelling(name, environ), value))
 
 
 def is_set(name, environ=None):

@@ -108,9 +108,18 @@ def _cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def free_port(address="127.0.0.1"):
+    """A TCP port nothing listens on now at `address` (the kernel's pick): torch.distributed's store binds it."""
+    with socket.socket() as probe:
+        probe.bind((address, 0))
+        return probe.getsockname()[1]
+
+
 def rank_environments(num_proc, token, hostname, base_env, flag_env):
-    """The full environment of each rank: the launcher's, then the flags', then the rank's identity."""
+    """The full environment of each rank: the launcher's, then the flags', then the rank's identity, also under
+    torchrun's names, so that a torch.distributed script runs unchanged."""
     environments = []
+    master_port = str(free_port())
     for rank in range(num_proc):
         env = dict(base_env)
         env.update(flag_env)
@@ -119,6 +128,8 @@ def rank_environments(num_proc, token, hostname, base_env, flag_env):
         for key, value in identity.items():
             env[f"SHMCOMM_{key}"] = str(value)
             env[f"HOROVOD_{key}"] = str(value)
+        env.update(RANK=str(rank), WORLD_SIZE=str(num_proc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(num_proc),
+                   GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port)
         env["SHMCOMM_JOB_TOKEN"] = token
         env["PYTHONUNBUFFERED"] = "1"  # Python ranks would otherwise hold their output back until exit
         if "OMP_NUM_THREADS" not in base_env:
@@ -163,6 +174,7 @@ def main(argv=None):
         print_build_report()
         return 0
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    _check_settings(parser, args)
     if elastic.requested(args):  # elastic mode: its own module
         if not command:
             parser.error("no command given: shmcommrun --min-np N --max-np M command [args ...]")
@@ -207,6 +219,18 @@ def main(argv=None):
         removed = remove_job_segments(token)
         if args.verbose and removed:
             say(f"removed {len(removed)} shared-memory segment(s) the job left: {', '.join(removed)}")
+
+
+def _check_settings(parser, args):
+    """Refuses a bad SHMCOMM_*/HOROVOD_* value (or flag) before any rank starts, in one line naming it, exit code 2:
+    otherwise every rank would print the same traceback. The ranks check again at init (a job started by hand)."""
+    environ = {**env.environment(), **env_from_flags(args)}
+    try:
+        env.validate(environ)
+        if args.num_proc and not elastic.requested(args):
+            env.paths(args.num_proc, environ)
+    except ValueError as error:
+        parser.exit(2, f"{PROG}: error: {error}\n")
 
 
 def _timeout_s(environ):
@@ -254,6 +278,9 @@ def launch_across_hosts(parser, args, command, hosts):
                                          args.tcp_flag)
     notices = NoticeServer(interfaces)  # tells ranks still in MPI's start which rank failed
     job_env["SHMCOMM_LAUNCHER_NOTICES"] = ",".join(notices.addresses)
+    # torch.distributed's store on the first host; the port is free here, which is all this host can know of it.
+    first = socket.gethostname() if hosts[0][0] in _LOCAL_HOST_NAMES else hosts[0][0]
+    job_env.update(MASTER_ADDR=first, MASTER_PORT=str(free_port("0.0.0.0")))
     mpiexec_args = mpi_launch.mpiexec_command(mpiexec, args.num_proc, hosts, job_env, command, agent,
                                               interfaces, mpi_args, args.kill_grace_seconds,
                                               _timeout_s({**base_env, **job_env}))

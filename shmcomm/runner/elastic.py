@@ -32,7 +32,8 @@ import time
 
 from .cleanup import remove_job_segments
 from .elastic_server import MembershipServer
-from .spawn import _forward_output, describe_exit, say
+from .console import forward_output
+from .spawn import describe_exit, say
 
 _POLL_S = 0.05
 _DISCOVERY_PERIOD_S = 1.0
@@ -111,7 +112,7 @@ class Driver:
             self.pending.append(wid)
             for pipe, stream, label in ((process.stdout, sys.stdout, "stdout"), (process.stderr, sys.stderr,
                                                                                  "stderr")):
-                reader = threading.Thread(target=_forward_output, args=("w%d" % wid, pipe, stream, label, None),
+                reader = threading.Thread(target=forward_output, args=("w%d" % wid, pipe, stream, label, None),
                                           daemon=True)
                 reader.start()
                 self.readers.append(reader)

@@ -8,6 +8,7 @@ to None, so the file fills in exactly those the command line left out.
 """
 
 import argparse
+import difflib
 
 from shmcomm import __version__ as VERSION
 from shmcomm.env import ALGORITHMS
@@ -170,12 +171,35 @@ class _NetworkInterfaces(argparse.Action):
         setattr(namespace, self.dest, names)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, which names the closest flag when it meets one it does not know."""
+
+    def error(self, message):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            known = [option for option in self._option_string_actions if option.startswith("--")]
+            words = []
+            for word in message[len(prefix):].split():
+                close = difflib.get_close_matches(word.partition("=")[0], known, n=1)
+                words.append("%s (did you mean %s?)" % (word, close[0]) if close else word)
+            message = prefix + " ".join(words)
+        super().error(message)
+
+
+EXAMPLES = """examples:
+  shmcommrun -np 4 python train.py                      4 ranks on this host
+  shmcommrun -np 8 -H host1:4,host2:4 python train.py   8 ranks on 2 hosts (MPICH's mpiexec over ssh)
+  shmcommrun -np 4 --min-np 2 --max-np 8 --host-discovery-script ./hosts.sh python train.py
+                                                        elastic: goes on with 2 to 8 ranks as hosts come and go"""
+
+
 def build_parser(prog):
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog, allow_abbrev=False,
-        description="Start N ranks of a command on this host (or, with -H/--hostfile, across hosts through "
-                    "MPICH's mpiexec), prefix their output, and stop them all if one fails. Takes horovodrun's flags.",
-        usage="%(prog)s -np N [options] command [args ...]")
+        description="Start N ranks of a command on this host (or, with -H/--hostfile, across hosts through MPICH's\n"
+                    "mpiexec), prefix their output, and stop them all if one fails. Takes horovodrun's flags.",
+        usage="%(prog)s -np N [options] command [args ...]", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES)
     parser.add_argument("-v", "--version", action=_Version, nargs=0, help="print shmcomm's version and exit")
     parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, metavar="N", help="number of ranks")
     parser.add_argument("-cb", "--check-build", action="store_true",
@@ -227,18 +251,22 @@ def build_parser(prog):
     choice.add_argument("--jsrun", action="store_true", dest="use_jsrun", help="refused: no jsrun launcher")
 
     elastic = parser.add_argument_group("elastic jobs (workers may fail and be replaced, hosts may come and go "
-                                        "while the job runs; --slots-per-host, --reset-limit and the cooldown are "
-                                        "accepted)")
-    elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int, metavar="N")
-    elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int, metavar="N")
+                                        "while the job runs)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_num_proc", type=int, metavar="N",
+                         help="fewest ranks the job goes on with; makes the job elastic")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_num_proc", type=int, metavar="N",
+                         help="most ranks the job grows to when hosts come; makes the job elastic")
     elastic.add_argument("--slots-per-host", dest="slots", type=int, metavar="N",
                          help="slots of hosts the discovery script prints without a count")
     elastic.add_argument("--elastic-timeout", type=int, metavar="S", help="sets HOROVOD_ELASTIC_TIMEOUT")
-    elastic.add_argument("--reset-limit", type=int, metavar="N")
+    elastic.add_argument("--reset-limit", type=int, metavar="N",
+                         help="accepted and checked, without effect: the world re-forms as often as it must")
     elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=int, nargs=2,
-                         metavar=("MIN", "MAX"))
+                         metavar=("MIN", "MAX"), help="accepted and checked, without effect: a failed host is "
+                                                      "tried again at the next discovery")
 
-    tunables = parser.add_argument_group("tunables (each only sets environment variables of the ranks)")
+    tunables = parser.add_argument_group("tuning (each flag only sets environment variables of the ranks, named in "
+                                         "the README's settings table)")
     for name, on, off, names, text in SWITCHES:
         switch = tunables.add_mutually_exclusive_group()
         switch.add_argument(*on, dest=name, action="store_const", const=True, default=None,

@@ -26,7 +26,8 @@ from shmcomm.env import ERROR_REPORT_DIR
 
 from .cleanup import remove_job_segments, remove_orphaned_mpi_segments
 from .rank_guard import RANK_GUARD
-from .spawn import FORWARDED_SIGNALS, exit_code_of, say, signal_name, write_console
+from .console import write_console
+from .spawn import FORWARDED_SIGNALS, exit_code_of, say, signal_name
 
 _IDENTITY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
 _VERSION_TIMEOUT_S = 10
@@ -100,8 +101,12 @@ def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=N
     args += interface_settings(list(interfaces))
     for name, value in job_env.items():
         args += ["-genv", name, value]
-    return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD, "%g" % grace_s, "%g" % stopped_limit_s] + \
-        list(command)
+    firsts = [0]
+    for _, slots in hosts[:-1]:
+        firsts.append(firsts[-1] + slots)
+    first_ranks = ",".join(str(first) for first in firsts if first < num_proc)
+    return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD, "%g" % grace_s, "%g" % stopped_limit_s,
+                                    first_ranks] + list(command)
 
 
 # --tcp: MPICH's network modules on TCP sockets only (UCX's and libfabric's spellings), as horovodrun's --tcp keeps

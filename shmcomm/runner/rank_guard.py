@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The script shmcommrun -H runs each rank's command under (mpi_launch.py passes it to hydra as `python -c`)."""
 
-# Runs each rank's command under hydra (as `python -c RANK_GUARD GRACE command...`, with this launcher's Python,
+# Runs each rank's command under hydra (as `python -c RANK_GUARD GRACE STOPPED_LIMIT FIRST_RANKS command...`, with this launcher's Python,
 # so the hosts need it at the same path, as they need the same environment anyway). It does two things hydra does
 # not: it prefixes every output line with the rank, as on one host (hydra's -prepend-pattern marks every chunk
 # it reads, even mid-line), and it turns a rank's failure into one hydra acts on. Hydra stops the job when a
@@ -18,6 +18,12 @@ import os, signal, socket, subprocess, sys, threading, time
 rank = os.environ.get("PMI_RANK", "?")
 grace = float(sys.argv.pop(1))
 stopped_limit = float(sys.argv.pop(1))
+first_ranks = [int(r) for r in sys.argv.pop(1).split(",")]  # each host's first rank: hydra fills hosts in order
+if rank.isdigit():  # torchrun's names too, so that a torch.distributed script runs unchanged
+    os.environ.update(RANK=rank, WORLD_SIZE=os.environ.get("PMI_SIZE", ""),
+                      LOCAL_RANK=os.environ.get("MPI_LOCALRANKID", ""),
+                      LOCAL_WORLD_SIZE=os.environ.get("MPI_LOCALNRANKS", ""),
+                      GROUP_RANK=str(sum(1 for first in first_ranks if first <= int(rank)) - 1))
 how = None
 def put(fd, data):
     while data:

@@ -17,31 +17,13 @@ import sys
 import threading
 import time
 
+from .console import forward_output, write_console
+
 PROG = "shmcommrun"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-_MAX_LINE_BYTES = 1 << 20  # a rank that never writes a newline must not grow the launcher without bound
 _OUTPUT_DRAIN_SECONDS = 3.0  # after the ranks exit; a grandchild may keep a pipe open forever
 _POLL_SECONDS = 0.1
-
-# Reentrant: the signal handler prints from the main thread, which may hold the lock at that moment.
-_console_lock = threading.RLock()
-
-
-def write_console(stream, text):
-    with _console_lock:
-        try:
-            stream.flush()
-            buffer = getattr(stream, "buffer", None)
-            if buffer is None:
-                stream.write(text)
-                stream.flush()
-            else:
-                buffer.write(text.encode(stream.encoding or "utf-8", errors="replace"))
-                buffer.flush()
-        except (OSError, ValueError):
-            pass  # a closed console must not stop the job or its supervision
-
 
 def say(message):
     """Prints one of the launcher's own messages to stderr."""
@@ -68,27 +50,6 @@ def describe_exit(returncode):
 
 def _plural(count, noun):
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def _forward_output(rank, pipe, stream, label, raw_file, stamp=False):
-    """Copies one pipe of a rank to the launcher's stream line by line, prefixed in Horovod's format (with the
-    time of day first when `stamp`, as --prefix-output-with-timestamp asks)."""
-    prefix = f"[{rank}]<{label}>: "
-    try:
-        while True:
-            line = pipe.readline(_MAX_LINE_BYTES)
-            if not line:
-                break
-            if raw_file is not None:
-                raw_file.write(line)
-                raw_file.flush()
-            text = line.decode("utf-8", errors="replace")
-            line_prefix = time.strftime("%a %b %d %H:%M:%S %Y") + prefix if stamp else prefix
-            write_console(stream, line_prefix + (text if text.endswith("\n") else text + "\n"))
-    finally:
-        pipe.close()
-        if raw_file is not None:
-            raw_file.close()
 
 
 def open_output_files(output_dir, num_proc):
@@ -126,7 +87,7 @@ class _Job:
             raw_out, raw_err = output_files[rank] if output_files else (None, None)
             for pipe, stream, label, raw in ((process.stdout, sys.stdout, "stdout", raw_out),
                                              (process.stderr, sys.stderr, "stderr", raw_err)):
-                reader = threading.Thread(target=_forward_output, args=(rank, pipe, stream, label, raw, self.stamp),
+                reader = threading.Thread(target=forward_output, args=(rank, pipe, stream, label, raw, self.stamp),
                                           name=f"rank{rank}-{label}", daemon=True)
                 reader.start()
                 self.readers.append(reader)
