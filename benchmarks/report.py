@@ -77,6 +77,9 @@ def summary_half(op, half=None):
     return half or PREFERRED_HALF.get(op, "out_of_place")
 
 
+NOISY = 2.0  # p90 over the median beyond which a figure is marked: a tenth of the iterations were slowed that much
+
+
 def summary(results, ops, half=None):
     """Per op and size: every backend's busbw (the half that summary_half picks), shmcomm's ratio to it (and to the
     faster MPI where both ran), and the memcpy bandwidth at the same nominal size."""
@@ -91,8 +94,11 @@ def summary(results, ops, half=None):
             for row in result["rows"]:
                 if row["op"] == op:
                     entry = by_size.setdefault(row["nominal"], {"op": op, "half": chosen, "nominal": row["nominal"],
-                                                                "size": row["size"], "busbw": {}, "ratio": {}})
+                                                                "size": row["size"], "busbw": {}, "ratio": {},
+                                                                "noisy": []})
                     entry["busbw"][name] = row[chosen].get("busbw")
+                    if row[chosen].get("p90_us", 0) > NOISY * row[chosen].get("p50_us", float("inf")):
+                        entry["noisy"].append(name)
         for nominal in sorted(by_size):
             entry = by_size[nominal]
             ours = entry["busbw"].get("shmcomm")
@@ -153,8 +159,13 @@ def summary_lines(entries, names, machine, command, date, notes=()):
              "#",
              "#  %-13s %12s" % ("op", "size") + "".join("%*s" % (width, head) for head, width, _ in columns)]
     for entry in entries:
-        lines.append("   %-13s %12d" % (entry["op"], entry["size"]) + "".join(cell(entry) for _, _, cell in columns))
+        noisy = [name for name in entry.get("noisy", ()) if name in names]
+        lines.append("   %-13s %12d" % (entry["op"], entry["size"]) + "".join(cell(entry) for _, _, cell in columns)
+                     + ("  noisy: %s" % ", ".join(noisy) if noisy else ""))
     lines.append("#")
+    if any(entry.get("noisy") for entry in entries):
+        lines.append("# noisy: a tenth of that backend's iterations took over %g times its median: the machine was "
+                     "busy, so the ratio is uncertain; rerun, or compare in one job (benchmarks.interleaved)" % NOISY)
     lines.append("# memcpy of %d MiB: one process %.2f GB/s; two processes at once %.2f GB/s in total" % (
         machine["memcpy_bytes"] >> 20, machine["memcpy_one_process_GBps"], machine["memcpy_two_processes_GBps"]))
     lines += ["# %s" % note for note in notes]

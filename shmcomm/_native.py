@@ -2,7 +2,7 @@
 """The compiled core and the one place where its return codes become exceptions."""
 import ctypes
 
-from shmcomm import exceptions as exc
+from shmcomm import exceptions as exc, failure_reports
 
 try:
     from shmcomm._C import ffi, lib
@@ -57,7 +57,8 @@ def error_for(rc, prefix=None):
     cls = _ERRORS.get(rc, exc.ShmCommError)
     # A rank died or shut down: in this call, or in the one that broke the communicator.
     if cls is exc.RankFailure or (cls is exc.BrokenCommunicatorError and failure.code == lib.SMC_ERR_RANK_FAILED):
-        return exc.RankFailure(text, failure.rank if failure.rank >= 0 else None)
+        rank = failure.rank if failure.rank >= 0 else None
+        return exc.RankFailure(failure_reports.with_cause(text, rank), rank)
     if cls is exc.PeerArgumentError:
         return exc.PeerArgumentError(text, failure.rank if failure.rank >= 0 else None)
     if cls is exc.MismatchError:

@@ -2,7 +2,7 @@
 """init/shutdown and the questions about where this process sits in the job."""
 import atexit
 
-from shmcomm import bootstrap, engine, env, log, membership, process_sets, session
+from shmcomm import bootstrap, engine, env, failure_reports, log, membership, process_sets, session
 from shmcomm.exceptions import AbandonedError
 
 
@@ -28,9 +28,18 @@ def init(engine=None):
                 state.comm = bootstrap.build_world(state.generation)
             state.generation += 1
             log.joined(state.comm)
+            if env.error_report_dir() and not env.launched_by_mpi():  # MPI's ranks have a hook that aborts the job
+                failure_reports.report_uncaught_exceptions(state.comm.topology.rank, _mark_failed)
     session.changed()
     if engine:
         start_engine()
+
+
+def _mark_failed():
+    """This rank dies of an uncaught exception: its peers are to say that it failed (Communicator.mark_failed)."""
+    comm = session.state.comm
+    if comm is not None:
+        comm.mark_failed()
 
 
 def _newest_elastic_world():

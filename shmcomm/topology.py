@@ -12,10 +12,9 @@ import struct
 import sys
 import termios
 import time
-import traceback
 from dataclasses import dataclass
 
-from shmcomm import env
+from shmcomm import env, failure_reports
 from shmcomm.env import Topology
 from shmcomm.exceptions import SystemError
 
@@ -108,15 +107,14 @@ def _abort_job_on_uncaught_exception(world):
     traceback, then abort the whole job (what `python -m mpi4py` does).
 
     MPI_Abort has hydra kill every process of the job at once, the rank's output still on its way to mpiexec among
-    them, so the traceback is also saved where shmcommrun reads it once the job has ended (save_error_report), and
+    them, so the traceback is also saved where shmcommrun reads it once the job has ended (failure_reports), and
     the hook lets the reader of its stderr take what it wrote before aborting (_wait_until_read)."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
         try:
-            text = "".join(traceback.format_exception(kind, value, tb))
             # First: a stderr nobody reads (a stopped reader, a full pipe) must not keep the report from the launcher.
-            save_error_report(world.rank, text)
+            text = failure_reports.save_uncaught(world.rank, kind, value, tb)
             if previous is sys.__excepthook__ and sys.stderr is not None:
                 sys.stderr.write(text)  # the default hook's text, to the letter the report's: the launcher compares
             else:
@@ -131,34 +129,6 @@ def _abort_job_on_uncaught_exception(world):
 
 
 _READ_WAIT_S = 2.0
-
-
-def save_error_report(rank, text):
-    """Saves an uncaught exception's traceback as rank<N> in the directory SHMCOMM_ERROR_REPORT_DIR names, where the
-    multi-host launcher prints it from if it did not come through the job's output. Does nothing without that
-    directory: on a remote host, which does not share the launcher's file system, the forwarded stderr is all the
-    launcher gets."""
-    directory = env.error_report_dir()
-    if directory is None:
-        return
-    path = os.path.join(directory, "rank%d" % rank)
-    partial = path + ".partial"  # renamed when whole: the launcher reads complete reports only
-    try:
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return
-    try:
-        data = text.encode("utf-8", errors="backslashreplace")
-        while data:
-            data = data[os.write(fd, data):]
-    except OSError:
-        return
-    finally:
-        os.close(fd)
-    try:
-        os.rename(partial, path)
-    except OSError:
-        pass
 
 
 def _wait_until_read(fd):

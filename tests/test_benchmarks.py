@@ -418,3 +418,19 @@ def test_a_missing_open_mpi_is_said_with_how_to_install_it_and_never_installed(t
     monkeypatch.setattr(openmpi, "DEFAULT_PREFIX", str(tmp_path / "none"))
     assert "python -m benchmarks.openmpi" in backends.unavailable("openmpi")
     assert not (tmp_path / "none").exists()
+
+
+def test_the_summary_marks_a_figure_whose_iterations_spread_widely():
+    from benchmarks import report
+
+    def result(p90_us):
+        cell = {"time_us": 10.0, "p50_us": 10.0, "p90_us": p90_us, "p99_us": p90_us, "busbw": 1.0}
+        return {"rows": [{"op": "allreduce", "nominal": 8, "size": 8, "out_of_place": cell, "in_place": cell}]}
+
+    entries = report.summary({"shmcomm": result(12.0), "mpi": result(939.0)}, ["allreduce"])
+    machine = {"memcpy_bytes": 1 << 20, "memcpy_one_process_GBps": 1.0, "memcpy_two_processes_GBps": 2.0, "line": "m"}
+    lines = report.summary_lines(entries, ["shmcomm", "mpi"], machine, "command", "date")
+    row = next(line for line in lines if line.startswith("   allreduce"))
+    assert row.endswith("noisy: mpi") and any(line.startswith("# noisy: ") for line in lines)
+    entries = report.summary({"shmcomm": result(12.0), "mpi": result(15.0)}, ["allreduce"])
+    assert not any("noisy" in line for line in report.summary_lines(entries, ["shmcomm", "mpi"], machine, "c", "d"))

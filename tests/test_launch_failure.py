@@ -2,6 +2,7 @@
 """A rank killed mid-collective under the launcher: the others raise RankFailure naming it, the job stops non-zero,
 /dev/shm is clean."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -105,3 +106,62 @@ def test_the_launcher_names_a_killed_rank_before_one_that_mpi_aborted_after_it()
     for line in lines[2:]:
         plain.read(line)
     assert plain.summary().startswith("rank 0 on simhost0 exited with code 143 first")
+
+
+# A rank raises at its fourth step: the launcher's last line and the other rank's error name it and its exception,
+# whichever rank exits first (on one host both orders come: the survivor often exits before the failed rank's
+# teardown ends).
+STEP_LOOP = """
+    import {module}
+    {api}.init()
+    for step in range(10):
+        if {api}.rank() == 1 and step == 3:
+            raise ValueError("bad batch at step 3")
+        {step}
+"""
+RAISES = {
+    "numpy": STEP_LOOP.format(module="numpy as np, shmcomm", api="shmcomm",
+                              step='shmcomm.allreduce(np.ones(4), name="grad")'),
+    "jax": STEP_LOOP.format(module="jax.numpy as jnp, shmcomm.jax as sj", api="sj",
+                            step='sj.allreduce(jnp.ones(4), name="grad")'),
+    "torch": STEP_LOOP.format(module="torch, shmcomm.torch as hvd", api="hvd", step="""opt.zero_grad()
+        model(torch.ones(8, 4)).sum().backward()
+        opt.step()""").replace("hvd.init()\n", """hvd.init()
+    model = torch.nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+"""),
+}
+BLAMED = "shmcommrun: the job failed: rank 1 failed first (ValueError: bad batch at step 3)"
+
+
+def _blame_once(api):
+    run = subprocess.run([sys.executable, "-m", "shmcomm.runner", "-np", "2", sys.executable, "-c",
+                          textwrap.dedent(RAISES[api])], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.splitlines()[-1] == BLAMED, run.stderr[-3000:]
+    # Rank 0 raised (it noticed before the launcher stopped it) or was stopped: what it raised names rank 1's cause.
+    for line in run.stderr.splitlines():
+        if line.startswith("[0]<stderr>: shmcomm.exceptions."):
+            assert re.search(r"RankFailure: .*rank 1 (\(pid \d+\) )?failed \(ValueError: bad batch at step 3\)\Z",
+                             line), line
+    assert "also failed: rank 1" not in run.stderr, run.stderr[-3000:]
+
+
+def _blamed_each_time(api, runs):
+    if api == "jax":
+        pytest.importorskip("jax")
+    for _ in range(runs):
+        _blame_once(api)
+
+
+@pytest.mark.parametrize("api", ["numpy", "torch", "jax"])
+def test_the_rank_that_raised_is_named_whichever_exits_first(api):
+    _blamed_each_time(api, 2)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("api", ["numpy", "torch", "jax"])
+def test_the_rank_that_raised_is_named_20_times(api):
+    _blamed_each_time(api, 20)

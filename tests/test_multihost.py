@@ -311,3 +311,15 @@ def test_a_plain_torch_distributed_script_runs_across_hosts(two_hosts):
                                  "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2),
                                  "MASTER_ADDR": report["env"]["MASTER_ADDR"]}
 
+
+@pytest.mark.long
+@pytest.mark.parametrize("api", ["numpy", "torch"])
+def test_the_rank_that_raised_is_named_across_hosts(two_hosts, api):
+    from test_launch_failure import RAISES
+
+    for _ in range(2):
+        result = _shmcommrun(two_hosts, 1, [sys.executable, "-c", textwrap.dedent(RAISES[api])])
+        assert result.returncode != 0
+        assert result.stderr.splitlines()[-1].endswith(
+            "rank 1 failed first (ValueError: bad batch at step 3)"), result.stderr[-3000:]
+

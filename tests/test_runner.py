@@ -152,6 +152,16 @@ def test_a_plain_torch_distributed_script_runs_with_torchruns_variables():
     assert sorted(reports) == [0, 1, 2]
 
 
+def test_one_line_says_the_job_started_unless_quiet():
+    program = rank_program("import os; print(os.environ['SHMCOMM_JOB_TOKEN'])")
+    result = launch("-np", 2, *program)
+    assert result.returncode == 0, result.stderr
+    token = rank_lines(result.stdout)[0][0]
+    assert result.stderr == "shmcommrun: 2 ranks on this host, job %s\n" % token[:8]
+    result = launch("--quiet", "-np", 2, *program)
+    assert result.returncode == 0 and result.stderr == ""
+
+
 def test_output_is_prefixed_per_stream_and_keeps_a_partial_last_line():
     program = rank_program("""
         import sys

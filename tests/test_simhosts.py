@@ -141,10 +141,11 @@ def test_shmcommrun_starts_ranks_across_hosts_with_the_job_environment(sim):
                  SHMCOMM_RANK="99", HOROVOD_SIZE="99")  # an enclosing job's identity must not leak in
     assert result.returncode == 0, result.stdout + result.stderr
     assert "mpiexec command:" in result.stderr and "-launcher-exec" in result.stderr
+    token = re.match(r"shmcommrun: 4 ranks on 2 hosts, job ([0-9a-f]{8})\n", result.stderr).group(1)
     ranks = rank_json(result.stdout)
     assert sorted(ranks) == [0, 1, 2, 3], result.stdout
     tokens = {env["SHMCOMM_JOB_TOKEN"] for env in ranks.values()}
-    assert len(tokens) == 1 and re.fullmatch(r"[0-9a-f]{32}", tokens.pop())
+    assert len(tokens) == 1 and re.fullmatch(token + r"[0-9a-f]{24}", tokens.pop())
     for rank, env in ranks.items():
         assert env["host"] == sim.hosts[rank // 2]
         assert env["SHMCOMM_LAUNCHER"] == "mpi" and env["SHMCOMM_TIMEOUT"] == "7"
@@ -239,16 +240,20 @@ def test_the_launcher_prints_the_saved_reports_that_did_not_come_through(tmp_pat
 
 
 def test_a_rank_saves_its_report_privately_and_only_where_asked(tmp_path, monkeypatch):
-    from shmcomm import topology
+    from shmcomm import RankFailure, failure_reports
 
     monkeypatch.setenv("SHMCOMM_ERROR_REPORT_DIR", str(tmp_path))
-    topology.save_error_report(5, "Traceback (most recent call last):\nValueError: \u00e9\n")
-    assert os.listdir(tmp_path) == ["rank5"]
-    assert (tmp_path / "rank5").stat().st_mode & 0o777 == 0o600
-    assert (tmp_path / "rank5").read_bytes() == "Traceback (most recent call last):\nValueError: \u00e9\n".encode()
+    error = ValueError("\u00e9")
+    text = failure_reports.save_uncaught(5, ValueError, error, None)
+    assert sorted(os.listdir(tmp_path)) == ["rank5", "rank5.cause"]
+    assert all((tmp_path / name).stat().st_mode & 0o777 == 0o600 for name in os.listdir(tmp_path))
+    assert text == "ValueError: \u00e9\n" and (tmp_path / "rank5").read_bytes() == text.encode()
+    assert failure_reports.cause(5) == "ValueError: \u00e9" and failure_reports.first_cause(str(tmp_path)) == (5, text[:-1])
+    failure_reports.save_uncaught(6, RankFailure, RankFailure("rank 5 failed", 5), None)  # a peer's failure: no cause
+    assert sorted(os.listdir(tmp_path)) == ["rank5", "rank5.cause", "rank6"]
     monkeypatch.setenv("SHMCOMM_ERROR_REPORT_DIR", str(tmp_path / "elsewhere"))  # as on a remote host: no such place
-    topology.save_error_report(6, "lost\n")
-    assert os.listdir(tmp_path) == ["rank5"]
+    failure_reports.save_uncaught(7, ValueError, error, None)
+    assert sorted(os.listdir(tmp_path)) == ["rank5", "rank5.cause", "rank6"]
 
 
 def test_teardown_kills_what_runs_inside_and_leaves_nothing():
@@ -342,6 +347,16 @@ def local_agent(tmp_path):
     return agent, log
 
 
+def test_an_unreachable_host_is_named_before_mpiexec_starts(tmp_path):
+    agent = tmp_path / "agent"
+    agent.write_text('#!/bin/sh\necho "far-b: no route to host" >&2\nexit 255\n')
+    agent.chmod(0o755)
+    result = run([sys.executable, "-m", "shmcomm.runner", "-np", 2, "-H", "far-b:2", "--launcher-agent", agent,
+                  "true"])
+    assert result.returncode == 1
+    assert result.stderr == "shmcommrun: error: cannot reach host far-b: far-b: no route to host\n"
+
+
 def test_hostfile_ssh_port_and_interface_reach_hydra(tmp_path):
     agent, log = local_agent(tmp_path)
     hostfile = tmp_path / "hosts"
@@ -353,6 +368,9 @@ def test_hostfile_ssh_port_and_interface_reach_hydra(tmp_path):
     assert "-iface lo -genv UCX_NET_DEVICES lo -genv FI_TCP_IFACE lo" in result.stderr
     assert sorted(result.stdout.splitlines()) == ["[0]<stdout>: ok mpi", "[1]<stdout>: ok mpi"]
     calls = log.read_text().splitlines()
+    checks = [call for call in calls if call.endswith(" true")]  # each host reached before mpiexec starts
+    assert sorted(checks) == ["-p 2222 far-a true", "-p 2222 far-b true"]
+    calls = [call for call in calls if call not in checks]
     assert len(calls) == 2 and all(" -p 2222 " in call for call in calls)
     assert {call.split(" -p 2222 ")[1].split()[0] for call in calls} == {"far-a", "far-b"}
 

@@ -270,6 +270,10 @@ void smc_comm_destroy(smc_comm_t* c) {
   free(c);
 }
 
+void smc_comm_mark_failed(smc_comm_t* c) {
+  if (c != NULL && c->holds_alive) atomic_store(&c->ctl[c->rank].failed, 1);
+}
+
 static void ring_one(smc_rank_ctl_t* r) {
   atomic_fetch_add(&r->bell, 1);
   if (atomic_load(&r->bell_sleepers) != 0) smc_futex_wake_all(&r->bell);

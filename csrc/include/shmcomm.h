@@ -147,6 +147,9 @@ void smc_last_failure(smc_failure_t* out);   /* this thread's data for its last 
 smc_result_t smc_comm_create(const smc_config_t* config, smc_comm_t** comm);
 /* Leaves the job; never blocks on peers. Safe on NULL. */
 void smc_comm_destroy(smc_comm_t* comm);
+/* Says that this rank leaves because of an error of its own (an uncaught exception), before it does: peers that
+ * then find it gone say it failed instead of guessing that the ranks called different collectives. Safe on NULL. */
+void smc_comm_mark_failed(smc_comm_t* comm);
 /* Doorbells: one counter per rank that its engine sleeps on between cycles. A rank rings its own when it queues
  * work, and every rank's (rank -1) when the others must wake too (join, shutdown). */
 void smc_comm_doorbell_ring(smc_comm_t* comm, int rank);

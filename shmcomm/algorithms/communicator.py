@@ -59,6 +59,10 @@ class Communicator:
         """Takes the first step of collective `kind` as a refusal carrying `reason` (see refused())."""
         self.shm.refuse(description.KIND[kind], reason, what)
 
+    def mark_failed(self):
+        """This rank leaves because of an error of its own (an uncaught exception): the peers will say it failed."""
+        self.shm.mark_failed()
+
     def close(self):
         for transport in self.closables:
             transport.close()

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from shmcomm import env
+from shmcomm import env, failure_reports
 from shmcomm.engine import autotune, fusion, timeline
 from shmcomm.engine.negotiate import Negotiator, checked_signature, members_of, plan_text, refusal
 from shmcomm.engine.request import Handle, execute, finish
@@ -278,7 +278,9 @@ class Engine:
         if me in leaving:
             error = ShmCommError("shmcomm has been shut down on this rank")
         else:
-            error = RankFailure("rank %d has shut down; the ranks did not run the same collectives" % leaving[0],
+            why = failure_reports.cause(leaving[0])
+            error = RankFailure("rank %d failed (%s)" % (leaving[0], why) if why else
+                                "rank %d has shut down; the ranks did not run the same collectives" % leaving[0],
                                 leaving[0])
         self._fail_everything(error)
 

@@ -150,7 +150,7 @@ ERROR_REPORT_DIR = "SHMCOMM_ERROR_REPORT_DIR"  # set by shmcommrun -H (runner/mp
 
 
 def error_report_dir():
-    """Where a rank of a multi-host job saves the traceback of an uncaught exception (topology.py); None without."""
+    """Where a rank saves the traceback and cause of an uncaught exception (failure_reports.py); None without."""
     return os.environ.get(ERROR_REPORT_DIR) or None
 
 

@@ -209,6 +209,8 @@ def main(argv=None):
     base_env = env.environment()
     environments = rank_environments(args.num_proc, token, socket.gethostname(), base_env,
                                      env_from_flags(args))
+    if not args.quiet:
+        say(f"{args.num_proc} rank{'s' * (args.num_proc > 1)} on this host, job {token[:8]}")
     if args.verbose:
         for line in describe_plan(command, environments, base_env):
             say(line)
@@ -243,7 +245,7 @@ def _timeout_s(environ):
 
 def launch_across_hosts(parser, args, command, hosts):
     """Starts the job on the named hosts with MPICH's mpiexec; returns the exit code."""
-    from . import mpi_launch
+    from . import mpi_launch, reach
     from .spawn import say
 
     slots = sum(count for _, count in hosts)
@@ -270,6 +272,10 @@ def launch_across_hosts(parser, args, command, hosts):
     if problem:
         parser.exit(127, f"{PROG}: error: {problem}\n")
     interfaces = args.network_interfaces or []
+    unreachable = reach.unreachable_host(sorted({h for h, _ in hosts if not is_this_host(h)}), agent,
+                                              args.ssh_port, args.ssh_identity_file)
+    if unreachable:
+        parser.exit(1, f"{PROG}: error: cannot reach host {unreachable[0]}: {unreachable[1]}\n")
 
     token = secrets.token_hex(16)
     base_env = env.environment()
@@ -284,6 +290,9 @@ def launch_across_hosts(parser, args, command, hosts):
     mpiexec_args = mpi_launch.mpiexec_command(mpiexec, args.num_proc, hosts, job_env, command, agent,
                                               interfaces, mpi_args, args.kill_grace_seconds,
                                               _timeout_s({**base_env, **job_env}))
+    if not args.quiet:
+        used = len(mpi_launch.first_ranks(hosts, args.num_proc))
+        say(f"{args.num_proc} rank{'s' * (args.num_proc > 1)} on {used} host{'s' * (used > 1)}, job {token[:8]}")
     if args.verbose:
         say(f"launching {args.num_proc} rank(s) on {', '.join(f'{h}:{n}' for h, n in hosts)} with mpiexec")
     launcher_env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file)

@@ -217,6 +217,7 @@ def build_parser(prog):
                         help="after a failure, seconds between SIGTERM and SIGKILL (default 5); across hosts, the "
                              "other ranks' time to report their errors before the job is stopped")
     parser.add_argument("--verbose", action="store_true", help="print the launch plan to stderr")
+    parser.add_argument("--quiet", action="store_true", help="no line on stderr saying that the job started")
 
     hosts = parser.add_argument_group("hosts").add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 
+from shmcomm import failure_reports
 from shmcomm.env import ERROR_REPORT_DIR
 
 from .cleanup import remove_job_segments, remove_orphaned_mpi_segments
@@ -46,7 +47,7 @@ _MPI_ABORT_LINE = re.compile(r"^\[(\d+)\]<stderr>: Abort\(\d+\) on node \d+: Fat
 _RANK_STDERR_LINE = re.compile(r"^\[(\d+)\]<stderr>: (.*?)\n?\Z", re.DOTALL)
 
 # The directory, private to this launcher, where a rank that dies of an uncaught exception saves its traceback
-# (shmcomm/topology.py, save_error_report) before MPI_Abort has hydra kill the job: the kill may cut off the
+# (shmcomm/failure_reports.py) before MPI_Abort has hydra kill the job: the kill may cut off the
 # traceback on its way through the guard, hydra's proxy and mpiexec, so the launcher prints the saved one when its
 # text did not come through. On remote hosts the directory does not exist and the forwarded stderr is all there is.
 _REPORT_RE = re.compile(r"rank(\d+)\Z")
@@ -101,12 +102,17 @@ def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=N
     args += interface_settings(list(interfaces))
     for name, value in job_env.items():
         args += ["-genv", name, value]
+    firsts = ",".join(map(str, first_ranks(hosts, num_proc)))
+    return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD, "%g" % grace_s, "%g" % stopped_limit_s,
+                                    firsts] + list(command)
+
+
+def first_ranks(hosts, num_proc):
+    """The first rank of each host that gets any of num_proc ranks: hydra fills the hosts [(host, slots)] in order."""
     firsts = [0]
     for _, slots in hosts[:-1]:
         firsts.append(firsts[-1] + slots)
-    first_ranks = ",".join(str(first) for first in firsts if first < num_proc)
-    return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD, "%g" % grace_s, "%g" % stopped_limit_s,
-                                    first_ranks] + list(command)
+    return [first for first in firsts if first < num_proc]
 
 
 # --tcp: MPICH's network modules on TCP sockets only (UCX's and libfabric's spellings), as horovodrun's --tcp keeps
@@ -154,7 +160,7 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False, not
     starting which rank failed or is stopped. A rank's traceback that MPI_Abort cut off from the output is printed
     from the copy the rank saved in a private directory (ERROR_REPORT_DIR), removed at the end."""
     try:
-        reports = tempfile.mkdtemp(prefix="shmcomm-errors-")  # mode 0700; its files are 0600 (topology.py)
+        reports = tempfile.mkdtemp(prefix="shmcomm-errors-")  # mode 0700; its files are 0600 (failure_reports.py)
     except OSError as error:
         say(f"note: cannot make a directory for the ranks' error reports ({error.strerror or error}): a traceback "
             f"that MPI_Abort cuts off is lost")
@@ -179,7 +185,7 @@ def _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices,
         return 127 if isinstance(error, FileNotFoundError) else 126
     received = []  # (signum, when)
     report = _Report(notices)
-    relays = [threading.Thread(target=_relay, args=(pipe, stream, report), daemon=True)
+    relays = [threading.Thread(target=_relay, args=(pipe, stream, report, verbose), daemon=True)
               for pipe, stream in ((process.stdout, sys.stdout), (process.stderr, sys.stderr))]
     for relay in relays:
         relay.start()
@@ -234,7 +240,10 @@ def _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices,
         return 128 + received[0][0]  # as on one host: the job was stopped, whatever hydra made of it
     code = exit_code_of(process.returncode)
     if code != 0:
-        say(f"mpiexec exited with code {code}: " + (report.summary() or "a rank failed or could not be started"))
+        # A rank that raised an error of its own, where its host shares this file system, is the one to blame.
+        cause = failure_reports.first_cause(reports) if reports is not None else None
+        say(f"mpiexec exited with code {code}: " + (f"rank {cause[0]} failed first ({cause[1]})" if cause else
+                                                    report.summary() or "a rank failed or could not be started"))
     return code
 
 
@@ -289,7 +298,7 @@ class _Report:
 
     def print_lost_reports(self, directory):
         """Prints, prefixed with the rank as its own output would be, each traceback a rank saved in directory
-        (shmcomm/topology.py, save_error_report) that did not come through the job's output."""
+        (shmcomm/failure_reports.py) that did not come through the job's output."""
         try:
             names = os.listdir(directory)
         except OSError:
@@ -342,13 +351,19 @@ def _ranks_text(ranks):
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def _relay(pipe, stream, report):
+# Hydra's own diagnostics ("[mpiexec@host] HYD_pmci_wait_for_completion (...): ..."): the launcher's last line says
+# what went wrong in words; these show with --verbose.
+_HYDRA_LINE = re.compile(r"\[(mpiexec|proxy:[^\]]*)@[^\]]*\] ")
+
+
+def _relay(pipe, stream, report, verbose):
     """Copies hydra's output (already prefixed by the guards) to the launcher's, line by line, reading it."""
     try:
         for raw in iter(lambda: pipe.readline(_MAX_LINE_BYTES), b""):
             line = raw.decode("utf-8", errors="replace")
             report.read(line)
-            write_console(stream, line if line.endswith("\n") else line + "\n")
+            if verbose or not _HYDRA_LINE.match(line):
+                write_console(stream, line if line.endswith("\n") else line + "\n")
     finally:
         pipe.close()
 

@@ -11,11 +11,16 @@ nothing else is left to time out on it.
 
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+
+from shmcomm import failure_reports
+from shmcomm.env import ERROR_REPORT_DIR
 
 from .console import forward_output, write_console
 
@@ -64,8 +69,9 @@ def open_output_files(output_dir, num_proc):
 
 
 class _Job:
-    def __init__(self, kill_grace_seconds, stamp=False, stopped_limit_s=300.0):
+    def __init__(self, kill_grace_seconds, stamp=False, stopped_limit_s=300.0, reports=None):
         self.kill_grace_seconds = kill_grace_seconds
+        self.reports = reports  # the ranks' failure reports (shmcomm/failure_reports.py), None without
         self.stopped_limit_s = stopped_limit_s
         self.stopped_since = {}  # rank: when it was first seen stopped, since every running rank has been stopped
         self.stamp = stamp
@@ -161,6 +167,7 @@ class _Job:
         """Waits for every started rank; returns the job's exit code."""
         left = len(self.processes)
         first_failure = None
+        blamed = None
         other_failures = []
         while left:
             try:
@@ -180,17 +187,29 @@ class _Job:
                 continue
             if not self.stopping:
                 first_failure = (rank, returncode)
-                pid = self.processes[rank].pid
-                message = f"rank {rank} (pid {pid}) {describe_exit(returncode)}"
+                pid, exit_text = self.processes[rank].pid, describe_exit(returncode)
+                # The first to exit is often a rank that raised because another failed: that one is named.
+                cause = failure_reports.first_cause(self.reports) if self.reports else None
+                if cause is not None and cause[0] == rank:
+                    message = f"rank {rank} (pid {pid}) failed ({cause[1]}) and {exit_text}"
+                elif cause is not None:
+                    message = f"rank {cause[0]} failed ({cause[1]}); then rank {rank} (pid {pid}) {exit_text}"
+                    blamed = cause[0]  # its own exit, to come, is no further failure
+                else:
+                    message = f"rank {rank} (pid {pid}) {exit_text}"
                 running = len(self.running())
                 say(f"{message}; stopping the other {_plural(running, 'rank')}" if running else message)
                 self.stop()
-            elif not self._explained_by_stop(returncode):
+            elif not self._explained_by_stop(returncode) and rank != blamed:
                 other_failures.append(f"rank {rank} {describe_exit(returncode)}")
         if other_failures:
             say("also failed: " + "; ".join(other_failures))
         if first_failure is not None:
-            return exit_code_of(first_failure[1])
+            cause = failure_reports.first_cause(self.reports) if self.reports else None
+            rank, returncode = first_failure
+            say(f"the job failed: rank {cause[0]} failed first ({cause[1]})" if cause else
+                f"the job failed: rank {rank} {describe_exit(returncode)} first")
+            return exit_code_of(returncode)
         if self.signal_received is not None:
             return 128 + self.signal_received
         return 0
@@ -230,7 +249,15 @@ def run_job(command, environments, kill_grace_seconds, output_dir=None, stamp=Fa
     except OSError as error:
         say(f"cannot create the output files under {output_dir!r}: {error}")
         return 1
-    job = _Job(kill_grace_seconds, stamp, stopped_limit_s)
+    try:
+        reports = tempfile.mkdtemp(prefix="shmcomm-errors-")  # 0700, its files 0600: the ranks' failure reports
+    except OSError as error:
+        say(f"note: cannot make a directory for the ranks' failure reports ({error.strerror or error}): a failure "
+            f"is blamed on the first rank to exit")
+        reports = None
+    else:
+        environments = [dict(environ, **{ERROR_REPORT_DIR: reports}) for environ in environments]
+    job = _Job(kill_grace_seconds, stamp, stopped_limit_s, reports)
     previous_handlers = {signum: signal.signal(signum, job.on_signal) for signum in FORWARDED_SIGNALS}
     try:
         try:
@@ -252,3 +279,5 @@ def run_job(command, environments, kill_grace_seconds, output_dir=None, stamp=Fa
             for files in output_files[len(job.processes):]:  # those of ranks never started
                 for unused in files:
                     unused.close()
+        if reports:
+            shutil.rmtree(reports, ignore_errors=True)

@@ -281,6 +281,11 @@ class SharedMemory(Transport):
     def wait_doorbell(self, seen, timeout_s):
         return lib.smc_comm_doorbell_wait(self.handle, seen, timeout_s)
 
+    def mark_failed(self):
+        """This rank leaves because of an error of its own: peers will say it failed (smc_comm_mark_failed)."""
+        if self.handle != ffi.NULL:
+            lib.smc_comm_mark_failed(self.handle)
+
     def close(self):
         if self.handle != ffi.NULL:
             self.address = 0

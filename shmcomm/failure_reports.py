@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a rank that dies of an uncaught exception leaves for the others and for shmcommrun, in the private directory
+the launcher names (SHMCOMM_ERROR_REPORT_DIR): rank<N>, its traceback (printed by the multi-host launcher when
+MPI_Abort cut it off the output), and rank<N>.cause, one line `Type: message`, unless the exception was itself a
+peer's failure. The cause lets the launcher blame the rank that failed first, and the other ranks say why it left."""
+import os
+import sys
+import traceback
+
+from shmcomm import env
+from shmcomm.exceptions import RankFailure
+
+
+def save(name, text):
+    """Writes `text` to <dir>/<name> (0600, complete or absent: renamed into place); nothing without the directory."""
+    directory = env.error_report_dir()
+    if directory is None:
+        return
+    path = os.path.join(directory, name)
+    partial = path + ".partial"
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        data = text.encode("utf-8", errors="backslashreplace")
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+    try:
+        os.rename(partial, path)
+    except OSError:
+        pass
+
+
+def own_failure(rank, value):
+    """Whether exception `value` is rank `rank`'s own failure, not its report of a peer's."""
+    return not (isinstance(value, RankFailure) and value.rank != rank)
+
+
+def save_uncaught(rank, kind, value, tb):
+    """Saves an uncaught exception: its cause first (what the others look for), then its traceback; returns the
+    traceback's text."""
+    if own_failure(rank, value):
+        message = " ".join(str(value).split())  # one line
+        save("rank%d.cause" % rank, ("%s: %s" % (kind.__name__, message) if message else kind.__name__)[:500])
+    text = "".join(traceback.format_exception(kind, value, tb))
+    save("rank%d" % rank, text)
+    return text
+
+
+def report_uncaught_exceptions(rank, mark_failed):
+    """Saves every uncaught exception of this rank (save_uncaught), then calls mark_failed() (the peers that find
+    the rank gone then say it failed), before Python's own hook prints it."""
+    previous = sys.excepthook
+    if getattr(previous, "saves_reports", False):
+        return  # installed by an earlier world of this process
+
+    def hook(kind, value, tb):
+        try:
+            save_uncaught(rank, kind, value, tb)
+            if own_failure(rank, value):
+                mark_failed()
+        except BaseException:
+            pass  # the report is a help; the traceback below must still be printed
+        previous(kind, value, tb)
+
+    hook.saves_reports = True
+    sys.excepthook = hook
+
+
+def cause(rank, directory=None):
+    """The line rank `rank` left as its cause, or None."""
+    directory = directory or env.error_report_dir()
+    if directory is None:
+        return None
+    try:
+        with open(os.path.join(directory, "rank%d.cause" % rank), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def with_cause(text, rank):
+    """A peer failure's message about `rank`, with the cause that rank left, if any, in parentheses."""
+    why = cause(rank) if rank is not None else None
+    return "%s (%s)" % (text, why) if why else text
+
+
+def first_cause(directory):
+    """(rank, cause) of the rank that saved its cause first in `directory`, or None."""
+    found = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return None
+    for name in names:
+        number = name[len("rank"):-len(".cause")]
+        if name.startswith("rank") and name.endswith(".cause") and number.isdigit():
+            try:
+                found.append((os.stat(os.path.join(directory, name)).st_mtime_ns, int(number)))
+            except OSError:
+                continue
+    if not found:
+        return None
+    rank = min(found)[1]
+    return rank, cause(rank, directory)
