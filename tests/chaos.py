@@ -237,6 +237,10 @@ def _wait_for_victim(directory, victim, phase, rng, proc, limit=30.0):
     deadline = time.monotonic() + limit
     if phase == "init":  # a random moment between process start and the end of init
         pids = _pids_by_rank(directory, deadline, proc, victim, rank_file=False)
+        # Not before every rank ignores SIGTERM (its pid file comes after): the launcher's stop would end a rank that
+        # had not got there yet before it could raise.
+        while len(_pids(directory)) < RANKS and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.002)
         time.sleep(rng.uniform(0, 0.8))
         return pids
     pid = _pids_by_rank(directory, deadline, proc, victim, rank_file=True)
