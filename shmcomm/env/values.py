@@ -21,6 +21,10 @@ def reading_from(environ):
         _source[0] = None
 
 
+def _environ():
+    return os.environ if _source[0] is None else _source[0]
+
+
 def set_overrides(values):
     """{name: text} read from here on instead of the environment's SHMCOMM_name/HOROVOD_name."""
     _overrides.update(values)
@@ -30,7 +34,7 @@ def get(name, default=None, environ=None):
     if environ is None:
         if name in _overrides:
             return _overrides[name]
-        environ = os.environ if _source[0] is None else _source[0]
+        environ = _environ()
     for prefix in ("SHMCOMM_", "HOROVOD_"):
         value = environ.get(prefix + name)
         if value not in (None, ""):
@@ -40,8 +44,7 @@ def get(name, default=None, environ=None):
 
 def spelling(name, environ=None):
     """The variable that gives the setting its value, as the user wrote it: SHMCOMM_name or HOROVOD_name."""
-    if environ is None:
-        environ = os.environ if _source[0] is None else _source[0]
+    environ = _environ() if environ is None else environ
     return next((p + name for p in ("SHMCOMM_", "HOROVOD_") if environ.get(p + name) not in (None, "")),
                 "SHMCOMM_" + name)
 

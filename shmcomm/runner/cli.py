@@ -196,7 +196,7 @@ def main(argv=None):
     across_hosts = any(not is_this_host(host) for host, _ in hosts)
 
     from .cleanup import remove_job_segments
-    from .spawn import run_job, say
+    from .spawn import plural, run_job, say
 
     for line in notes(args, across_hosts):
         say("note: " + line)
@@ -210,7 +210,7 @@ def main(argv=None):
     environments = rank_environments(args.num_proc, token, socket.gethostname(), base_env,
                                      env_from_flags(args))
     if not args.quiet:
-        say(f"{args.num_proc} rank{'s' * (args.num_proc > 1)} on this host, job {token[:8]}")
+        say(f"{plural(args.num_proc, 'rank')} on this host, job {token[:8]}")
     if args.verbose:
         for line in describe_plan(command, environments, base_env):
             say(line)
@@ -246,7 +246,7 @@ def _timeout_s(environ):
 def launch_across_hosts(parser, args, command, hosts):
     """Starts the job on the named hosts with MPICH's mpiexec; returns the exit code."""
     from . import mpi_launch, reach
-    from .spawn import say
+    from .spawn import plural, say
 
     slots = sum(count for _, count in hosts)
     if args.num_proc > slots:
@@ -292,7 +292,7 @@ def launch_across_hosts(parser, args, command, hosts):
                                               _timeout_s({**base_env, **job_env}))
     if not args.quiet:
         used = len(mpi_launch.first_ranks(hosts, args.num_proc))
-        say(f"{args.num_proc} rank{'s' * (args.num_proc > 1)} on {used} host{'s' * (used > 1)}, job {token[:8]}")
+        say(f"{plural(args.num_proc, 'rank')} on {plural(used, 'host')}, job {token[:8]}")
     if args.verbose:
         say(f"launching {args.num_proc} rank(s) on {', '.join(f'{h}:{n}' for h, n in hosts)} with mpiexec")
     launcher_env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file)

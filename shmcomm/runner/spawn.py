@@ -53,7 +53,8 @@ def describe_exit(returncode):
     return f"exited with code {returncode}"
 
 
-def _plural(count, noun):
+def plural(count, noun):
+    """'1 rank', '2 ranks'."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
@@ -129,7 +130,7 @@ class _Job:
     def on_signal(self, signum, frame):
         if self.signal_received is None:
             self.signal_received = signum
-            say(f"received {signal_name(signum)}; forwarding it to {_plural(len(self.running()), 'rank')}")
+            say(f"received {signal_name(signum)}; forwarding it to {plural(len(self.running()), 'rank')}")
             self.stop(signum)
         else:
             say(f"received {signal_name(signum)} again; killing the ranks now")
@@ -140,7 +141,7 @@ class _Job:
             return
         left = self.running()
         if left:
-            say(f"{_plural(len(left), 'rank')} still running {self.kill_grace_seconds:g} s after being told to "
+            say(f"{plural(len(left), 'rank')} still running {self.kill_grace_seconds:g} s after being told to "
                 f"stop ({', '.join(map(str, left))}); sending SIGKILL")
             self.kill()
 
@@ -198,7 +199,7 @@ class _Job:
                 else:
                     message = f"rank {rank} (pid {pid}) {exit_text}"
                 running = len(self.running())
-                say(f"{message}; stopping the other {_plural(running, 'rank')}" if running else message)
+                say(f"{message}; stopping the other {plural(running, 'rank')}" if running else message)
                 self.stop()
             elif not self._explained_by_stop(returncode) and rank != blamed:
                 other_failures.append(f"rank {rank} {describe_exit(returncode)}")
