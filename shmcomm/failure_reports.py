@@ -2,13 +2,14 @@
 """What a rank that dies of an uncaught exception leaves for the others and for shmcommrun, in the private directory
 the launcher names (SHMCOMM_ERROR_REPORT_DIR): rank<N>, its traceback (printed by the multi-host launcher when
 MPI_Abort cut it off the output), and rank<N>.cause, one line `Type: message`, unless the exception was itself a
-peer's failure. The cause lets the launcher blame the rank that failed first, and the other ranks say why it left."""
+report of a peer's failure or bad argument. The cause lets the launcher blame the rank that failed first, and the
+other ranks say why it left."""
 import os
 import sys
 import traceback
 
 from shmcomm import env
-from shmcomm.exceptions import RankFailure
+from shmcomm.exceptions import PeerArgumentError, RankFailure
 
 
 def save(name, text):
@@ -37,8 +38,11 @@ def save(name, text):
 
 
 def own_failure(rank, value):
-    """Whether exception `value` is rank `rank`'s own failure, not its report of a peer's."""
-    return not (isinstance(value, RankFailure) and value.rank != rank)
+    """Whether exception `value` is rank `rank`'s own failure, not its report of a peer's: a peer that died or hung
+    (RankFailure) or a peer's bad argument (PeerArgumentError) is that peer's cause, found in that peer's report."""
+    if isinstance(value, (RankFailure, PeerArgumentError)):
+        return value.rank is None or value.rank == rank
+    return True
 
 
 def save_uncaught(rank, kind, value, tb):

@@ -38,12 +38,11 @@ def _assert_all_ok(run, ranks, checks=ALL):
         assert sorted(line.split()[1] for line in lines[r] if line.startswith("ok ")) == sorted(checks), lines[r]
 
 
-# One rank's checks (a collective over one rank is a copy) and two ranks' run with -m long; the default run takes 3,
-# whose uneven splits and oversubscribed cores take every path that 2 ranks take.
+# The default run takes 2 ranks: tests/jax_checks.py splits 5 rows, unevenly at 2 ranks as at 3. One rank (a
+# collective over one rank is a copy) and three (more ranks than cores) run with -m long.
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # about a minute at 2 ranks, slower beside other work
-@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.long), pytest.param(2, marks=pytest.mark.long),
-                                   3])
+@pytest.mark.timeout(600)  # under a minute at 2 ranks, slower beside other work
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.long), 2, pytest.param(3, marks=pytest.mark.long)])
 def test_every_check_on_one_host(ranks):
     _assert_all_ok(_launch(["-np", ranks, sys.executable, CHECKS]), ranks)
 

@@ -160,6 +160,32 @@ def test_the_rank_that_raised_is_named_whichever_exits_first(api):
     _blamed_each_time(api, 2)
 
 
+# Rank 1's bad root is its own error; rank 0's PeerArgumentError, raised at once and uncaught, only reports it. Rank 1
+# leaves later, so a report counted as rank 0's own cause would come first and be blamed.
+BAD_ARGUMENT = """
+    import signal, time, numpy as np, shmcomm
+    shmcomm.init()
+    if shmcomm.rank() == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # still here to raise when the launcher stops the job
+        try:
+            shmcomm.broadcast(np.ones(3), root_rank=7)
+        except shmcomm.InvalidArgumentError:
+            time.sleep(1)
+            raise
+    shmcomm.broadcast(np.ones(3), root_rank=0)
+"""
+
+
+def test_a_peers_bad_argument_is_blamed_on_that_peer():
+    run = subprocess.run([sys.executable, "-m", "shmcomm.runner", "-np", "2", sys.executable, "-c",
+                          textwrap.dedent(BAD_ARGUMENT)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "[0]<stderr>: shmcomm.exceptions.PeerArgumentError: " in run.stderr, run.stderr[-3000:]
+    last = run.stderr.splitlines()[-1]
+    assert last.startswith("shmcommrun: the job failed: rank 1 failed first (InvalidArgumentError: "), last
+    assert "root rank" in last, last
+
+
 @pytest.mark.long
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("api", ["numpy", "torch", "jax"])
