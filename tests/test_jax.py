@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""shmcomm.jax under the launcher: every check of tests/jax_checks.py at 1, 2 and 3 ranks, on a logical grid and
-across two simulated hosts (the handler's Python path), a killed rank under jit, the digits example, and the
-package without jax. Skipped, with the reason, where jax or optax is not installed (pip install '.[jax]')."""
+"""shmcomm.jax under the launcher: every check of tests/jax_checks.py at 2 ranks (1 and 3 in the second tier), on a
+logical grid and across two simulated hosts (the handler's Python path), a killed rank under jit, the digits example,
+and the package without jax. Skipped, with the reason, where jax or optax is not installed (pip install '.[jax]')."""
 import os
 import secrets
 import signal

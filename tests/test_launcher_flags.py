@@ -325,3 +325,26 @@ def test_hostfile_with_a_single_dash(tmp_path):
     result = launch("-np", 2, "-hostfile", hostfile, *ENV)
     assert result.returncode == 0 and len(rank_lines(result.stdout)) == 2, result.stderr
     assert launch("-np", 3, "-hostfile", hostfile, "true").returncode == 2  # more ranks than slots
+
+
+def test_help_is_short_and_the_tuning_flags_are_listed_on_their_own():
+    from shmcomm.runner import flags
+
+    short = subprocess.run([sys.executable, "-m", "shmcomm.runner", "--help"], capture_output=True, text=True,
+                           cwd=REPO)
+    assert short.returncode == 0 and short.stderr == "", short.stderr
+    lines = short.stdout.splitlines()
+    assert len(lines) <= 100, len(lines)
+    for heading in ("hosts:", "multi-host jobs", "elastic jobs", "examples:"):
+        assert any(line.startswith(heading) for line in lines), heading
+    assert len([line for line in lines if line.startswith("  shmcommrun -np")]) == 3
+    assert "%d tuning flags" % (len(flags.SWITCHES) + len(flags.ENV_FLAGS)) in short.stdout
+    tuning = subprocess.run([sys.executable, "-m", "shmcomm.runner", "--help-tuning"], capture_output=True,
+                            text=True, cwd=REPO)
+    assert tuning.returncode == 0 and tuning.stdout.startswith("tuning ("), tuning.stdout + tuning.stderr
+    for flag in [on[0] for _, on, _, _, _ in flags.SWITCHES] + [flag for flag, *_ in flags.ENV_FLAGS]:
+        assert re.search(r"^  %s\b" % re.escape(flag), tuning.stdout, re.MULTILINE), flag
+        assert not re.search(r"^  %s\b" % re.escape(flag), short.stdout, re.MULTILINE), flag
+    # Every flag says what it does.
+    for action in flags.build_parser("shmcommrun")._actions:
+        assert action.help, action.option_strings

@@ -312,14 +312,31 @@ def test_a_plain_torch_distributed_script_runs_across_hosts(two_hosts):
                                  "MASTER_ADDR": report["env"]["MASTER_ADDR"]}
 
 
-@pytest.mark.long
-@pytest.mark.parametrize("api", ["numpy", "torch"])
-def test_the_rank_that_raised_is_named_across_hosts(two_hosts, api):
+def _blamed_across_hosts(sim, api, runs):
+    """Rank 1 (on the second host) raises at its fourth step: the launcher's last line names it and its exception,
+    and so does rank 0's error where rank 0 raised before the job was stopped."""
     from test_launch_failure import RAISES
 
-    for _ in range(2):
-        result = _shmcommrun(two_hosts, 1, [sys.executable, "-c", textwrap.dedent(RAISES[api])])
+    if api != "numpy":
+        pytest.importorskip(api)
+    for _ in range(runs):
+        result = _shmcommrun(sim, 1, [sys.executable, "-c", textwrap.dedent(RAISES[api])])
         assert result.returncode != 0
         assert result.stderr.splitlines()[-1].endswith(
             "rank 1 failed first (ValueError: bad batch at step 3)"), result.stderr[-3000:]
+        for line in result.stderr.splitlines():
+            if line.startswith("[0]<stderr>: shmcomm.exceptions."):
+                assert line.endswith("failed (ValueError: bad batch at step 3)"), line
+
+
+@pytest.mark.parametrize("api", ["numpy", "torch", "jax"])
+def test_the_rank_that_raised_is_named_across_hosts(two_hosts, api):
+    _blamed_across_hosts(two_hosts, api, 2)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("api", ["numpy", "torch", "jax"])
+def test_the_rank_that_raised_is_named_across_hosts_20_times(two_hosts, api):
+    _blamed_across_hosts(two_hosts, api, 20)
 

@@ -9,6 +9,7 @@ to None, so the file fills in exactly those the command line left out.
 
 import argparse
 import difflib
+import sys
 
 from shmcomm import __version__ as VERSION
 from shmcomm.env import ALGORITHMS
@@ -154,6 +155,38 @@ def dest(flag):
     return flag.lstrip("-").replace("-", "_")
 
 
+class _Help(argparse.Action):
+    """-h/--help: every flag but the tuning ones, which --help-tuning lists (they are most of the flags)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        tuning = _tuning_actions(parser)
+        saved = [action.help for action in tuning]
+        for action in tuning:
+            action.help = argparse.SUPPRESS
+        try:
+            parser.print_help()
+        finally:
+            for action, text in zip(tuning, saved):
+                action.help = text
+        parser.exit(0)
+
+
+class _HelpTuning(argparse.Action):
+    """--help-tuning: the tuning flags alone."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        formatter = parser._get_formatter()
+        formatter.start_section(TUNING)
+        formatter.add_arguments(_tuning_actions(parser))
+        formatter.end_section()
+        parser._print_message(formatter.format_help(), sys.stdout)
+        parser.exit(0)
+
+
+def _tuning_actions(parser):
+    return next(group for group in parser._action_groups if group.title == TUNING)._group_actions
+
+
 class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(VERSION)
@@ -186,7 +219,10 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-EXAMPLES = """examples:
+TUNING = "tuning (each flag only sets environment variables of the ranks, named in the README's settings table)"
+EXAMPLES = """%d tuning flags (fusion, autotuning, timeline, stall check, timeouts, algorithms): --help-tuning
+
+examples:
   shmcommrun -np 4 python train.py                      4 ranks on this host
   shmcommrun -np 8 -H host1:4,host2:4 python train.py   8 ranks on 2 hosts (MPICH's mpiexec over ssh)
   shmcommrun -np 4 --min-np 2 --max-np 8 --host-discovery-script ./hosts.sh python train.py
@@ -199,7 +235,9 @@ def build_parser(prog):
         description="Start N ranks of a command on this host (or, with -H/--hostfile, across hosts through MPICH's\n"
                     "mpiexec), prefix their output, and stop them all if one fails. Takes horovodrun's flags.",
         usage="%(prog)s -np N [options] command [args ...]", formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EXAMPLES)
+        epilog=EXAMPLES % (len(SWITCHES) + len(ENV_FLAGS)), add_help=False)
+    parser.add_argument("-h", "--help", action=_Help, nargs=0, help="show this help and exit")
+    parser.add_argument("--help-tuning", action=_HelpTuning, nargs=0, help="list the tuning flags and exit")
     parser.add_argument("-v", "--version", action=_Version, nargs=0, help="print shmcomm's version and exit")
     parser.add_argument("-np", "--num-proc", dest="num_proc", type=int, metavar="N", help="number of ranks")
     parser.add_argument("-cb", "--check-build", action="store_true",
@@ -266,8 +304,7 @@ def build_parser(prog):
                          metavar=("MIN", "MAX"), help="accepted and checked, without effect: a failed host is "
                                                       "tried again at the next discovery")
 
-    tunables = parser.add_argument_group("tuning (each flag only sets environment variables of the ranks, named in "
-                                         "the README's settings table)")
+    tunables = parser.add_argument_group(TUNING)
     for name, on, off, names, text in SWITCHES:
         switch = tunables.add_mutually_exclusive_group()
         switch.add_argument(*on, dest=name, action="store_const", const=True, default=None,
