@@ -34,6 +34,10 @@ _compile_sources()
 # otherwise open every interface, bridges of simulated hosts of other jobs among them, and fail when one disappears.
 # Jobs on simulated hosts set their own interface (shmcomm/testing/simhosts.py, MPI_ENVIRONMENT), which overrides this.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# No test uses numpy's BLAS, whose threads start with every process that imports numpy: one thread halves the CPU time
+# of that import, and the tests start hundreds of such processes. (shmcommrun's ranks get OMP_NUM_THREADS, which
+# OpenBLAS reads too.)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("FI_PROVIDER", "tcp")
 os.environ.setdefault("FI_TCP_IFACE", "lo")
 

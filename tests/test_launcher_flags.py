@@ -285,15 +285,20 @@ def test_multi_host_flags_across_simulated_hosts(tmp_path):
         result = subprocess.run(
             [sys.executable, "-m", "shmcomm.runner", *args, "-p", "2200", "-i", str(tmp_path / "key"), "--tcp",
              "--binding-args=-bind-to none", "--mpi-threads-disable", "--hierarchical-allreduce", "--verbose",
+             "--output-filename", str(tmp_path / "out"), "--prefix-output-with-timestamp",
              sys.executable, "-c", SIM_REPORT], cwd=REPO, env=job_env(), stdin=subprocess.DEVNULL,
             capture_output=True, text=True, timeout=240)
     finally:
         sim.close()
     assert result.returncode == 0, result.stdout + result.stderr
-    lines = rank_lines(result.stdout)
+    # -prefix-timestamp: every forwarded line starts with the time of day; --output-filename kept the raw output
+    stamp = r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
+    assert all(re.match(stamp + r"\[\d\]<stdout>: ", line) for line in result.stdout.splitlines()), result.stdout
+    lines = rank_lines("\n".join(re.sub("^" + stamp, "", line) for line in result.stdout.splitlines()))
     for rank in (0, 1):
         report = json.loads(lines[rank][-1])
         assert report == {"thread_level": True, "algorithm": "torus", "ucx": "tcp,self"}, report  # the sim's UCX_TLS
+        assert (tmp_path / "out" / f"rank.{rank}" / "stdout").read_text() == lines[rank][-1] + "\n"
     assert "-bind-to none" in result.stderr  # in the mpiexec command --verbose prints
     calls = (tmp_path / "calls").read_text()
     assert "-p 2200" in calls and f"-i {tmp_path / 'key'}" in calls

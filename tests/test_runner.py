@@ -215,6 +215,12 @@ def _after(path):
 
 
 def test_unfinished_lines_and_progress_bars_reach_the_output_as_they_are_written(tmp_path):
+    assert_output_as_written(tmp_path, "-np", 2)
+
+
+def assert_output_as_written(tmp_path, *placement):
+    """Rank 0 draws a progress bar while rank 1 prints a line: each update reaches the launcher's output while the
+    rank runs, and rank 1's line ends rank 0's unfinished one, which goes on under its prefix."""
     go = [tmp_path / ("go%d" % k) for k in range(3)]
     program = rank_program("""
         import os, sys, time
@@ -232,7 +238,7 @@ def test_unfinished_lines_and_progress_bars_reach_the_output_as_they_are_written
             %s
             out("rank 1 speaks\\n")
     """ % (_after(go[0]), _after(go[2]), _after(go[1])))
-    job = RawLauncher("-np", 2, *program)
+    job = RawLauncher(*placement, *program)
     job.wait_for("[0]<stdout>:  10%")  # a bar's update before its line ends, while the rank runs
     go[0].touch()
     job.wait_for("[0]<stdout>:  50%")

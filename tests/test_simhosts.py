@@ -196,6 +196,12 @@ RAISES = """
 """
 
 
+def test_unfinished_lines_and_progress_bars_reach_the_output_as_they_are_written(sim, tmp_path):
+    from test_runner import assert_output_as_written
+
+    assert_output_as_written(tmp_path, *sim.shmcommrun_args(1))
+
+
 @pytest.mark.parametrize("how", ["forwarded", "cut"])
 def test_an_uncaught_exception_reaches_the_launchers_output_once(sim, how):
     """MPI_Abort, which the rank's excepthook calls, has hydra kill the job while the traceback may still be on its

@@ -246,13 +246,11 @@ def _timeout_s(environ):
 def launch_across_hosts(parser, args, command, hosts):
     """Starts the job on the named hosts with MPICH's mpiexec; returns the exit code."""
     from . import mpi_launch, reach
-    from .spawn import plural, say
+    from .spawn import open_output_files, plural, say
 
     slots = sum(count for _, count in hosts)
     if args.num_proc > slots:
         parser.error(f"-np {args.num_proc} needs more slots than the hosts offer ({slots})")
-    if args.output_filename:
-        parser.error("--output-filename is not supported for multi-host jobs yet (mpiexec forwards the output)")
     mpi_args = []
     for flag, text in (("--binding-args", args.binding_args), ("--mpi-args", args.mpi_args)):
         try:
@@ -296,4 +294,15 @@ def launch_across_hosts(parser, args, command, hosts):
     if args.verbose:
         say(f"launching {args.num_proc} rank(s) on {', '.join(f'{h}:{n}' for h, n in hosts)} with mpiexec")
     launcher_env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file)
-    return mpi_launch.run_mpi_job(mpiexec_args, launcher_env, token, args.kill_grace_seconds, args.verbose, notices)
+    try:
+        output_files = open_output_files(args.output_filename, args.num_proc) if args.output_filename else None
+    except OSError as error:
+        say(f"cannot create the output files under {args.output_filename!r}: {error}")
+        return 1
+    try:
+        return mpi_launch.run_mpi_job(mpiexec_args, launcher_env, token, args.kill_grace_seconds, args.verbose,
+                                      notices, output_files, args.prefix_output_with_timestamp)
+    finally:
+        for files in output_files or ():
+            for file in files:
+                file.close()

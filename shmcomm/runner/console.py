@@ -99,12 +99,18 @@ def _write(stream, text):
         pass  # a closed console must not stop the job or its supervision
 
 
+def rank_prefix(rank, label, stamp=False):
+    """What starts each line of a rank's stream on the console: `[1]<stdout>: `, after the time of day when `stamp`
+    (--prefix-output-with-timestamp)."""
+    tag = f"[{rank}]<{label}>: "
+    return (lambda: time.strftime("%a %b %d %H:%M:%S %Y") + tag) if stamp else (lambda: tag)
+
+
 def forward_output(rank, pipe, stream, label, raw_file, stamp=False):
     """Copies one pipe of a rank to the launcher's stream as it comes, each line prefixed (with the time of day first
     when `stamp`, as --prefix-output-with-timestamp asks); raw_file, if given, gets the bytes as they are."""
     owner = (rank, label)
-    tag = f"[{rank}]<{label}>: "
-    prefix = (lambda: time.strftime("%a %b %d %H:%M:%S %Y") + tag) if stamp else (lambda: tag)
+    prefix = rank_prefix(rank, label, stamp)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     try:
         for data in _chunks(pipe.fileno()):

@@ -26,6 +26,7 @@ from shmcomm import failure_reports
 from shmcomm.env import ERROR_REPORT_DIR
 
 from .cleanup import remove_job_segments, remove_orphaned_mpi_segments
+from . import guard_output
 from .rank_guard import RANK_GUARD
 from .console import write_console
 from .spawn import FORWARDED_SIGNALS, exit_code_of, say, signal_name
@@ -35,7 +36,6 @@ _VERSION_TIMEOUT_S = 10
 _POLL_SECONDS = 0.1
 _TEARDOWN_S = 10.0  # once a rank failed, hydra's time to stop the job beyond the guard's grace
 _OUTPUT_DRAIN_S = 3.0
-_MAX_LINE_BYTES = 1 << 20
 
 # What the launcher reads in the job's output to say, at the end, which rank failed first and which held it up.
 _GUARD_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: (rank \d+ on \S+ .*); stopping the job")
@@ -150,7 +150,8 @@ def launcher_environment(base_env, ssh_port=None, ssh_identity_file=None):
     return env
 
 
-def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False, notices=None):
+def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False, notices=None, output_files=None,
+                stamp=False):
     """Runs hydra and returns the job's exit code: hydra's, which is non-zero when any rank failed (hydra stops
     the others once the failed rank's guard is gone). A signal to the launcher goes to hydra, which passes it
     on to the ranks; a second signal, or hydra still running kill_grace_seconds after the first, kills it. Once a
@@ -158,21 +159,22 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False, not
     killed too. The job's output passes through here, so that the end can say which rank failed first and which
     ranks held the job up, and so that `notices` (a notice_server.NoticeServer, closed here) tells the ranks still
     starting which rank failed or is stopped. A rank's traceback that MPI_Abort cut off from the output is printed
-    from the copy the rank saved in a private directory (ERROR_REPORT_DIR), removed at the end."""
+    from the copy the rank saved in a private directory (ERROR_REPORT_DIR), removed at the end. output_files and
+    stamp: --output-filename's files and --prefix-output-with-timestamp, as on one host (_relay)."""
     try:
         reports = tempfile.mkdtemp(prefix="shmcomm-errors-")  # mode 0700; its files are 0600 (failure_reports.py)
     except OSError as error:
         say(f"note: cannot make a directory for the ranks' error reports ({error.strerror or error}): a traceback "
             f"that MPI_Abort cuts off is lost")
-        return _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices, None)
+        return _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices, None, output_files, stamp)
     try:
         return _run_mpi_job([mpiexec_args[0], "-genv", ERROR_REPORT_DIR, reports] + list(mpiexec_args[1:]), env,
-                            token, kill_grace_seconds, verbose, notices, reports)
+                            token, kill_grace_seconds, verbose, notices, reports, output_files, stamp)
     finally:
         shutil.rmtree(reports, ignore_errors=True)
 
 
-def _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices, reports):
+def _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices, reports, output_files, stamp):
     if verbose:
         say("mpiexec command: " + shlex.join(mpiexec_args))
     started = time.time() - 1.0  # file times have coarse clocks: a margin, not a race
@@ -185,7 +187,8 @@ def _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices,
         return 127 if isinstance(error, FileNotFoundError) else 126
     received = []  # (signum, when)
     report = _Report(notices)
-    relays = [threading.Thread(target=_relay, args=(pipe, stream, report, verbose), daemon=True)
+    relays = [threading.Thread(target=guard_output.relay, args=(pipe, stream, report, verbose, output_files, stamp),
+                               daemon=True)
               for pipe, stream in ((process.stdout, sys.stdout), (process.stderr, sys.stderr))]
     for relay in relays:
         relay.start()
@@ -349,23 +352,6 @@ class _Report:
 
 def _ranks_text(ranks):
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-# Hydra's own diagnostics ("[mpiexec@host] HYD_pmci_wait_for_completion (...): ..."): the launcher's last line says
-# what went wrong in words; these show with --verbose.
-_HYDRA_LINE = re.compile(r"\[(mpiexec|proxy:[^\]]*)@[^\]]*\] ")
-
-
-def _relay(pipe, stream, report, verbose):
-    """Copies hydra's output (already prefixed by the guards) to the launcher's, line by line, reading it."""
-    try:
-        for raw in iter(lambda: pipe.readline(_MAX_LINE_BYTES), b""):
-            line = raw.decode("utf-8", errors="replace")
-            report.read(line)
-            if verbose or not _HYDRA_LINE.match(line):
-                write_console(stream, line if line.endswith("\n") else line + "\n")
-    finally:
-        pipe.close()
 
 
 def _signal_group(process, signum):
