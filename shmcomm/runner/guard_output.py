@@ -50,8 +50,11 @@ def relay(pipe, stream, report, verbose, output_files, stamp):
                 key = (int(frame.group(1)), frame.group(2).decode())
                 text = texts.get(key)
                 if text is None:
-                    files = output_files[key[0]] if output_files and key[0] < len(output_files) else None
-                    text = texts[key] = _RankText(*key, files and files[key[1] == "stderr"], stamp)
+                    raw_file = None
+                    if output_files and key[0] < len(output_files):
+                        stdout_file, stderr_file = output_files[key[0]]
+                        raw_file = stderr_file if key[1] == "stderr" else stdout_file
+                    text = texts[key] = _RankText(*key, raw_file, stamp)
                 body = raw[frame.end():]
                 body = body[:-1] if body.endswith(b"\n") else body
                 text.add(stream, report, body if frame.group(3) else body + b"\n")

@@ -160,7 +160,7 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False, not
     ranks held the job up, and so that `notices` (a notice_server.NoticeServer, closed here) tells the ranks still
     starting which rank failed or is stopped. A rank's traceback that MPI_Abort cut off from the output is printed
     from the copy the rank saved in a private directory (ERROR_REPORT_DIR), removed at the end. output_files and
-    stamp: --output-filename's files and --prefix-output-with-timestamp, as on one host (_relay)."""
+    stamp: --output-filename's files and --prefix-output-with-timestamp, as on one host (guard_output.relay)."""
     try:
         reports = tempfile.mkdtemp(prefix="shmcomm-errors-")  # mode 0700; its files are 0600 (failure_reports.py)
     except OSError as error:
