@@ -15,7 +15,7 @@ replaces while it forms is given up at once (AbandonedError), not waited for unt
 import threading
 import time
 
-from shmcomm import env, membership, topology
+from shmcomm import env, failure_reports, membership, topology
 from shmcomm.algorithms.host import HostComm
 from shmcomm.exceptions import RankFailure, TimeoutError
 from shmcomm.transport.notices import LauncherNotices
@@ -74,7 +74,8 @@ def _across_hosts(generation):
     from shmcomm.transport.mpi import choose_thread_level
 
     choose_thread_level(env.mpi_threads_disabled())
-    notices = LauncherNotices(env.launcher_notices())  # which rank failed, while MPI cannot say
+    # Which rank failed, while MPI cannot say; later, why a rank failed, where its saved report is on another host.
+    notices = LauncherNotices(env.launcher_notices(), failure_reports.heard)
     try:
         topo, ctx = _within(env.tuning(1).start_timeout_s, "MPI's start across hosts", notices, _start_mpi)
         tuning = env.tuning(topo.local_size)
@@ -83,19 +84,23 @@ def _across_hosts(generation):
         try:
             if ctx.hosts == 1 and env.grid(topo.size) is None:
                 shm.ranks = list(range(topo.size))  # one host: the host communicator is the world
-                return HostComm(shm)
-            paths = env.paths(topo.size)
-            if paths.grid is not None and (paths.grid[0] != topo.local_size or not ctx.homogeneous):
-                raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
-                                 % (paths.grid_text, topo.local_size))
-            return _within(tuning.start_timeout_s, "init across hosts", notices, _world_across_hosts, topo, ctx,
-                           tuning, shm, paths)
+                world = HostComm(shm)
+            else:
+                paths = env.paths(topo.size)
+                if paths.grid is not None and (paths.grid[0] != topo.local_size or not ctx.homogeneous):
+                    raise ValueError("SHMCOMM_TORUS_GRID=%s: across hosts a row must be one host's %d ranks"
+                                     % (paths.grid_text, topo.local_size))
+                world = _within(tuning.start_timeout_s, "init across hosts", notices, _world_across_hosts,
+                                topo, ctx, tuning, shm, paths)
         except BaseException as error:
             if not getattr(error, "thread_stuck", False):  # else that thread may still use the segment: left as is
                 shm.close()
             raise
-    finally:
+    except BaseException:
         notices.close()
+        raise
+    world.closables.append(notices)
+    return world
 
 
 def _elastic_across_hosts(generation):

@@ -3,7 +3,10 @@
 the launcher names (SHMCOMM_ERROR_REPORT_DIR): rank<N>, its traceback (printed by the multi-host launcher when
 MPI_Abort cut it off the output), and rank<N>.cause, one line `Type: message`, unless the exception was itself a
 report of a peer's failure or bad argument. The cause lets the launcher blame the rank that failed first, and the
-other ranks say why it left."""
+other ranks say why it left. Across hosts the directory may not be on the rank's host: the cause also goes to the
+rank's guard (SHMCOMM_CAUSE_FD), and the launcher's notices bring it to the other ranks (heard)."""
+import gc
+import io
 import os
 import sys
 import traceback
@@ -37,6 +40,24 @@ def save(name, text):
         pass
 
 
+def _tell_guard(line):
+    """Writes the cause line to the guard's pipe, if there is one: in one write, which a pipe keeps whole."""
+    fd = env.cause_fd()
+    if fd is not None:
+        try:
+            os.write(fd, (line + "\n").encode("utf-8", errors="backslashreplace"))
+        except OSError:
+            pass
+
+
+def heard(rank, line):
+    """Keeps rank `rank`'s cause as the launcher's notices told it (transport/notices.py), for cause()."""
+    _heard[rank] = line
+
+
+_heard = {}  # rank: the cause the launcher heard from that rank's guard, for hosts that cannot read its file
+
+
 def own_failure(rank, value):
     """Whether exception `value` is rank `rank`'s own failure, not its report of a peer's: a peer that died or hung
     (RankFailure) or a peer's bad argument (PeerArgumentError) is that peer's cause, found in that peer's report."""
@@ -50,7 +71,9 @@ def save_uncaught(rank, kind, value, tb):
     traceback's text."""
     if own_failure(rank, value):
         message = " ".join(str(value).split())  # one line
-        save("rank%d.cause" % rank, ("%s: %s" % (kind.__name__, message) if message else kind.__name__)[:500])
+        line = ("%s: %s" % (kind.__name__, message) if message else kind.__name__)[:500]
+        save("rank%d.cause" % rank, line)
+        _tell_guard(line)
     text = "".join(traceback.format_exception(kind, value, tb))
     save("rank%d" % rank, text)
     return text
@@ -71,21 +94,41 @@ def report_uncaught_exceptions(rank, mark_failed):
         except BaseException:
             pass  # the report is a help; the traceback below must still be printed
         previous(kind, value, tb)
+        _exit_without_tracing_live_objects()
 
     hook.saves_reports = True
     sys.excepthook = hook
 
 
+def _exit_without_tracing_live_objects():
+    """The interpreter exits after this hook, and the job waits for it: with torch loaded, the garbage collections
+    of Python's teardown trace every live object several times, most of the exit's time. Collect what is garbage
+    now (its finalizers run), flush every open file, then freeze the rest: teardown still clears every module, so
+    objects held from modules are still finalized, and a file kept in a reference cycle loses nothing. Not in an
+    interactive session, which goes on after a traceback."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return
+    gc.collect()
+    for thing in gc.get_objects():
+        if isinstance(thing, io.IOBase):
+            try:
+                if not thing.closed:
+                    thing.flush()
+            except Exception:
+                pass  # a file that cannot be flushed now would not be at teardown either
+    gc.freeze()
+
+
 def cause(rank, directory=None):
-    """The line rank `rank` left as its cause, or None."""
+    """The line rank `rank` left as its cause (in directory, or as heard from the launcher), or None."""
     directory = directory or env.error_report_dir()
     if directory is None:
-        return None
+        return _heard.get(rank)
     try:
         with open(os.path.join(directory, "rank%d.cause" % rank), encoding="utf-8") as f:
             return f.read().strip() or None
     except OSError:
-        return None
+        return _heard.get(rank)
 
 
 def with_cause(text, rank):

@@ -191,3 +191,32 @@ def test_a_peers_bad_argument_is_blamed_on_that_peer():
 @pytest.mark.parametrize("api", ["numpy", "torch", "jax"])
 def test_the_rank_that_raised_is_named_20_times(api):
     _blamed_each_time(api, 20)
+
+
+# A rank that raises exits without its teardown tracing every live object (failure_reports): its open files must
+# still hold what it wrote, even one kept only by a reference cycle, which only a garbage collection would flush.
+CYCLE_KEEPS_A_FILE = """
+    import atexit, gc, signal, sys, numpy as np, shmcomm
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 raises its RankFailure, not stopped by the launcher
+    class Log:
+        def __init__(self, path):
+            self.me, self.file = self, open(path, "w")
+    shmcomm.init()
+    log = Log(sys.argv[1] + str(shmcomm.rank()))
+    log.file.write("written before the failure\\n")
+    atexit.register(lambda: print("frozen", gc.get_freeze_count() > 0, flush=True))
+    if shmcomm.rank() == 1:
+        raise ValueError("bad batch")
+    shmcomm.allreduce(np.ones(4), name="grad")
+"""
+
+
+def test_a_failed_ranks_files_keep_what_it_wrote(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "shmcomm.runner", "-np", "2", sys.executable, "-c",
+                          textwrap.dedent(CYCLE_KEEPS_A_FILE), str(tmp_path / "log")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.stderr.splitlines()[-1] == "shmcommrun: the job failed: rank 1 failed first (ValueError: bad batch)"
+    for rank in (0, 1):  # both raised: rank 0's RankFailure is uncaught too
+        assert f"[{rank}]<stdout>: frozen True" in run.stdout, run.stdout  # the fast exit was taken
+        assert (tmp_path / f"log{rank}").read_text() == "written before the failure\n"

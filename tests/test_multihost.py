@@ -314,14 +314,20 @@ def test_a_plain_torch_distributed_script_runs_across_hosts(two_hosts):
 
 def _blamed_across_hosts(sim, api, runs):
     """Rank 1 (on the second host) raises at its fourth step: the launcher's last line names it and its exception,
-    and so does rank 0's error where rank 0 raised before the job was stopped."""
+    and so does rank 0's error where rank 0 raised before the job was stopped. Every other run keeps the launcher's
+    report directory off the hosts (TMPDIR in the hosts' private folder), as on hosts without a shared file system:
+    the cause then comes through rank 1's guard and the launcher's notices."""
     from test_launch_failure import RAISES
 
     if api != "numpy":
         pytest.importorskip(api)
-    for _ in range(runs):
-        result = _shmcommrun(sim, 1, [sys.executable, "-c", textwrap.dedent(RAISES[api])])
+    seen = 'import os; print("reports seen", os.path.isdir(os.environ["SHMCOMM_ERROR_REPORT_DIR"]), flush=True)\n'
+    for run in range(runs):
+        private = run % 2 == 1
+        result = _shmcommrun(sim, 1, [sys.executable, "-c", seen + textwrap.dedent(RAISES[api])],
+                             **({"TMPDIR": sim.private_dir} if private else {}))
         assert result.returncode != 0
+        assert f"[1]<stdout>: reports seen {not private}" in result.stdout, result.stdout[-3000:]
         assert result.stderr.splitlines()[-1].endswith(
             "rank 1 failed first (ValueError: bad batch at step 3)"), result.stderr[-3000:]
         for line in result.stderr.splitlines():
@@ -339,4 +345,3 @@ def test_the_rank_that_raised_is_named_across_hosts(two_hosts, api):
 @pytest.mark.parametrize("api", ["numpy", "torch", "jax"])
 def test_the_rank_that_raised_is_named_across_hosts_20_times(two_hosts, api):
     _blamed_across_hosts(two_hosts, api, 20)
-

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The multi-host launcher's failure notices on their own (runner/notice_server.py to transport/notices.py): a rank
 hears every notice, those sent before it connected included, at the first of the launcher's addresses that answers;
-the first failure and the first stop are kept apart. tests/test_multihost.py shows them naming a rank killed before
+the first failure and the first stop are kept apart; a rank's cause of failure reaches the others' errors.
+tests/test_multihost.py shows them naming a rank killed before
 MPI had started, across simulated hosts."""
 import socket
 import time
 
+from shmcomm import failure_reports
 from shmcomm.runner.notice_server import NoticeServer
 from shmcomm.transport.notices import LauncherNotices
 
@@ -29,7 +31,8 @@ def test_a_rank_hears_every_notice_at_the_first_address_that_answers():
     server = NoticeServer()
     try:
         server.publish(2, "hostb", "is stopped (SIGSTOP, or a debugger)", stopped=True)
-        notices = LauncherNotices(",".join([_closed_port()] + server.addresses))
+        heard = []
+        notices = LauncherNotices(",".join([_closed_port()] + server.addresses), lambda *cause: heard.append(cause))
         try:
             assert _until(lambda: notices.stopped is not None)
             assert notices.stopped == (2, "rank 2 on hostb is stopped (SIGSTOP, or a debugger)")
@@ -40,6 +43,9 @@ def test_a_rank_hears_every_notice_at_the_first_address_that_answers():
             assert _until(lambda: len(server.connections) == 1)
             time.sleep(0.1)
             assert notices.failed == (3, "rank 3 on hosta was killed by signal 9")  # the first one stays
+            server.publish_cause(1, "ValueError: bad batch")
+            assert _until(lambda: heard) and heard == [(1, "ValueError: bad batch")]
+            assert notices.failed[0] == 3  # a cause is not a failure notice of its own
         finally:
             notices.close()
         assert _until(lambda: not server.connections)  # the server forgets a rank that hung up
@@ -48,10 +54,23 @@ def test_a_rank_hears_every_notice_at_the_first_address_that_answers():
 
 
 def test_without_a_launcher_nothing_is_heard():
-    notices = LauncherNotices(None)
+    notices = LauncherNotices(None, on_cause=print)
     assert notices.failed is None and notices.stopped is None and not notices.listening
     notices.close()
-    unreachable = LauncherNotices(_closed_port())
+    unreachable = LauncherNotices(_closed_port(), on_cause=print)
     time.sleep(0.2)
     assert unreachable.failed is None and not unreachable.listening
     unreachable.close()
+
+
+def test_a_cause_heard_from_the_launcher_names_a_rank_whose_report_is_on_another_host(tmp_path, monkeypatch):
+    monkeypatch.setattr(failure_reports, "_heard", {})
+    monkeypatch.setenv("SHMCOMM_ERROR_REPORT_DIR", str(tmp_path / "on-the-launchers-host"))  # not on this one
+    assert failure_reports.with_cause("rank 1 failed", 1) == "rank 1 failed"
+    failure_reports.heard(1, "ValueError: bad batch")
+    assert failure_reports.with_cause("rank 1 failed", 1) == "rank 1 failed (ValueError: bad batch)"
+    monkeypatch.delenv("SHMCOMM_ERROR_REPORT_DIR")
+    assert failure_reports.with_cause("rank 1 failed", 1) == "rank 1 failed (ValueError: bad batch)"
+    (tmp_path / "rank1.cause").write_text("KeyError: 'x'\n")  # a report this host can read comes first
+    monkeypatch.setenv("SHMCOMM_ERROR_REPORT_DIR", str(tmp_path))
+    assert failure_reports.with_cause("rank 1 failed", 1) == "rank 1 failed (KeyError: 'x')"

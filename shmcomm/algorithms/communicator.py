@@ -17,7 +17,7 @@ class Communicator:
         self.ranks = list(ranks)        # the job ranks it holds, in order
         self.rank = self.ranks.index(topology.rank)
         self.size = len(self.ranks)
-        self.closables = []             # further transports to close with it
+        self.closables = []             # further transports, and the launcher's notices, to close with it
         self.host_groups = [self.ranks]  # the job ranks of each host (WorldComm: of every host)
         self.mpi = None                 # the MPI transport across hosts, if the job spans hosts
 

@@ -154,6 +154,13 @@ def error_report_dir():
     return os.environ.get(ERROR_REPORT_DIR) or None
 
 
+def cause_fd():
+    """The pipe on which a rank under shmcommrun -H tells its guard (runner/rank_guard.py) the cause of its failure
+    (failure_reports.py), or None."""
+    value = os.environ.get("SHMCOMM_CAUSE_FD", "")
+    return int(value) if value.isdigit() else None
+
+
 def launcher_notices():
     """The multi-host launcher's notice server, "ip:port,ip:port" (transport/notices.py); None without one."""
     return _get("LAUNCHER_NOTICES")

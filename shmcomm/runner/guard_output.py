@@ -14,8 +14,9 @@ _MAX_LINE_BYTES = 1 << 20
 _HYDRA_LINE = re.compile(r"\[(mpiexec|proxy:[^\]]*)@[^\]]*\] ")
 
 
-# A guard's frame (rank_guard.py): its rank's text and a newline, or with "+" its text that does not end a line yet.
-_FRAME = re.compile(rb"\[(\d+)\]<(stdout|stderr)>(\+?): ")
+# A guard's frame (rank_guard.py): its rank's text and a newline, or with "+" its text that does not end a line yet;
+# or its rank's cause of failure, for the report only.
+_FRAME = re.compile(rb"\[(\d+)\]<(stdout|stderr|cause)>(\+?): ")
 
 
 class _RankText:
@@ -46,6 +47,9 @@ def relay(pipe, stream, report, verbose, output_files, stamp):
     try:
         for raw in iter(lambda: pipe.readline(_MAX_LINE_BYTES), b""):
             frame = _FRAME.match(raw)
+            if frame and frame.group(2) == b"cause":
+                report.caused(int(frame.group(1)), raw[frame.end():].decode("utf-8", errors="replace").strip())
+                continue
             if frame:
                 key = (int(frame.group(1)), frame.group(2).decode())
                 text = texts.get(key)

@@ -243,8 +243,9 @@ def _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices,
         return 128 + received[0][0]  # as on one host: the job was stopped, whatever hydra made of it
     code = exit_code_of(process.returncode)
     if code != 0:
-        # A rank that raised an error of its own, where its host shares this file system, is the one to blame.
-        cause = failure_reports.first_cause(reports) if reports is not None else None
+        # A rank that raised an error of its own is the one to blame: by its saved report where its host shares this
+        # file system, which tells the time it failed, else the first cause its guard passed on.
+        cause = (failure_reports.first_cause(reports) if reports is not None else None) or report.first_cause()
         say(f"mpiexec exited with code {code}: " + (f"rank {cause[0]} failed first ({cause[1]})" if cause else
                                                     report.summary() or "a rank failed or could not be started"))
     return code
@@ -264,6 +265,16 @@ class _Report:
         self.aborted_by_mpi = set()  # ranks whose MPI aborted them itself (MPICH's "Abort(...): Fatal error")
         self.tails = {}  # rank: hashes of its last _TAIL_LINES stderr lines
         self.raised = {}  # rank: the last line of its saved report, for the summary
+        self.causes = []  # (rank, cause) as the guards passed them on, first failure first
+
+    def caused(self, rank, text):
+        """A guard's frame: rank `rank` failed of its own error, `text`; the ranks hear it through the notices."""
+        self.causes.append((rank, text))
+        if self.notices is not None:
+            self.notices.publish_cause(rank, text)
+
+    def first_cause(self):
+        return self.causes[0] if self.causes else None
 
     def read(self, line):
         found = _GUARD_LINE.match(line)

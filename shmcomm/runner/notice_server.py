@@ -7,7 +7,9 @@ them and says nothing. The launcher can: each rank's guard (runner/rank_guard.py
 exits or stays stopped, and those lines pass through the launcher. It sends each one to every rank here, as one JSON
 line, {"rank": 3, "host": "h1", "what": "was killed by signal 9", "stopped": false}, and every notice so far to a
 rank that connects later; the ranks' init then raises an error naming that rank instead of waiting out
-SHMCOMM_START_TIMEOUT. Ranks say nothing; a connection that closes is forgotten."""
+SHMCOMM_START_TIMEOUT. A rank's cause of failure, {"rank": 3, "cause": "ValueError: ..."}, goes out the same way
+for the errors of the others, whose hosts may not see its saved report. Ranks say nothing; a connection that closes
+is forgotten."""
 import json
 import socket
 import struct
@@ -56,7 +58,14 @@ class NoticeServer:
             sock.close()
 
     def publish(self, rank, host, what, stopped=False):
-        line = (json.dumps({"rank": rank, "host": host, "what": what, "stopped": stopped}) + "\n").encode()
+        self._publish({"rank": rank, "host": host, "what": what, "stopped": stopped})
+
+    def publish_cause(self, rank, cause):
+        """Rank `rank` raised `cause` ("Type: message"), for the ranks' errors that name it (failure_reports.heard)."""
+        self._publish({"rank": rank, "cause": cause})
+
+    def _publish(self, notice):
+        line = (json.dumps(notice) + "\n").encode()
         with self.lock:
             self.notices.append(line)
             for sock in list(self.connections):

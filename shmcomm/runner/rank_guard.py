@@ -65,13 +65,26 @@ def pump(pipe, fd, label):
             deadline = time.monotonic() + 0.1
     if held or fd in unfinished:
         put(fd, frames(held, True))  # the rank's last line ends here
+def pass_causes(src):
+    # The rank's cause line (shmcomm/failure_reports.py), sent on at once as a frame the launcher keeps for its last
+    # line and its notices: MPI_Abort may kill this guard before the rank ends, and the launcher's host may not
+    # see the rank's saved report.
+    with os.fdopen(src, "rb") as causes:
+        for line in causes:
+            put(2, ("[%s]<cause>: " % rank).encode() + line.rstrip(b"\n")[:4096] + b"\n")
+cause_read, cause_write = os.pipe()
+os.set_inheritable(cause_write, True)
+os.environ["SHMCOMM_CAUSE_FD"] = str(cause_write)
 try:
-    # close_fds=False: the rank needs hydra's PMI_FD; the guard's own descriptors are not inheritable anyway.
+    # close_fds=False: the rank needs hydra's PMI_FD and the cause pipe; the guard's other descriptors are not
+    # inheritable.
     child = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=False)
 except OSError as error:
     say("cannot run %r: %s" % (sys.argv[1], error.strerror or error))
     code = 127
 else:
+    os.close(cause_write)
+    threading.Thread(target=pass_causes, args=(cause_read,), daemon=True).start()
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda signum, frame: child.send_signal(signum))
     pumps = [threading.Thread(target=pump, args=(pipe, fd, label), daemon=True)

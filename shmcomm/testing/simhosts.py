@@ -7,7 +7,9 @@
 Each simulated host is a network namespace with a veth pair whose other end sits on a bridge in the root
 namespace (10.213.X.1/24 on the bridge, 10.213.X.(10+i)/24 in host i). Nothing routes beyond the bridge: the
 namespaces have no default route and the root namespace's forwarding is left as it is. Hosts still share the
-file system, /dev/shm and the process table; only the network and the host name are their own.
+file system, /dev/shm and the process table; only the network, the host name and `private_dir` (an empty folder of
+its own in each host, as a host's own /tmp is: TMPDIR for a launcher whose files the hosts must not see) are
+their own.
 
 MPI (MPICH from the PyPI wheel, started by hydra) reaches the hosts through `agent`, an ssh stand-in that runs
 the proxy command inside the host's namespace under a fresh UTS namespace carrying the host's name. MPICH
@@ -100,9 +102,9 @@ def _pid_alive(pid):
     return True
 
 
-def _agent_script(targets):
-    """An ssh stand-in: `agent [ssh options] HOST COMMAND...` runs COMMAND in HOST's namespace and name, on HOST's
-    CPUs when it has its own (empty: all of them).
+def _agent_script(targets, private_dir):
+    """An ssh stand-in: `agent [ssh options] HOST COMMAND...` runs COMMAND in HOST's namespace and name, with an
+    empty private_dir of its own, on HOST's CPUs when it has its own (empty: all of them).
 
     Like ssh, it joins the command words with spaces for the remote shell to parse again (hydra quotes the
     proxy's path with that in mind)."""
@@ -125,7 +127,9 @@ case "$host" in
 esac
 pin=
 if [ -n "$cpus" ]; then pin="taskset -c $cpus"; fi
-exec ip netns exec "$ns" unshare --uts $pin sh -c 'hostname "$1" && shift && exec "$@"' -- "$name" sh -c "$*"
+exec ip netns exec "$ns" unshare --uts --mount $pin \\
+  sh -c 'mount -t tmpfs -o mode=0700 shsim-private "$1" && hostname "$2" && shift 2 && exec "$@"' \\
+  -- {shlex.quote(private_dir)} "$name" sh -c "$*"
 """
 
 
@@ -167,6 +171,7 @@ class SimulatedHosts:
         self.addresses = []
         self.bridge_address = None
         self.agent = None
+        self.private_dir = None
         self._state_file = os.path.join(STATE_DIR, self.suffix)
         self._previous_sigterm = None
         self._closed = False
@@ -225,8 +230,10 @@ class SimulatedHosts:
         self.agent = os.path.join(tempfile.mkdtemp(prefix=f"{NAME_PREFIX}-{self.suffix}-"), "agent")
         targets = [((name, addr), ns, name, cpus)
                    for name, addr, ns, cpus in zip(self.hosts, self.addresses, self.namespaces, self.cpus)]
+        self.private_dir = os.path.join(os.path.dirname(self.agent), "private")
+        os.mkdir(self.private_dir, 0o700)
         with open(self.agent, "w") as agent:
-            agent.write(_agent_script(targets))
+            agent.write(_agent_script(targets, self.private_dir))
         os.chmod(self.agent, 0o755)
 
     def _free_third_octet(self):

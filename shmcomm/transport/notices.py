@@ -3,9 +3,10 @@
 
 MPI's start waits for every rank of the job and cannot say which one is missing, and neither can the ranks' own
 shared memory, which spans one host. The launcher sees each rank's guard report its death or a stop as it happens;
-it passes that on to every rank connected here. A rank listens only during init (bootstrap.py's `_within`), in a
-thread of its own, which tries the launcher's addresses in turn: the first that answers is one its host can route
-to. Without the launcher (mpiexec started by hand, srun) nothing is heard and init says what it can without."""
+it passes that on to every rank connected here, and later the cause of a rank's failure. A rank listens from init
+to shutdown, in a thread of its own, which tries the launcher's addresses in turn: the first that answers is one
+its host can route to. Without the launcher (mpiexec started by hand, srun) nothing is heard and init says what it
+can without."""
 import json
 import socket
 import threading
@@ -14,9 +15,11 @@ _CONNECT_TIMEOUT_S = 2.0
 
 
 class LauncherNotices:
-    """Listens to the launcher at `addresses` ("ip:port,..." or None) until close()."""
+    """Listens to the launcher at `addresses` ("ip:port,..." or None) until close(); passes each rank's cause of
+    failure to on_cause(rank, cause)."""
 
-    def __init__(self, addresses):
+    def __init__(self, addresses, on_cause):
+        self._on_cause = on_cause
         self.failed = None  # the first notice of a rank that died or exited
         self.stopped = None  # the first notice of a stopped rank
         self._sock = None
@@ -52,6 +55,9 @@ class LauncherNotices:
 
     def _take(self, notice):
         if not isinstance(notice, dict) or not isinstance(notice.get("rank"), int):
+            return
+        if isinstance(notice.get("cause"), str):
+            self._on_cause(notice["rank"], notice["cause"])
             return
         text = "rank %d on %s %s" % (notice["rank"], notice.get("host", "?"), notice.get("what", "failed"))
         if notice.get("stopped"):
