@@ -5,8 +5,8 @@ MPI_Abort cut it off the output), and rank<N>.cause, one line `Type: message`, u
 report of a peer's failure or bad argument. The cause lets the launcher blame the rank that failed first, and the
 other ranks say why it left. Across hosts the directory may not be on the rank's host: the cause also goes to the
 rank's guard (SHMCOMM_CAUSE_FD), and the launcher's notices bring it to the other ranks (heard)."""
+import _io
 import gc
-import io
 import os
 import sys
 import traceback
@@ -110,7 +110,9 @@ def _exit_without_tracing_live_objects():
         return
     gc.collect()
     for thing in gc.get_objects():
-        if isinstance(thing, io.IOBase):
+        # The C base of every file object: io.IOBase is an ABC, whose check costs more than the teardown saved, and
+        # isinstance() would read each object's __class__, which some libraries' lazy objects warn about.
+        if issubclass(type(thing), _io._IOBase):
             try:
                 if not thing.closed:
                     thing.flush()
