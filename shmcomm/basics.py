@@ -60,7 +60,10 @@ def start_engine():
 
 
 def shutdown():
-    """Leaves the job. Never blocks on other ranks; init() may be called again afterwards."""
+    """Leaves the job. Never blocks on other ranks beyond the collectives already started (shmcomm.jax's in flight,
+    each bounded by SHMCOMM_TIMEOUT); init() may be called again afterwards."""
+    if session.state.comm is not None:
+        session.closing()
     engine.stop()  # first: it may be running collectives on the communicators closed below
     process_sets.close_all()
     state = session.state

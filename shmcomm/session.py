@@ -32,6 +32,20 @@ def changed():
         listener()
 
 
+_closers = []
+
+
+def on_close(listener):
+    """Calls listener() at shutdown while the communicator is still open (shmcomm.jax waits there for the jitted
+    collectives still in flight)."""
+    _closers.append(listener)
+
+
+def closing():
+    for listener in list(_closers):
+        listener()
+
+
 def communicator():
     """The world communicator (algorithms.host.HostComm or algorithms.world.WorldComm)."""
     comm = state.comm

@@ -358,4 +358,13 @@ if __name__ == "__main__":
     for name in sys.argv[1:] or sorted(CHECKS):
         CHECKS[name](rank, size)
         print("ok", name, flush=True)
+    # JAX returns before a jitted call has run: shutdown waits for the collective, whose result is then complete.
+    # In a fresh world, without the engine that with_engine started: on one host the handler calls the core itself.
     sj.shutdown()
+    sj.init()
+    # Work before the collective (values unchanged: max(x, sin(x) - 10) is x here) keeps it pending at shutdown.
+    busy = lambda x: jax.lax.fori_loop(0, 400, lambda i, y: jnp.maximum(y, jnp.sin(y) - 10), x)  # noqa: E731
+    pending = jax.jit(lambda a: sj.allreduce(busy(a), op=sj.Sum))(np.full(1 << 16, rank + 1.0, np.float32))
+    sj.shutdown()
+    same(pending, np.full(1 << 16, size * (size + 1) / 2, np.float32))
+    print("ok in_flight_at_shutdown", flush=True)

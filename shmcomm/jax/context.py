@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 
-from shmcomm import dtypes, env, session
+from shmcomm import dtypes, env, log, session
 from shmcomm._native import error_for, lib as core_lib
 from shmcomm.algorithms.host import HostComm
 from shmcomm.buffers import wrap
@@ -98,6 +98,22 @@ def direct():
 
 session.on_change(sync)
 sync()
+
+
+def finish_in_flight():
+    """Waits for the jitted collectives still running: JAX returns from a jitted call before it has run, and a
+    program may end, or shut shmcomm down, right after one. Without the wait the handler would find the communicator
+    closed (or its segment unmapped) under it. A failure there was the program's to see; it is logged, not raised,
+    as the program is leaving."""
+    import jax
+
+    try:
+        jax.effects_barrier()
+    except Exception as error:
+        log.logger.warning("a collective still running at shutdown failed: %s", error)
+
+
+session.on_close(finish_in_flight)  # shutdown(), the program's or the one at exit
 
 
 # ---- failures as the caller sees them ----
