@@ -4,7 +4,7 @@ the launcher names (SHMCOMM_ERROR_REPORT_DIR): rank<N>, its traceback (printed b
 MPI_Abort cut it off the output), and rank<N>.cause, one line `Type: message`, unless the exception was itself a
 report of a peer's failure or bad argument. The cause lets the launcher blame the rank that failed first, and the
 other ranks say why it left. Across hosts the directory may not be on the rank's host: the cause also goes to the
-rank's guard (SHMCOMM_CAUSE_FD), and the launcher's notices bring it to the other ranks (heard)."""
+rank's guard (SHMCOMM_CAUSE_PIPE), and the launcher's notices bring it to the other ranks (heard)."""
 import _io
 import gc
 import os
@@ -40,9 +40,19 @@ def save(name, text):
         pass
 
 
+def guard_pipe():
+    """The descriptor of the guard's cause pipe, or None: the variable can reach a process that did not inherit the
+    pipe (a rank's own subprocess), where that number is another file, so the pipe's inode must match too."""
+    pipe = env.cause_pipe()
+    try:
+        return pipe[0] if pipe is not None and os.fstat(pipe[0]).st_ino == pipe[1] else None
+    except OSError:
+        return None
+
+
 def _tell_guard(line):
     """Writes the cause line to the guard's pipe, if there is one: in one write, which a pipe keeps whole."""
-    fd = env.cause_fd()
+    fd = guard_pipe()
     if fd is not None:
         try:
             os.write(fd, (line + "\n").encode("utf-8", errors="backslashreplace"))

@@ -121,8 +121,8 @@ def _abort_job_on_uncaught_exception(world):
                 previous(kind, value, tb)
             sys.stderr.flush()
             _wait_until_read(sys.stderr.fileno())
-            if env.cause_fd() is not None:
-                _wait_until_read(env.cause_fd())  # the cause, for a launcher that cannot read the saved one
+            if failure_reports.guard_pipe() is not None:  # the cause, for a launcher that cannot read the saved one
+                _wait_until_read(failure_reports.guard_pipe())
         except BaseException:
             pass  # nothing may keep the rank from aborting the job
         world.Abort(1)

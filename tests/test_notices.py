@@ -4,6 +4,7 @@ hears every notice, those sent before it connected included, at the first of the
 the first failure and the first stop are kept apart; a rank's cause of failure reaches the others' errors.
 tests/test_multihost.py shows them naming a rank killed before
 MPI had started, across simulated hosts."""
+import os
 import socket
 import time
 
@@ -74,3 +75,21 @@ def test_a_cause_heard_from_the_launcher_names_a_rank_whose_report_is_on_another
     (tmp_path / "rank1.cause").write_text("KeyError: 'x'\n")  # a report this host can read comes first
     monkeypatch.setenv("SHMCOMM_ERROR_REPORT_DIR", str(tmp_path))
     assert failure_reports.with_cause("rank 1 failed", 1) == "rank 1 failed (KeyError: 'x')"
+
+
+def test_the_cause_goes_to_the_guards_pipe_and_never_to_another_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("SHMCOMM_ERROR_REPORT_DIR", raising=False)
+    read_end, write_end = os.pipe()
+    other = os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT)
+    try:
+        monkeypatch.setenv("SHMCOMM_CAUSE_PIPE", "%d:%d" % (write_end, os.fstat(write_end).st_ino))
+        failure_reports.save_uncaught(1, ValueError, ValueError("bad\nbatch"), None)
+        assert os.read(read_end, 100) == b"ValueError: bad batch\n"
+        # The same variable in a process where that number is another file (a rank's subprocess): nothing written.
+        monkeypatch.setenv("SHMCOMM_CAUSE_PIPE", "%d:%d" % (other, os.fstat(write_end).st_ino))
+        assert failure_reports.guard_pipe() is None
+        failure_reports.save_uncaught(1, ValueError, ValueError("bad batch"), None)
+        assert (tmp_path / "other").read_bytes() == b""
+    finally:
+        for fd in (read_end, write_end, other):
+            os.close(fd)

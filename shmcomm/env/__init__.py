@@ -154,11 +154,11 @@ def error_report_dir():
     return os.environ.get(ERROR_REPORT_DIR) or None
 
 
-def cause_fd():
-    """The pipe on which a rank under shmcommrun -H tells its guard (runner/rank_guard.py) the cause of its failure
-    (failure_reports.py), or None."""
-    value = os.environ.get("SHMCOMM_CAUSE_FD", "")
-    return int(value) if value.isdigit() else None
+def cause_pipe():
+    """(descriptor, inode) of the pipe on which a rank under shmcommrun -H tells its guard (runner/rank_guard.py) the
+    cause of its failure (failure_reports.py), or None."""
+    fd, _, inode = os.environ.get("SHMCOMM_CAUSE_PIPE", "").partition(":")
+    return (int(fd), int(inode)) if fd.isdigit() and inode.isdigit() else None
 
 
 def launcher_notices():

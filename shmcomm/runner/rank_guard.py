@@ -74,7 +74,7 @@ def pass_causes(src):
             put(2, ("[%s]<cause>: " % rank).encode() + line.rstrip(b"\n")[:4096] + b"\n")
 cause_read, cause_write = os.pipe()
 os.set_inheritable(cause_write, True)
-os.environ["SHMCOMM_CAUSE_FD"] = str(cause_write)
+os.environ["SHMCOMM_CAUSE_PIPE"] = "%d:%d" % (cause_write, os.fstat(cause_write).st_ino)
 try:
     # close_fds=False: the rank needs hydra's PMI_FD and the cause pipe; the guard's other descriptors are not
     # inheritable.
