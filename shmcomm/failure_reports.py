@@ -4,10 +4,11 @@ the launcher names (SHMCOMM_ERROR_REPORT_DIR): rank<N>, its traceback (printed b
 MPI_Abort cut it off the output), and rank<N>.cause, one line `Type: message`, unless the exception was itself a
 report of a peer's failure or bad argument. The cause lets the launcher blame the rank that failed first, and the
 other ranks say why it left. Across hosts the directory may not be on the rank's host: the cause also goes to the
-rank's guard (SHMCOMM_CAUSE_PIPE), and the launcher's notices bring it to the other ranks (heard)."""
+rank's guard (SHMCOMM_GUARD_SOCKET), and the launcher's notices bring it to the other ranks (heard)."""
 import _io
 import gc
 import os
+import select
 import sys
 import traceback
 
@@ -40,19 +41,33 @@ def save(name, text):
         pass
 
 
-def guard_pipe():
-    """The descriptor of the guard's cause pipe, or None: the variable can reach a process that did not inherit the
-    pipe (a rank's own subprocess), where that number is another file, so the pipe's inode must match too."""
-    pipe = env.cause_pipe()
+def guard_socket():
+    """The descriptor of the guard's socket, or None: the variable can reach a process that did not inherit the
+    socket (a rank's own subprocess), where that number is another file, so the socket's inode must match too."""
+    named = env.guard_socket()
     try:
-        return pipe[0] if pipe is not None and os.fstat(pipe[0]).st_ino == pipe[1] else None
+        return named[0] if named is not None and os.fstat(named[0]).st_ino == named[1] else None
     except OSError:
         return None
 
 
+def wait_for_guard(timeout_s=2.0):
+    """Returns once the guard has passed on everything this rank wrote to its output so far (the caller waited until
+    the guard read it), or after timeout_s; at once without a guard. MPI_Abort may kill the guard right after."""
+    fd = guard_socket()
+    if fd is None:
+        return
+    try:
+        os.write(fd, b"\n")
+        if select.select([fd], [], [], timeout_s)[0]:
+            os.read(fd, 1)
+    except OSError:
+        pass
+
+
 def _tell_guard(line):
-    """Writes the cause line to the guard's pipe, if there is one: in one write, which a pipe keeps whole."""
-    fd = guard_pipe()
+    """Writes the cause line to the guard's socket, if there is one, in one write."""
+    fd = guard_socket()
     if fd is not None:
         try:
             os.write(fd, (line + "\n").encode("utf-8", errors="backslashreplace"))

@@ -121,8 +121,7 @@ def _abort_job_on_uncaught_exception(world):
                 previous(kind, value, tb)
             sys.stderr.flush()
             _wait_until_read(sys.stderr.fileno())
-            if failure_reports.guard_pipe() is not None:  # the cause, for a launcher that cannot read the saved one
-                _wait_until_read(failure_reports.guard_pipe())
+            failure_reports.wait_for_guard()  # and until shmcommrun's guard passed it on
         except BaseException:
             pass  # nothing may keep the rank from aborting the job
         world.Abort(1)

@@ -82,12 +82,12 @@ def test_the_cause_goes_to_the_guards_pipe_and_never_to_another_file(tmp_path, m
     read_end, write_end = os.pipe()
     other = os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT)
     try:
-        monkeypatch.setenv("SHMCOMM_CAUSE_PIPE", "%d:%d" % (write_end, os.fstat(write_end).st_ino))
+        monkeypatch.setenv("SHMCOMM_GUARD_SOCKET", "%d:%d" % (write_end, os.fstat(write_end).st_ino))
         failure_reports.save_uncaught(1, ValueError, ValueError("bad\nbatch"), None)
         assert os.read(read_end, 100) == b"ValueError: bad batch\n"
         # The same variable in a process where that number is another file (a rank's subprocess): nothing written.
-        monkeypatch.setenv("SHMCOMM_CAUSE_PIPE", "%d:%d" % (other, os.fstat(write_end).st_ino))
-        assert failure_reports.guard_pipe() is None
+        monkeypatch.setenv("SHMCOMM_GUARD_SOCKET", "%d:%d" % (other, os.fstat(write_end).st_ino))
+        assert failure_reports.guard_socket() is None
         failure_reports.save_uncaught(1, ValueError, ValueError("bad batch"), None)
         assert (tmp_path / "other").read_bytes() == b""
     finally:

@@ -154,10 +154,10 @@ def error_report_dir():
     return os.environ.get(ERROR_REPORT_DIR) or None
 
 
-def cause_pipe():
-    """(descriptor, inode) of the pipe on which a rank under shmcommrun -H tells its guard (runner/rank_guard.py) the
-    cause of its failure (failure_reports.py), or None."""
-    fd, _, inode = os.environ.get("SHMCOMM_CAUSE_PIPE", "").partition(":")
+def guard_socket():
+    """(descriptor, inode) of the socket on which a rank under shmcommrun -H tells its guard (runner/rank_guard.py) the
+    cause of its failure and waits for its output to be passed on (failure_reports.py), or None."""
+    fd, _, inode = os.environ.get("SHMCOMM_GUARD_SOCKET", "").partition(":")
     return (int(fd), int(inode)) if fd.isdigit() and inode.isdigit() else None
 
 

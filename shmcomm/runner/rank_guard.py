@@ -28,6 +28,7 @@ if rank.isdigit():  # torchrun's names too, so that a torch.distributed script r
 how = None
 lock = threading.Lock()
 unfinished = set()  # the fds whose last frame was an unfinished line
+busy = set()  # the fds whose pump holds text it read and has not passed on yet
 def put(fd, data, unfinished_after=False, own_line=False):
     with lock:
         if own_line and fd in unfinished:  # the guard's own line: the rank's unfinished one ends first
@@ -51,10 +52,12 @@ def pump(pipe, fd, label):
                      not select.select([src], [], [], max(0.0, deadline - time.monotonic()))[0]):
             put(fd, frames(held, False), True)
             held = b""
+            busy.discard(fd)
             continue
         data = os.read(src, 1 << 16)
         if not data:
             break
+        busy.add(fd)
         if not held:
             deadline = time.monotonic() + 0.1
         held += data
@@ -63,28 +66,38 @@ def pump(pipe, fd, label):
             put(fd, b"".join(frames(line, True) for line in held[:cut - 1].split(b"\n")))
             held = held[cut:]
             deadline = time.monotonic() + 0.1
+        if not held:
+            busy.discard(fd)
+    busy.discard(fd)
     if held or fd in unfinished:
         put(fd, frames(held, True))  # the rank's last line ends here
-def pass_causes(src):
+def pass_causes(sock):
     # The rank's cause line (shmcomm/failure_reports.py), sent on at once as a frame the launcher keeps for its last
-    # line and its notices: MPI_Abort may kill this guard before the rank ends, and the launcher's host may not
-    # see the rank's saved report.
-    with os.fdopen(src, "rb") as causes:
-        for line in causes:
-            put(2, ("[%s]<cause>: " % rank).encode() + line.rstrip(b"\n")[:4096] + b"\n")
-cause_read, cause_write = os.pipe()
-os.set_inheritable(cause_write, True)
-os.environ["SHMCOMM_CAUSE_PIPE"] = "%d:%d" % (cause_write, os.fstat(cause_write).st_ino)
+    # line and its notices, as the launcher's host may not see the rank's saved report. An empty line asks whether
+    # everything the rank wrote has been passed on: answered once the pumps hold nothing, since MPI_Abort, which the
+    # rank calls next, may kill this guard at once.
+    with sock, sock.makefile("rb") as lines:
+        for line in lines:
+            if line.strip():
+                put(2, ("[%s]<cause>: " % rank).encode() + line.rstrip(b"\n")[:4096] + b"\n")
+                continue
+            deadline = time.monotonic() + 1.0
+            while busy and time.monotonic() < deadline:
+                time.sleep(0.001)
+            sock.sendall(b"\n")
+cause_here, cause_rank = socket.socketpair()
+cause_rank.set_inheritable(True)
+os.environ["SHMCOMM_GUARD_SOCKET"] = "%d:%d" % (cause_rank.fileno(), os.fstat(cause_rank.fileno()).st_ino)
 try:
-    # close_fds=False: the rank needs hydra's PMI_FD and the cause pipe; the guard's other descriptors are not
+    # close_fds=False: the rank needs hydra's PMI_FD and the cause socket; the guard's other descriptors are not
     # inheritable.
     child = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=False)
 except OSError as error:
     say("cannot run %r: %s" % (sys.argv[1], error.strerror or error))
     code = 127
 else:
-    os.close(cause_write)
-    threading.Thread(target=pass_causes, args=(cause_read,), daemon=True).start()
+    cause_rank.close()
+    threading.Thread(target=pass_causes, args=(cause_here,), daemon=True).start()
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda signum, frame: child.send_signal(signum))
     pumps = [threading.Thread(target=pump, args=(pipe, fd, label), daemon=True)
