@@ -54,25 +54,23 @@ def guard_socket():
 def wait_for_guard(timeout_s=2.0):
     """Returns once the guard has passed on everything this rank wrote to its output so far (the caller waited until
     the guard read it), or after timeout_s; at once without a guard. MPI_Abort may kill the guard right after."""
-    fd = guard_socket()
-    if fd is None:
-        return
+    fd = _tell_guard("")  # an empty line asks; the guard answers with one byte
     try:
-        os.write(fd, b"\n")
-        if select.select([fd], [], [], timeout_s)[0]:
+        if fd is not None and select.select([fd], [], [], timeout_s)[0]:
             os.read(fd, 1)
     except OSError:
         pass
 
 
 def _tell_guard(line):
-    """Writes the cause line to the guard's socket, if there is one, in one write."""
+    """Writes a line to the guard's socket, if there is one, in one write; returns the socket's descriptor."""
     fd = guard_socket()
     if fd is not None:
         try:
             os.write(fd, (line + "\n").encode("utf-8", errors="backslashreplace"))
         except OSError:
-            pass
+            return None
+    return fd
 
 
 def heard(rank, line):

@@ -42,6 +42,7 @@ def on_close(listener):
 
 
 def closing():
+    """Calls the on_close listeners: shutdown() does, before it closes anything."""
     for listener in list(_closers):
         listener()
 

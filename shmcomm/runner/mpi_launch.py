@@ -274,6 +274,7 @@ class _Report:
             self.notices.publish_cause(rank, text)
 
     def first_cause(self):
+        """(rank, cause) of the first cause a guard passed on, or None."""
         return self.causes[0] if self.causes else None
 
     def read(self, line):
