@@ -79,6 +79,12 @@ def heard(rank, line):
 
 
 _heard = {}  # rank: the cause the launcher heard from that rank's guard, for hosts that cannot read its file
+_own = []  # this rank's own cause, once it has saved one
+
+
+def own_cause():
+    """The cause this rank saved for its own failure (save_uncaught), or None."""
+    return _own[0] if _own else None
 
 
 def own_failure(rank, value):
@@ -95,6 +101,7 @@ def save_uncaught(rank, kind, value, tb):
     if own_failure(rank, value):
         message = " ".join(str(value).split())  # one line
         line = ("%s: %s" % (kind.__name__, message) if message else kind.__name__)[:500]
+        _own[:] = [line]
         save("rank%d.cause" % rank, line)
         _tell_guard(line)
     text = "".join(traceback.format_exception(kind, value, tb))

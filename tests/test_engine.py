@@ -294,23 +294,31 @@ def test_dead_rank_fails_pending_handles_on_the_others():
     assert status == "ok" and rank == 1 and took < 10
 
 
-def _peer_leaves(left):
+def _peer_leaves(left, failing):
     import shmcomm
+    from shmcomm import failure_reports
 
+    os.environ.pop("SHMCOMM_ERROR_REPORT_DIR", None)  # no saved reports: what rank 0 says comes from the engine
     shmcomm.init(engine=True)
     shmcomm.barrier()
     if shmcomm.rank() == 1:
+        if failing:  # what the hook of a rank that dies of an exception saves before the exit handlers shut down
+            failure_reports.save_uncaught(1, ValueError, ValueError("bad batch"), None)
         shmcomm.shutdown()
         left.set()
         return "left"
     assert left.wait(60)
-    with pytest.raises(shmcomm.RankFailure, match="rank 1 has shut down"):
+    expected = "rank 1 failed \\(ValueError: bad batch\\)" if failing else "rank 1 has shut down"
+    with pytest.raises(shmcomm.RankFailure, match=expected):
         shmcomm.allreduce(np.ones(2), name="late")
     return "raised"
 
 
-def test_a_rank_that_shuts_down_is_named():
-    assert multiproc.run(2, _peer_leaves, multiproc.Event()) == ["raised", "left"]
+@pytest.mark.parametrize("failing", [False, True], ids=["shut-down", "failed"])
+def test_a_rank_that_shuts_down_is_named_with_its_cause(failing):
+    """A rank that left on an exception of its own (MPI_Abort runs the exit handlers, which shut shmcomm down) is
+    named as failed, with its cause, where its peers cannot read its saved report."""
+    assert multiproc.run(2, _peer_leaves, multiproc.Event(), failing) == ["raised", "left"]
 
 
 def _process_sets():

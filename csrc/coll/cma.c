@@ -27,16 +27,23 @@ static smc_result_t peer_alive(void* arg) {
   return smc_peer_check(p->comm, p->rank, "init");
 }
 
-/* Waits until rank r's probe state reaches `state`; a dead rank is named at once, a slow one at the timeout. */
+/* Waits until rank r's probe state reaches `state`; a dead rank is named at once, a slow one at the timeout, with
+ * every other rank that has not got as far: each rank waits for the one before it, so the one waited for may itself
+ * wait for the rank that is stuck. */
 static smc_result_t wait_state(smc_comm_t* c, int r, uint32_t state, double timeout_s) {
   peer_t peer = {c, r};
   smc_wait_opts_t opts = {c->spin_us, timeout_s, c->liveness_s, peer_alive, &peer, 0};
   smc_result_t rc = smc_wait_reach(&c->ctl[r].cma_state, &c->ctl[r].cma_sleepers, state, &opts);
-  if (rc == SMC_ERR_TIMEOUT)
-    return smc_set_peer_error(rc, smc_job_rank(c, r), SMC_FIELD_NONE,
-                              "init: rank %d did not finish the single-copy probe within %.1f s", smc_job_rank(c, r),
-                              timeout_s);
-  return rc;
+  if (rc != SMC_ERR_TIMEOUT) return rc;
+  char others[384] = "";
+  size_t used = 0;
+  for (int o = 0; o < c->size && used < sizeof(others) - 1; o++)
+    if (o != c->rank && o != r && atomic_load(&c->ctl[o].cma_state) < state)
+      used += (size_t)snprintf(others + used, sizeof(others) - used, ", nor did rank %d (pid %d)", smc_job_rank(c, o),
+                               (int)c->ctl[o].pid);
+  return smc_set_peer_error(rc, smc_job_rank(c, r), SMC_FIELD_NONE,
+                            "init: rank %d did not finish the single-copy probe within %.1f s%s", smc_job_rank(c, r),
+                            timeout_s, others);
 }
 
 static int read_neighbour(smc_comm_t* c, int r) {

@@ -234,6 +234,10 @@ class Engine:
         if join is not None and self._join_cycle == 0:
             self._join_cycle = self._cycle
         flags = {"shutdown": stopping, "join": self._join_cycle, "waits": self._waited}
+        if stopping and failure_reports.own_cause() is not None:
+            # A rank that dies of an exception may shut down on its way out (MPI_Abort exits through the interpreter's
+            # exit handlers): its peers learn why from here, before any report of it can reach them.
+            flags["cause"] = failure_reports.own_cause()
         if self.tuner is not None:
             flags["tune"] = self.tuner.outgoing()
         waits = self._waited
@@ -244,7 +248,7 @@ class Engine:
             self.comm.set_spin(*self._waits(waits, _DATA_SPIN_US))
         leaving = [r for r, (_, f) in enumerate(everyone) if f["shutdown"]]
         if leaving:
-            self._leave(leaving)
+            self._leave(leaving, everyone[leaving[0]][1].get("cause"))
             return False
         if self.tuner is not None and everyone[0][1].get("tune"):
             self._apply_tuning(everyone[0][1]["tune"])
@@ -273,15 +277,15 @@ class Engine:
         spin, yield_us = min(self.comm.tuning.spin_us, spin_us), self.comm.tuning.yield_us
         return (spin, max(yield_us, _CALLER_WAITS_YIELD_US)) if caller_waits else (spin, yield_us)
 
-    def _leave(self, leaving):
-        me = self.comm.rank
-        if me in leaving:
+    def _leave(self, leaving, its_cause):
+        """Fails every request: the ranks `leaving` shut down, the first for `its_cause` if it failed."""
+        first = leaving[0]
+        if self.comm.rank in leaving:
             error = ShmCommError("shmcomm has been shut down on this rank")
         else:
-            why = failure_reports.cause(leaving[0])
-            error = RankFailure("rank %d failed (%s)" % (leaving[0], why) if why else
-                                "rank %d has shut down; the ranks did not run the same collectives" % leaving[0],
-                                leaving[0])
+            why = its_cause or failure_reports.cause(first)
+            error = RankFailure("rank %d failed (%s)" % (first, why) if why else
+                                "rank %d has shut down; the ranks did not run the same collectives" % first, first)
         self._fail_everything(error)
 
     def _execute(self, plan):

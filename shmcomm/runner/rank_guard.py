@@ -15,7 +15,7 @@
 # it in MPI_Finalize, where nothing times out. (The 2 s: ranks that wait on it time out and call the roll first, and so
 # find it stopped, not gone: rollcall.py.)
 RANK_GUARD = r"""
-import os, select, signal, socket, subprocess, sys, threading, time
+import fcntl, os, select, signal, socket, stat, struct, subprocess, sys, termios, threading, time
 rank = os.environ.get("PMI_RANK", "?")
 grace = float(sys.argv.pop(1))
 stopped_limit = float(sys.argv.pop(1))
@@ -54,10 +54,12 @@ def pump(pipe, fd, label):
             held = b""
             busy.discard(fd)
             continue
+        if not held:
+            select.select([src], [], [])
+        busy.add(fd)  # before the read: once the rank sees its pipe empty, a flush request sees this pump busy
         data = os.read(src, 1 << 16)
         if not data:
             break
-        busy.add(fd)
         if not held:
             deadline = time.monotonic() + 0.1
         held += data
@@ -71,18 +73,27 @@ def pump(pipe, fd, label):
     busy.discard(fd)
     if held or fd in unfinished:
         put(fd, frames(held, True))  # the rank's last line ends here
+def unread(fd):
+    # What is still in the pipe on fd, which hydra's proxy reads: what it has not read when it is killed is lost.
+    try:
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        pass
+    return 0
 def pass_causes(sock):
     # The rank's cause line (shmcomm/failure_reports.py), sent on at once as a frame the launcher keeps for its last
     # line and its notices, as the launcher's host may not see the rank's saved report. An empty line asks whether
-    # everything the rank wrote has been passed on: answered once the pumps hold nothing, since MPI_Abort, which the
-    # rank calls next, may kill this guard at once.
+    # everything the rank wrote has been passed on: answered once the pumps hold nothing and hydra's proxy has read
+    # it all, since MPI_Abort, which the rank calls next, has hydra kill this guard and the proxy at once. The proxy
+    # forwards what it reads before it reads the rank's abort, so the launcher gets it first.
     with sock, sock.makefile("rb") as lines:
         for line in lines:
             if line.strip():
                 put(2, ("[%s]<cause>: " % rank).encode() + line.rstrip(b"\n")[:4096] + b"\n")
                 continue
-            deadline = time.monotonic() + 1.0
-            while busy and time.monotonic() < deadline:
+            deadline = time.monotonic() + 1.5
+            while (busy or unread(1) or unread(2)) and time.monotonic() < deadline:
                 time.sleep(0.001)
             sock.sendall(b"\n")
 cause_here, cause_rank = socket.socketpair()
@@ -111,8 +122,8 @@ else:
             break
         except subprocess.TimeoutExpired:
             try:
-                with open("/proc/%d/stat" % child.pid) as stat:
-                    state = stat.read().rpartition(") ")[2][:1]
+                with open("/proc/%d/stat" % child.pid) as proc_stat:
+                    state = proc_stat.read().rpartition(") ")[2][:1]
             except OSError:
                 state = ""
             stopped = stopped + 1 if state in ("T", "t") else 0
