@@ -13,33 +13,57 @@ def _submit(req):
 
 def allreduce_async(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
                     process_set=None):
+    """Starts allreduce() of `tensor` on the background engine; returns a handle at once.
+
+    synchronize(handle) returns the reduced tensor (a new one) or raises the collective's error; poll(handle) says
+    whether it is done. `name` must be unique among the requests in flight and the same on every rank; without one,
+    the requests are matched by the order each rank submits them. Arguments as allreduce()."""
     return _submit(allreduce_request(tensor, None, op, average, prescale_factor, postscale_factor, name, process_set))
 
 
 def allreduce_async_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None,
                      process_set=None):
+    """Starts an in-place allreduce() of `tensor` on the background engine; returns a handle at once.
+
+    synchronize(handle) returns `tensor`, holding the result. Arguments as allreduce_async()."""
     return _submit(allreduce_request(tensor, tensor, op, average, prescale_factor, postscale_factor, name,
                                      process_set))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None):
+    """Starts broadcast() of rank `root_rank`'s `tensor` on the background engine; returns a handle.
+
+    synchronize(handle) returns a new tensor with the root's values."""
     return _submit(broadcast_request(tensor, None, root_rank, name, process_set))
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=None):
+    """Starts an in-place broadcast() of rank `root_rank`'s `tensor`; returns a handle.
+
+    synchronize(handle) returns `tensor`, overwritten with the root's values on every other rank."""
     return _submit(broadcast_request(tensor, tensor, root_rank, name, process_set))
 
 
 def allgather_async(tensor, name=None, process_set=None, output=None):
+    """Starts allgather() of `tensor` on the background engine; returns a handle.
+
+    synchronize(handle) returns every rank's tensor concatenated along the first dimension, in rank order."""
     return _submit(allgather_request(tensor, name, process_set, output))
 
 
 def reducescatter_async(tensor, op=Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None,
                         output=None):
+    """Starts reducescatter() of `tensor` on the background engine; returns a handle.
+
+    synchronize(handle) returns this rank's share of the reduction, split along the first dimension."""
     return _submit(reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set, output))
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None, output=None):
+    """Starts alltoall() of `tensor` on the background engine; returns a handle.
+
+    synchronize(handle) returns what the ranks sent this one, concatenated in rank order; with `splits`, also the
+    number of rows received from each rank, as alltoall() does."""
     req = alltoall_request(tensor, splits, name, process_set, output)
     req.want_splits = splits is not None
     return _submit(req)

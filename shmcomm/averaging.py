@@ -95,6 +95,7 @@ class ElasticCentre:
             x -= self._sent
 
     def close(self):
+        """Waits for the exchange in flight (flush) and stops the background thread that runs them."""
         try:
             self.flush()
         finally:

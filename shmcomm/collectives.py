@@ -317,6 +317,9 @@ def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
 
 
 def barrier(process_set=None):
+    """Returns once every rank of `process_set` (default: every rank) has called barrier().
+
+    Raises RankFailure if a rank dies meanwhile and TimeoutError if one does not come within SHMCOMM_TIMEOUT."""
     if process_set is None and current_engine() is None:
         session.communicator().barrier()
         return

@@ -7,6 +7,10 @@ from shmcomm.exceptions import InvalidArgumentError
 
 
 class ReduceOp(enum.IntEnum):
+    """How a reduction combines the ranks' tensors, element by element: the mean, the sum, Adasum (torch's
+    allreduce and DistributedOptimizer; a power-of-two number of ranks), the smallest, the largest, the product.
+    Also exported as shmcomm.Average, shmcomm.Sum, shmcomm.Adasum, shmcomm.Min, shmcomm.Max and shmcomm.Product."""
+
     Average = 0
     Sum = 1
     Adasum = 2

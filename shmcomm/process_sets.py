@@ -22,18 +22,24 @@ class ProcessSet:
         self._comm = None
 
     def size(self):
+        """The number of ranks in the set."""
         return len(self.ranks) if self.process_set_id != 0 else session.communicator().topology.size
 
     def rank(self):
+        """This rank's index within the set, or -1 if it is not a member."""
         if self.process_set_id == 0:
             return _my_rank()
         me = _my_rank()
         return self.ranks.index(me) if me in self.ranks else -1
 
     def included(self):
+        """True if this rank is a member of the set."""
         return self.process_set_id == 0 or _my_rank() in self.ranks
 
     def communicator(self):
+        """The communicator the set's collectives run on, on this rank.
+
+        Raises InvalidArgumentError if the set was never added (add_process_set) or this rank is not a member."""
         if self.process_set_id is None:
             raise InvalidArgumentError("process set %s was never added (add_process_set)" % self.ranks)
         if self._comm is None:

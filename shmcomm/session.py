@@ -56,6 +56,7 @@ def communicator():
 
 
 def is_initialized():
+    """True between init() and shutdown() on this rank."""
     return state.comm is not None
 
 

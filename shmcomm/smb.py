@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Soft Memory Box: named, typed shared buffers that every rank of the host reads, writes and accumulates into.
+"""Soft Memory Box: named, typed shared buffers that every rank of the job reads, writes and accumulates into.
 
     box = shmcomm.SoftMemoryBox("weights", shape=(1024,), dtype=np.float32)   # create, or attach if it exists
     box.accumulate(delta, alpha=-0.1)          # atomic: w = w - 0.1 * delta, never a lost update
@@ -30,6 +30,16 @@ def _count(shape):
 
 
 class SoftMemoryBox:
+    """A named, typed buffer that every rank of the job reads, writes and accumulates into, with a version that
+    counts its writes and a lock. Updates are atomic against every other writer, on this host and on others.
+
+        box = shmcomm.SoftMemoryBox("weights", shape=(1024,), dtype=np.float32)  # create, or attach if it exists
+        box.accumulate(np.ones(1024, np.float32), alpha=-0.01)   # box = box - 0.01 * ones, atomic
+        box.wait_version(shmcomm.size(), timeout=5)              # until every rank has written
+
+    Raises BoxExistsError, BoxNotFoundError, OutOfMemoryError (no room left in SHMCOMM_SMB_BYTES or /dev/shm) and,
+    across hosts, HostFailure when the box's home host is gone."""
+
     def __init__(self, name, shape=None, dtype=np.float32, create=None, timeout=None, home=None, stripes=1,
                  local=False):
         """With `shape`: create the box, or attach to an existing one of the same shape and dtype (create=True
@@ -174,6 +184,10 @@ class SoftMemoryBox:
         return box.exchange(self._index(offset, "offset", "exchange"), out.count, out.ptr, float(alpha))
 
     def lock(self, timeout=None):
+        """Takes the box's lock, job-wide, waiting up to `timeout` seconds (default SHMCOMM_TIMEOUT).
+
+        Raises TimeoutError naming the holder if it does not come free in time. A rank that dies holding the lock leaves
+        it to the next taker, and the box's version moves on so that readers can tell."""
         try:
             self._handle().lock(self._timeout if timeout is None else float(timeout))
         except TimeoutError as error:  # the holder may itself wait for a rank that is stopped: name those
@@ -181,10 +195,15 @@ class SoftMemoryBox:
             raise
 
     def unlock(self):
+        """Releases the lock this rank holds; InvalidArgumentError if it holds none."""
         self._handle().unlock()
 
     @contextlib.contextmanager
     def locked(self, timeout=None):
+        """A context manager that holds the lock for its block: several operations as one.
+
+            with box.locked():
+                snapshot = box.read()"""
         self.lock(timeout)
         try:
             yield self
@@ -196,6 +215,7 @@ class SoftMemoryBox:
         return self._handle().wait_version(int(version), self._timeout if timeout is None else float(timeout))
 
     def close(self):
+        """Detaches this rank from the box; the box and its contents stay for the others."""
         self._box.close()
 
     def destroy(self):

@@ -3,7 +3,7 @@
 where things are built. tuning.py holds the performance settings, values.py how one value is read and checked.
 
 Every SHMCOMM_* name is also read under its HOROVOD_* spelling, so a job started the Horovod way finds its ranks.
-Bad values raise ValueError naming the variable. The README's "Tuning" table documents each setting."""
+Bad values raise ValueError naming the variable. docs/settings.md documents each setting."""
 import os
 import secrets
 from dataclasses import dataclass

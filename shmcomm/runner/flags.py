@@ -219,7 +219,7 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-TUNING = "tuning (each flag only sets environment variables of the ranks, named in the README's settings table)"
+TUNING = "tuning (each flag only sets environment variables of the ranks, listed on the documentation's settings page)"
 EXAMPLES = """%d tuning flags (fusion, autotuning, timeline, stall check, timeouts, algorithms): --help-tuning
 
 examples:

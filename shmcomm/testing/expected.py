@@ -80,7 +80,7 @@ def allreduce_input(rank, n, count, dtype, op, scaled=False):
 def expected_allreduce(inputs, dtype, op, prescale=1.0, postscale=1.0):
     """The result for these inputs (exact in every dtype before the last step). Floats: one multiply by
     postscale / divisor, that factor rounded to the type the sum is computed in (float32 for 16-bit floats), then one
-    rounding to the dtype, as the README's "16-bit floats accumulate in float32 and round once" has it."""
+    rounding to the dtype, as docs/numpy.md's "16-bit floats accumulate in float32 and round once" has it."""
     stack = np.stack(inputs).astype(np.float64) * prescale
     n = len(inputs)
     if op in ("Sum", "Average"):

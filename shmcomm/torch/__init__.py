@@ -124,14 +124,18 @@ def mpi_enabled():
 
 
 def mpi_threads_supported():
+    """Always False: shmcomm promises no MPI thread level to scripts that call MPI themselves (a job on one host does
+    not start MPI at all)."""
     return False
 
 
 def gloo_built():
+    """False: shmcomm never runs over Gloo (Horovod's function, for scripts that ask)."""
     return False
 
 
 def gloo_enabled():
+    """False: shmcomm never runs over Gloo."""
     return False
 
 
@@ -157,12 +161,15 @@ def cuda_built():
 
 
 def rocm_built():
+    """False: shmcomm has no ROCm path."""
     return False
 
 
 def ddl_built():
+    """False: shmcomm has no IBM DDL path."""
     return False
 
 
 def ccl_built():
+    """False: shmcomm has no oneCCL path."""
     return False

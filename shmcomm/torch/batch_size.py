@@ -39,6 +39,7 @@ class BatchSizeSchedule:
         self.passes = optimizer.backward_passes_per_step
 
     def passes_at(self, epoch):
+        """The backward passes per step the schedule gives for `epoch`."""
         return [p for e, p in self.schedule.items() if e <= epoch][-1]
 
     def set_epoch(self, epoch):

@@ -105,6 +105,7 @@ def allreduce_async_(tensor, *args, **kwargs):
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
+    """Reduces `tensor` over the ranks of `process_set` in place and returns it (default op: Average)."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
@@ -121,6 +122,7 @@ def grouped_allreduce_async_(tensors, *args, **kwargs):
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
+    """Reduces each of `tensors` in place, as one fused operation; returns the list."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                                 process_set))
 
@@ -169,6 +171,9 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Starts allgather() of each of `tensors`, as one group; returns one handle for all.
+
+    synchronize(handle) returns the list of gathered tensors."""
     return _group(_async.allgather_async, tensors, name, process_set=process_set)
 
 
@@ -200,6 +205,9 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Gathers each of `tensors` from every rank, as one group; returns the list of results.
+
+    Differentiable: the gradient of each result is reduced back to the ranks' slices."""
     return list(HorovodAllgather.apply(_names(name, len(tensors)), process_set, *tensors)) if tensors else []
 
 
@@ -211,10 +219,12 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Starts an in-place broadcast of rank `root_rank`'s `tensor`; returns a handle."""
     return _single(_async.broadcast_async_, tensor, name, root_rank=root_rank, process_set=process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Overwrites `tensor` with rank `root_rank`'s on every rank; returns it."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
@@ -287,6 +297,9 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0):
+    """Starts reducescatter() of each of `tensors`, as one group; returns a handle.
+
+    synchronize(handle) returns the list of this rank's shares."""
     return _group(_async.reducescatter_async, tensors, name, op=_resolved(op), prescale_factor=prescale_factor,
                   postscale_factor=postscale_factor, process_set=process_set)
 
@@ -320,6 +333,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduces each of `tensors` and returns this rank's share of each, as one group."""
     if not tensors:
         return []
     return _apply(HorovodReducescatter, compression, tensors, _names(name, len(tensors)), _resolved(op), process_set,

@@ -29,6 +29,8 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError("expected at least 2D input (got {}D input)".format(input.dim()))
 
     def forward(self, input):
+        """Normalizes `input` with the mean and variance of the whole batch
+        over the ranks of the process set while training; as BatchNorm otherwise."""
         self._check_input_dim(input)
         sync = self.training and self.process_set.included() and self.process_set.size() > 1
         if not sync:
