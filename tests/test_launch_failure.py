@@ -157,7 +157,7 @@ def _blamed_each_time(api, runs):
 
 @pytest.mark.parametrize("api", ["numpy", "torch", "jax"])
 def test_the_rank_that_raised_is_named_whichever_exits_first(api):
-    _blamed_each_time(api, 2)
+    _blamed_each_time(api, 2 if api == "numpy" else 1)  # the second tier repeats each
 
 
 # Rank 1's bad root is its own error; rank 0's PeerArgumentError, raised at once and uncaught, only reports it. Rank 1
