@@ -19,6 +19,7 @@
 enum { OK = 0, MISMATCH = 1, HEADER_BYTES = 32 };
 #define CLOSE_WAIT_S 0.01   /* poll MPI, yielding the core, this long; then sleep between polls */
 #define LONGEST_NAP_NS 1000000L
+#define CANCEL_WAIT_S 1.0  /* how long a late receive's cancellation may take before it is left pending */
 
 typedef int (*reduce_fn)(void* dst, const void* const* srcs, int nsrcs, size_t count, int dtype, int op,
                          double prescale, double postscale, int64_t divisor);
@@ -100,7 +101,10 @@ static int exchange(MPI_Comm comm, int peer, void* into, int into_len, uint64_t*
   if (rc == MPI_SUCCESS) rc = wait_both(requests, deadline);
   if (rc == -1 && requests[0] != MPI_REQUEST_NULL) { /* cancel the late receive */
     MPI_Cancel(&requests[0]);
-    MPI_Wait(&requests[0], MPI_STATUS_IGNORE);
+    /* A receive already matched to a message whose sender died mid-way cannot be cancelled, and a wait for it would
+     * never end: it is left pending after CANCEL_WAIT_S, like a late send, in a buffer that outlives the rounds. */
+    MPI_Request cancelled[2] = {requests[0], MPI_REQUEST_NULL};
+    if (wait_both(cancelled, now() + CANCEL_WAIT_S) == 0) requests[0] = MPI_REQUEST_NULL;
   }
   if (moved && requests[1] == MPI_REQUEST_NULL) memcpy(from, saved, HEADER_BYTES);
   /* A late send stays pending (not every MPI can cancel one): its bytes are left as they are, since the transport is
