@@ -52,12 +52,13 @@ def job(directory, phase):
     import numpy as np
 
     import shmcomm
-    from shmcomm.testing import outcomes
+    from shmcomm.testing import mpi_segments, outcomes
 
     try:
         shmcomm.init(engine=phase == "negotiation")
         rank = shmcomm.rank()
         _mark(directory, "rank.%d" % rank, str(os.getpid()))
+        _mark(directory, "mpi.%d" % os.getpid(), " ".join(mpi_segments.worlds()))
         n = shmcomm.size()
         if phase == "box_lock":
             box = shmcomm.SoftMemoryBox("chaos", shape=(1024,), create=None)
@@ -82,6 +83,7 @@ def job(directory, phase):
             else:
                 _one_of_each(shmcomm, np, n, step)
     except shmcomm.ShmCommError as error:
+        _mark(directory, "mpi.%d" % os.getpid(), " ".join(mpi_segments.worlds()))  # MPI may have started
         outcomes.record(directory, rank, error, 0.0)  # seconds: the monotonic clock, shared by the processes
         print("rank %d: %s: %s" % (rank, type(error).__name__, error), file=sys.stderr, flush=True)
         return 1
@@ -116,7 +118,6 @@ def one_run(rng, signum, sim=None, phases=None):
     phase = phase if phases is None or phase in phases else phases[rng.randrange(len(phases))]
     victim = rng.randrange(RANKS)
     directory = tempfile.mkdtemp(prefix="chaos-")
-    before = set(os.listdir("/dev/shm"))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                SHMCOMM_TIMEOUT=str(TIMEOUT_S), SHMCOMM_START_TIMEOUT=str(START_TIMEOUT_S))
     for name in [k for k in env if k.startswith(("SHMCOMM_RANK", "HOROVOD_", "PMI_"))]:
@@ -187,7 +188,7 @@ def one_run(rng, signum, sim=None, phases=None):
         final = [line for line in output.splitlines() if line.startswith("shmcommrun: mpiexec exited")]
         if not final or not _text_names(final[-1], victim):
             problems.append("the launcher's last line does not name rank %d: %s" % (victim, final[-1:]))
-    problems += _leftovers(directory, before, sim)
+    problems += _leftovers(directory, sim)
     if problems:
         problems.append("output in %s" % os.path.join(directory, "launcher.out"))
     else:
@@ -287,10 +288,12 @@ def _rank_of(pid):
     return int(value) if value is not None else None
 
 
-def _leftovers(directory, before, sim):
+def _leftovers(directory, sim):
     """What the run left: processes (the ranks, and any process whose command names the run's directory: the
     launcher, hydra, the rank guards; on simulated hosts anything still in their namespaces), and files in /dev/shm
-    (the job's segments, whatever their suffix, and new MPICH segments that no process maps)."""
+    (the job's segments, whatever their suffix, and MPICH's of the worlds its ranks named)."""
+    from shmcomm.testing import mpi_segments
+
     problems = []
     pids = _pids(directory)
     deadline = time.monotonic() + 10
@@ -302,15 +305,17 @@ def _leftovers(directory, before, sim):
         time.sleep(0.05)
     if alive:
         problems.append("processes left behind: %s" % ", ".join("%d (%s)" % (p, _command(p)[:80]) for p in alive))
-    deadline = time.monotonic() + 5
-    left = None
     token_path = os.path.join(directory, "token")
     token = open(token_path).read() if os.path.exists(token_path) else None
+    # MPICH's segments by the worlds the job's ranks named: other jobs on the machine make and leave their own.
+    worlds = set()
+    for name in os.listdir(directory):
+        if name.startswith("mpi.") and not name.endswith(".tmp"):
+            worlds.update(open(os.path.join(directory, name)).read().split())
+    deadline = time.monotonic() + 5
+    left = None
     while time.monotonic() < deadline:
-        new = set(os.listdir("/dev/shm")) - before
-        # MPICH's: those no process maps (another job running on this machine meanwhile maps its own).
-        left = sorted(n for n in new if token and token in n) + _unmapped(
-            [n for n in new if sim is not None and n.startswith("mpich_shm_")])
+        left = sorted(n for n in os.listdir("/dev/shm") if token and token in n) + mpi_segments.left(worlds)
         if not left:
             break
         time.sleep(0.05)
@@ -341,19 +346,6 @@ def _command(pid):
 
 def _pids(directory):
     return [int(n.split(".")[1]) for n in os.listdir(directory) if n.startswith("pid.") and not n.endswith(".tmp")]
-
-
-def _unmapped(names):
-    if not names:
-        return []
-    mapped = set()
-    for pid in os.listdir("/proc"):
-        try:
-            with open("/proc/%s/maps" % pid) as f:
-                mapped.update(name for name in names if name in f.read())
-        except (OSError, ValueError):
-            continue
-    return [n for n in names if n not in mapped]
 
 
 def _alive(pid):

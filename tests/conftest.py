@@ -2,10 +2,11 @@
 import compileall
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+
+from shmcomm.testing.cpu_load import spinning
 
 sys.path.insert(0, os.path.dirname(__file__))  # the multiproc harness
 
@@ -47,25 +48,11 @@ def pytest_addoption(parser):
                      help="run the tests beside N CPU-bound processes, as on a training machine that is never idle")
 
 
-_BUSY_LOOP = """
-import os, sys
-parent = int(sys.argv[1])
-while os.getppid() == parent:  # ends with the test session, however it ends
-    for _ in range(1000000):
-        pass
-"""
-
-
 @pytest.fixture(scope="session", autouse=True)
 def cpu_load(request):
     """--cpu-load N: N processes that spin for the whole session."""
-    count = request.config.getoption("--cpu-load")
-    busy = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(os.getpid())], stdin=subprocess.DEVNULL)
-            for _ in range(count)]
-    yield
-    for process in busy:
-        process.kill()
-        process.wait()
+    with spinning(request.config.getoption("--cpu-load")):
+        yield
 
 
 def pytest_report_header(config):

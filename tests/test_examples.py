@@ -19,6 +19,7 @@ def _launch(*args, timeout=300):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.long  # DistributedOptimizer's path: the digits example (the README's main job) takes it by default
 def test_train_synthetic_two_ranks():
     pytest.importorskip("torch")
     run = _launch("-np", "2", sys.executable, REPORT, "examples/train_synthetic.py", "--epochs", "15")

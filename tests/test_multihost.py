@@ -11,12 +11,11 @@ import textwrap
 
 import pytest
 
-from chaos import _unmapped
 from report_gathered_weights import assert_same_on_every_rank
 from test_simhosts import job_env, open_hosts, rank_lines
 from test_torus import CHECKS, MISMATCHES, run_checks_job
 
-from shmcomm.testing import exact, outcomes
+from shmcomm.testing import exact, mpi_segments, outcomes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,8 +151,9 @@ def test_shared_arrays_across_hosts(two_hosts):
 
 KILLED = """
     import os, signal, threading, numpy as np, shmcomm
+    from shmcomm.testing import mpi_segments
     shmcomm.init()
-    print("token", os.environ["SHMCOMM_JOB_TOKEN"], flush=True)
+    print("token", os.environ["SHMCOMM_JOB_TOKEN"], "mpi", *mpi_segments.worlds(), flush=True)
     if shmcomm.rank() == 3:
         threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     x = np.ones(1 << 18, np.float32)
@@ -163,26 +163,27 @@ KILLED = """
 
 
 def test_rank_killed_on_one_host_stops_the_job(two_hosts):
-    before = set(os.listdir("/dev/shm"))
     run = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(KILLED)], timeout=120)
     assert run.returncode != 0
-    token = run.stdout.split("token ")[1].split()[0]
-    assert not [n for n in os.listdir("/dev/shm") if token in n]
-    # MPICH's too: new ones that no process maps (another job on the machine maps its own) and that are still there.
-    new = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("mpich_shm_")]
-    assert not [n for n in _unmapped(new) if os.path.exists(os.path.join("/dev/shm", n))]
+    said = [line.split("token ")[1].split() for line in run.stdout.splitlines() if "token " in line]
+    assert not [n for n in os.listdir("/dev/shm") if said[0][0] in n]
+    # MPICH's too, by the worlds the ranks named (other jobs on the machine make and leave their own).
+    worlds = {world for words in said for world in words[2:]}
+    assert worlds and not mpi_segments.left(worlds), said
 
 
 
 
 SURVIVORS = """
     import os, signal, sys, time, numpy as np, shmcomm
-    from shmcomm.testing import outcomes
+    from shmcomm.testing import mpi_segments, outcomes
     shmcomm.init()
     me = shmcomm.rank()
     if me == 0:
         with open(os.path.join(sys.argv[1], "token"), "w") as f:
             f.write(os.environ["SHMCOMM_JOB_TOKEN"])
+    with open(os.path.join(sys.argv[1], "mpi.%d" % me), "w") as f:
+        f.write(" ".join(mpi_segments.worlds()))
     x = np.ones(1 << 18, np.float32)  # past the torus's small-message size: rows and columns all take part
     shmcomm.allreduce_(x)
     shmcomm.barrier()
@@ -204,7 +205,6 @@ SURVIVORS = """
 
 @pytest.mark.long
 def test_survivors_of_a_rank_killed_on_another_host_name_it(two_hosts, tmp_path):
-    before = set(os.listdir("/dev/shm"))
     run = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(SURVIVORS), str(tmp_path)], timeout=120,
                       SHMCOMM_TIMEOUT="3")
     assert run.returncode != 0, run.stdout + run.stderr
@@ -219,9 +219,9 @@ def test_survivors_of_a_rank_killed_on_another_host_name_it(two_hosts, tmp_path)
     assert all(r["seconds"] < 3 * 3 for r in raised.values()), raised  # the deadline, with room for a busy machine
     token = (tmp_path / "token").read_text()
     assert not [n for n in os.listdir("/dev/shm") if token in n]
-    # MPICH's: new ones that no process maps (another job on the machine maps its own) and that are still there.
-    new = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("mpich_shm_")]
-    assert not [n for n in _unmapped(new) if os.path.exists(os.path.join("/dev/shm", n))]
+    # MPICH's too, by the worlds the ranks named (other jobs on the machine make and leave their own).
+    worlds = {w for r in range(4) for w in (tmp_path / ("mpi.%d" % r)).read_text().split()}
+    assert worlds and not mpi_segments.left(worlds), worlds
 
 
 KILLED_BEFORE_MPI = """

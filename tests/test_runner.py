@@ -530,10 +530,29 @@ def test_orphaned_mpi_segments_are_removed_but_not_live_or_older_ones(tmp_path):
     since = time.time()
     time.sleep(0.05)
     orphan, live, other = shm / "mpich_shm_dead_0", shm / "mpich_shm_live_0", shm / "shmcomm-notmpi"
-    for f in (orphan, live, other):
+    channels = shm / "mpich_vci_dead_0"
+    for f in (orphan, live, other, channels):
         f.write_bytes(b"x")  # made during the job
     # A live process maps `live` (as /proc/PID/maps lists it); nothing maps `orphan`.
     (proc / "123" / "maps").write_text("7f0000000000-7f0000001000 rw-s 00000000 00:1a 42    %s\n"
                                        "7f0000002000-7f0000003000 rw-p 00000000 00:00 0 \n" % live)
-    assert remove_orphaned_mpi_segments(since, str(shm), str(proc)) == ["mpich_shm_dead_0"]
+    assert remove_orphaned_mpi_segments(since, str(shm), str(proc)) == ["mpich_shm_dead_0", "mpich_vci_dead_0"]
     assert sorted(os.listdir(shm)) == ["mpich_shm_live_0", "mpich_shm_old_0", "shmcomm-notmpi"]
+
+
+def test_a_jobs_mpi_segments_are_found_by_the_world_its_ranks_name(tmp_path):
+    from shmcomm.testing import mpi_segments
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f0000000000-7f0000001000 rw-s 00000000 00:1a 42    /dev/shm/mpich_shm_9a3f_0 (deleted)\n"
+                    "7f0000002000-7f0000003000 rw-s 00000000 00:1a 43    /dev/shm/mpich_vci_9a3f_0\n"
+                    "7f0000004000-7f0000005000 rw-p 00000000 00:00 0 \n"
+                    "7f0000006000-7f0000007000 r-xp 00000000 08:01 7    /usr/lib/libmpi.so.12\n")
+    assert mpi_segments.worlds(str(maps)) == ["9a3f"]
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in ("mpich_shm_9a3f_1", "mpich_vci_9a3f_0", "mpich_shm_9a3f0_0", "mpich_shm_77_0", "shmcomm-9a3f-1"):
+        (shm / name).write_bytes(b"x")
+    # Another world whose id starts with this one's is not this job's.
+    assert mpi_segments.left(["9a3f"], str(shm)) == ["mpich_shm_9a3f_1", "mpich_vci_9a3f_0"]
+    assert mpi_segments.left([], str(shm)) == []

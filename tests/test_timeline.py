@@ -11,8 +11,9 @@ import pytest
 
 import multiproc
 import timeline_step
-from conftest import _BUSY_LOOP
 from test_simhosts import job_env, open_hosts, rank_lines
+
+from shmcomm.testing import cpu_load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PASSED = {"missing": [], "closed": True}
@@ -50,14 +51,8 @@ def test_a_blocking_numpy_call_is_in_the_file_when_it_returns(tmp_path):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("busy", [0, 2])
 def test_horovods_timeline_test_passes_20_times(tmp_path, busy):
-    burners = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(os.getpid())], stdin=subprocess.DEVNULL)
-               for _ in range(busy)]
-    try:
+    with cpu_load.spinning(busy):
         _runs(tmp_path, 20)
-    finally:
-        for process in burners:
-            process.kill()
-            process.wait()
 
 
 @pytest.mark.long

@@ -3,7 +3,7 @@
 
 Ranks normally unlink their segment once everyone has attached, but a rank that dies early (or a job stopped
 before all ranks attached) can leave files in /dev/shm that hold memory until reboot. The launcher calls this
-after every job, whatever its outcome. MPICH's own node segments (`mpich_shm_*`) are unlinked only by
+after every job, whatever its outcome. MPICH's own node segments (`mpich_shm_*`, `mpich_vci_*`) are unlinked only by
 MPI_Finalize, so a killed MPI job leaves them too: after an MPI job the launcher also removes those that appeared
 during the job and that no live process still maps.
 """
@@ -56,7 +56,7 @@ def remove_job_segments(token: str, shm_dir: str = SHM_DIR) -> "list[str]":
     return removed
 
 
-MPICH_PREFIX = "mpich_shm_"
+MPICH_PREFIXES = ("mpich_shm_", "mpich_vci_")  # a node's segment, and its extra channels'
 
 
 def _mapped_paths(proc_dir="/proc"):
@@ -79,10 +79,11 @@ def _mapped_paths(proc_dir="/proc"):
 
 
 def remove_orphaned_mpi_segments(since: float, shm_dir: str = SHM_DIR, proc_dir: str = "/proc") -> "list[str]":
-    """Removes this user's `mpich_shm_*` files created at or after `since` (a time.time()) that no live process
-    maps, and returns their names. A segment of another job still running is mapped by its ranks and stays."""
+    """Removes this user's `mpich_shm_*` and `mpich_vci_*` files created at or after `since` (a time.time()) that no
+    live process maps, and returns their names. A segment of another job still running is mapped by its ranks and
+    stays."""
     try:
-        names = [n for n in os.listdir(shm_dir) if n.startswith(MPICH_PREFIX)]
+        names = [n for n in os.listdir(shm_dir) if n.startswith(MPICH_PREFIXES)]
     except (FileNotFoundError, NotADirectoryError):
         return []
     candidates = []
