@@ -26,6 +26,7 @@ import numpy as np
 
 from benchmarks import backends, report
 from benchmarks.operations import COLLECTIVES, Copy
+from shmcomm.testing import cpu_load
 
 OPS = ("allreduce", "broadcast", "allgather", "reducescatter", "alltoall")
 DTYPES = {"float32": "float", "float64": "double", "float16": "half", "int32": "int32", "int64": "int64",
@@ -216,6 +217,8 @@ def build_parser():
     parser.add_argument("-v", "--verbose", action="store_true", help="add p50 and p99 columns")
     parser.add_argument("--json", metavar="FILE", help="write every row, the command and the machine to FILE")
     parser.add_argument("--plot", metavar="FILE.png", help="draw busbw and time against size (needs matplotlib)")
+    parser.add_argument("--cpu-load", type=int, default=0, metavar="N",
+                        help="run every job beside N CPU-bound processes, as on a training machine that is never idle")
     parser.add_argument("--timeout", type=float, metavar="S", help="seconds one backend's job may take "
                         "(default: from the number of sizes and ops)")
     # What the driver passes to its workers.
@@ -237,6 +240,8 @@ def check_options(parser, options):
         parser.error("need -n >= 1 and -w >= 0")
     if options.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if options.cpu_load < 0:
+        parser.error("--cpu-load must be at least 0")
 
 
 def worker_args(options, name, result_path, port):
@@ -308,12 +313,15 @@ def driver_main(options, argv):
                 print("# %s" % notes[-1], file=sys.stderr)
             else:
                 available.append(name)
-        for _ in range(options.rounds):
-            for name in available:
-                rounds.setdefault(name, []).append(run_backend(options, name, workdir))
+        with cpu_load.spinning(options.cpu_load):
+            for _ in range(options.rounds):
+                for name in available:
+                    rounds.setdefault(name, []).append(run_backend(options, name, workdir))
         results = {name: median_round(every) for name, every in rounds.items()}
         if options.rounds > 1:
             notes.append("each row is the backend's median of %d interleaved rounds" % options.rounds)
+        if options.cpu_load:
+            notes.append("every job ran beside %d CPU-bound processes" % options.cpu_load)
         memcpy = results.get("memcpy") or run_backend(options, "memcpy", workdir, reference_only=True)
     command = "python -m benchmarks.collectives " + shlex.join(argv)
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

@@ -1,9 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
-"""MkDocs hook: the page that holds `<!-- launcher flags -->` gets, in its place, a table of every flag of
-shmcommrun per group, read from the launcher's own parser, so that the page cannot fall behind the launcher."""
+"""MkDocs hooks: the page that holds `<!-- launcher flags -->` gets, in its place, a table of every flag of
+shmcommrun per group, read from the launcher's own parser, so that the page cannot fall behind the launcher; and the
+benchmarks' plots (benchmarks/results/*.png) become the site's results/, so that the site shows the plots that
+benchmarks/RESULTS.md shows, not copies of them."""
 import argparse
+import glob
+import os
 
 MARK = "<!-- launcher flags -->"
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+
+
+def on_files(files, config):
+    """Adds every plot of benchmarks/results as results/<name>."""
+    from mkdocs.structure.files import File
+
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.png"))):
+        files.append(File.generated(config, "results/" + os.path.basename(path), abs_src_path=path))
+    return files
 
 
 def on_page_markdown(markdown, page, config, files):

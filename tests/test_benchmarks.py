@@ -141,9 +141,10 @@ def test_collectives_every_backend_and_op(tmp_path, names):
         print(openmpi.install() or "Open MPI installed")  # the benchmark itself only says how
     out = tmp_path / "collectives.json"
     proc = run_module("benchmarks.collectives", ["-np", "2", "-b", "8", "-e", "64K", "-f", "32", "-n", "3", "-w", "1",
-                                                 "--ops", ",".join(collectives.OPS),
+                                                 "--ops", ",".join(collectives.OPS), "--cpu-load", "1",
                                                  "--backends", ",".join(names), "--json", str(out)], 240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "every job ran beside 1 CPU-bound processes" in proc.stdout
     assert HEADER in proc.stdout
     assert "# Summary" in proc.stdout
     document = json.loads(out.read_text())
@@ -356,9 +357,11 @@ def test_table_format():
     assert "# Wrong elements: 0 OK" in lines
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path):
-    proc = run_module("benchmarks.collectives", ["--plot", str(tmp_path / "p.png")], 60)
+    hidden = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv[0] = 'collectives'; "
+              "runpy.run_module('benchmarks.collectives', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", hidden, "--plot", str(tmp_path / "p.png")], cwd=str(REPO),
+                          env=backends.job_environment(), capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "pip install matplotlib" in proc.stderr
     assert not os.path.exists(tmp_path / "p.png")
@@ -434,3 +437,43 @@ def test_the_summary_marks_a_figure_whose_iterations_spread_widely():
     assert row.endswith("noisy: mpi") and any(line.startswith("# noisy: ") for line in lines)
     entries = report.summary({"shmcomm": result(12.0), "mpi": result(15.0)}, ["allreduce"])
     assert not any("noisy" in line for line in report.summary_lines(entries, ["shmcomm", "mpi"], machine, "c", "d"))
+
+
+def test_the_summary_puts_each_collective_of_every_run_in_one_table_and_one_plot(tmp_path):
+    """benchmarks.summary on two runs: a row per size with shmcomm's median and p90, the fastest peer's, and the
+    peer's median over shmcomm's; a plot per collective; each run's command and machine under the tables."""
+    from benchmarks import summary
+
+    quiet = {"command": "python -m benchmarks.collectives -np 2", "date": "2026-12-06 03:00 UTC", "notes": [],
+             "machine": {"line": "machine: 2 cores"}, "options": {"ops": ["allreduce", "alltoall"]}, "results": {}}
+    times = {"shmcomm": (10.0, 12.0), "mpi": (25.0, 40.0), "openmpi": (20.0, 30.0), "gloo": (80.0, 90.0)}
+    for name, (p50, p90) in times.items():
+        rows = []
+        for op in ("allreduce", "alltoall"):
+            for nominal in (1024, 1 << 20):
+                cell = {"time_us": p50 * nominal / 1024, "p50_us": p50 * nominal / 1024,
+                        "p90_us": p90 * nominal / 1024, "busbw": nominal / p50, "wrong": 0}
+                rows.append({"op": op, "nominal": nominal, "size": nominal, "in_place": cell,
+                             "out_of_place": dict(cell)})
+        quiet["results"][name] = {"nranks": 2, "rows": rows}
+    busy = json.loads(json.dumps(quiet))
+    busy["notes"] = ["every job ran beside 2 CPU-bound processes"]
+    for row in busy["results"]["openmpi"]["rows"]:  # under load Open MPI falls behind MPICH
+        for half in report.HALVES:
+            row[half].update(time_us=row[half]["time_us"] * 4, p50_us=row[half]["p50_us"] * 4)
+    paths = [tmp_path / "quiet.json", tmp_path / "busy.json"]
+    for path, document in zip(paths, (quiet, busy)):
+        path.write_text(json.dumps(document))
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.fail("the benchmarks' plots need matplotlib: pip install -e '.[test]' installs it")
+    proc = run_module("benchmarks.summary", [str(p) for p in paths] + ["--labels", "idle,busy", "--plots",
+                                                                          str(tmp_path)], 60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[lines.index("### allreduce") + 4] == ("| 1 KiB | 10.00 (12.00) | Open MPI 20.00 (30.00) | **2.00** "
+                                                       "| 10.00 (12.00) | MPICH 25.00 (40.00) | **2.50** |")
+    assert lines[lines.index("### alltoall") + 5].startswith("| 1 MiB | 10240 (12288) | Open MPI 20480 (30720) |")
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["allreduce_np2.png", "alltoall_np2.png"]
+    assert "- busy: `python -m benchmarks.collectives -np 2`, 2026-12-06 03:00 UTC, machine: 2 cores; every job " \
+           "ran beside 2 CPU-bound processes" in lines
+    assert run_module("benchmarks.summary", [str(paths[0]), "--labels", "a,b"], 60).returncode == 2
