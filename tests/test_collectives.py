@@ -162,6 +162,28 @@ def _torch_reducescatter_with_empty_shares(size):
     return True
 
 
+def _reducescatter_into_no_output_where_the_share_is_empty(size):
+    """The core itself: the rank whose share is empty passes NULL as its output (XLA does, for an empty result)."""
+    import shmcomm
+    from shmcomm import basics
+    from shmcomm._native import ffi, lib
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    counts = [2] * (size - 1) + [0]
+    data = np.arange(sum(counts), dtype=np.float32) + me
+    out = np.zeros(counts[me], np.float32)
+    dst = ffi.from_buffer(out) if counts[me] else ffi.NULL
+    basics.communicator().shm.reducescatter(ffi.from_buffer(data), dst, counts, lib.SMC_FLOAT32, lib.SMC_SUM, 1.0, 1.0,
+                                            1, 0, "reducescatter")
+    full = sum(np.arange(sum(counts), dtype=np.float32) + r for r in range(size))
+    return out.tolist() == full[2 * me:2 * me + counts[me]].tolist()
+
+
+def test_reducescatter_takes_no_output_on_a_rank_whose_share_is_empty():
+    assert multiproc.run(3, _reducescatter_into_no_output_where_the_share_is_empty, 3, timeout=60) == [True] * 3
+
+
 def test_reducescatter_of_torch_tensors_leaves_some_ranks_none():
     """An empty torch tensor's data pointer is NULL: the ranks whose share is empty must still take part."""
     pytest.importorskip("torch")

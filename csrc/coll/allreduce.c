@@ -314,7 +314,9 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
     start[j] = total;
     total = smc_add_bytes(total, counts[j]); /* a total this large is refused below */
   }
-  SMC_CHECK(smc_refuse_here(c, SMC_COLL_REDUCESCATTER, check_args(c, sendbuf, total ? recvbuf : sendbuf, (size_t)total,
+  /* A rank whose own range is empty may pass no output (XLA hands a NULL buffer to an empty result). */
+  const uint64_t own = c != NULL && c->rank >= 0 && c->rank < c->size ? counts[c->rank] : 0;
+  SMC_CHECK(smc_refuse_here(c, SMC_COLL_REDUCESCATTER, check_args(c, sendbuf, own ? recvbuf : sendbuf, (size_t)total,
                                                                   dtype, op, divisor, "reducescatter")));
   plan_t p = {sendbuf, recvbuf, dtype, op, prescale, postscale, divisor, smc_dtype_size(dtype), start, counts, 0};
   if (c->size == 1) return alone(sendbuf, recvbuf, (size_t)total, &p);
