@@ -143,7 +143,31 @@ def _quick_failed(got, tensor, kind, name, output=None):
 
 def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None,
               process_set=None):
-    """The reduction of `tensor` over all ranks (default op: Average), in a new tensor or in `output`."""
+    """The reduction of `tensor` over all ranks, in a new tensor or in `output`.
+
+    Args:
+        tensor: a numpy array or torch CPU tensor; every rank passes the same shape and dtype.
+        op: Sum, Average (the default), Min, Max or Product.
+        average: Horovod's older flag for op=Average (True) or op=Sum (False).
+        prescale_factor: multiplies each rank's input before the reduction.
+        postscale_factor: multiplies the result.
+        name: names the call in errors and the timeline.
+        output: an array of the tensor's shape and dtype to write the result into.
+        process_set: the ranks that take part (default: every rank).
+
+    Returns:
+        The reduced tensor (`output` when given).
+
+    Raises:
+        InvalidArgumentError: this rank's arguments are wrong (dtype, shape of `output`, op).
+        PeerArgumentError: another rank's were, so no rank ran the call.
+        MismatchError: the ranks passed different shapes, dtypes or ops; every rank raises, and the job goes on.
+        RankFailure: a rank died or left (the error names it).
+        TimeoutError: a rank did not come within SHMCOMM_TIMEOUT.
+
+    Example:
+        `shmcomm.allreduce(np.ones(4, np.float32), op=shmcomm.Sum)` gives `size()` in every element on every rank.
+    """
     if world.address and type(tensor) is np.ndarray and average is None and process_set is None:
         got = allreduce_call(world.address, world.size, tensor,
                              np.empty(tensor.shape, tensor.dtype) if output is None else output, op, prescale_factor,
@@ -163,7 +187,7 @@ def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_fact
 
 
 def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=None):
-    """Reduces `tensor` over all ranks in place and returns it."""
+    """Reduces `tensor` over all ranks in place and returns it; arguments and errors as allreduce()."""
     if world.address and type(tensor) is np.ndarray and average is None and process_set is None:
         got = allreduce_call(world.address, world.size, tensor, tensor, op, prescale_factor, postscale_factor)
         if got is not NotImplemented:
@@ -186,7 +210,11 @@ def broadcast_request(tensor, output, root_rank, name, process_set):
 
 
 def broadcast(tensor, root_rank, name=None, output=None, process_set=None):
-    """root_rank's `tensor` on every rank, in a new tensor or in `output`."""
+    """Rank `root_rank`'s `tensor` on every rank, in a new tensor or in `output`.
+
+    Every rank passes a tensor of the same shape and dtype; only the root's contents matter. `root_rank` is a rank of
+    `process_set` (default: every rank). Errors as allreduce(); a root outside the set is an InvalidArgumentError.
+    """
     if world.address and type(tensor) is np.ndarray and process_set is None and type(root_rank) is int \
             and 0 <= root_rank < world.size:  # the world's ranks are its indices
         got = broadcast_call(world.address, tensor, np.empty(tensor.shape, tensor.dtype) if output is None else output,
@@ -217,7 +245,11 @@ def allgather_request(tensor, name, process_set, output=None):
 
 def allgather(tensor, name=None, process_set=None, output=None):
     """Concatenation of every rank's `tensor` along the first dimension, which may differ between ranks; in a new
-    array, or in `output` (which must have the concatenation's shape and the tensor's dtype)."""
+    array, or in `output` (which must have the concatenation's shape and the tensor's dtype).
+
+    The other dimensions and the dtype must agree on every rank (else MismatchError on every rank); other errors as
+    allreduce().
+    """
     if world.address and type(tensor) is np.ndarray and process_set is None:
         got = allgather_call(world.address, world.size, tensor, output, world.every, np.empty)
         if got is not NotImplemented:
@@ -252,7 +284,11 @@ def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postsc
                   output=None):
     """Rank r receives its share of the reduction of `tensor` along the first dimension; with rows that do not
     divide evenly, the first (rows % size) ranks get one extra row (Horovod's rule). In a new array, or in
-    `output`."""
+    `output`.
+
+    `op`, `prescale_factor` and `postscale_factor` as allreduce() (the default op here is Average too); so are the
+    errors. A rank whose share is empty gets an array of no rows.
+    """
     if world.address and type(tensor) is np.ndarray and process_set is None:
         got = reducescatter_call(world.address, world.size, world.rank, tensor, output, op, prescale_factor,
                                  postscale_factor, world.counts, np.empty)
@@ -296,7 +332,12 @@ def received_splits(tensor, got):
 def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
     """Sends splits[j] rows of `tensor` (in order) to rank j and returns the rows received, in rank order, in a new
     array or in `output` (which must have exactly the rows received). With `splits`, also returns how many rows came
-    from each rank (as Horovod does)."""
+    from each rank (as Horovod does).
+
+    Without `splits`, the first dimension must divide evenly by the number of ranks. `splits` must have one
+    non-negative count per rank that add up to the first dimension (InvalidArgumentError otherwise); the ranks must
+    agree on the other dimensions and the dtype (MismatchError on every rank otherwise); other errors as allreduce().
+    """
     if world.address and type(tensor) is np.ndarray and process_set is None:
         got = alltoall_call(world.address, world.size, world.rank, tensor, output, splits, world.sends, world.matrix,
                             np.empty)
