@@ -10,8 +10,7 @@ ranks for its world instead of listing what appeared in /dev/shm meanwhile, whic
 """
 import os
 
-PREFIXES = ("mpich_shm_", "mpich_vci_")
-SHM_DIR = "/dev/shm"
+from shmcomm.runner.cleanup import MPICH_PREFIXES, SHM_DIR
 
 
 def worlds(maps_path="/proc/self/maps"):
@@ -21,12 +20,14 @@ def worlds(maps_path="/proc/self/maps"):
     with open(maps_path) as maps:
         for line in maps:
             name = os.path.basename(line.rstrip("\n").removesuffix(" (deleted)"))
-            if name.startswith(PREFIXES):
-                found.add(name[len(PREFIXES[0]):].partition("_")[0])
+            if name.startswith(MPICH_PREFIXES):
+                found.add(name.split("_")[2])  # mpich_<kind>_<world>_<node>
     return sorted(found)
 
 
 def left(worlds, shm_dir=SHM_DIR):
     """The files of these MPICH worlds still in shm_dir, sorted."""
-    prefixes = tuple(prefix + world + "_" for world in worlds for prefix in PREFIXES)
-    return sorted(n for n in os.listdir(shm_dir) if prefixes and n.startswith(prefixes))
+    if not worlds:
+        return []
+    prefixes = tuple(prefix + world + "_" for world in worlds for prefix in MPICH_PREFIXES)
+    return sorted(n for n in os.listdir(shm_dir) if n.startswith(prefixes))
