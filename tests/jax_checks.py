@@ -182,8 +182,10 @@ def _mlp(params, x):
     return jnp.tanh(x @ params["w"] + params["b"]) @ params["v"]
 
 
-def check_optimizer(rank, size):
-    """DistributedOptimizer's step on each rank's shard equals one step on the concatenated batch."""
+def _optimizer_steps_match(rank, size, wanted):
+    """Two steps of DistributedOptimizer (sgd with momentum; adam over two backward passes, under jit only) taken
+    `wanted` ("eager" or "jit") on each rank's shard equal the same steps on the concatenated batch; returns the
+    parameters they started from."""
     key = jax.random.PRNGKey(3)
     params = {"w": jax.random.normal(key, (4, 5)), "b": jnp.zeros(5), "v": jax.random.normal(key, (5, 2))}
     mine = sj.broadcast_parameters(jax.tree_util.tree_map(lambda p: p + rank, params))
@@ -196,7 +198,7 @@ def check_optimizer(rank, size):
 
     # Each optimizer once, with one and with two backward passes per step: the accumulation over passes comes before
     # the optimizer and does not depend on it. With two passes the step runs under lax.cond, which traces its
-    # branches even when called eagerly, so only jit is run there: eagerly it would add compilations, not a path.
+    # branches even when called eagerly, so only jit takes it: eagerly it would add compilations, not a path.
     for inner, passes in ((optax.sgd(0.1, momentum=0.9), 1), (optax.adam(0.01), 2)):
         tx = sj.DistributedOptimizer(inner, backward_passes_per_step=passes)
 
@@ -207,7 +209,7 @@ def check_optimizer(rank, size):
         reference, ref_state = params, inner.init(params)
         for _ in range(2):  # two optimizer steps, so that momentum and adam's moments matter
             reference, ref_state = reference_step(reference, ref_state)
-        for mode, wrap in modes()[passes - 1:]:
+        for mode, wrap in [m for m in modes()[passes - 1:] if m[0] == wanted]:
             @wrap
             def step(p, state, a, b):
                 updates, state = tx.update(jax.grad(loss)(p, a, b), state, p)
@@ -219,6 +221,13 @@ def check_optimizer(rank, size):
                     p, state = step(p, state, x[part], y[part])
             for got, want in zip(leaves(p), leaves(reference)):
                 assert np.allclose(got, want, rtol=1e-9, atol=1e-12), (mode, passes, np.abs(got - want).max())
+    return params
+
+
+def check_optimizer(rank, size):
+    """DistributedOptimizer's step on each rank's shard, under jit, equals one step on the concatenated batch; so does
+    its update as an element of optax.chain and with fp16 compression."""
+    params = _optimizer_steps_match(rank, size, "jit")
     # As an element of optax.chain: averaging first, then any transformation.
     chained = optax.chain(sj.DistributedOptimizer(optax.identity()), optax.sgd(0.1))
     local = jax.tree_util.tree_map(lambda p: p * (rank + 1), params)
@@ -232,6 +241,12 @@ def check_optimizer(rank, size):
     mean = jax.tree_util.tree_map(lambda p: -0.1 * p * (size + 1) / 2, params)
     for got, want in zip(leaves(updates), leaves(mean)):
         assert got.dtype == want.dtype and np.allclose(got, want, rtol=2e-3, atol=1e-3)
+
+
+def check_optimizer_eager(rank, size):
+    """DistributedOptimizer's step called outside jit, each primitive dispatched on its own (compilations more than
+    a path: the second tier's)."""
+    _optimizer_steps_match(rank, size, "eager")
 
 
 def check_mismatches(rank, size):

@@ -77,6 +77,7 @@ def test_torch_synthetic_benchmark_reports_throughput():
         assert line in run.stdout
 
 
+@pytest.mark.long  # the hook's path: test_torch_sync_bn_ddp.py checks it against DDP over gloo in the default run
 def test_ddp_with_the_shmcomm_hook():
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
