@@ -56,8 +56,9 @@ def _largest(piece):
     return 40_001 if piece is not None and int(piece) < 1000 else COUNTS[-1]
 
 
-def _pieces(size, largest):
+def _pieces(size, largest, piece=None):
     import shmcomm
+    from shmcomm import basics
 
     _all_ops_all_dtypes(size, largest)
     me = shmcomm.rank()
@@ -66,6 +67,12 @@ def _pieces(size, largest):
         got = shmcomm.reducescatter(x, op=shmcomm.Sum)
         full = sum(np.arange(count * size, dtype=np.float64) + r for r in range(size))
         np.testing.assert_array_equal(got, full[me * count:(me + 1) * count])
+    if piece is not None:  # the path taken: a step per piece of `piece` bytes, rounded down to whole cache lines
+        shm = basics.communicator().shm
+        before = shm.pieces()
+        shmcomm.reducescatter(np.ones(70_003 * size), op=shmcomm.Sum)
+        per_piece = int(piece) // 64 * 64 // 8
+        assert shm.pieces() - before == -(-70_003 // per_piece), (shm.pieces() - before, per_piece)
     return True
 
 
@@ -73,13 +80,14 @@ def _pieces(size, largest):
 def test_pieces_smaller_than_a_half(piece):
     """SHMCOMM_PIECE_BYTES cuts each rank's range into many steps, down to one cache line per step (1000 rounds
     down to 960 bytes: 480, 240 and 120 elements of 2, 4 and 8 bytes)."""
-    assert multiproc.run(3, _pieces, 3, _largest(piece), timeout=240, env={"SHMCOMM_PIECE_BYTES": piece}) == [True] * 3
+    assert multiproc.run(3, _pieces, 3, _largest(piece), piece, timeout=240,
+                         env={"SHMCOMM_PIECE_BYTES": piece}) == [True] * 3
 
 
-def _pieces_and_scaling(size, largest):
+def _pieces_and_scaling(size, largest, piece):
     from shmcomm import basics
 
-    _pieces(size, largest)
+    _pieces(size, largest, piece)
     digest = _average_and_scaling(size)
     return digest, basics.communicator().shm.pulled_calls()
 
@@ -93,7 +101,7 @@ def test_pulled_and_staged_pieces(size, pull, piece):
     for and down to one cache line per piece. Every dtype and op, in place and out of place, and reduce-scatters;
     the core's counter says which way the calls went."""
     env = {"SHMCOMM_PULL_BYTES": pull, **({"SHMCOMM_PIECE_BYTES": piece} if piece else {})}
-    got = multiproc.run(size, _pieces_and_scaling, size, _largest(piece), timeout=240, env=env)
+    got = multiproc.run(size, _pieces_and_scaling, size, _largest(piece), piece, timeout=240, env=env)
     assert len({digest for digest, _ in got}) == 1, got
     pulled = [calls for _, calls in got]
     assert pulled == [pulled[0]] * size and (pulled[0] > 0) == (pull == "1"), pulled

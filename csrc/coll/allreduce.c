@@ -126,6 +126,7 @@ static smc_result_t pulled(smc_comm_t* c, const plan_t* p, const uint64_t* ins, 
   for (size_t k = 0; rc == SMC_SUCCESS; k++) {
     size_t l = piece_len(p, me, k, per_piece);
     if (l == 0) break;
+    c->pieces++;
     size_t at = (p->start[me] + k * per_piece) * es;
     for (int j = 0; j < n && rc == SMC_SUCCESS; j++) {
       srcs[j] = j == me ? (const void*)(p->src + at) : mine + (size_t)j * section;
@@ -245,6 +246,7 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
     } else {
       SMC_CHECK(smc_sync(c, what));
     }
+    c->pieces++;
 
     size_t l = piece_len(p, me, k, per_piece);
     if (l > 0) {

@@ -324,6 +324,8 @@ uint64_t smc_comm_pull_from(smc_comm_t* c) { return smc_pull(c, UINT64_MAX) ? c-
 
 uint64_t smc_comm_pulled_calls(smc_comm_t* c) { return c != NULL ? c->pulled_calls : 0; }
 
+uint64_t smc_comm_pieces(smc_comm_t* c) { return c != NULL ? c->pieces : 0; }
+
 uint64_t smc_comm_single_copy_calls(smc_comm_t* c) { return c != NULL ? c->single_copy_calls : 0; }
 
 uint64_t smc_comm_failed_ranks(smc_comm_t* c) {

@@ -62,6 +62,7 @@ struct smc_comm {
   uint64_t window_serial;                 /* how many this communicator has created, on every rank alike */
   uint64_t window_calls;                  /* collectives that read or wrote shared buffers directly */
   uint64_t pulled_calls;                  /* allreduces and reduce-scatters that pulled (coll/allreduce.c) */
+  uint64_t pieces;                        /* the steps of the staged and pulled ones, a piece each */
   uint64_t single_copy_calls;             /* allgathers, alltoalls and broadcasts that moved by single copy */
   uint64_t shared_from_bytes;             /* smc_config_t's */
   uint64_t huge_bytes;                    /* a transparent huge page's size; 0: buffers are not offered */

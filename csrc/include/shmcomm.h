@@ -174,6 +174,9 @@ uint64_t smc_comm_alltoall_single_copy_from(smc_comm_t* comm);
 uint64_t smc_comm_pull_from(smc_comm_t* comm);
 /* How many allreduces and reduce-scatters of this communicator did so; for logs and tests. */
 uint64_t smc_comm_pulled_calls(smc_comm_t* comm);
+/* How many pieces (at most smc_config_t.piece_bytes of each rank's range) the staged and pulled allreduces and
+ * reduce-scatters of this communicator took, one step each; for tests. */
+uint64_t smc_comm_pieces(smc_comm_t* comm);
 /* How many allgathers, alltoalls and broadcasts of this communicator moved by single copy; for logs and tests. */
 uint64_t smc_comm_single_copy_calls(smc_comm_t* comm);
 /* Buffers (ranges of whole huge pages) this rank collapsed into transparent huge pages (smc_config_t.huge_pages). */

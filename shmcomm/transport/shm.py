@@ -132,6 +132,10 @@ class SharedMemory(Transport):
         """How many allreduces and reduce-scatters read the peers' inputs by single copy (for tests)."""
         return lib.smc_comm_pulled_calls(self.handle)
 
+    def pieces(self):
+        """How many pieces, a step each, the staged and pulled allreduces and reduce-scatters took (for tests)."""
+        return lib.smc_comm_pieces(self.handle)
+
     def huge_collapses(self):
         """How many of this rank's buffers were collapsed into huge pages for the peers' kernel copies (for tests)."""
         return lib.smc_comm_huge_collapses(self.handle)
