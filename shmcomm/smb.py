@@ -47,7 +47,22 @@ class SoftMemoryBox:
 
         Across hosts: `home` (a host index, 0 .. cross_size-1) places the box, `stripes` spreads it over that many
         hosts from its home; attaching needs the same `home` if one was given, and finds the stripes by itself.
-        `local=True`: a box of this host only."""
+
+        Args:
+            name: the box's name, the same on every rank that shares it.
+            shape: an int or a tuple; None attaches to a box another rank creates.
+            dtype: a numpy dtype the core reduces (float16/32/64, bfloat16, the integers).
+            create: True insists on creating, False on attaching; None (the default) does either.
+            timeout: seconds to wait for another rank's box (default SHMCOMM_TIMEOUT).
+            home: the host (0 .. cross_size-1) whose memory holds the box.
+            stripes: how many hosts, from `home` on, hold a part of it.
+            local: a box of this host only, whatever the job spans.
+
+        Raises:
+            BoxExistsError: create=True and the box exists. BoxNotFoundError: no rank created it within `timeout`.
+            InvalidArgumentError: a shape or dtype unlike the existing box's, a bad home or stripes.
+            OutOfMemoryError: no room left in SHMCOMM_SMB_BYTES or /dev/shm. HostFailure: the home host is gone.
+        """
         comm = session.communicator()
         job_network = getattr(comm, "box_network", None)
         network = None if local else job_network
@@ -165,7 +180,21 @@ class SoftMemoryBox:
         return box.write(self._index(offset, "offset", "write"), buf.count, buf.ptr)
 
     def accumulate(self, data, alpha=1.0, beta=1.0, offset=0):
-        """box = beta * box + alpha * data, atomically against every other writer; returns the new version."""
+        """box = beta * box + alpha * data, atomically against every other writer.
+
+        Args:
+            data: an array of the box's dtype (any shape: its elements in order).
+            alpha: multiplies `data`.
+            beta: multiplies the box's elements before the sum (1: a plain accumulate).
+            offset: the first element of the box to update.
+
+        Returns:
+            The box's new version.
+
+        Raises:
+            InvalidArgumentError: another dtype, or a range past the box's end; the box stays as it was.
+            HostFailure: the box's host is gone (across hosts).
+        """
         box = self._handle()
         buf = self._source(data, offset, "accumulate")
         return box.accumulate(self._index(offset, "offset", "accumulate"), buf.count, buf.ptr, float(alpha),
@@ -211,7 +240,15 @@ class SoftMemoryBox:
             self.unlock()
 
     def wait_version(self, version, timeout=None):
-        """Sleeps until the version reaches `version`; returns the version seen."""
+        """Sleeps until the version reaches `version`; returns the version seen.
+
+        Args:
+            version: the version to wait for (box.version + k waits for k more updates).
+            timeout: seconds (default SHMCOMM_TIMEOUT).
+
+        Raises:
+            TimeoutError: the version did not come in time.
+        """
         return self._handle().wait_version(int(version), self._timeout if timeout is None else float(timeout))
 
     def close(self):

@@ -46,7 +46,15 @@ class Compression:
 
 
 def broadcast_parameters(params, root_rank=0):
-    """root_rank's parameters (any pytree of arrays: parameters, optimizer state) on every rank."""
+    """root_rank's parameters (any pytree of arrays: parameters, optimizer state) on every rank.
+
+    Args:
+        params: a pytree of arrays of the same structure, shapes and dtypes on every rank.
+        root_rank: the rank whose values everyone takes.
+
+    Returns:
+        The pytree with root_rank's values.
+    """
     return broadcast(params, root_rank, name="broadcast_parameters")
 
 
@@ -86,7 +94,25 @@ def DistributedOptimizer(tx, op=ops.Average, backward_passes_per_step=1, compres
 
     With backward_passes_per_step=k, each rank accumulates k gradients locally and the reduction and `tx`'s update
     happen on every k-th call, with the mean of the k gradients (as optax.MultiSteps); the calls in between return
-    zero updates. Every rank must make the same number of calls. compression=Compression.fp16 sends float16."""
+    zero updates. Every rank must make the same number of calls.
+
+    Args:
+        tx: the optax GradientTransformation to hand the reduced gradients to.
+        op: Average (the default) or Sum.
+        backward_passes_per_step: gradients accumulated locally per reduction, a positive int.
+        compression: Compression.fp16 sends floating-point gradients as float16.
+        name: names the reductions in errors.
+
+    Returns:
+        An optax GradientTransformation (init, update).
+
+    Raises:
+        InvalidArgumentError: another op, or a backward_passes_per_step that is not a positive int.
+
+    Example:
+        `tx = sj.DistributedOptimizer(optax.adam(1e-3))`, then `updates, state = tx.update(grads, state, params)`
+        inside the jitted step.
+    """
     op = ops.resolve(op)
     if op not in (ops.Average, ops.Sum):
         raise InvalidArgumentError("%s: op must be Average or Sum, not %s" % (name, op.name))

@@ -31,11 +31,12 @@ from shmcomm.torch.functions import (allgather_object, broadcast_object, broadca
                                      broadcast_parameters, sparse_allreduce_async)
 from shmcomm.torch.mpi_ops import (Adasum, Average, HorovodInternalError, Max, Min, Product, Sum,  # noqa: F401
                                    allgather, allgather_async, allreduce, allreduce_, allreduce_async,
-                                   allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
-                                   broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
-                                   grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                                   grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async,
-                                   is_homogeneous, join, poll, reducescatter, reducescatter_async, synchronize)
+                                   allreduce_async_, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
+                                   grouped_allgather, grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                                   grouped_allreduce_async, grouped_allreduce_async_, is_homogeneous, join, poll,
+                                   synchronize)
+from shmcomm.torch.scatter_ops import (alltoall, alltoall_async, grouped_reducescatter,  # noqa: F401
+                                       grouped_reducescatter_async, reducescatter, reducescatter_async)
 from shmcomm.exceptions import PeerArgumentError  # noqa: F401
 from shmcomm.torch.averaging import ElasticAveragingOptimizer  # noqa: F401
 from shmcomm.torch.optimizer import DistributedOptimizer  # noqa: F401

@@ -88,11 +88,32 @@ def ElasticAveragingOptimizer(optimizer, named_parameters=None, alpha=0.2, perio
                               stripes=1, overlap=True):
     """Wraps `optimizer` for elastic averaging against a centre in a job-wide Soft Memory Box (see the module).
 
-    Every rank calls it at the same point, after broadcast_parameters: rank 0's parameters start the centre.
-    alpha: the moving rate (ShmCaffe uses 0.2); period: steps between exchanges (tau); hybrid: synchronous inside
-    each host; home, stripes: where the centre lives (as SoftMemoryBox); overlap: exchange from a background thread
-    while the next steps compute (the worker's pull then lands at the next exchange). The result is an instance of
-    a subclass of the optimizer's own class (of DistributedOptimizer's, with hybrid) sharing its state."""
+    Every rank calls it at the same point, after broadcast_parameters: rank 0's parameters start the centre. Each
+    rank steps on its own gradients and every `period` steps exchanges with the centre: x -= alpha (x - c) and
+    c += alpha (x - c), one atomic box exchange; no rank waits for another.
+
+    Args:
+        optimizer: a torch.optim optimizer over the model's parameters (all of one floating dtype).
+        named_parameters: model.named_parameters(), which names the tensors in errors.
+        alpha: the moving rate, in (0, 1] (ShmCaffe uses 0.2).
+        period: steps between exchanges (tau), a positive integer.
+        hybrid: synchronous inside each host (gradients averaged over the host's ranks), asynchronous across hosts:
+            the host's first rank exchanges for the host and hands the result to the others.
+        home: the host whose memory holds the centre (as SoftMemoryBox).
+        stripes: the centre's stripes across hosts (as SoftMemoryBox).
+        overlap: exchange from a background thread while the next steps compute (the worker's pull then lands at
+            its next exchange).
+
+    Returns:
+        An instance of a subclass of the optimizer's own class (of DistributedOptimizer's, with hybrid) sharing its
+        state; finish() waits for an exchange in flight, centre_state_dict() reads the centre.
+
+    Raises:
+        InvalidArgumentError: alpha outside (0, 1], a period that is not a positive integer, mixed dtypes.
+
+    Example:
+        `opt = hvd.ElasticAveragingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), alpha=0.2, period=4)`
+    """
     if not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
         raise InvalidArgumentError("ElasticAveragingOptimizer: alpha must be in (0, 1], got %r" % (alpha,))
     if not isinstance(period, int) or isinstance(period, bool) or period < 1:

@@ -10,9 +10,21 @@ from shmcomm.torch.mpi_ops import allgather, allgather_async, broadcast_, broadc
 
 
 def broadcast_parameters(params, root_rank, process_set=global_process_set):
-    """Overwrites every rank's tensors with root_rank's, in place. `params`: a dict (model.state_dict(); its keys
-    are sorted so that every rank pairs the same tensors), or an iterable of tensors or of (name, tensor) pairs
-    (model.parameters(), model.named_parameters())."""
+    """Overwrites every rank's tensors with root_rank's, in place, all broadcasts started at once.
+
+    Args:
+        params: a dict (model.state_dict(); its keys are sorted so that every rank pairs the same tensors), or an
+            iterable of tensors or of (name, tensor) pairs (model.parameters(), model.named_parameters()).
+        root_rank: the rank whose values everyone takes.
+        process_set: the ranks that take part (default: every rank).
+
+    Raises:
+        ValueError: `params` is none of those.
+        MismatchError, RankFailure, TimeoutError: from the broadcasts (the first one's, after every broadcast ended).
+
+    Example:
+        `hvd.broadcast_parameters(model.state_dict(), root_rank=0)` before the first step.
+    """
     if isinstance(params, dict):
         params = sorted(params.items())
     elif isinstance(params, (list, tuple)) or hasattr(params, "__next__"):
@@ -35,7 +47,18 @@ def broadcast_parameters(params, root_rank, process_set=global_process_set):
 def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set):
     """Makes every rank's optimizer state (tensors, scalars, and the param groups' options such as the learning
     rate) equal to root_rank's. An optimizer without state yet gets it first from a step on zero gradients, so that
-    every rank holds the same structure. LBFGS is not supported. `model` is accepted for compatibility and unused."""
+    every rank holds the same structure.
+
+    Args:
+        optimizer: a torch.optim optimizer (not LBFGS), before or after DistributedOptimizer wraps it.
+        root_rank: the rank whose state everyone takes.
+        model: accepted for Horovod's signature and unused.
+        process_set: the ranks that take part (default: every rank).
+
+    Raises:
+        ValueError: an LBFGS optimizer.
+        MismatchError, RankFailure, TimeoutError: from the broadcasts.
+    """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     state_dict = optimizer.state_dict()

@@ -12,7 +12,6 @@ import itertools
 import torch
 
 from shmcomm import asynchronous as _async, basics
-from shmcomm.collectives import alltoall_request
 from shmcomm.exceptions import InvalidArgumentError, ShmCommError
 from shmcomm.ops import Adasum, Average, Max, Min, Product, Sum, resolve  # noqa: F401
 from shmcomm.process_sets import global_process_set
@@ -93,8 +92,13 @@ def _reduction(submit, combine, tensors, average=None, name=None, op=None, presc
 
 def allreduce_async(tensor, *args, **kwargs):
     """allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-    process_set=global_process_set): starts reducing `tensor` over the ranks into a new tensor; returns a handle for
-    poll()/synchronize()."""
+    process_set=global_process_set): starts reducing `tensor` over the ranks into a new tensor (allreduce's
+    arguments, without compression) and returns at once.
+
+    Returns:
+        A handle: poll(handle) says whether the result is ready, synchronize(handle) waits for it and returns it (or
+        raises the call's error: allreduce's). Give every handle to synchronize().
+    """
     return _reduction(_async.allreduce_async, _single, tensor, *args, **kwargs)
 
 
@@ -149,7 +153,32 @@ HorovodGroupedAllreduce = HorovodAllreduce
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set):
-    """The reduction of `tensor` over the ranks (default: Average), in a new tensor; differentiable."""
+    """The reduction of `tensor` over the ranks of `process_set`, in a new tensor; differentiable (the gradient is the
+    same reduction of the output's gradient).
+
+    Args:
+        tensor: a CPU tensor (a CUDA tensor where the GPU path is built); every rank passes the same shape and dtype.
+        average: Horovod's older flag: True for op=Average, False for op=Sum; give `op` or this, not both.
+        name: names the call in errors, the timeline and the engine's matching of requests across ranks.
+        compression: Compression.fp16 sends floating-point tensors as float16 and returns the tensor's own dtype.
+        op: Average (the default), Sum, Min, Max, Product or Adasum.
+        prescale_factor: multiplies each rank's input before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: the ranks that take part (a ProcessSet from add_process_set; default: every rank).
+
+    Returns:
+        A new tensor of the input's shape and dtype, equal on every rank of the set.
+
+    Raises:
+        InvalidArgumentError: this rank's arguments are wrong (an unsupported dtype, `average` with `op`).
+        PeerArgumentError: another rank's were, so no rank ran the call.
+        MismatchError: the ranks passed different shapes, dtypes or ops; every rank raises, and the job goes on.
+        RankFailure: a rank died or left; the error names it.
+        TimeoutError: a rank did not come within SHMCOMM_TIMEOUT.
+
+    Example:
+        `hvd.allreduce(torch.ones(3), op=hvd.Sum)` is `torch.full((3,), float(hvd.size()))` on every rank.
+    """
     return _apply(HorovodAllreduce, compression, [tensor], [name], _resolved(op, average), prescale_factor,
                   postscale_factor, process_set)[0]
 
@@ -200,7 +229,24 @@ HorovodGroupedAllgather = HorovodAllgather
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
-    """Concatenation of every rank's `tensor` along the first dimension; differentiable."""
+    """Every rank's `tensor`, concatenated in rank order along the first dimension; differentiable.
+
+    Args:
+        tensor: a tensor whose first dimension may differ between ranks; the other dimensions and the dtype may not.
+        name: names the call in errors, the timeline and the engine's matching of requests across ranks.
+        process_set: the ranks that take part (default: every rank).
+
+    Returns:
+        A new tensor of the sum of the ranks' first dimensions, equal on every rank of the set.
+
+    Raises:
+        InvalidArgumentError: this rank's arguments are wrong; PeerArgumentError: another rank's were.
+        MismatchError: the ranks disagree (dtype, trailing dimensions); every rank raises, and the job goes on.
+        RankFailure: a rank died or left; TimeoutError: a rank did not come within SHMCOMM_TIMEOUT.
+
+    Example:
+        `hvd.allgather(torch.full((hvd.rank() + 1, 2), hvd.rank()))` has 1 + 2 + ... + size rows.
+    """
     return HorovodAllgather.apply([name], process_set, tensor)[0]
 
 
@@ -243,101 +289,24 @@ class HorovodBroadcast(torch.autograd.Function):
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
-    """root_rank's `tensor` on every rank, in a new tensor; differentiable."""
+    """root_rank's `tensor` on every rank, in a new tensor; differentiable (as Horovod's: the gradient is the average
+    of the ranks' gradients on root_rank, zeros elsewhere).
+
+    Args:
+        tensor: the tensor to send on root_rank, and on every other rank one of the same shape and dtype.
+        root_rank: the rank whose tensor everyone receives, a rank of `process_set` (a global rank number).
+        name: names the call in errors, the timeline and the engine's matching of requests across ranks.
+        process_set: the ranks that take part (default: every rank).
+
+    Returns:
+        A new tensor equal to root_rank's.
+
+    Raises:
+        InvalidArgumentError: this rank's arguments are wrong; PeerArgumentError: another rank's were.
+        MismatchError: the ranks disagree (root, shape, dtype); every rank raises, and the job goes on.
+        RankFailure: a rank died or left; TimeoutError: a rank did not come within SHMCOMM_TIMEOUT.
+    """
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
-
-
-# ---- alltoall ----
-
-def _alltoall_async(tensor, splits, name, process_set):
-    # Always return the received splits, so that the gradient can travel back along them. A bad `splits` travels
-    # with the request, so that the other ranks hear of it (Request.checked).
-    req = alltoall_request(tensor, splits, name, process_set)
-    req.want_splits = True
-    return basics.start_engine().submit(req)
-
-
-def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
-    """Starts sending splits[j] rows of `tensor` to rank j (equal shares without splits). synchronize() returns the
-    received rows, and with `splits` also the rows received from each rank."""
-    finish = _first if splits is not None else (lambda results: results[0][0])
-    return _register([_alltoall_async(tensor, splits, name, process_set)], (tensor, splits), finish)
-
-
-class HorovodAlltoall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, splits, name, process_set):
-        out, received = _async.synchronize(_alltoall_async(tensor, splits, name, process_set))
-        ctx.received, ctx.process_set = received, process_set
-        if splits is None:
-            return out
-        ctx.mark_non_differentiable(received)
-        return out, received
-
-    @staticmethod
-    def backward(ctx, grad_output, *ignored):
-        grad, _ = alltoall(grad_output.contiguous(), splits=ctx.received, process_set=ctx.process_set)
-        return grad, None, None, None
-
-
-def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    """The rows every rank sent here, in rank order (and, with `splits`, how many came from each); differentiable."""
-    return HorovodAlltoall.apply(tensor, splits, name, process_set)
-
-
-# ---- reducescatter ----
-
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0):
-    """Starts reducing `tensor`; this rank gets its share of the first dimension (the first rows % size ranks get a
-    row more)."""
-    return _single(_async.reducescatter_async, tensor, name, op=_resolved(op), prescale_factor=prescale_factor,
-                   postscale_factor=postscale_factor, process_set=process_set)
-
-
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                                postscale_factor=1.0):
-    """Starts reducescatter() of each of `tensors`, as one group; returns a handle.
-
-    synchronize(handle) returns the list of this rank's shares."""
-    return _group(_async.reducescatter_async, tensors, name, op=_resolved(op), prescale_factor=prescale_factor,
-                  postscale_factor=postscale_factor, process_set=process_set)
-
-
-class HorovodReducescatter(torch.autograd.Function):
-    """Reducescatter of one tensor or a group, differentiable."""
-
-    @staticmethod
-    def forward(ctx, names, op, process_set, prescale_factor, postscale_factor, *tensors):
-        ctx.factor = prescale_factor * postscale_factor * (_set(process_set).size() if op == Sum else 1)
-        ctx.process_set = process_set
-        return synchronize(_start(_async.reducescatter_async, tensors, names, tuple, op=op,
-                                  prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                                  process_set=process_set))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        gathered = grouped_allgather([g.contiguous() for g in grads], process_set=ctx.process_set)
-        return (None,) * 5 + tuple(g * ctx.factor if ctx.factor != 1 else g for g in gathered)
-
-
-HorovodGroupedReducescatter = HorovodReducescatter
-
-
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
-                  prescale_factor=1.0, postscale_factor=1.0):
-    """This rank's share of the reduction of `tensor` (default: Average); differentiable."""
-    return _apply(HorovodReducescatter, compression, [tensor], [name], _resolved(op), process_set, prescale_factor,
-                  postscale_factor)[0]
-
-
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    """Reduces each of `tensors` and returns this rank's share of each, as one group."""
-    if not tensors:
-        return []
-    return _apply(HorovodReducescatter, compression, tensors, _names(name, len(tensors)), _resolved(op), process_set,
-                  prescale_factor, postscale_factor)
 
 
 # ---- completion, join, barrier ----

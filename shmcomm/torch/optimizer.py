@@ -225,11 +225,38 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          process_set=global_process_set, average_aggregated_gradients=False):
     """Wraps `optimizer` so that step() applies gradients averaged (op) over the ranks of `process_set`.
 
-    The result is an instance of a subclass of the optimizer's own class. named_parameters
-    (model.named_parameters()) names the tensors in errors, stall reports and timelines. backward_passes_per_step
-    accumulates that many backward passes locally before reducing (set_backward_passes_per_step changes it between
-    steps); average_aggregated_gradients=True (Horovod's TensorFlow option) divides their sum by it. groups (an int,
-    or a list of lists of parameters) reduces those parameters together. The wrapped optimizer's state carries over."""
+    Each gradient's allreduce starts as backward produces it (a hook per parameter), so communication overlaps the
+    rest of the backward pass; step() waits for them, then steps the wrapped optimizer.
+
+    Args:
+        optimizer: a torch.optim optimizer over the model's parameters; its state carries over.
+        named_parameters: model.named_parameters(), which names the tensors in errors, stall reports and timelines.
+        compression: Compression.fp16 sends the gradients as float16.
+        backward_passes_per_step: backward passes accumulated locally before one reduction
+            (set_backward_passes_per_step changes it between steps).
+        op: Average (the default), Sum or Adasum (Horovod's delta optimizer).
+        gradient_predivide_factor: divides the gradients by this before the sum and by size/this after (op=Average
+            only).
+        num_groups: Horovod's older spelling of `groups` (deprecated).
+        groups: an int (that many groups of parameters) or a list of lists of parameters reduced together.
+        sparse_as_dense: reduces sparse gradients as dense tensors.
+        process_set: the ranks that average (default: every rank).
+        average_aggregated_gradients: with backward_passes_per_step > 1, divides the accumulated sum by their number
+            (Horovod's TensorFlow option).
+
+    Returns:
+        An instance of a subclass of the optimizer's own class, sharing its state.
+
+    Raises:
+        ValueError: a bad combination of arguments (a non-positive backward_passes_per_step, a predivide factor
+            with op other than Average, a parameter in two groups).
+        MismatchError, RankFailure, TimeoutError: from the gradients' allreduces, raised by step() or
+            synchronize().
+
+    Example:
+        `opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size()),
+        named_parameters=model.named_parameters())` after `hvd.broadcast_parameters(model.state_dict(), 0)`.
+    """
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be a positive integer, got %r" % (backward_passes_per_step,))
     if gradient_predivide_factor != 1.0 and op != Average:
