@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import shmcomm
-from shmcomm.transport import box_client
+from shmcomm.smb import client as box_client
 
 STREAMED = box_client.STREAM_BYTES
 NEVER = 1 << 62

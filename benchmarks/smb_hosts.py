@@ -82,7 +82,7 @@ def worker(sizes, rounds, step_ms):
     from mpi4py import MPI
 
     from shmcomm import basics
-    from shmcomm.averaging import ElasticCentre
+    from shmcomm.smb.averaging import ElasticCentre
 
     shmcomm.init()
     world = MPI.COMM_WORLD

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import shmcomm
 import shmcomm.torch as hvd
-from shmcomm import averaging as elastic
+from shmcomm.smb import averaging as elastic
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_digits import DigitsNet, dataset  # noqa: E402

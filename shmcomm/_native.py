@@ -2,7 +2,8 @@
 """The compiled core and the one place where its return codes become exceptions."""
 import ctypes
 
-from shmcomm import exceptions as exc, failure_reports
+from shmcomm.vocabulary import exceptions as exc
+from shmcomm.startup import failure_reports
 
 try:
     from shmcomm._C import ffi, lib

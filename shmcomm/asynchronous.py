@@ -4,7 +4,7 @@ result or raises its error. They run on the background engine, which starts with
 from shmcomm import basics, engine
 from shmcomm.collectives import (allgather_request, allreduce_request, alltoall_request, broadcast_request,
                                  reducescatter_request, received_splits)
-from shmcomm.ops import Average
+from shmcomm.vocabulary.ops import Average
 
 
 def _submit(req):
@@ -90,7 +90,7 @@ def join():
     basics.communicator()
     eng = engine.current()
     if eng is None:
-        from shmcomm.exceptions import ShmCommError
+        from shmcomm.vocabulary.exceptions import ShmCommError
 
         raise ShmCommError("join() needs the background engine on every rank from the start: call "
                            "shmcomm.init(engine=True) (shmcomm.torch.init() does), or set SHMCOMM_ENGINE=1")

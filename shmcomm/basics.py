@@ -2,8 +2,9 @@
 """init/shutdown and the questions about where this process sits in the job."""
 import atexit
 
-from shmcomm import bootstrap, engine, env, failure_reports, log, membership, process_sets, session
-from shmcomm.exceptions import AbandonedError
+from shmcomm.startup import bootstrap, failure_reports, log, membership, session
+from shmcomm import engine, env, process_sets
+from shmcomm.vocabulary.exceptions import AbandonedError
 
 
 def init(engine=None):

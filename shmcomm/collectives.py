@@ -9,13 +9,14 @@ A request on a CUDA tensor is served by the device communicator next to the worl
 global process set only."""
 import numpy as np
 
-from shmcomm import ops, session
+from shmcomm.vocabulary import ops
+from shmcomm.startup import session
 from shmcomm.engine import current as current_engine
 from shmcomm.quick_path import (allgather_call, allreduce_call, alltoall_call, broadcast_call, crossing_allreduce_call,
                                 reducescatter_call, world)
 from shmcomm.engine.request import Request, execute
-from shmcomm.buffers import is_torch, wrap, wrap_device
-from shmcomm.exceptions import InvalidArgumentError, NotSupportedError
+from shmcomm.vocabulary.buffers import is_torch, wrap, wrap_device
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
 
 def resolve_set(process_set):
     """The communicator and id of a process set (None or the global set: everyone)."""

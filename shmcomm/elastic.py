@@ -3,7 +3,7 @@
 
 The training function runs inside `run_fn`. When a peer dies, a collective raises (RankFailure and the other
 ShmCommErrors of a broken job: Horovod's HorovodInternalError); the loop restores the last commit, leaves the
-world, waits for the launcher's next membership without the dead worker (membership.py), joins it (new segments,
+world, waits for the launcher's next membership without the dead worker (startup/membership.py), joins it (new segments,
 ranks renumbered, process sets registered again), broadcasts rank 0's state to everyone and calls the function
 again. When workers are added, State.commit() raises HostsUpdatedInterrupt on every rank at once; the loop re-forms
 the world the same way, and the newcomers receive the state. Every wait has a deadline: the collectives' own, and
@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from shmcomm import membership
-from shmcomm.exceptions import (HostsUpdatedInterrupt, InvalidArgumentError, MismatchError, NotInitializedError,
-                                ShmCommError)
+from shmcomm.startup import membership
+from shmcomm.vocabulary.exceptions import (HostsUpdatedInterrupt, InvalidArgumentError, MismatchError,
+                                           NotInitializedError, ShmCommError)
 
 log = logging.getLogger("shmcomm.elastic")
 

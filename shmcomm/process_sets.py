@@ -5,8 +5,8 @@ add_process_set is called by every rank, in the same order on all of them, so ev
 the members then meet in a segment of their own. Non-members keep the id but hold no communicator."""
 import threading
 
-from shmcomm import bootstrap, session
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.startup import bootstrap, session
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 _lock = threading.Lock()
 _registry = {}  # id -> ProcessSet

@@ -15,7 +15,8 @@ one C call (csrc/py/quick_crossing.c), and `world.comm` goes on as the full path
 closed: no compiled rounds, an engine running, or debug logging on (the full path logs each call's choice)."""
 import logging
 
-from shmcomm import engine, session
+from shmcomm import engine
+from shmcomm.startup import session
 from shmcomm._native import ffi, quick_function
 from shmcomm.algorithms.host import HostComm
 

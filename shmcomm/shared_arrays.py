@@ -18,8 +18,10 @@ import operator
 
 import numpy as np
 
-from shmcomm import description, engine, session
-from shmcomm.exceptions import InvalidArgumentError, NotSupportedError
+from shmcomm.vocabulary import description
+from shmcomm import engine
+from shmcomm.startup import session
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
 from shmcomm.transport.shm import WindowMemory
 
 

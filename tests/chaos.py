@@ -172,7 +172,7 @@ def one_run(rng, signum, sim=None, phases=None):
                 problems.append("rank %d raised nothing" % r)
             continue
         # A rank stopped or killed before MPI had started everywhere holds the others in MPI, which cannot say which
-        # rank is missing: the launcher's notice names it (transport/notices.py).
+        # rank is missing: the launcher's notice names it (startup/notices.py).
         named = _names(got, victim)
         late = got["seconds"] - killed_at
         if not named:

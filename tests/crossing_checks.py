@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from shmcomm._native import ffi, lib
 from shmcomm.algorithms.agreement import FAILED, HALVING_BYTES, HEADER_BYTES, MISMATCH, OK, Agreement
-from shmcomm.exceptions import BrokenCommunicatorError, TimeoutError
+from shmcomm.vocabulary.exceptions import BrokenCommunicatorError, TimeoutError
 from shmcomm.transport.mpi import Mpi
 
 world = MPI.COMM_WORLD

@@ -19,7 +19,8 @@ import time
 import torch
 
 import shmcomm.torch as hvd
-from shmcomm import bootstrap, env
+from shmcomm.startup import bootstrap
+from shmcomm import env
 
 
 def die_forming_second_world():

@@ -90,7 +90,8 @@ def _fused(dtype):
 def _packed(dtype):
     """One buffer holding every tensor, reduced in one call with their sizes: per-layer coefficients."""
     import shmcomm
-    from shmcomm import basics, dtypes
+    from shmcomm import basics
+    from shmcomm.vocabulary import dtypes
     from shmcomm._native import ffi
 
     shmcomm.init()

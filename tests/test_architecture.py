@@ -90,11 +90,28 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path)
 
 
 def test_only_the_transports_call_the_c_core():
-    """Communication, boxes and kernels go through shmcomm/transport/; _native.py only turns failures into
-    exceptions (constants such as lib.SMC_FLOAT32 may be read anywhere)."""
+    """Communication and kernels go through shmcomm/transport/, boxes through the Soft Memory Box's own modules
+    (shmcomm/smb/); _native.py only turns failures into exceptions (constants such as lib.SMC_FLOAT32 may be read
+    anywhere)."""
     calls = [str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")
-             if "lib.smc_" in path.read_text() and "transport" not in path.parts and path.name != "_native.py"]
+             if "lib.smc_" in path.read_text() and not {"transport", "smb"} & set(path.relative_to(PACKAGE).parts)
+             and path.name != "_native.py"]
     assert calls == []
+
+
+def test_the_folders_show_the_layers():
+    """The top of the package holds the public entry points (and the loader of the core) only; the Soft Memory Box,
+    the vocabulary, the settings and start-up have folders of their own, and transport/ holds transports and what
+    they alone use."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert top == ["__init__.py", "_native.py", "asynchronous.py", "basics.py", "collectives.py", "elastic.py",
+                   "process_sets.py", "quick_path.py", "shared_arrays.py"]
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert folders == ["algorithms", "engine", "env", "jax", "runner", "sim", "smb", "startup", "testing", "torch",
+                       "transport", "vocabulary"]
+    transports = sorted(p.stem for p in (PACKAGE / "transport").glob("*.py"))
+    assert transports == ["__init__", "build_cache", "crossing", "cuda_kernels", "deadline", "kernels", "mpi", "nccl",
+                          "nccl_library", "shm", "tcp"]
 
 
 def test_no_regular_expression_reads_an_error_message():

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _exchange_arithmetic(overlap):
     import shmcomm
-    from shmcomm.averaging import ElasticCentre
+    from shmcomm.smb.averaging import ElasticCentre
 
     shmcomm.init()
     centre = ElasticCentre("c", 4, overlap=overlap)
@@ -244,7 +244,7 @@ def test_hybrid_across_pretend_hosts_averages_each_hosts_gradients(tmp_path):
 CONSERVED = """
 import socket, numpy as np, shmcomm, torch
 import shmcomm.torch as hvd
-from shmcomm.averaging import ElasticCentre
+from shmcomm.smb.averaging import ElasticCentre
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 centre = ElasticCentre("centre", 64, dtype=np.float64, stripes=hvd.cross_size())

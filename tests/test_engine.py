@@ -296,7 +296,7 @@ def test_dead_rank_fails_pending_handles_on_the_others():
 
 def _peer_leaves(left, failing):
     import shmcomm
-    from shmcomm import failure_reports
+    from shmcomm.startup import failure_reports
 
     os.environ.pop("SHMCOMM_ERROR_REPORT_DIR", None)  # no saved reports: what rank 0 says comes from the engine
     shmcomm.init(engine=True)

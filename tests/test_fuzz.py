@@ -116,7 +116,8 @@ def test_allreduce_pieces_follow_the_l2_only_while_every_rank_has_a_core(monkeyp
     """SHMCOMM_PIECE_BYTES's default: an eighth of the L2 the machine reports, at least 128 KiB; 0 (a staging half's
     share) with more ranks than cores, where each step costs context switches. Single copy from 16 KiB, or from the
     L2's size with more ranks than cores for broadcast; the L2 sizes its chunks either way."""
-    from shmcomm import env, machine
+    from shmcomm import env
+    from shmcomm.env import machine
 
     for variable in [v for v in os.environ if v.startswith(("SHMCOMM_", "HOROVOD_"))]:
         monkeypatch.delenv(variable)

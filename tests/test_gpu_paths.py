@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
-from shmcomm import devices, dtypes
+from shmcomm.startup import devices
+from shmcomm.vocabulary import dtypes
 from shmcomm.algorithms import nccl_torus
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 from shmcomm.transport import cuda_kernels, nccl, nccl_library
 
 # ---- which path: every rank decides alike from the same descriptions ----
@@ -165,7 +166,7 @@ def test_cuda_tensors_without_cuda_raise_a_typed_error():
     with pytest.raises(InvalidArgumentError, match="need a CUDA build of torch"):
         device.DeviceComm(object())
     with pytest.raises(InvalidArgumentError, match="tensor is on meta; shmcomm moves CPU and CUDA tensors only"):
-        from shmcomm.buffers import wrap
+        from shmcomm.vocabulary.buffers import wrap
 
         wrap(torch.empty(3, device="meta"), "allreduce")
 
@@ -173,8 +174,8 @@ def test_cuda_tensors_without_cuda_raise_a_typed_error():
 def test_a_cuda_tensor_is_a_different_dtype_from_a_cpu_one():
     """Ranks passing a CUDA tensor where others pass a CPU one disagree (and the engine never fuses them)."""
     torch = pytest.importorskip("torch")
-    from shmcomm import description
-    from shmcomm.buffers import Buffer
+    from shmcomm.vocabulary import description
+    from shmcomm.vocabulary.buffers import Buffer
     from shmcomm.engine import fusion
 
     code = dtypes.torch_codes()[torch.float32]
@@ -235,7 +236,7 @@ def test_the_architectures_come_from_the_setting_or_the_device(monkeypatch):
 
 
 def test_the_package_imports_without_torch_cuda_or_nvcc():
-    code = ("import sys; import shmcomm, shmcomm.devices, shmcomm.transport.nccl, shmcomm.transport.cuda_kernels, "
+    code = ("import sys; import shmcomm, shmcomm.startup.devices, shmcomm.transport.nccl, shmcomm.transport.cuda_kernels, "
             "shmcomm.algorithms.nccl_torus; assert 'torch' not in sys.modules; print('ok')")
     env = dict(os.environ, PATH="/nonexistent")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)

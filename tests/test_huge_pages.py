@@ -67,7 +67,7 @@ def _huge_kib(array):
 
 
 def _collapses():
-    from shmcomm import session
+    from shmcomm.startup import session
 
     return session.communicator().shm.huge_collapses()
 

@@ -142,7 +142,7 @@ def _blame_once(api):
     assert run.stderr.splitlines()[-1] == BLAMED, run.stderr[-3000:]
     # Rank 0 raised (it noticed before the launcher stopped it) or was stopped: what it raised names rank 1's cause.
     for line in run.stderr.splitlines():
-        if line.startswith("[0]<stderr>: shmcomm.exceptions."):
+        if line.startswith("[0]<stderr>: shmcomm.vocabulary.exceptions."):
             assert re.search(r"RankFailure: .*rank 1 (\(pid \d+\) )?failed \(ValueError: bad batch at step 3\)\Z",
                              line), line
     assert "also failed: rank 1" not in run.stderr, run.stderr[-3000:]
@@ -180,7 +180,7 @@ def test_a_peers_bad_argument_is_blamed_on_that_peer():
     run = subprocess.run([sys.executable, "-m", "shmcomm.runner", "-np", "2", sys.executable, "-c",
                           textwrap.dedent(BAD_ARGUMENT)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stderr[-3000:]
-    assert "[0]<stderr>: shmcomm.exceptions.PeerArgumentError: " in run.stderr, run.stderr[-3000:]
+    assert "[0]<stderr>: shmcomm.vocabulary.exceptions.PeerArgumentError: " in run.stderr, run.stderr[-3000:]
     last = run.stderr.splitlines()[-1]
     assert last.startswith("shmcommrun: the job failed: rank 1 failed first (InvalidArgumentError: "), last
     assert "root rank" in last, last

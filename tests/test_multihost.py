@@ -287,7 +287,7 @@ def test_a_bad_argument_on_one_host_fails_every_rank_across_hosts(two_hosts, tmp
 def test_mpich_is_asked_for_its_ofi_network_module(monkeypatch, device, set_before, chosen):
     """A rank killed while UCX connects to it crashes its peers in UCX (SIGSEGV) or aborts their MPI_Init; with
     libfabric's module they live to name it (topology._prefer_ofi; tests/README.md, chaos across hosts)."""
-    from shmcomm import topology
+    from shmcomm.startup import topology
 
     if set_before is None:
         monkeypatch.delenv("MPIR_CVAR_CH4_NETMOD", raising=False)
@@ -332,7 +332,7 @@ def _blamed_across_hosts(sim, api, runs, first=0):
         assert result.stderr.splitlines()[-1].endswith(
             "rank 1 failed first (ValueError: bad batch at step 3)"), result.stderr[-3000:]
         for line in result.stderr.splitlines():
-            if line.startswith("[0]<stderr>: shmcomm.exceptions."):
+            if line.startswith("[0]<stderr>: shmcomm.vocabulary.exceptions."):
                 assert line.endswith("failed (ValueError: bad batch at step 3)"), line
             # Nothing but the ranks' lines and the launcher's own: a guard's error would show here.
             assert line.startswith(("[", "shmcommrun: ")), result.stderr[-3000:]

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The multi-host launcher's failure notices on their own (runner/notice_server.py to transport/notices.py): a rank
+"""The multi-host launcher's failure notices on their own (runner/notice_server.py to startup/notices.py): a rank
 hears every notice, those sent before it connected included, at the first of the launcher's addresses that answers;
 the first failure and the first stop are kept apart; a rank's cause of failure reaches the others' errors.
 tests/test_multihost.py shows them naming a rank killed before
@@ -8,9 +8,9 @@ import os
 import socket
 import time
 
-from shmcomm import failure_reports
+from shmcomm.startup import failure_reports
 from shmcomm.runner.notice_server import NoticeServer
-from shmcomm.transport.notices import LauncherNotices
+from shmcomm.startup.notices import LauncherNotices
 
 
 def _until(predicate, timeout=10.0):

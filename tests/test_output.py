@@ -138,7 +138,7 @@ def _output_a_peer_cannot_write():
     x = np.full(count, me + 1, np.float32)
     try:
         shmcomm.allreduce(x, op=shmcomm.Sum, output=out)
-    except shmcomm.exceptions.SystemError as e:
+    except shmcomm.vocabulary.exceptions.SystemError as e:
         failure = str(e)
     else:
         failure = None
@@ -245,7 +245,7 @@ def test_staged_and_single_copy_paths_agree(case, threshold):
 
 def _windowed(size):
     import shmcomm
-    from shmcomm import session
+    from shmcomm.startup import session
     from shmcomm._native import ffi
 
     shmcomm.init()
@@ -340,7 +340,8 @@ def test_buffers_at_every_placement(threshold):
 
 def _single_copy_sizes(without_huge_pages=()):
     import shmcomm
-    from shmcomm import basics, machine
+    from shmcomm import basics
+    from shmcomm.env import machine
     from shmcomm._native import lib
 
     if int(os.environ["SHMCOMM_RANK"]) in without_huge_pages:

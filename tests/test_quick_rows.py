@@ -27,7 +27,7 @@ def _expected(size, me, step):
 
 def _repeated_calls(hide_quick=False):
     import shmcomm
-    from shmcomm import session
+    from shmcomm.startup import session
     from shmcomm.algorithms import host
     from shmcomm.transport import shm as transport
 

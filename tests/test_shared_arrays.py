@@ -26,7 +26,7 @@ COUNTS = [5000, 100_003, 400_000]
 
 def _probe():
     import shmcomm
-    from shmcomm import session
+    from shmcomm.startup import session
     from shmcomm._native import lib
 
     shmcomm.init()
@@ -46,7 +46,7 @@ def ranks_map_each_other():
 
 
 def _shared_count():
-    from shmcomm import session
+    from shmcomm.startup import session
 
     return session.communicator().shm.shared_calls()
 
@@ -99,7 +99,7 @@ def test_in_place_allreduce_of_shared_arrays(size):
 
 def _reducescatter(size):
     import shmcomm
-    from shmcomm import session
+    from shmcomm.startup import session
 
     shmcomm.init()
     me = shmcomm.rank()
@@ -131,7 +131,7 @@ def test_reducescatter_of_shared_arrays(size):
 
 def _broadcast_and_allgather(size):
     import shmcomm
-    from shmcomm import session
+    from shmcomm.startup import session
     from shmcomm._native import lib
 
     shmcomm.init()
@@ -186,7 +186,7 @@ def test_broadcast_and_allgather_of_shared_arrays(size, settings):
 
 def _alltoall(size):
     import shmcomm
-    from shmcomm import session
+    from shmcomm.startup import session
     from shmcomm._native import lib
 
     shmcomm.init()

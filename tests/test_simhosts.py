@@ -246,7 +246,8 @@ def test_the_launcher_prints_the_saved_reports_that_did_not_come_through(tmp_pat
 
 
 def test_a_rank_saves_its_report_privately_and_only_where_asked(tmp_path, monkeypatch):
-    from shmcomm import RankFailure, failure_reports
+    from shmcomm import RankFailure
+    from shmcomm.startup import failure_reports
 
     monkeypatch.setenv("SHMCOMM_ERROR_REPORT_DIR", str(tmp_path))
     error = ValueError("\u00e9")

@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from shmcomm import dtypes
+from shmcomm.vocabulary import dtypes
 from shmcomm._native import ffi, lib
-from shmcomm.exceptions import BrokenCommunicatorError, RankFailure, TimeoutError
+from shmcomm.vocabulary.exceptions import BrokenCommunicatorError, RankFailure, TimeoutError
 from shmcomm.transport.tcp import Tcp, connect_mesh
 
 

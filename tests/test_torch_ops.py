@@ -271,7 +271,7 @@ def test_errors_on_every_rank_then_a_working_op():
 def _own_error_after_a_peer_left(left):
     """Rank 0 shuts down; rank 1, whose engine has seen it go (a good call fails naming it), still gets its own bad
     argument's error for a bad call, not the engine's: the bad call is what its caller must fix."""
-    from shmcomm.exceptions import RankFailure
+    from shmcomm.vocabulary.exceptions import RankFailure
     hvd = _init()
     if hvd.rank() == 0:
         hvd.shutdown()

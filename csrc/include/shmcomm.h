@@ -249,7 +249,7 @@ smc_result_t smc_box_create(smc_comm_t* comm, const char* name, size_t count, sm
                             smc_box_t** box);
 /* Attaches a box another rank creates, waiting up to timeout_s for it to appear. */
 smc_result_t smc_box_attach(smc_comm_t* comm, const char* name, double timeout_s, smc_box_t** box);
-/* A striped box (shmcomm/smb_stripes.py) is described by a box of its name with this suffix. */
+/* A striped box (shmcomm/smb/stripes.py) is described by a box of its name with this suffix. */
 #define SMC_BOX_STRIPED_SUFFIX "@stripes"
 /* Attaches the box `name` or, where there is none, the description of the striped box of that name, waiting up to
  * timeout_s for either; *striped is 1 for the description. */

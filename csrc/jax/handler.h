@@ -42,7 +42,7 @@ typedef struct {
 typedef struct {
   int kind;                 /* smc_coll_kind_t */
   int dtype;                /* smc_datatype_t */
-  int op;                   /* shmcomm.ops.ReduceOp */
+  int op;                   /* shmcomm.vocabulary.ops.ReduceOp */
   int root;                 /* index in the communicator */
   double prescale;
   double postscale;

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* A client's side of one request to another host's box server (shmcomm.h, "box client"), in the messages of
- * net/wire.h, without the interpreter: the caller's Python (shmcomm/transport/box_client.py) hands over its socket's
+ * net/wire.h, without the interpreter: the caller's Python (shmcomm/smb/client.py) hands over its socket's
  * descriptor and its buffers, and the interpreter lock is free while the bytes travel.
  *
  * Every wait is a poll with what is left of the caller's deadline; sends and receives never block (MSG_DONTWAIT),

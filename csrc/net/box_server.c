@@ -6,7 +6,7 @@
  * the kernel on their sockets and in the box's own waits.
  *
  * Here: one thread accepts, and each connection gets a thread of its own, which serves its requests
- * (net/box_session.c: one request, one reply, in the messages of net/wire.c and shmcomm/transport/box_wire.py) and
+ * (net/box_session.c: one request, one reply, in the messages of net/wire.c and shmcomm/smb/wire.py) and
  * releases what the connection held when it ends, however it ends. The box lock is a robust recursive mutex owned by
  * the thread that took it: the connection's thread takes and releases it, so it is the right owner. */
 #define _GNU_SOURCE

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The box server's messages (shmcomm/transport/box_wire.py writes the same layout): a request is a 48-byte
+/* The box server's messages (shmcomm/smb/wire.py writes the same layout): a request is a 48-byte
  * little-endian header, then a name, then elements; a reply is a 32-byte header, then an error text (status 1:
  * "ClassName\nmessage", the class the client raises) or the elements read. */
 #ifndef SMC_NET_WIRE_H_

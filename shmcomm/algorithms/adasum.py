@@ -25,10 +25,10 @@ Sums of dot products are exchanged as float64 and added in rank order, so every 
 floats are combined in float32 and rounded once at the end, as everywhere in shmcomm."""
 import numpy as np
 
-from shmcomm import dtypes
+from shmcomm.vocabulary import dtypes
 from shmcomm._native import ffi, lib
-from shmcomm.buffers import _EMPTY
-from shmcomm.exceptions import InvalidArgumentError, TimeoutError
+from shmcomm.vocabulary.buffers import _EMPTY
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, TimeoutError
 from shmcomm.transport import kernels
 
 _NORM_FLOOR = 1e-8   # Horovod's: below it a vector's coefficient stays 1 (no division by a vanishing norm)

@@ -23,9 +23,9 @@ run in C where that module can be built (transport/crossing.py): the same rules,
 layer between MPI's calls."""
 import numpy as np
 
-from shmcomm import description
+from shmcomm.vocabulary import description
 from shmcomm._native import error_for, ffi
-from shmcomm.exceptions import PeerArgumentError, TimeoutError
+from shmcomm.vocabulary.exceptions import PeerArgumentError, TimeoutError
 from shmcomm.transport import crossing, kernels
 
 # Statuses, the worse the higher: REFUSED is a call that failed a rank's own checks (a bad argument there): every

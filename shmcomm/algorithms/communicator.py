@@ -5,8 +5,8 @@ holds the Soft Memory Box arena and the doorbells the engine sleeps on.
 Two kinds exist: host.HostComm (the ranks of one host, or a process set of them) and world.WorldComm (a job across
 hosts, or a logical grid on one). Both offer allreduce, allreduce_raw, broadcast, allgather, reducescatter,
 alltoall, barrier and allgather_bytes on numpy arrays and torch tensors."""
-from shmcomm import description
-from shmcomm.exceptions import ShmCommError
+from shmcomm.vocabulary import description
+from shmcomm.vocabulary.exceptions import ShmCommError
 
 
 class Communicator:

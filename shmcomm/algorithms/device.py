@@ -1,20 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Collectives on CUDA tensors (torch), run by the engine's thread in the agreed order on this rank's own stream, after
-an event recorded on the caller's at submission: nothing synchronizes the device. Two paths, chosen once per job
-(devices.py): NCCL where every rank has a GPU of its own (one call, or the 2D torus on communicators split from the
-world's: nccl_torus.py), else through pinned host memory in chunks that the world communicator reduces as their
-copies finish. A handle completes once the outputs are final (a bounded poll; NCCL's asynchronous errors); a fusion
-group is packed on the device and reduced once. docs/architecture.md, "CUDA tensors", has the whole story."""
+"""Collectives on CUDA tensors (torch), run by the engine's thread in the agreed order on this rank's own stream after
+an event recorded on the caller's: nothing synchronizes the device. Paths chosen once per job (startup/devices.py):
+NCCL where every rank has a GPU of its own (one call, or the 2D torus: nccl_torus.py), else pinned host memory in
+chunks the world communicator reduces as their copies finish. docs/architecture.md, "CUDA tensors", says more."""
 import logging
 import math
 import pickle
 import socket
 import threading
 
-from shmcomm import devices, env, ops
+from shmcomm.startup import devices
+from shmcomm import env
+from shmcomm.vocabulary import ops
 from shmcomm.algorithms import nccl_torus
-from shmcomm.description import shares
-from shmcomm.exceptions import InvalidArgumentError, NotSupportedError, ShmCommError, TimeoutError
+from shmcomm.vocabulary.description import shares
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError, ShmCommError, TimeoutError
 from shmcomm.transport import cuda_kernels
 from shmcomm.transport.nccl import NcclComm, wait_for
 from shmcomm.transport.nccl_library import load as load_nccl

@@ -6,9 +6,9 @@ the MPI transport, within its deadline, or over the host's shared memory for a g
 groups ranks that passed the same."""
 import numpy as np
 
-from shmcomm import description
+from shmcomm.vocabulary import description
 from shmcomm._native import ffi
-from shmcomm.exceptions import MismatchError, ShmCommError
+from shmcomm.vocabulary.exceptions import MismatchError, ShmCommError
 
 
 def disagreement_error(what, collective, mpi, shm, names=None):

@@ -6,12 +6,12 @@ Callers (the public API in collectives.py and the engine) have resolved the op, 
 turns arrays into pointers and sizes, and explains a disagreement on shapes by naming what every rank passed."""
 import numpy as np
 
-from shmcomm import description, ops
+from shmcomm.vocabulary import description, ops
 from shmcomm._native import ffi
 from shmcomm.algorithms import adasum
 from shmcomm.algorithms.communicator import Communicator
-from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
-from shmcomm.exceptions import InvalidArgumentError, MismatchError, ShmCommError
+from shmcomm.vocabulary.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, MismatchError, ShmCommError
 
 
 def address(cdata):

@@ -13,7 +13,7 @@ divide by the row's and the column's sizes, not the world's.
 
 `layout` decides, from the path settings (SHMCOMM_ALLREDUCE_ALGO, SHMCOMM_TORUS_GRID) and where the ranks live,
 whether the torus applies; it is plain data, tested without a GPU."""
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 
 def layout(size, host_groups, algorithm, grid):

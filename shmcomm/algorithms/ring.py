@@ -10,7 +10,7 @@ included) works, and every rank ends with the same bits: each chunk is reduced i
 import numpy as np
 
 from shmcomm._native import ffi
-from shmcomm.description import shares
+from shmcomm.vocabulary.description import shares
 from shmcomm.transport import kernels
 
 _TAG = 0x5A1  # its own: other messages on the same communicator (the agreement's) must never match

@@ -18,13 +18,13 @@ import logging
 
 import numpy as np
 
-from shmcomm import description
+from shmcomm.vocabulary import description
 from shmcomm._native import ffi, lib
 from shmcomm.algorithms.agreement import (FAILED, HEADER_BYTES, MISMATCH, OK, REFUSED, Agreement, Refused,
                                           ShmAgreement, failure_text)
 from shmcomm.algorithms.ring import ring_allreduce
-from shmcomm.description import shares
-from shmcomm.exceptions import InvalidArgumentError, MismatchError, PeerArgumentError, ShmCommError
+from shmcomm.vocabulary.description import shares
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, MismatchError, PeerArgumentError, ShmCommError
 from shmcomm.transport import kernels
 
 log = logging.getLogger("shmcomm.algorithms")

@@ -10,7 +10,7 @@ import functools
 
 import numpy as np
 
-from shmcomm import description, ops
+from shmcomm.vocabulary import description, ops
 from shmcomm._native import ffi, lib
 from shmcomm.algorithms import adasum, choice
 from shmcomm.algorithms.agreement import MISMATCH, OK, REFUSED, Agreement, Refused, failure_text, refusal_error
@@ -18,11 +18,11 @@ from shmcomm.algorithms.communicator import Communicator
 from shmcomm.algorithms.disagreement import disagreement_error
 from shmcomm.algorithms.ring import ring_allreduce
 from shmcomm.algorithms.torus2d import verdict_error
-from shmcomm.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
-from shmcomm.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, RankFailure,
-                                ShmCommError, TimeoutError)
+from shmcomm.vocabulary.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
+from shmcomm.vocabulary.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, RankFailure,
+                                           ShmCommError, TimeoutError)
 from shmcomm.transport import kernels
-from shmcomm.transport.rollcall import name_silent_ranks
+from shmcomm.smb.rollcall import name_silent_ranks
 
 
 def _naming_holdups(method):

@@ -5,7 +5,7 @@ It starts on the first asynchronous request (basics.start_engine hands it the wo
 shutdown (basics.shutdown stops it first)."""
 import threading
 
-from shmcomm import session
+from shmcomm.startup import session
 
 _lock = threading.Lock()
 _engine = None

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from shmcomm import ops
+from shmcomm.vocabulary import ops
 from shmcomm._native import ffi, lib
 from shmcomm.engine import bayes
 

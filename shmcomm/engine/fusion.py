@@ -13,11 +13,11 @@ import weakref
 
 import numpy as np
 
-from shmcomm import dtypes
+from shmcomm.vocabulary import dtypes
 from shmcomm._native import ffi
-from shmcomm.buffers import output_for
-from shmcomm.exceptions import NotSupportedError
-from shmcomm.ops import ReduceOp
+from shmcomm.vocabulary.buffers import output_for
+from shmcomm.vocabulary.exceptions import NotSupportedError
+from shmcomm.vocabulary.ops import ReduceOp
 from shmcomm.transport import kernels
 
 

@@ -14,13 +14,14 @@ import os
 import threading
 import time
 
-from shmcomm import env, failure_reports
+from shmcomm import env
+from shmcomm.startup import failure_reports
 from shmcomm.engine import autotune, fusion, timeline
 from shmcomm.engine.negotiate import Negotiator, checked_signature, members_of, plan_text, refusal
 from shmcomm.engine.request import Handle, execute, finish
 from shmcomm.engine.stall import StallInspector
-from shmcomm.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, PeerArgumentError,
-                                RankFailure, ShmCommError, TimeoutError)
+from shmcomm.vocabulary.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError,
+                                           PeerArgumentError, RankFailure, ShmCommError, TimeoutError)
 
 log = logging.getLogger("shmcomm.engine")
 

@@ -13,9 +13,9 @@ cached ids, nothing is left to judge: the verdict for that message is remembered
 import pickle
 from typing import NamedTuple
 
-from shmcomm import description
-from shmcomm.buffers import output_for, require_reducible, wrap, wrap_device
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.vocabulary import description
+from shmcomm.vocabulary.buffers import output_for, require_reducible, wrap, wrap_device
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 
 class Signature(NamedTuple):

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 
 class Request:
@@ -127,7 +127,7 @@ class Handle:
                 while not self.done:
                     left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.monotonic())
                     if left <= 0:
-                        from shmcomm.exceptions import TimeoutError
+                        from shmcomm.vocabulary.exceptions import TimeoutError
 
                         what = self.request.what if self.request is not None else "join"
                         raise TimeoutError("%s: not done after %.1f s" % (what, timeout))

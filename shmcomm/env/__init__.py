@@ -9,8 +9,8 @@ import secrets
 from dataclasses import dataclass
 
 # The performance settings, read as env.tuning() and so on like the others.
-from shmcomm.env.tuning import (  # noqa: F401
-    AutotuneSettings, EngineSettings, Tuning, autotune, engine, thread_affinity, timeout_s, tuning)
+from shmcomm.env.tuning import (AutotuneSettings, EngineSettings, Tuning, autotune, engine, thread_affinity, timeout_s,
+                                tuning)
 from shmcomm.env.values import (MAX_BYTES, flag as _flag, get as _get, number as _number, reading_from,
                                 set_overrides as _set_overrides, switch)
 
@@ -94,7 +94,7 @@ def job_token():
 
 def adopt_identity(identity):
     """Takes a re-formed elastic world's place ({"RANK": 2, ...}) for this process's launch variables: read from here
-    on instead of the environment's, which keeps what the worker was started with (membership.py)."""
+    on instead of the environment's, which keeps what the worker was started with (startup/membership.py)."""
     _set_overrides({key: str(value) for key, value in identity.items()})
 
 
@@ -111,7 +111,7 @@ def prefer_mpich_network(netmod):
 
 def build_cache_dir(setting, name):
     """The directory SHMCOMM_`setting` names, else ~/.cache/shmcomm/`name` (XDG_CACHE_HOME honoured): where things
-    compiled on first use are kept (build_cache.py)."""
+    compiled on first use are kept (transport/build_cache.py)."""
     chosen = _get(setting)
     if chosen:
         return chosen
@@ -156,18 +156,18 @@ def error_report_dir():
 
 def guard_socket():
     """(descriptor, inode) of the socket on which a rank under shmcommrun -H tells its guard (runner/rank_guard.py) the
-    cause of its failure and waits for its output to be passed on (failure_reports.py), or None."""
+    cause of its failure and waits for its output to be passed on (startup/failure_reports.py), or None."""
     fd, _, inode = os.environ.get("SHMCOMM_GUARD_SOCKET", "").partition(":")
     return (int(fd), int(inode)) if fd.isdigit() and inode.isdigit() else None
 
 
 def launcher_notices():
-    """The multi-host launcher's notice server, "ip:port,ip:port" (transport/notices.py); None without one."""
+    """The multi-host launcher's notice server, "ip:port,ip:port" (startup/notices.py); None without one."""
     return _get("LAUNCHER_NOTICES")
 
 
 def elastic_driver():
-    """The elastic launcher's addresses, "ip:port,ip:port" (membership.py); None outside an elastic job."""
+    """The elastic launcher's addresses, "ip:port,ip:port" (startup/membership.py); None outside an elastic job."""
     return _get("ELASTIC_DRIVER")
 
 

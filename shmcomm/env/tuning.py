@@ -4,7 +4,7 @@ and the autotuner's search. Defaults follow what the machine reports at run time
 import os
 from dataclasses import dataclass
 
-from shmcomm import machine
+from shmcomm.env import machine
 from shmcomm.env.values import MAX_BYTES, MAX_SECONDS, flag as _flag, get as _get, is_set, number as _number, switch
 
 

@@ -27,9 +27,9 @@ from shmcomm import basics as _basics
 from shmcomm.jax import context as _context
 from shmcomm.jax.collectives import allgather, allreduce, alltoall, barrier, broadcast, reducescatter
 from shmcomm.jax.optimizer import Compression, DistributedOptimizer, broadcast_parameters
-from shmcomm.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError, NotInitializedError,
-                                RankFailure, ShmCommError, TimeoutError)
-from shmcomm.ops import Average, Max, Min, Product, ReduceOp, Sum
+from shmcomm.vocabulary.exceptions import (BrokenCommunicatorError, InvalidArgumentError, MismatchError,
+                                           NotInitializedError, RankFailure, ShmCommError, TimeoutError)
+from shmcomm.vocabulary.ops import Average, Max, Min, Product, ReduceOp, Sum
 
 init = _basics.init
 shutdown = _basics.shutdown

@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
 
-from shmcomm import collectives, description, ops, session
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm import collectives
+from shmcomm.vocabulary import description, ops
+from shmcomm.startup import session
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 from shmcomm.jax import context
 from shmcomm.jax.primitive import bind
 

@@ -26,15 +26,17 @@ import threading
 
 import numpy as np
 
-from shmcomm import dtypes, env, log, session
+from shmcomm.vocabulary import dtypes
+from shmcomm import env
+from shmcomm.startup import log, session
 from shmcomm._native import error_for, lib as core_lib
 from shmcomm.algorithms.host import HostComm
-from shmcomm.buffers import wrap
+from shmcomm.vocabulary.buffers import wrap
 from shmcomm.collectives import run
 from shmcomm.engine.request import Request
-from shmcomm.exceptions import MismatchError, NotInitializedError, ShmCommError
+from shmcomm.vocabulary.exceptions import MismatchError, NotInitializedError, ShmCommError
 from shmcomm.jax import native, results_heap
-from shmcomm.ops import ReduceOp
+from shmcomm.vocabulary.ops import ReduceOp
 from shmcomm.quick_path import crossing_allreduce_call, host_alone, world
 
 ffi, lib = native.load()

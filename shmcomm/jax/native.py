@@ -17,7 +17,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from shmcomm import build_cache
+from shmcomm.transport import build_cache
 
 _MODULE = "_shmcomm_jax_ffi"
 TARGET = "shmcomm_collective"

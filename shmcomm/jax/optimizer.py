@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from shmcomm import ops
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.vocabulary import ops
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 from shmcomm.jax.collectives import allreduce, broadcast
 
 

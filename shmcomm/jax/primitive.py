@@ -33,9 +33,9 @@ from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from shmcomm import description, ops
+from shmcomm.vocabulary import description, ops
 from shmcomm._native import lib
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 from shmcomm.jax import context, native
 
 
@@ -103,7 +103,7 @@ collective_p.def_effectful_abstract_eval(_abstract_eval)
 
 def _dtype_code(dtype, kind, what):
     """The core's type code, or -1 for a type the core only moves (allowed where nothing is reduced)."""
-    from shmcomm import dtypes
+    from shmcomm.vocabulary import dtypes
 
     code = dtypes.numpy_code(np.dtype(dtype))
     if code is None:

@@ -29,7 +29,7 @@ def segment_prefix(token: str) -> str:
 def job_segment_pattern(token: str) -> "re.Pattern":
     """The names of every segment of the job with this token: `shmcomm-<token><suffix>-<generation>`, where the
     suffix names a host across hosts (_h0), a process set (_s1), a grid's row or column (_r0, _c0), or is empty
-    (shmcomm/bootstrap.py). A token may hold '_', so the suffixes are matched exactly, not as a prefix: another job's
+    (startup/bootstrap.py). A token may hold '_', so the suffixes are matched exactly, not as a prefix: another job's
     token that starts with this one is not this job's."""
     segment_prefix(token)  # checks it
     return re.compile(rf"shmcomm-{re.escape(token)}(?:_[hsrc]\d+)?-\d+\Z")

@@ -3,7 +3,7 @@
 across hosts.
 
 The launcher owns the membership: who is in the job, in which order, on which host. It serves it over TCP
-(elastic_server.py; the workers' side is shmcomm/membership.py), starts workers itself (on this host directly, on
+(elastic_server.py; the workers' side is startup/membership.py), starts workers itself (on this host directly, on
 other hosts through ssh or --launcher-agent, as Horovod's driver does) and publishes a new membership whenever the
 job changes. Each membership is a world of its own: new segments (a token per generation) inside each host, a new
 TCP mesh between the ranks across hosts (transport/tcp.py). Why not MPI, which fixed-size jobs across hosts use:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The elastic launcher's side of the membership (the workers' side is shmcomm/membership.py): a TCP server every
+"""The elastic launcher's side of the membership (the workers' side: startup/membership.py): a TCP server every
 worker connects to, on whatever host it runs.
 
 A worker's first line says who it is and where its peers reach it; from then on it is ready, and the launcher may

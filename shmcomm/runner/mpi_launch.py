@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 
-from shmcomm import failure_reports
+from shmcomm.startup import failure_reports
 from shmcomm.env import ERROR_REPORT_DIR
 
 from .cleanup import remove_job_segments, remove_orphaned_mpi_segments
@@ -47,7 +47,7 @@ _MPI_ABORT_LINE = re.compile(r"^\[(\d+)\]<stderr>: Abort\(\d+\) on node \d+: Fat
 _RANK_STDERR_LINE = re.compile(r"^\[(\d+)\]<stderr>: (.*?)\n?\Z", re.DOTALL)
 
 # The directory, private to this launcher, where a rank that dies of an uncaught exception saves its traceback
-# (shmcomm/failure_reports.py) before MPI_Abort has hydra kill the job: the kill may cut off the
+# (shmcomm/startup/failure_reports.py) before MPI_Abort has hydra kill the job: the kill may cut off the
 # traceback on its way through the guard, hydra's proxy and mpiexec, so the launcher prints the saved one when its
 # text did not come through. On remote hosts the directory does not exist and the forwarded stderr is all there is.
 _REPORT_RE = re.compile(r"rank(\d+)\Z")
@@ -162,7 +162,7 @@ def run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose=False, not
     from the copy the rank saved in a private directory (ERROR_REPORT_DIR), removed at the end. output_files and
     stamp: --output-filename's files and --prefix-output-with-timestamp, as on one host (guard_output.relay)."""
     try:
-        reports = tempfile.mkdtemp(prefix="shmcomm-errors-")  # mode 0700; its files are 0600 (failure_reports.py)
+        reports = tempfile.mkdtemp(prefix="shmcomm-errors-")  # mode 0700; its files 0600 (failure_reports.py)
     except OSError as error:
         say(f"note: cannot make a directory for the ranks' error reports ({error.strerror or error}): a traceback "
             f"that MPI_Abort cuts off is lost")
@@ -253,7 +253,7 @@ def _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices,
 
 class _Report:
     """What the job's output said about its failure: the guards' lines, in order, the ranks errors named as not
-    answering a roll call (shmcomm/transport/rollcall.py), and those the first such error named as gone (later ones
+    answering a roll call (shmcomm/smb/rollcall.py), and those the first such error named as gone (later ones
     also find the ranks that failed and ended meanwhile). Failures and stopped ranks go to `notices` as they come."""
 
     def __init__(self, notices=None):
@@ -313,7 +313,7 @@ class _Report:
 
     def print_lost_reports(self, directory):
         """Prints, prefixed with the rank as its own output would be, each traceback a rank saved in directory
-        (shmcomm/failure_reports.py) that did not come through the job's output."""
+        (shmcomm/startup/failure_reports.py) that did not come through the job's output."""
         try:
             names = os.listdir(directory)
         except OSError:

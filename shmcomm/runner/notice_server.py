@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The multi-host launcher's failure notices (the ranks' side is shmcomm/transport/notices.py): a TCP server every
+"""The multi-host launcher's failure notices (the ranks' side is shmcomm/startup/notices.py): a TCP server every
 rank connects to while MPI starts, on whatever host it runs.
 
 Until MPI has started everywhere, a rank cannot learn from MPI which rank is missing: MPI_Init waits for all of

@@ -82,7 +82,7 @@ def unread(fd):
         pass
     return 0
 def pass_causes(sock):
-    # The rank's cause line (shmcomm/failure_reports.py), sent on at once as a frame the launcher keeps for its last
+    # The rank's cause line (startup/failure_reports.py), sent on at once as a frame the launcher keeps for its last
     # line and its notices, as the launcher's host may not see the rank's saved report. An empty line asks whether
     # everything the rank wrote has been passed on: answered once the pumps hold nothing and hydra's proxy has read
     # it all, since MPI_Abort, which the rank calls next, has hydra kill this guard and the proxy at once. The proxy

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 
-from shmcomm import failure_reports
+from shmcomm.startup import failure_reports
 from shmcomm.env import ERROR_REPORT_DIR
 
 from .console import forward_output, write_console
@@ -72,7 +72,7 @@ def open_output_files(output_dir, num_proc):
 class _Job:
     def __init__(self, kill_grace_seconds, stamp=False, stopped_limit_s=300.0, reports=None):
         self.kill_grace_seconds = kill_grace_seconds
-        self.reports = reports  # the ranks' failure reports (shmcomm/failure_reports.py), None without
+        self.reports = reports  # the ranks' failure reports (shmcomm/startup/failure_reports.py), None without
         self.stopped_limit_s = stopped_limit_s
         self.stopped_since = {}  # rank: when it was first seen stopped, since every running rank has been stopped
         self.stamp = stamp

@@ -26,7 +26,7 @@ import os
 import numpy as np
 
 from shmcomm.testing.expected import (FLOATS, ROUNDING_COUNT, allreduce_input, digest, expected_allreduce, random_for,
-                                     from_library, rounded_once, rounding_input, rounding_is_visible, to_library)
+                                      from_library, rounded_once, rounding_input, rounding_is_visible, to_library)
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64")
 OPS = ("Sum", "Average", "Min", "Max", "Product")

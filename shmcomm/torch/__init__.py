@@ -19,25 +19,24 @@ from shmcomm import basics as _basics
 from shmcomm import env as _env
 from shmcomm import process_sets as _process_sets
 from shmcomm.asynchronous import start_timeline, stop_timeline  # noqa: F401
-from shmcomm.basics import (cross_rank, cross_size, is_initialized, local_rank, local_size, rank,  # noqa: F401
-                            size)
+from shmcomm.basics import cross_rank, cross_size, is_initialized, local_rank, local_size, rank, size
 from shmcomm.process_sets import ProcessSet, global_process_set  # noqa: F401
 from shmcomm.torch import mpi_ops as _mpi_ops
 from shmcomm.torch.compression import Compression  # noqa: F401
 from shmcomm.torch.batch_size import BatchSizeSchedule  # noqa: F401
-from shmcomm.exceptions import HostsUpdatedInterrupt  # noqa: F401
+from shmcomm.vocabulary.exceptions import HostsUpdatedInterrupt  # noqa: F401
 from shmcomm.torch.ddp_hook import allreduce_hook  # noqa: F401
-from shmcomm.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,  # noqa: F401
+from shmcomm.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                      broadcast_parameters, sparse_allreduce_async)
-from shmcomm.torch.mpi_ops import (Adasum, Average, HorovodInternalError, Max, Min, Product, Sum,  # noqa: F401
-                                   allgather, allgather_async, allreduce, allreduce_, allreduce_async,
-                                   allreduce_async_, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
-                                   grouped_allgather, grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+from shmcomm.torch.mpi_ops import (Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, allgather,
+                                   allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, barrier,
+                                   broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
+                                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
                                    grouped_allreduce_async, grouped_allreduce_async_, is_homogeneous, join, poll,
                                    synchronize)
-from shmcomm.torch.scatter_ops import (alltoall, alltoall_async, grouped_reducescatter,  # noqa: F401
-                                       grouped_reducescatter_async, reducescatter, reducescatter_async)
-from shmcomm.exceptions import PeerArgumentError  # noqa: F401
+from shmcomm.torch.scatter_ops import (alltoall, alltoall_async, grouped_reducescatter, grouped_reducescatter_async,
+                                       reducescatter, reducescatter_async)
+from shmcomm.vocabulary.exceptions import PeerArgumentError  # noqa: F401
 from shmcomm.torch.averaging import ElasticAveragingOptimizer  # noqa: F401
 from shmcomm.torch.optimizer import DistributedOptimizer  # noqa: F401
 from shmcomm.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401

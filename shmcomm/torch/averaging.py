@@ -6,7 +6,7 @@ Box) and hybrid (synchronous inside a host, asynchronous between hosts) training
                                               period=1, hybrid=False)
 
 Asynchronous: each rank steps on its own gradients; every `period` steps it exchanges with the centre
-(shmcomm/averaging.py: x -= alpha (x - c), c += alpha (x - c), the read of c and its update one atomic box exchange)
+(shmcomm/smb/averaging.py: x -= alpha (x - c), c += alpha (x - c), the read of c and its update one atomic box exchange)
 and never waits for another rank, so a slow rank slows only itself. Hybrid: gradients are averaged over the host's
 ranks every step (one blocking allreduce in the host's shared memory; a DistributedOptimizer where the job has one
 host), and every `period` steps the host's first rank exchanges with the centre for the host, then hands the
@@ -20,9 +20,11 @@ import collections
 import numpy as np
 import torch
 
-from shmcomm import averaging, basics, ops
-from shmcomm.exceptions import InvalidArgumentError
-from shmcomm.smb import SoftMemoryBox
+from shmcomm.smb import averaging
+from shmcomm import basics
+from shmcomm.vocabulary import ops
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
+from shmcomm.smb.box import SoftMemoryBox
 from shmcomm.torch.optimizer import DistributedOptimizer
 
 

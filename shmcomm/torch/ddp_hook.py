@@ -14,7 +14,7 @@ import threading
 import torch
 
 from shmcomm import asynchronous
-from shmcomm.ops import Average
+from shmcomm.vocabulary.ops import Average
 from shmcomm.process_sets import ProcessSet
 
 _calls = itertools.count()

@@ -28,15 +28,14 @@ import torch
 
 from shmcomm import basics, process_sets
 from shmcomm.elastic import ObjectState, allreduce_max_with, run_fn
-from shmcomm.exceptions import HostsUpdatedInterrupt  # noqa: F401  (Horovod's names live here too)
+from shmcomm.vocabulary.exceptions import HostsUpdatedInterrupt  # noqa: F401  (Horovod's names live here too)
 from shmcomm.torch import mpi_ops
-from shmcomm.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                                     broadcast_parameters)
+from shmcomm.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from shmcomm.torch.mpi_ops import HorovodInternalError  # noqa: F401
 
 
 def _reset():
-    """Leaves the world and joins the next one (membership.py), then registers the process sets again with the
+    """Leaves the world and joins the next one (startup/membership.py), then registers the process sets again with the
     ranks that still exist, in the same order (their ids stay the same). Returns the new size."""
     import shmcomm.torch as hvd
 

@@ -4,7 +4,7 @@ import cloudpickle
 import torch
 
 from shmcomm import basics
-from shmcomm.ops import Average, Sum, resolve
+from shmcomm.vocabulary.ops import Average, Sum, resolve
 from shmcomm.process_sets import global_process_set
 from shmcomm.torch.mpi_ops import allgather, allgather_async, broadcast_, broadcast_async_, synchronize
 

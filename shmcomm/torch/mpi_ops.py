@@ -12,8 +12,8 @@ import itertools
 import torch
 
 from shmcomm import asynchronous as _async, basics
-from shmcomm.exceptions import InvalidArgumentError, ShmCommError
-from shmcomm.ops import Adasum, Average, Max, Min, Product, Sum, resolve  # noqa: F401
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, ShmCommError
+from shmcomm.vocabulary.ops import Adasum, Average, Max, Min, Product, Sum, resolve  # noqa: F401
 from shmcomm.process_sets import global_process_set
 from shmcomm.torch.compression import Compression
 

@@ -5,7 +5,7 @@ import torch
 
 from shmcomm import asynchronous as _async, basics
 from shmcomm.collectives import alltoall_request
-from shmcomm.ops import Average, Sum
+from shmcomm.vocabulary.ops import Average, Sum
 from shmcomm.process_sets import global_process_set
 from shmcomm.torch.compression import Compression
 from shmcomm.torch.mpi_ops import (_apply, _first, _group, _names, _register, _resolved, _set, _single, _start,

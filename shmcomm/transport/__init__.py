@@ -10,9 +10,9 @@ Two transports exist today:
   deadline on every wait that MPI itself would leave unbounded.
 
 Both offer the interface below (`Transport`), in the units of the C core: pointers, element counts and dtype codes
-(shmcomm/dtypes.py), byte counts, a 64-bit `tag` that every rank must pass equal (a digest of the collective's
-description, shmcomm/description.py) and `what`, how errors name the call. Failures raise the exceptions of
-shmcomm.exceptions; a transport that can no longer be trusted raises BrokenCommunicatorError for every later
+(vocabulary/dtypes.py), byte counts, a 64-bit `tag` that every rank must pass equal (a digest of the collective's
+description, vocabulary/description.py) and `what`, how errors name the call. Failures raise the exceptions of
+shmcomm.vocabulary.exceptions; a transport that can no longer be trusted raises BrokenCommunicatorError for every later
 collective.
 
     rank, size, ranks             this process's index, the member count, the members' job ranks

@@ -20,7 +20,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from shmcomm import build_cache, env
+from shmcomm.transport import build_cache
+from shmcomm import env
 
 log = logging.getLogger("shmcomm.transport")
 

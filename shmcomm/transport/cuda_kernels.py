@@ -22,7 +22,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from shmcomm import build_cache, env
+from shmcomm.transport import build_cache
+from shmcomm import env
 
 ABI_VERSION = 2
 LIBRARY = "libshmcomm_cuda.so"

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from shmcomm._native import ffi, lib
-from shmcomm.exceptions import BrokenCommunicatorError, TimeoutError
+from shmcomm.vocabulary.exceptions import BrokenCommunicatorError, TimeoutError
 from shmcomm.transport import Transport, allgather_bytes_over, kernels
 from shmcomm.transport.deadline import Watchdog, poll, spin
 

@@ -24,7 +24,7 @@ import contextlib
 import threading
 import time
 
-from shmcomm.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
+from shmcomm.vocabulary.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
 from shmcomm.transport.nccl_library import DTYPES, IN_PROGRESS, OPS, NcclError, load
 
 _SPIN_S = 50e-6       # poll this long without sleeping: small collectives finish within it

@@ -18,7 +18,7 @@ import os
 import cffi
 
 from shmcomm import env
-from shmcomm.exceptions import ShmCommError
+from shmcomm.vocabulary.exceptions import ShmCommError
 
 SETTING = "SHMCOMM_NCCL_LIBRARY"
 WHEELS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12")

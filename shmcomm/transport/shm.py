@@ -6,8 +6,8 @@ latency path of everything (a small allreduce costs a few microseconds): keep it
 import numpy as np
 
 from shmcomm._native import error_for, ffi, lib, quick_function
-from shmcomm.log import logger as log
-from shmcomm.exceptions import RankFailure
+from shmcomm.startup.log import logger as log
+from shmcomm.vocabulary.exceptions import RankFailure
 from shmcomm.transport import Transport, allgather_bytes_over
 
 # csrc/py/quick_calls.c

@@ -21,11 +21,12 @@ import time
 
 import numpy as np
 
-from shmcomm import description
+from shmcomm.vocabulary import description
 from shmcomm._native import ffi, lib
-from shmcomm.exceptions import AbandonedError, BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
+from shmcomm.vocabulary.exceptions import (AbandonedError, BrokenCommunicatorError, RankFailure, ShmCommError,
+                                           TimeoutError)
 from shmcomm.transport import Transport, kernels
-from shmcomm.transport.box_wire import tuned  # small messages at once, big buffers for megabytes
+from shmcomm.smb.wire import tuned  # small messages at once, big buffers for megabytes
 
 _LENGTH = struct.Struct("<Q")
 _HELLO = struct.Struct("<64sQ")  # the world's token, the connecting rank

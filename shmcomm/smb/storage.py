@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Soft Memory Box storage in the shared-memory transport's arena (csrc/shm/box.c): named, typed buffers that every
-rank of the host reads, writes and accumulates into under a robust per-box lock. shmcomm/smb.py is the user's API
-over this; box_client.RemoteBoxHandle is the same handle for a box in another host's arena (served there by
-box_server.py), and shmcomm/smb_stripes.py composes handles into a striped box."""
+rank of the host reads, writes and accumulates into under a robust per-box lock. box.py is the user's API
+over this; client.RemoteBoxHandle is the same handle for a box in another host's arena (served there by
+server.py), and stripes.py composes handles into a striped box."""
 from shmcomm._native import check, ffi, lib
 
 # The box that describes a striped box: int64 [count, dtype, stripes] (the core's SMC_BOX_STRIPED_SUFFIX).

@@ -32,9 +32,10 @@ import itertools
 
 import numpy as np
 
-from shmcomm import process_sets, session
-from shmcomm.exceptions import InvalidArgumentError
-from shmcomm.smb import SoftMemoryBox
+from shmcomm import process_sets
+from shmcomm.startup import session
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
+from shmcomm.smb.box import SoftMemoryBox
 
 
 class ElasticCentre:

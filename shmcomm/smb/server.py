@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The box server: in every rank of a job that spans hosts, threads of the C core (csrc/net/box_server.c) that accept
 connections from the ranks of the other hosts and apply their box operations to this host's arena, one thread per
-connection, in the messages of box_wire.py.
+connection, in the messages of wire.py.
 
 Why a server thread and not MPI one-sided RMA (measured in benchmarks/smb.py, figures in benchmarks/RESULTS.md):
 - MPI accumulates are atomic only against other MPI accumulates of the same op and datatype; the home host's own

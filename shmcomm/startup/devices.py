@@ -11,7 +11,7 @@ everywhere:
 SHMCOMM_GPU_PATH=nccl or host forces one (nccl on a shared device is an error that names the ranks).
 
 Everything here is plain data, so that it is tested without a GPU."""
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 PATHS = ("auto", "nccl", "host")
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Boxes on other hosts: where each host's box servers listen (BoxNetwork, learned once at init over MPI), and the
 handle to one box in another host's arena (RemoteBoxHandle: box.BoxHandle's interface, each call one request to the
-box's home host and its reply, box_wire.py).
+box's home host and its reply, wire.py).
 
 Every reply is awaited with a deadline: SHMCOMM_TIMEOUT, plus the operation's own timeout for a lock or a version
 wait. A home host whose connection closes or that does not answer in time makes the call raise HostFailure naming
@@ -11,14 +11,14 @@ import threading
 import time
 
 from shmcomm._native import ffi, lib
-from shmcomm.exceptions import HostFailure, InvalidArgumentError
-from shmcomm.transport import box_wire as wire
+from shmcomm.vocabulary.exceptions import HostFailure, InvalidArgumentError
+from shmcomm.smb import wire
 from shmcomm.transport import kernels
-from shmcomm.transport.rollcall import name_silent_ranks
+from shmcomm.smb.rollcall import name_silent_ranks
 
 _CONNECT_TIMEOUT_S = 5.0  # per address tried; a host has few
 # Exchanges of this many bytes or more stream (wire.FLAG_STREAM): below it one part is the whole exchange anyway, and
-# a plain request can leave before this host's own stripes are done (smb_stripes.StripedHandle._each).
+# a plain request can leave before this host's own stripes are done (stripes.StripedHandle._each).
 STREAM_BYTES = 64 << 10
 
 

@@ -16,7 +16,7 @@ elements (a remote 4 KiB accumulate took 0.09 ms against 0.04 ms for a version q
 import socket
 import struct
 
-from shmcomm import exceptions as exc
+from shmcomm.vocabulary import exceptions as exc
 
 # op, flags, name length, dtype, offset (or a version), count, alpha, beta, timeout in seconds
 REQUEST = struct.Struct("<BBHIQQddd")

@@ -3,7 +3,7 @@
 import enum
 
 from shmcomm._native import lib
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 
 class ReduceOp(enum.IntEnum):

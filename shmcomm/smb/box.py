@@ -8,8 +8,8 @@
 
 In a job that spans hosts a box is job-wide: every rank of every host creates or attaches it by name and sees the
 same elements, versions and lock. It lives on one home host (`home=`, by default one picked from the name; `box.home`
-says which), or is striped over `stripes=k` hosts so that k hosts serve its traffic (shmcomm/smb_stripes.py). The
-home host's ranks reach it through shared memory, the others through the home's box servers (transport/box_server.py).
+says which), or is striped over `stripes=k` hosts so that k hosts serve its traffic (shmcomm/smb/stripes.py). The
+home host's ranks reach it through shared memory, the others through the home's box servers (smb/server.py).
 `local=True` keeps a box in this host's arena only, seen by this host's ranks, with no network at all.
 
 Boxes live in the job's arena for as long as the job; destroy() gives the name and, once every handle is closed,
@@ -18,11 +18,13 @@ import contextlib
 
 import numpy as np
 
-from shmcomm import dtypes, session, smb_stripes
-from shmcomm.buffers import wrap
-from shmcomm.exceptions import InvalidArgumentError, TimeoutError
-from shmcomm.transport.box import BoxHandle
-from shmcomm.transport.rollcall import name_silent_ranks
+from shmcomm.vocabulary import dtypes
+from shmcomm.startup import session
+from shmcomm.smb import stripes as smb_stripes
+from shmcomm.vocabulary.buffers import wrap
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, TimeoutError
+from shmcomm.smb.storage import BoxHandle
+from shmcomm.smb.rollcall import name_silent_ranks
 
 
 def _count(shape):
@@ -68,7 +70,7 @@ class SoftMemoryBox:
         network = None if local else job_network
         self.name = name
         self._timeout = comm.tuning.timeout_s
-        self._roll_call = getattr(job_network, "roll_call", None)  # across hosts (transport/rollcall.py)
+        self._roll_call = getattr(job_network, "roll_call", None)  # across hosts (smb/rollcall.py)
         count = code = None
         if shape is not None:
             shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
@@ -201,7 +203,7 @@ class SoftMemoryBox:
                               float(beta))
 
     def exchange(self, buf, alpha, offset=0):
-        """Elastic averaging's exchange in one step, atomic against every other writer (shmcomm/averaging.py builds
+        """Elastic averaging's exchange in one step, atomic against every other writer (shmcomm/smb/averaging.py builds
         on it): `buf` (a writable contiguous array of the box's dtype) holds x; with c the box's elements from
         `offset`, d = alpha * (x - c) replaces x in `buf`, and c += d. The caller then does x -= d. One round trip
         to a box on another host (a read and an accumulate would take two). Returns the new version."""

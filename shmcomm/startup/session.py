@@ -5,7 +5,7 @@ The process holds at most one at a time. `generation` counts inits so that init/
 ranks doing the same) meets a fresh segment."""
 import threading
 
-from shmcomm.exceptions import NotInitializedError
+from shmcomm.vocabulary.exceptions import NotInitializedError
 
 _NOT_INITIALIZED = "shmcomm has not been initialized; use shmcomm.init()."
 

@@ -14,9 +14,10 @@ import termios
 import time
 from dataclasses import dataclass
 
-from shmcomm import env, failure_reports
+from shmcomm import env
+from shmcomm.startup import failure_reports
 from shmcomm.env import Topology
-from shmcomm.exceptions import SystemError
+from shmcomm.vocabulary.exceptions import SystemError
 
 
 @dataclass

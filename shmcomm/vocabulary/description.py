@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from shmcomm import dtypes
+from shmcomm.vocabulary import dtypes
 from shmcomm._native import lib
-from shmcomm.ops import ReduceOp
+from shmcomm.vocabulary.ops import ReduceOp
 
 MASK = (1 << 64) - 1
 

@@ -27,7 +27,7 @@ import time
 
 from shmcomm import env
 from shmcomm._native import ffi
-from shmcomm.exceptions import ShmCommError
+from shmcomm.vocabulary.exceptions import ShmCommError
 
 log = logging.getLogger("shmcomm.elastic")
 _CONNECT_TIMEOUT_S = 5.0

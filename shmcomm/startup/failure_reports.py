@@ -13,7 +13,7 @@ import sys
 import traceback
 
 from shmcomm import env
-from shmcomm.exceptions import PeerArgumentError, RankFailure
+from shmcomm.vocabulary.exceptions import PeerArgumentError, RankFailure
 
 
 def save(name, text):
@@ -74,7 +74,7 @@ def _tell_guard(line):
 
 
 def heard(rank, line):
-    """Keeps rank `rank`'s cause as the launcher's notices told it (transport/notices.py), for cause()."""
+    """Keeps rank `rank`'s cause as the launcher's notices told it (startup/notices.py), for cause()."""
     _heard[rank] = line
 
 

@@ -3,7 +3,7 @@
 
 A rank whose wait across hosts times out knows only whom it waited for, which is often a rank that waits in turn for
 the one that stopped (a torus column waits on a rank whose host waits on the stopped one). Before it raises, it asks
-every other rank to answer (check()): it connects to the rank's box server (box_server.py, C threads in every rank of
+every other rank to answer (check()): it connects to the rank's box server (server.py, C threads in every rank of
 a job across hosts) and sends a ping, which the server answers at once, whatever its rank is doing (its threads never
 need the interpreter), unless the process is stopped or frozen, say by SIGSTOP or a debugger (it does not answer), or
 gone (the connection is refused). The silent and the gone are named in the error: they hold the job up. (A rank hung
@@ -21,14 +21,14 @@ import socket
 import sys
 import time
 
-from shmcomm.transport import box_wire as wire
+from shmcomm.smb import wire
 
 _GRACE_S = 1.0  # how long a roll call waits for answers; a server thread answers within milliseconds
 SILENT, GONE = "does not answer", "is gone"
 
 
 class RollCall:
-    """`network`: the job's box_client.BoxNetwork (where every rank's box server listens); `rank`: this one's."""
+    """`network`: the job's client.BoxNetwork (where every rank's box server listens); `rank`: this one's."""
 
     def __init__(self, network, rank):
         self.rank = rank

@@ -2,7 +2,7 @@
 """Where a job-wide Soft Memory Box lives, and boxes striped over several hosts (SMB2's several memory servers).
 
 A box has a home host; on it, the box is in the arena, and the host's ranks reach it through shared memory
-(transport/box.py) while the other hosts' ranks reach it through the home's box servers (transport/box_client.py).
+(smb/storage.py) while the other hosts' ranks reach it through the home's box servers (smb/client.py).
 A box of `stripes=k` is k boxes, `name@0` .. `name@{k-1}`, of about count/k elements each, stripe j on host
 (home + j) % hosts, described by a small box `name@stripes` at home holding [count, dtype, k]. Its version and its
 lock are the description's: every write and accumulate bumps the description once its stripes are done, and
@@ -12,12 +12,12 @@ import zlib
 
 import numpy as np
 
-from shmcomm import dtypes
+from shmcomm.vocabulary import dtypes
 from shmcomm._native import ffi
-from shmcomm.exceptions import BoxExistsError, InvalidArgumentError
+from shmcomm.vocabulary.exceptions import BoxExistsError, InvalidArgumentError
 from shmcomm.transport import kernels
-from shmcomm.transport.box import STRIPED_SUFFIX, BoxHandle, find_box, stripe_name
-from shmcomm.transport.box_client import RemoteBoxHandle
+from shmcomm.smb.storage import STRIPED_SUFFIX, BoxHandle, find_box, stripe_name
+from shmcomm.smb.client import RemoteBoxHandle
 
 
 # Below this many bytes of a striped operation on this host's own stripes, they are done before the home stripe's

@@ -7,7 +7,7 @@
   is exercised without several hosts;
 - several hosts (launched by mpiexec, shmcommrun -H, srun): each host's shared memory for the rows, MPI for the
   columns and for the collectives that are not allreduce;
-- an elastic world that spans hosts (membership.py): each host's shared memory under a TCP mesh between all the
+- an elastic world that spans hosts (startup/membership.py): each host's shared memory under a TCP mesh between all the
   ranks (transport/tcp.py), formed anew at every membership; MPI cannot lose or gain a process.
 
 In an elastic job every shared-memory init watches membership's abandon word: a world that a newer membership
@@ -15,11 +15,12 @@ replaces while it forms is given up at once (AbandonedError), not waited for unt
 import threading
 import time
 
-from shmcomm import env, failure_reports, membership, topology
+from shmcomm import env
+from shmcomm.startup import failure_reports, membership, topology
 from shmcomm.algorithms.host import HostComm
-from shmcomm.exceptions import RankFailure, TimeoutError
-from shmcomm.transport.notices import LauncherNotices
-from shmcomm.transport.rollcall import exit_without_finalize
+from shmcomm.vocabulary.exceptions import RankFailure, TimeoutError
+from shmcomm.startup.notices import LauncherNotices
+from shmcomm.smb.rollcall import exit_without_finalize
 from shmcomm.transport.shm import SharedMemory
 
 
@@ -142,7 +143,7 @@ def _world_across_hosts(topo, ctx, tuning, shm, paths):
     from shmcomm.algorithms.torus2d import MpiColumn, Torus
     from shmcomm.algorithms.world import WorldComm
     from shmcomm.transport.mpi import Mpi
-    from shmcomm.transport.rollcall import RollCall
+    from shmcomm.smb.rollcall import RollCall
 
     # The column gives up a little before the host's own waits do, so that the rest of the host hears why.
     column = Mpi(ctx.cross, 0.8 * tuning.timeout_s, "torus column") if ctx.homogeneous else None
@@ -208,12 +209,12 @@ def _held_up(what, waited_s, notices):
 
 
 def _box_network(ctx, topo, tuning, shm):
-    """Every rank serves its host's boxes to the other hosts (transport/box_server.py); where each server listens is
+    """Every rank serves its host's boxes to the other hosts (smb/server.py); where each server listens is
     exchanged here, once, over MPI."""
     import socket
 
-    from shmcomm.transport.box_client import BoxNetwork
-    from shmcomm.transport.box_server import BoxServer
+    from shmcomm.smb.client import BoxNetwork
+    from shmcomm.smb.server import BoxServer
 
     server = BoxServer(shm, tuning.timeout_s)
     try:

@@ -9,9 +9,9 @@ import zlib
 
 import numpy as np
 
-from shmcomm import dtypes
+from shmcomm.vocabulary import dtypes
 from shmcomm._native import ffi
-from shmcomm.exceptions import InvalidArgumentError
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 
 _EMPTY = ffi.new("char[1]")  # the address of empty tensors
