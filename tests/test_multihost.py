@@ -110,7 +110,7 @@ def test_distributed_optimizer_across_hosts(two_hosts):
 
 SHARED_ACROSS_HOSTS = """
     import numpy as np, shmcomm
-    from shmcomm import session
+    from shmcomm.startup import session
     from shmcomm._native import lib
     shmcomm.init()
     me, n = shmcomm.rank(), shmcomm.size()
