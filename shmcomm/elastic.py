@@ -2,12 +2,10 @@
 """Elastic training, framework-independent (Horovod's horovod.common.elastic): State and the run loop.
 
 The training function runs inside `run_fn`. When a peer dies, a collective raises (RankFailure and the other
-ShmCommErrors of a broken job: Horovod's HorovodInternalError); the loop restores the last commit, leaves the
-world, waits for the launcher's next membership without the dead worker (startup/membership.py), joins it (new segments,
-ranks renumbered, process sets registered again), broadcasts rank 0's state to everyone and calls the function
-again. When workers are added, State.commit() raises HostsUpdatedInterrupt on every rank at once; the loop re-forms
-the world the same way, and the newcomers receive the state. Every wait has a deadline: the collectives' own, and
-SHMCOMM_ELASTIC_TIMEOUT for a membership."""
+ShmCommErrors of a broken job: Horovod's HorovodInternalError); the loop restores the last commit, re-forms the world
+without the dead worker (startup/membership.py), broadcasts rank 0's state to everyone and calls the function again.
+When workers are added, State.commit() raises HostsUpdatedInterrupt on every rank at once and the world is re-formed
+the same way. Every wait has a deadline: the collectives' own, and SHMCOMM_ELASTIC_TIMEOUT for a membership."""
 import copy
 import functools
 import logging
@@ -96,7 +94,9 @@ class ObjectState(State):
 
 
 def run_fn(func, reset):
-    """Horovod's elastic loop around `func(state, *args, **kwargs)`; `reset()` leaves the world and joins the next."""
+    """Horovod's elastic loop around `func(state, *args, **kwargs)`; `reset()` leaves the world and joins the next
+    membership (new segments, ranks renumbered, process sets registered again). Newcomers receive the state from the
+    sync that follows."""
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         skip_sync = False

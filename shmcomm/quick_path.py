@@ -1,18 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where the public blocking collectives may go at once: the world's shared memory, while the world is the ranks of
-one host (no other hosts, no logical grid) and no engine runs.
+one host (no other hosts, no logical grid) and no engine runs; across hosts, a small allreduce's single C call.
 
-A small collective's step in the core takes under a microsecond; every Python frame between the public call and the
-core is a share of the call. So `world` keeps what those calls need (the host communicator, its core handle's
-address, its size and this rank's index, the addresses of its count arrays), kept in step with the session by its
-change listener (init, shutdown, the engine's start and stop), and collectives.py's functions test one attribute
-instead of asking the session and the engine on every call.
-`world.address` is 0 whenever the short way is closed.
-
-Across hosts, `world.crossing` is the address of the world's smc_crossing_call_t instead (WorldComm.quick_call): a
-small allreduce takes the torus's small path (the row's step, the agreement's compiled rounds, the row's broadcast) in
-one C call (csrc/py/quick_crossing.c), and `world.comm` goes on as the full path would where that call stopped. 0 when
-closed: no compiled rounds, an engine running, or debug logging on (the full path logs each call's choice)."""
+Every Python frame between the public call and the core is a share of a small collective's time. So `world` keeps
+what those calls need, kept in step with the session by its change listener (init, shutdown, the engine's start and
+stop), and collectives.py's functions test one attribute instead of asking the session and the engine on every call."""
 import logging
 
 from shmcomm import engine
@@ -26,6 +18,12 @@ allreduce_call, broadcast_call, allgather_call, alltoall_call, reducescatter_cal
 
 
 class World:
+    """What the quick calls need. On one host: the host communicator, its core handle's address, its size and this
+    rank's index, the addresses of its count arrays; `address` is 0 whenever that short way is closed. Across hosts,
+    `crossing` is the address of the world's smc_crossing_call_t instead (WorldComm.quick_call): a small allreduce
+    takes the torus's small path (the row's step, the agreement's compiled rounds, the row's broadcast) in one C call
+    (csrc/py/quick_crossing.c), and `comm` goes on as the full path would where that call stopped. `crossing` is 0
+    when closed: no compiled rounds, an engine running, or debug logging on (the full path logs each call's choice)."""
     __slots__ = ("comm", "address", "crossing", "size", "rank", "every", "sends", "matrix", "counts")
 
     def __init__(self):

@@ -1,18 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Arrays in memory that every rank of the host maps, as MPI_Win_allocate_shared and ncclMemAlloc give theirs:
+`grads = shmcomm.shared_empty(n, np.float32)` on every rank, then `shmcomm.allreduce_(grads, op=shmcomm.Average)`.
 
-    grads = shmcomm.shared_empty(n, np.float32)   # every rank, with the same shape and dtype
-    grads[:] = ...
-    shmcomm.allreduce_(grads, op=shmcomm.Average)
-
-An in-place allreduce of such an array (or of a slice of it, at any offset on each rank) reads and writes the peers'
-arrays directly: each rank reduces its share of every rank's array and writes the result into all of them, with no
-copy into the staging slots and no kernel copy (csrc/coll/window.c); at 4 MiB on 2 ranks a third of the time of an
-ordinary array. A reduce-scatter of such arrays reduces each rank's share straight out of every rank's; an allgather
-into such arrays copies each rank's input straight into every rank's output, a broadcast of such arrays copies the
-root's straight into the others', and an alltoall reads each part of such an input straight out of its sender's (all
-with plain copies where ordinary arrays pass through the kernel). The engine's fusion buffer is one such buffer, so
-DistributedOptimizer's fused allreduces take that path by themselves."""
+Collectives on such arrays read and write the peers' memory directly, with plain copies instead of the staging slots
+and the kernel's copy (csrc/coll/window.c): an in-place allreduce of the array or of a slice of it (at any offset on
+each rank), a reduce-scatter or a broadcast of them, an allgather into them and an alltoall out of them. The engine's
+fusion buffer is one such buffer, so DistributedOptimizer's fused allreduces take that path by themselves."""
 import math
 import operator
 

@@ -38,9 +38,8 @@ static int outputs_shared(smc_comm_t* c, const smc_window_t* w, uint64_t window,
 /* Single copy by pushing: each rank publishes its output's address in its half (0: it keeps nothing), then copies its
  * own input a cache-sized chunk at a time into its own output and, from the cache, into every peer's output
  * (process_vm_writev); a last synchronisation tells every rank its output is whole. Each input is read from memory
- * once. Reading the peers' inputs instead reads every input twice, once by its owner's own copy and once by the
- * reader's: measured on an AMD EPYC at 2 ranks, 8 MiB 1.85-1.96 ms against 2.42-2.58 ms, 32 MiB 7.0-8.9 ms against
- * 7.9-10.8 ms. A failed write still synchronises, so the peers go on, and is reported by this rank alone. */
+ * once, where reading the peers' inputs instead would read every input twice, once by its owner's own copy and once
+ * by the reader's. A failed write still synchronises, so the peers go on, and is reported by this rank alone. */
 static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out, const uint64_t* displ,
                                 const uint64_t* every_rows, uint64_t row_bytes) {
   const int me = c->rank;
@@ -59,9 +58,7 @@ static smc_result_t single_copy(smc_comm_t* c, const void* sendbuf, uint8_t* out
   /* An output of 16 L2s or more is written by the own copy with
    * streaming stores, which save the read of each destination line, in chunks of a quarter L2 that stay in cache
    * for the writes to the peers. A smaller output stays in the caches: cached stores, and chunks of a whole L2 (fewer
-   * calls into the kernel). Measured against MPICH's allgather in the same job, calls interleaved, 2 ranks on an AMD
-   * EPYC (512 KiB L2): 2 MiB 1.02-1.07x that way against 0.74-0.93x streaming; 4 MiB 0.94x against 0.81-0.94x;
-   * 8 MiB 1.07-1.36x streaming against 1.07-1.08x not; 16 MiB 1.24x against 1.00x. */
+   * calls into the kernel). */
   const int large = total >= 16 * c->cache_bytes;
   uint64_t chunk = large ? c->cache_bytes / 4 : c->cache_bytes;
   chunk = chunk < (16u << 10) ? (16u << 10) : chunk > (2u << 20) ? (2u << 20) : chunk;

@@ -52,8 +52,8 @@ static smc_result_t check_args(smc_comm_t* c, const void* send, const void* recv
 }
 
 /* A single rank's reduction: its own input, scaled. Unscaled it is a copy, which memmove's streaming stores take at
- * copy speed where the kernels' loop first reads every destination line (16 MiB: 1.1 against 1.7 ms); a torus whose
- * hosts run one rank each makes its row step so. */
+ * copy speed where the kernels' loop first reads every destination line; a torus whose hosts run one rank each makes
+ * its row step so. */
 static smc_result_t alone(const void* send, void* recv, size_t count, const plan_t* p) {
   if (count == 0) return SMC_SUCCESS;
   if (p->prescale == 1.0 && p->postscale == 1.0 && p->divisor == 1) {
@@ -77,11 +77,9 @@ static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
  * (process_vm_writev, the piece still in its cache), a piece at a time. Only rank r reads or writes range r of any
  * rank's buffers, in place or not, so the pieces need no synchronisation: the first step's proved every input whole,
  * pull_finish's proves every output written. Against the staging steps, no peer copies a piece into its half for
- * this rank to read out of the other core's cache, and no step waits for the slowest rank (np=2 on a Xeon, in place
- * against Open MPI in the same job: 512 KiB-4 MiB 1.31-2.28x against 0.82-1.23x with a kernel write per piece after
- * staging steps; benchmarks/RESULTS.md, "Allreduce and reduce-scatter pull"). A reduce-scatter pulls the same way
- * (its input and its output apart), reduces into its output and writes nothing into the peers'; its last
- * synchronisation says only that every peer has read this rank's input. */
+ * this rank to read out of the other core's cache, and no step waits for the slowest rank. A reduce-scatter pulls
+ * the same way (its input and its output apart), reduces into its output and writes nothing into the peers'; its
+ * last synchronisation says only that every peer has read this rank's input. */
 static int pulling_agreed(smc_comm_t* c, const plan_t* p, uint64_t* ins, uint64_t* outs) {
   int all = 1;
   for (int j = 0; j < c->size; j++) {
@@ -162,9 +160,8 @@ static void copy_in(smc_comm_t* c, const plan_t* p, size_t k, size_t section, si
  * a time so that the piece is still in cache when it copies it into every peer's buffer. A reduce-scatter of shared
  * inputs reduces range r into rank r's output and copies nothing. Only rank r touches range r of any buffer, so the
  * pieces need no synchronisation; the one that began the call proved every input whole, the one at the end proves
- * every range reduced. Per element that is n reads and n writes, where the staging path also
- * copies every piece into a half and the pulling one passes it through the kernel (4 MiB at 2 ranks on a Xeon:
- * 0.32 ms, against 1.1 ms through the halves). */
+ * every range reduced. Per element that is n reads and n writes, where the staging path also copies every piece into
+ * a half and the pulling one passes it through the kernel. */
 static smc_result_t in_windows(smc_comm_t* c, const plan_t* p, uint8_t* const* bufs, size_t per_piece,
                                const char* what) {
   const void* srcs[SMC_MAX_RANKS];
@@ -214,12 +211,8 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   const int me = c->rank, n = c->size;
   const size_t es = p->esize;
   /* A piece of each range per step, at most piece_bytes: smaller pieces take more synchronisations, but a step's
-   * copies then stay in the L2 (np=2 on an AMD EPYC with 512 KiB L2, pieces of 256 KiB against a half's share of 1
-   * MiB, medians of calls interleaved in one job: 8 MiB 3.1-3.6 ms against 3.8-4.2, 16 MiB 7.2-10.1 against 9.8-10.5,
-   * 2 MiB 0.30-0.32 against 0.31-0.38; the same within 3% while the machine's cross-core transfers were slow. On a
-   * Xeon with 2 MiB of L2, against Open MPI in the same job at 2-16 MiB: 512 KiB pieces 1.20-1.37x, 256 KiB
-   * 1.19-1.36x, 1 MiB 1.16-1.32x. Pulled steps, whose pieces meet the kernel's copies in the L2, 1.44-1.69x with
-   * 256 KiB against 1.30-1.40x with 512 KiB; hence an eighth of the L2 by default, shmcomm/env/tuning.py). */
+   * copies then stay in the L2, where pulled steps' pieces also meet the kernel's copies; hence an eighth of the L2
+   * by default (shmcomm/env/tuning.py, benchmarks/RESULTS.md). */
   size_t section = c->half_bytes / (size_t)n;
   if (c->piece_bytes > 0 && c->piece_bytes < section) section = c->piece_bytes;
   section = section / SMC_CACHE_LINE * SMC_CACHE_LINE;

@@ -56,10 +56,9 @@ static smc_result_t plan_routes(smc_comm_t* c, route_t* routes, uint64_t* widest
  * d's place among the sender's peers (place * cap); after the window's synchronisation every rank copies its chunk
  * out of each peer's half. The own part is copied once, straight. Only bytes bound for a peer pass through a half,
  * one copy in and one out; the windows' number is set by the largest part in the matrix, the same on every rank.
- * (Streaming the whole send buffer through the half instead copied the own part in for nothing and took twice the
- * windows at np=2: on an AMD EPYC, whose kernel copy is 4-5x a memcpy in cache, 4 MiB took 714 us against 310 us
- * by single copy; benchmarks/RESULTS.md, "Alltoall through the halves, part by part".) Window 0 may start `skip`
- * bytes in, after the counts that smc_alltoall_begin sends with it. */
+ * (Streaming the whole send buffer through the half instead copied the own part in for nothing and took more
+ * windows.) Window 0 may start `skip` bytes in,
+ * after the counts that smc_alltoall_begin sends with it. */
 typedef struct {
   uint64_t from; /* where this rank's part for rank d starts in its send buffer */
   uint64_t len;
@@ -277,9 +276,7 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
   if (smc_alltoall_single_copy(c, longest)) { /* reads of parts (comm.h) */
     c->single_copy_calls++;
     /* Into an output of 16 L2s or more, this rank's copies bypass the cache, as allgather's (coll/allgather.c).
-     * Against MPICH's alltoall in the same job, 2 ranks, the own part: 8 and 16 MiB per rank 1.00x and 1.19x that
-     * way against 0.86x and 0.98x through the cache; 2 MiB 0.96x through the cache against 0.84x; 1 and 4 MiB the
-     * same either way. */
+     * A smaller output stays in the caches. */
     const uint64_t to_total = routes[n - 1].to + routes[n - 1].len;
     void (*copy)(void*, const void*, size_t) = to_total >= 16 * c->cache_bytes ? smc_copy_bypassing : smc_copy;
     int mapped = 0;

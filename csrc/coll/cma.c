@@ -56,16 +56,12 @@ static int read_neighbour(smc_comm_t* c, int r) {
 }
 
 /* Whether the kernel's copy behind process_vm_readv costs less than 3.5 memcpys of 128 KiB in cache (best of 8
- * each, reading this process itself: the kernel pins and maps each page as it does a peer's). Measured: 2.1x at 64
- * KiB on one Xeon (about 60 ns a page), and 2.4-2.9x at 128 KiB in a starting rank on another (2.5x in a process of
- * its own), where single copy pays from 16 KiB pieces; 4.7x at 128 KiB on an AMD EPYC (0.4 us a page), where it
- * pays only once the data outgrows the L2 (benchmarks/RESULTS.md). A cut at 3, from 64 KiB, put the second Xeon on
- * either side from one start to the next. */
+ * each, reading this process itself: the kernel pins and maps each page as it does a peer's). Where it is fast,
+ * single copy pays from small pieces; where it is not, only once the data outgrows the L2 (benchmarks/RESULTS.md). */
 static int kernel_copy_is_fast(void) {
   enum { BYTES = 128 << 10, TRIES = 8 };
   /* Both on a page: where malloc puts them varies with the process's history, and a destination a few bytes past its
-   * source slows both copies on some CPUs (core/copy.h), by different amounts. On an AMD EPYC, ranks whose buffers
-   * landed so measured 3.4-3.6x where page-aligned ones measure 4.3-4.7x: the verdict flipped between job starts. */
+   * source slows both copies on some CPUs (core/copy.h), by different amounts, so the verdict would vary by start. */
   uint8_t *from = NULL, *to = NULL;
   if (posix_memalign((void**)&from, PAGE, BYTES) != 0) from = NULL;
   if (posix_memalign((void**)&to, PAGE, BYTES) != 0) to = NULL;
@@ -106,8 +102,8 @@ smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
   int next = (c->rank + 1) % c->size;
   SMC_CHECK(wait_state(c, next, PUBLISHED, timeout_s));
   int can = read_neighbour(c, next);
-  /* One rank at a time times its copies: two ranks timing at once on a 2-core Xeon made the kernel's copy 2.3-3.1x
-   * the user's where alone it is 2.2x, so a job's verdict flipped from one start to the next. */
+  /* One rank at a time times its copies: ranks timing at once share the cores and slow the kernel's copy more than
+   * the user's, so a job's verdict would flip from one start to the next. */
   if (c->rank > 0) SMC_CHECK(wait_state(c, c->rank - 1, CANNOT, timeout_s));
   me->cma_huge = c->huge_bytes > 0; /* published with the verdict */
   smc_post(&me->cma_state, &me->cma_sleepers, !can ? CANNOT : kernel_copy_is_fast() ? CAN_FAST : CAN);
@@ -122,17 +118,10 @@ smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
   c->cma = all;
   c->cma_fast = all && all_fast;
   /* Where the kernel's copy proved slow, two copies through the staging halves beat it until the data outgrows the
-   * L2s. Against Open MPI in the same job, 2 ranks on an AMD EPYC (1 MiB L2, its kernel copy 4.3-5.3x a memcpy in
-   * cache), staged against single copy: allgather of 1-2 MiB 1.33-1.45x against 0.76-0.89x, 4 MiB 0.77-0.93x
-   * against 0.77-0.84x, 6-8 MiB 0.68-1.03x against 0.98-1.79x; alltoall of 1-2 MiB 1.09-1.35x against 0.73-0.87x,
-   * 3-8 MiB 1.04-1.34x against 0.87-1.12x, from 32 MiB 0.73-0.85x against 1.05-1.24x (benchmarks/RESULTS.md). So
-   * allgather inputs move by single copy from two L2s there, and alltoalls from whole inputs of eight; of four where
-   * every rank collapses reused inputs into huge pages (coll/huge_pages.c), whose kernel copy is nearly a memcpy.
-   * Single copy of 4-8 MiB stayed at 0.86-1.15x the faster MPI in every run there, where the staged path ran at
-   * 1.12-1.33x in one and 0.37-0.98x in four (in some jobs its time more than doubles throughout, for a cause not
-   * found); at 2 MiB staged won (1.03-1.55x against 0.91-0.97x) but in those jobs (benchmarks/RESULTS.md).
-   * Not broadcast's: its readers copy from a buffer the root did not just write, and single copy won from 64 KiB
-   * (1.17-1.69x against 0.56-1.47x staged, 64-768 KiB). */
+   * L2s, and single copy is the steadier beyond (benchmarks/RESULTS.md). So allgather inputs move by single copy from
+   * two L2s, and alltoalls from whole inputs of eight; of four where every rank collapses reused inputs into huge
+   * pages (coll/huge_pages.c), whose kernel copy is nearly a memcpy. Not broadcast's: its readers copy from a buffer
+   * the root did not just write. */
   if (c->single_copy_probed && !all_fast) { /* the same on every rank: each read every rank's state */
     c->single_copy_bytes = c->single_copy_bytes > 2 * c->cache_bytes ? c->single_copy_bytes : 2 * c->cache_bytes;
     c->single_copy_whole = all_huge ? 2 : 4;
@@ -162,12 +151,10 @@ static smc_result_t move_direct(smc_comm_t* c, int r, uint8_t* local, uint64_t r
   return SMC_SUCCESS;
 }
 
-/* The kernel's copy is `rep movsb`, with the slow placement core/copy.h describes (measured through process_vm_readv
- * on an AMD EPYC: 1.1-1.9 GB/s with the destination 8 or 16 bytes past the source, 7-9 GB/s otherwise). Such moves
- * go through a cache-sized bounce buffer at the remote buffer's offset in a cache line, and memcpy (streaming
- * stores, for the largest reads: see move) moves each chunk between it and the local buffer while it is in cache.
- * The chunk is a quarter of the L2 (smc_config_t.cache_bytes): the bounce and the lines being written share that
- * cache. */
+/* The kernel's copy is `rep movsb`, with the slow placement core/copy.h describes. Such moves go through a
+ * cache-sized bounce buffer at the remote buffer's offset in a cache line, and memcpy (streaming stores, for the
+ * largest reads: see move) moves each chunk between it and the local buffer while it is in cache. The chunk is a
+ * quarter of the L2 (smc_config_t.cache_bytes): the bounce and the lines being written share that cache. */
 
 static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
                                  int stream, const char* what) {
@@ -205,10 +192,7 @@ static smc_result_t move(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, 
   const void* far = (const void*)(uintptr_t)remote;
   /* A read of 8 L2s or more also goes through the bounce, and on with streaming stores: the kernel's copy stores
    * through the cache, reading every destination line first, a third more memory traffic where the memory is the
-   * limit. Measured on an AMD EPYC (512 KiB L2), np=2: allgather of 32 MiB 15.5-16.2 ms against 16.8-20.0 ms;
-   * alltoall of 8 MiB per rank (4 MiB reads) 1.78-1.95 against 2.11-2.66 ms. Smaller reads stay in the caches,
-   * where the bounce is a copy more: against MPICH's alltoall in the same job, 4 MiB per rank (2 MiB reads) 0.75x
-   * streamed, 1.03-1.10x not. */
+   * limit. Smaller reads stay in the caches, where the bounce is a copy more (benchmarks/RESULTS.md). */
   int stream = !write && bytes >= 8 * c->cache_bytes;
   if (stream || (bytes > 2048 && (write ? smc_short_distance(far, local) : smc_short_distance(local, far))))
     return move_bounced(c, r, local, remote, bytes, write, stream, what);

@@ -2,18 +2,16 @@
 /* Buffers that peers reach by the kernel's copy, on transparent huge pages.
  *
  * process_vm_readv and process_vm_writev pin the remote buffer's pages one at a time; the local side costs nothing
- * of the kind. Measured on an AMD EPYC (a KVM guest) reading this process itself: with the remote range on 4 KiB
- * pages, 4 and 16 MiB moved at 15.7 and 9.4 GB/s, 4.2x and 3.8x a memcpy; with it on 2 MiB pages, at 59 and 31 GB/s,
- * 1.15x and 1.2x a memcpy; the local side's pages changed nothing (benchmarks/RESULTS.md). Whether a user's buffer
- * lies on huge pages is chance: numpy asks for them from 4 MiB, where glibc happens to place the array in a range
- * of its own, torch not at all.
+ * of the kind, so a remote range on 2 MiB pages moves at nearly a memcpy's speed and one on 4 KiB pages far slower
+ * (benchmarks/RESULTS.md). Whether a user's buffer lies on huge pages is chance: numpy asks for them from 4 MiB,
+ * where glibc happens to place the array in a range of its own, torch not at all.
  *
  * So a rank whose buffer its peers are about to reach by the kernel's copy offers it (smc_huge_pages_offer) before it
  * publishes its address: the whole huge pages inside it are collapsed (madvise MADV_COLLAPSE, Linux 6.1) the second
- * time the same range is offered. Collapsing copies the range once (3 ms per 2 MiB page on that machine): a buffer
- * seen once is left as it is, and no range is collapsed twice while it stays in the table. A fresh buffer that comes
- * back at the same place (glibc and torch hand a freed large block out again) pays that copy once, and one that was
- * mapped anew there is then as slow as any, never slower. Only pages wholly inside the buffer change; contents and
+ * time the same range is offered. Collapsing copies the range once: a buffer seen once is left as it is, and no range
+ * is collapsed twice while it stays in the table. A fresh buffer that comes back at the same place (glibc and torch
+ * hand a freed large block out again) pays that copy once, and one that was mapped anew there is then as slow as any,
+ * never slower. Only pages wholly inside the buffer change; contents and
  * addresses stay as they were, but parts of it never touched become resident (a collapse fills every huge page).
  * A failed collapse (a file's pages, a range marked MADV_NOHUGEPAGE, pages pinned for a device) leaves the range
  * as it was. Buffers in shared windows are never offered: every rank maps their pages, and the copies between them

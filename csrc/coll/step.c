@@ -40,8 +40,7 @@ smc_result_t smc_sync(smc_comm_t* c, const char* what) {
     if (r == c->rank) continue;
     peer_ref_t ref = {c, r, what};
     /* Yielding is on when ranks outnumber cores: then the yield loop polls, and spinning first only keeps the core
-     * from the rank that shares it, which is likely the one waited for (4 and 8 ranks on 2 cores: a small allreduce
-     * took 15 and 64 us after spinning 2 us, 9-10 and 28-48 us without). */
+     * from the rank that shares it, which is likely the one waited for. */
     smc_wait_opts_t opts = {c->yield_us > 0 ? 0 : c->spin_us, c->timeout_s, c->liveness_s, check_peer, &ref,
                             c->yield_now_us};
     double waiting_since = c->yield_us > 0 ? smc_now() : 0;

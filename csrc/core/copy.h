@@ -2,13 +2,11 @@
 /* Bulk copies of collective data, between callers' buffers and staging memory.
  *
  * From 2 KiB up to the size where it switches to non-temporal stores, glibc's memcpy uses `rep movsb`, and so does
- * the kernel's copy behind process_vm_readv. On AMD Zen that instruction slows down about 15x (40 GB/s -> 3 GB/s,
- * measured on an EPYC at 4-256 KiB) when the destination lies 1-31 bytes past the source modulo 4 KiB. That is the
- * usual case here, not a corner: staging halves start on a page, and numpy's large arrays start 16 bytes past one
- * (malloc's header), so every copy out of a half into such an array hits it. Intel's cores do not slow down there
- * (a Xeon with AVX-512: memmove of 256 KiB 16 bytes past its source 5.6 us, against 4.7 us at a page's distance, and
- * the kernel's copy alike), and this file's own loop would cost them twice memmove's time (9.1 us): the CPU's vendor,
- * as it reports it, decides. */
+ * the kernel's copy behind process_vm_readv. On AMD Zen that instruction slows down sharply when the destination
+ * lies 1-31 bytes past the source modulo 4 KiB. That is the usual case here, not a corner: staging halves start on a
+ * page, and numpy's large arrays start 16 bytes past one (malloc's header), so every copy out of a half into such an
+ * array hits it. Intel's cores do not slow down there, and this file's own loop would cost them more than memmove:
+ * the CPU's vendor, as it reports it, decides. */
 #ifndef SMC_CORE_COPY_H_
 #define SMC_CORE_COPY_H_
 
@@ -18,7 +16,7 @@
 enum { SMC_PAGE_BYTES = 4096 };
 
 /* Whether dst is a few bytes past src within a page's span, on a CPU whose `rep movsb` handles that placement slowly
- * (AMD's). (A margin up to a cache line: 48 bytes measured 20% slow.) */
+ * (AMD's). (A margin up to a cache line: a little past 31 bytes is still slow.) */
 static inline int smc_short_distance(const void* dst, const void* src) {
   uintptr_t d = ((uintptr_t)dst - (uintptr_t)src) & (SMC_PAGE_BYTES - 1);
 #if defined(SMC_SLOW_SHORT_MOVES) /* set by tests/test_c_core.py, so that the loop is tested on every CPU */

@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The box server: serves this host's Soft Memory Boxes to the ranks of the other hosts, in C threads that never need
- * the Python interpreter. A rank computing in Python holds the interpreter lock for up to its switch interval
- * (5 ms) at a time; a server thread written in Python needs that lock several times per request, so a remote
- * exchange with a busy home rank took 20 ms instead of 0.07 ms (benchmarks/RESULTS.md). These threads only sleep in
- * the kernel on their sockets and in the box's own waits.
+ * the Python interpreter. A rank computing in Python holds the interpreter lock for up to its switch interval at a
+ * time; a server thread written in Python needs that lock several times per request, so a remote exchange with a
+ * busy home rank would wait on it (benchmarks/RESULTS.md). These threads only sleep in the kernel on their sockets
+ * and in the box's own waits.
  *
  * Here: one thread accepts, and each connection gets a thread of its own, which serves its requests
  * (net/box_session.c: one request, one reply, in the messages of net/wire.c and shmcomm/smb/wire.py) and

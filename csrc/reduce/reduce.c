@@ -187,7 +187,7 @@ DEFINE_CONVERSIONS(f16, smc_half_to_float, smc_float_to_half)
 DEFINE_CONVERSIONS(bf16, smc_bf16_to_float, smc_float_to_bf16)
 
 #ifdef SMC_X86_DISPATCH
-/* 8 halves per instruction, about 3x the bit manipulation. Rounding is set in the instruction (nearest even), not
+/* 8 halves per instruction, faster than the bit manipulation. Rounding is set in the instruction (nearest even), not
  * taken from MXCSR; NaNs come out quiet with the top payload bits, as in half.h. */
 __attribute__((target("avx,f16c"))) static void f16c_to_float(float* restrict out, const uint16_t* restrict in,
                                                               size_t n) {

@@ -2,27 +2,9 @@
 """Adasum (Maleki et al., "Scaling Distributed Training with Adaptive Summation", arXiv:2006.02924), Horovod's
 `op=Adasum`, on the CPU.
 
-Two gradients a and b combine as
-
-    adasum(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
-
-(a coefficient stays 1 where a norm is below 1e-8), tensor by tensor: each tensor of a fused buffer (each layer) has
-its own coefficients. N = 2^k ranks combine in a binary tree, rank r with r ^ 1, then pairs with pairs, and so on.
-
-The tree runs as Horovod's recursive vector-halving, distance-doubling: at distance d, rank r and its partner r ^ d
-hold the same segment; the left one (bit d clear) keeps its first half and receives the partner's copy of it, the
-right one keeps the second half. Each then holds a piece of a (the left subtree's vector) and of b (the right
-subtree's), computes the partial dot products of each tensor on it, and the 2d ranks that together hold the whole
-vectors sum those partials; everyone scales its piece with the same coefficients. After the last level every rank
-holds 1/N of the result; the exchanges run backwards to give everyone all of it. Traffic per rank: 2(N-1)/N of the
-buffer, like a ring, in 2 log2(N) steps.
-
-Stages make it hierarchical: across hosts, the levels inside a host run over its shared memory, the levels between
-hosts over the column of ranks with the same place on their hosts (MPI), each rank carrying only its 1/local_size
-slice across the network. With ranks numbered host by host this is the same tree as the flat one.
-
-Sums of dot products are exchanged as float64 and added in rank order, so every rank of a group scales alike. 16-bit
-floats are combined in float32 and rounded once at the end, as everywhere in shmcomm."""
+Two gradients a and b combine as (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b, tensor by tensor, in a binary
+tree over N = 2^k ranks (allreduce() says how). Stages make it hierarchical: the levels inside a host run over its
+shared memory, those between hosts over MPI, each rank carrying only its 1/local_size slice across the network."""
 import numpy as np
 
 from shmcomm.vocabulary import dtypes
@@ -122,7 +104,16 @@ def check(code, size, what, stage_sizes):
 
 def allreduce(stages, src, dst, code, sizes, prescale, postscale):
     """Adasum of the uint8 buffers `src` (this rank's) into `dst` (may be the same memory) over `stages`; `sizes`:
-    the element count of each tensor packed in the buffer, each combined with coefficients of its own."""
+    the element count of each tensor packed in the buffer, each combined with coefficients of its own (a coefficient
+    stays 1 where a norm is below 1e-8).
+
+    Horovod's recursive vector-halving, distance-doubling: at distance d, rank r and its partner r ^ d hold the same
+    segment; the left one (bit d clear) keeps its first half, the right one the second. Each computes the partial dot
+    products of each tensor on its piece, the 2d ranks that hold the whole vectors sum them, and all scale alike; the
+    exchanges then run backwards to give every rank all of the result. Traffic per rank is a ring's, in 2 log2(N)
+    steps. With ranks numbered host by host, the stages make the same tree as a flat run. Sums of dot products are
+    exchanged as float64 and added in rank order, so every rank of a group scales alike; 16-bit floats are combined
+    in float32 and rounded once at the end."""
     if code in kernels.HALF:
         work = kernels.widened(src, code)
     else:

@@ -3,24 +3,10 @@
 same arguments and whether one of them failed.
 
 MPI neither checks arguments nor times out: ranks that pass different counts to one allreduce corrupt each other's
-data or wait forever. So a cross-host collective starts with an exchange of 32-byte headers by recursive doubling
-(log2(N) rounds; when N is not a power of two, the first 2(N - 2^k) ranks fold in pairs first and the result is
-sent back to them last). A header holds a signature (a hash of what must agree: collective, dtype, shape, op,
-scale factors), a status (OK, MISMATCH or FAILED) and the lowest failed rank. Combining two headers is commutative
-and associative, so every rank ends with the same verdict, whatever the order of the rounds.
-
-A small allreduce rides in the same messages (`allreduce`): its data follows the header and each round also reduces
-the partner's data, so the check costs no extra message where latency matters. From HALVING_BYTES among 4 or more
-ranks (after the fold) the rounds halve instead: each carries the header and the half of the data the partner goes
-on reducing, so that after log2(p) rounds every rank holds the verdict and 1/p of the sum, and where the verdict is
-OK the shares are gathered back by doubling, without headers. Each rank then sends 2(p - 1)/p of the data and reduces
-(p - 1)/p of it, against log2(p) times the whole by doubling, for twice the rounds: worth it where a round's latency
-is below the time the extra bytes take (about 64 KiB at 20 us and 1 GB/s). Measured across simulated hosts of one
-rank (benchmarks.multihost, benchmarks/RESULTS.md): 8 hosts, 64-256 KiB in 0.39-1.17 ms against 0.82-1.74 ms.
-
-Every wait has a deadline (SHMCOMM_TIMEOUT), kept by the MPI transport (transport/deadline.py). Over MPI the rounds
-run in C where that module can be built (transport/crossing.py): the same rules, the same deadline, without a Python
-layer between MPI's calls."""
+data or wait forever. So a cross-host collective starts with an exchange of small headers (Agreement), and a small
+allreduce rides in the same messages, so that the check costs no extra message where latency matters. Every wait has
+a deadline (SHMCOMM_TIMEOUT, kept by transport/deadline.py); over MPI the rounds run in C where transport/crossing.py
+can be built: the same rules, the same deadline, without a Python layer between MPI's calls."""
 import numpy as np
 
 from shmcomm.vocabulary import description
@@ -90,7 +76,16 @@ def failure_text(what, culprit):
 class Agreement:
     """Recursive-doubling agreement (and small allreduce) over an MPI transport (transport.mpi.Mpi). Owns its message
     buffers: a small allreduce's data is placed in message(nbytes) by the caller, and the result is left there.
-    Ops are the core's (ops.C_OP)."""
+    Ops are the core's (ops.C_OP).
+
+    A header holds a signature (a hash of what must agree: collective, dtype, shape, op, scale factors), a status and
+    the lowest failed rank. Combining two headers is commutative and associative, so every rank ends with the same
+    verdict whatever the order of the rounds: log2(N) of them, after the first 2(N - 2^k) ranks fold in pairs when N
+    is not a power of two (they get the result back last). An allreduce's data follows the header and each round
+    also reduces the partner's. From HALVING_BYTES among 4 or more ranks (after the fold) the rounds halve instead:
+    each carries the header and the half of the data the partner goes on reducing, and where the verdict is OK the
+    shares are gathered back by doubling, without headers. That sends 2(p - 1)/p of the data instead of log2(p) times
+    all of it, for twice the rounds: worth it once the extra bytes cost more than a round's latency."""
 
     def __init__(self, transport, capacity=0):
         self.transport = transport

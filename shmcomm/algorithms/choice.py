@@ -3,11 +3,8 @@
 
 SHMCOMM_ALLREDUCE_ALGO picks it (env.ALGORITHMS). `auto` takes the 2D torus when every host runs the same number of
 ranks, and MPI's own allreduce for hosts of unequal sizes and, across hosts, below SHMCOMM_TORUS_MIN_BYTES (0). The
-torus's small-message path is a single exchange across hosts, made by one rank per host while the others sleep,
-which carries the cross-host agreement too; MPI's allreduce needs that agreement as an exchange of its own first.
-On 2 simulated hosts the torus is on par with MPI's own allreduce at 4 KiB and ahead from 8 KiB; MPI is ahead at
-2 KiB, and at 4 KiB with 3 hosts on 2 cores (benchmarks/RESULTS.md).
-
+torus's small-message path is a single exchange across hosts that carries the cross-host agreement too, where MPI's
+allreduce needs that agreement as an exchange of its own first (benchmarks/RESULTS.md compares the two).
 With SHMCOMM_LOG_LEVEL=debug every choice is logged ("allreduce of N bytes: <algorithm>"), which is how tests see
 the path taken."""
 import logging

@@ -2,17 +2,9 @@
 """Allreduce on NCCL communicators: one call on the world communicator, or the 2D torus of torus2d.py on device
 memory, with rows and columns split from the world communicator.
 
-The torus on NCCL (Mikami et al.'s record run did its allreduce this way): rows are X consecutive ranks (one host's,
-across hosts), columns the ranks with the same place in their row. On one stream, in this order on every rank:
-  1. ncclReduceScatter over the row: rank (x, y) gets the row's reduction of slice x;
-  2. ncclAllReduce over the column, on that slice only;
-  3. ncclAllGather over the row: every rank gets every finished slice.
-NCCL's reduce-scatter wants equal slices, so the buffer is padded to a multiple of X (the caller pads with zeros and
-passes the padded count). Average is Sum here: the caller divides once at the end, since ncclAvg in each step would
-divide by the row's and the column's sizes, not the world's.
-
-`layout` decides, from the path settings (SHMCOMM_ALLREDUCE_ALGO, SHMCOMM_TORUS_GRID) and where the ranks live,
-whether the torus applies; it is plain data, tested without a GPU."""
+Rows are X consecutive ranks (one host's, across hosts), columns the ranks with the same place in their row; the
+steps are torus_allreduce()'s. `layout` decides, from the path settings (SHMCOMM_ALLREDUCE_ALGO, SHMCOMM_TORUS_GRID)
+and where the ranks live, whether the torus applies; it is plain data, tested without a GPU."""
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 
@@ -56,8 +48,13 @@ def padded_count(count, x):
 
 
 def torus_allreduce(row, column, padded, piece, count, dtype, op, stream):
-    """Steps 1-3 on `stream`. `padded`: device pointer to `count` elements (a multiple of row.size), reduced in
-    place; `piece`: device pointer to count / row.size elements of scratch. `op`: sum, product, min or max."""
+    """The torus on `stream`, in this order on every rank: 1. ncclReduceScatter over the row (rank (x, y) gets the
+    row's reduction of slice x); 2. ncclAllReduce over the column, on that slice only; 3. ncclAllGather over the row.
+
+    `padded`: device pointer to `count` elements, reduced in place; NCCL's reduce-scatter wants equal slices, so the
+    caller pads with zeros to a multiple of row.size (padded_count). `piece`: device pointer to count / row.size
+    elements of scratch. `op`: sum, product, min or max; for an average pass sum and divide once at the end, since
+    ncclAvg in each step would divide by the row's and the column's sizes, not the world's."""
     share = count // row.size
     row.reducescatter(padded, piece, share, dtype, op, stream)
     column.allreduce(piece, piece, share, dtype, op, stream)

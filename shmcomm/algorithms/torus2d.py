@@ -2,18 +2,10 @@
 """Hierarchical 2D-torus allreduce (Mikami et al., Sony, arXiv:1811.05233).
 
 The ranks form an X-by-Y grid: a row is X ranks of one host, a column the ranks with the same place in their row.
-  1. reduce-scatter along the row: rank (x, y) ends with the row's sum of slice x (1/X of the buffer), over
-     shared memory;
-  2. allreduce along the column, on that slice only: all X ranks of a host drive the network at once, each with
-     M/X bytes, instead of one rank with all M;
-  3. all-gather along the row: every rank copies the finished slices out, over shared memory again.
-It moves the bytes a ring moves, in 2(X-1) + 2(Y-1) steps instead of 2(XY-1). Scale factors are applied once: the
-prescale in step 1, the postscale and the average's divisor on the slice in step 2. Counts that do not divide by X
-give the first (count % X) ranks of a row one element more.
-
-Before anything crosses hosts, the columns agree (agreement.py): each rank brings its signature and its row's
-verdict, so that a disagreement anywhere, also one confined to a host or one that sends hosts down different paths,
-fails the call on every rank instead of leaving some waiting in MPI."""
+Rows reduce-scatter and all-gather over shared memory and columns allreduce a slice across hosts, so all X ranks of a
+host drive the network at once, each with 1/X of the bytes. It moves the bytes a ring moves, in 2(X-1) + 2(Y-1)
+steps instead of 2(XY-1). Before anything crosses hosts the columns agree (agreement.py), so that a disagreement
+anywhere fails the call on every rank instead of leaving some waiting in MPI."""
 import logging
 
 import numpy as np
@@ -30,9 +22,17 @@ from shmcomm.transport import kernels
 log = logging.getLogger("shmcomm.algorithms")
 
 class Torus:
-    """Steps 1-3 over a row (a shared-memory transport) and a column (agreement.Agreement over an MPI transport, or
+    """The torus over a row (a shared-memory transport) and a column (agreement.Agreement over an MPI transport, or
     agreement.ShmAgreement over a shared-memory one) that also runs the slices' allreduce (`column.allreduce_slice`).
     Ops are the core's (ops.C_OP).
+
+    1. reduce-scatter along the row: rank (x, y) ends with the row's sum of slice x (1/X of the buffer);
+    2. allreduce along the column, on that slice only;
+    3. all-gather along the row: every rank copies the finished slices out.
+    Scale factors are applied once: the prescale in step 1, the postscale and the average's divisor on the slice in
+    step 2. Counts that do not divide by X give the first (count % X) ranks of a row one element more. In the
+    columns' agreement each rank brings its signature and its row's verdict, so that a disagreement confined to a host,
+    or one that sends hosts down different paths, is seen too.
 
     Up to `small_bytes` the cost is latency, not bandwidth: the row then allreduces the whole buffer in one
     shared-memory step, the first column (one rank per host) allreduces all of it inside its agreement, and the row

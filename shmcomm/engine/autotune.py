@@ -1,19 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The autotuner (HOROVOD_AUTOTUNE, `shmcommrun --autotune`): while the job trains, it searches the engine's fusion
 threshold, cycle time and bucket size, and across hosts the allreduce algorithm, for the most bytes reduced per
-second.
-
-A sample is `steps_per_sample` training steps: from the start of one tensor's allreduce to the start of its
-allreduce that many steps later, so it spans whole steps, compute included. Its score is the bytes allreduced in
-that time per second. The first `warmup_samples` are discarded. Then the search: the settings the job started with,
-then a Bayesian optimisation (bayes.py) of the free settings on a log scale, then, across hosts, each other
-algorithm once with the best settings found, and last the best against the starting settings in five back-to-back
-pairs: it replaces them only if it wins four of the pairs and the median. Settings the user set are held constant.
-
-The prior (HOROVOD_AUTOTUNE_PRIOR / SHMCOMM_AUTOTUNE_PRIOR): `model` fits shmcomm.sim's alpha-beta model to a probe
-of a few allreduces timed on this machine, predicts each setting's step time from the step's tensor sizes, and lets
-the Gaussian process learn only where the measurements differ from it; `none` starts from a constant and three
-spread-out settings, as Horovod does.
+second; settings the user set are held constant.
 
 Only rank 0 measures and decides; its decision travels in the engine's next negotiation message, so every rank
 applies it in the same cycle, before that cycle's plan (fusion groups must be identical everywhere). It writes the
@@ -62,7 +50,18 @@ def flags_text(settings):
 class Autotuner:
     """`start`: the engine's settings {fusion, cycle, bucket, algorithm}; `algorithms`: those the world communicator
     can switch to (empty on one host); `model`: (probe timings, step sizes, step seconds, settings) -> a
-    shmcomm.sim.step.StepModel, or None."""
+    shmcomm.sim.step.StepModel, or None.
+
+    A sample is `steps_per_sample` training steps: from the start of one tensor's allreduce to the start of its
+    allreduce that many steps later, so it spans whole steps, compute included; its score is the bytes allreduced per
+    second in that time. The first `warmup_samples` are discarded. Then the search: the starting settings, a Bayesian
+    optimisation (bayes.py) of the free settings on a log scale, across hosts each other algorithm once with the best
+    settings found, and last the best against the starting settings in five back-to-back pairs: it replaces them
+    only if it wins four of the pairs and the median.
+
+    The prior (HOROVOD_AUTOTUNE_PRIOR / SHMCOMM_AUTOTUNE_PRIOR): `model` fits shmcomm.sim's alpha-beta model to a
+    probe of a few allreduces timed on this machine and lets the Gaussian process learn only where the measurements
+    differ from its predictions; `none` starts from a constant and three spread-out settings, as Horovod does."""
 
     def __init__(self, rank, settings, start, algorithms, model=None, clock=time.monotonic):
         self.root = rank == 0

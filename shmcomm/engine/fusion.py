@@ -4,10 +4,8 @@
 Agreed allreduce responses with the same process set, dtype, op and scale factors are packed, in response order, into
 one buffer of at most the fusion threshold, reduced once, and unpacked. Grouping looks only at the responses, which
 are identical on every rank, so every rank forms the same groups. A rank that has joined packs zeros in place of the
-tensor it does not have.
-
-CUDA tensors (their dtype keys are dtypes.DEVICE_KEY apart, so they never share a group with CPU tensors) are fused
-on their device by their communicator (algorithms/device.py, DeviceComm.run_fused), not in the host buffer here."""
+tensor it does not have. CUDA tensors (their dtype keys are dtypes.DEVICE_KEY apart, so they never share a group
+with CPU tensors) are fused on their device by their communicator (algorithms/device.py, DeviceComm.run_fused)."""
 import math
 import weakref
 

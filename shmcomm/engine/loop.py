@@ -271,10 +271,9 @@ class Engine:
     def _waits(self, caller_waits, spin_us):
         """(spin, yield) in us for this cycle's waits: poll for at most spin_us, then sleep, to leave the core to the
         training thread. While a caller of this rank waits for a result, its thread computes nothing, and a sleep
-        that ends in a wake-up took 0.1-0.6 ms here, several times per fused allreduce: the waits then yield the core
-        first, so that they catch the peer at once and still let a thread that shares the core run (polling instead
-        starved those; benchmarks/RESULTS.md, "The engine's waits while a caller waits"). A peer's caller that waits
-        is no reason: this rank's may still be computing."""
+        that ends in a wake-up costs a scheduler round trip, several times per fused allreduce: the waits then yield
+        the core first, so that they catch the peer at once and still let a thread that shares the core run (polling
+        instead starved those). A peer's caller that waits is no reason: this rank's may still be computing."""
         spin, yield_us = min(self.comm.tuning.spin_us, spin_us), self.comm.tuning.yield_us
         return (spin, max(yield_us, _CALLER_WAITS_YIELD_US)) if caller_waits else (spin, yield_us)
 

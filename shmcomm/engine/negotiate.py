@@ -4,12 +4,8 @@
 Each cycle every rank publishes what it has pending (allgather), and every rank then computes the same verdict from
 the same data: which requests every member of their process set has submitted, in one order (first appearance,
 scanning rank 0 up), and which of those disagree. A request that disagrees fails on every rank with a message naming
-the ranks and what differed; the others run.
-
-A request travels as (name, signature) the first time; once agreed it gets a cache id, identical on every rank
-because every rank assigns ids in the same order, and later cycles send only the id. Steady-state training, the same
-tensors every step, then costs a few integers per tensor per cycle. When every rank sends the very same message of
-cached ids, nothing is left to judge: the verdict for that message is remembered (a Plan) and reused as it is."""
+the ranks and what differed; the others run. Requests agreed once travel as cache ids afterwards (Negotiator), so
+steady-state training costs a few integers per tensor per cycle."""
 import pickle
 from typing import NamedTuple
 
@@ -75,6 +71,10 @@ class Plan:
 
 
 class Negotiator:
+    """A request travels as (name, signature) the first time; once agreed it gets a cache id, identical on every rank
+    because every rank assigns ids in the same order, and later cycles send only the id. When every rank sends the
+    very same message of cached ids, nothing is left to judge: the verdict for that message is remembered (a Plan)
+    and reused as it is."""
     MAX_PLANS = 64  # distinct steady states remembered (a training loop has one or a few)
 
     def __init__(self, comm, cache_capacity):

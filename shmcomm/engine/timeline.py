@@ -3,12 +3,8 @@
 
 Each tensor is a trace "process" named after it; its phases are begin/end events: NEGOTIATE_<OP> from submission to
 agreement, then the op itself with MEMCPY_IN_FUSION_BUFFER, ALLREDUCE and MEMCPY_OUT_FUSION_BUFFER when fused.
-With mark_cycles, every engine cycle is an instant CYCLE_START event.
-
-The file is readable while the job runs, as Horovod's is: the trace format allows an array that is not closed yet.
-The end of each phase is flushed at once, so that a finished collective is in the file when its caller returns (one
-write per phase, from the engine's thread); cycle marks alone wait for the engine's next cycle after _FLUSH_S, so that
-a busy engine does not write once per cycle. stop() leaves a closed array, synced to the disk."""
+With mark_cycles, every engine cycle is an instant CYCLE_START event. The file is readable while the job runs, as
+Horovod's is: the trace format allows an array that is not closed yet."""
 import json
 import os
 import threading
@@ -18,6 +14,11 @@ _FLUSH_S = 0.05  # cycle marks reach the file at most this long after they happe
 
 
 class Timeline:
+    """One rank's trace file. The end of each phase is flushed at once, so that a finished collective is in the file
+    when its caller returns (one write per phase, from the engine's thread); cycle marks alone wait for the engine's
+    next cycle after _FLUSH_S, so that a busy engine does not write once per cycle. stop() leaves a closed array,
+    synced to the disk."""
+
     def __init__(self, rank):
         self.rank = rank
         self._file = None

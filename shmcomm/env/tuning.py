@@ -42,21 +42,18 @@ def tuning(local_size):
     # With more ranks than cores, a spinning waiter steals the core its peer needs: sleep almost at once.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # With a core each, polling for up to a millisecond rides out the scheduling hiccups of a shared machine, which
-    # otherwise turn a 70 us allreduce into a futex wake-up chain ten times slower.
+    # would otherwise turn a small allreduce into a chain of futex wake-ups.
     default_spin_us = 1000 if local_size <= cores else 2
     # More ranks than cores: a waiter yields its core to the ranks queued on it before sleeping, for about a
-    # scheduler slice per rank sharing a core (measured at 4 and 8 ranks on 2 cores: 1-3 ms beat shorter yields, and
-    # small messages took 10-40% less time than sleeping at once; see csrc/shm/wait.c).
+    # scheduler slice per rank sharing a core, so that the peer it waits for runs first; for small messages that
+    # beats both shorter yields and sleeping at once (csrc/shm/wait.c; figures in benchmarks/RESULTS.md).
     default_yield_us = 0 if local_size <= cores else 1000 * -(-local_size // cores)
     l2_bytes = machine.cache_bytes(2) or (1 << 20)
     # Single copy costs a system call per peer and saves a copy: it pays from pieces of about 16 KiB, where one copy
     # in cache takes as long as the call, and with more ranks than cores from pieces as many times larger as ranks
-    # share a core (each call may wait for the core). Against MPICH in the same job on a Xeon with 2 MiB L2: np=2,
-    # broadcast of 128 KiB-1 MiB 1.5-3.1x, allgather of 256 KiB-1 MiB 1.6-2.2x, against 0.41-0.60x and 0.98-1.02x
-    # through the staging halves; np=4 on 2 cores, alltoall of 512 KiB 1.11x against 0.68x, allgather of 512 KiB-2 MiB
-    # 1.5-1.8x against 1.1-1.4x; np=8, alltoall of 32 KiB (4 KiB pieces) 1.84x staged against 1.09x. That needs a
-    # kernel that pins pages fast; where its copy proves slow at init (an AMD EPYC: 0.4 us a page against 60 ns),
-    # the core raises the pieces' default to two L2s (csrc/coll/cma.c, single_copy_probed); broadcast's stays.
+    # share a core (each call may wait for the core). It needs a kernel that pins pages fast: where its copy proves
+    # slow at init, the core raises the pieces' default to two L2s (csrc/coll/cma.c, single_copy_probed); broadcast's
+    # stays. Figures: benchmarks/RESULTS.md.
     single_copy_bytes = _number("SINGLE_COPY_BYTES", (16 << 10) * -(-local_size // cores), int, low=0, high=MAX_BYTES)
     return Tuning(
         timeout_s=timeout_s(),
@@ -72,29 +69,24 @@ def tuning(local_size):
         yield_us=_number("YIELD_US", default_yield_us, int, low=0, high=(1 << 31) - 1),
         single_copy_bytes=single_copy_bytes,
         # Broadcast's is the same but with more ranks than cores, unless set: its root waits for every reader of its
-        # buffer then, which with the cores shared cost more than the copy saved (np=4 on 2 cores, 32-512 KiB:
-        # 0.62-1.05x MPICH against 1.57-2.20x through the staging halves). From the L2's size it pays again.
+        # buffer then, which with the cores shared costs more than the copy saves below the L2's size.
         broadcast_single_copy_bytes=single_copy_bytes if local_size <= cores or is_set("SINGLE_COPY_BYTES") else max(
             single_copy_bytes, l2_bytes),
         # An eighth of the L2 per step keeps a step's copies in it, with room: a rank writes its copy-in and its
-        # reduced piece and reads its peer's, or the kernel's copy of it. On a Xeon with 2 MiB of L2 at np=2, 2-16 MiB
-        # in place against Open MPI: pulled 1.44-1.69x with 256 KiB, 1.30-1.40x with 512 KiB; staged 1.04-1.29x both.
-        # With more ranks than cores every step costs context switches instead, so take as much as a half holds.
+        # reduced piece and reads its peer's, or the kernel's copy of it. With more ranks than cores every step costs
+        # context switches instead, so take as much as a half holds.
         piece_bytes=_number("PIECE_BYTES", max(l2_bytes // 8, 128 << 10) if local_size <= cores else 0, int, low=0,
                             high=MAX_BYTES),
         # Pulling (csrc/coll/allreduce.c): two kernel copies per element and no synchronisation between pieces, for
-        # the staging steps' three copies and one per step; with more ranks the kernel copies outnumber what they
-        # save (np=2 on a Xeon, 128 KiB-4 MiB against Open MPI 1.31-2.28x, staged 0.82-1.37x; np=4 neither better
-        # nor worse: benchmarks/RESULTS.md, "Allreduce and reduce-scatter pull"). Only where every rank's kernel copy
-        # proved fast at init.
+        # the staging steps' three copies and one per step. It pays at two ranks with a core each; with more ranks the
+        # kernel copies outnumber what they save (benchmarks/RESULTS.md). Only
+        # where every rank's kernel copy proved fast at init.
         pull_bytes=_number("PULL_BYTES", 128 << 10 if local_size == 2 <= cores else 0, int, low=0, high=MAX_BYTES),
         cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
         single_copy_probed=not is_set("SINGLE_COPY_BYTES"),
         # An in-place allreduce of memory every rank maps reads and writes the peers' buffers directly
         # (csrc/coll/window.c). It synchronises twice where the small path does once, which costs more the more ranks
-        # share a core. Medians in one job on a 2-core Xeon, shared against ordinary arrays: np=2, 1 KiB 3.1/3.2 us,
-        # 4 KiB 3.6/4.3, 64 KiB 6.7/26; np=4, 4 KiB 16.4/15.4, 16 KiB 18.9/26.5; np=8, 4 KiB 58-66/48-53, 16 KiB
-        # 63-68/69-82: from 4 KiB times the ranks sharing a core.
+        # share a core: so it starts from 4 KiB times the ranks sharing a core (benchmarks/RESULTS.md).
         shared_buffers=_flag("SHARED_BUFFERS", True),
         shared_from_bytes=(4 << 10) * -(-local_size // cores),
         huge_pages=_flag("HUGE_PAGES", True),  # why: csrc/coll/huge_pages.c

@@ -4,11 +4,9 @@
 Each leaf of a pytree is one collective, issued in the order of jax.tree_util's flattening (the same on every rank).
 Eager calls wait for their result, so a failure raises the shmcomm exception itself (MismatchError, RankFailure...)
 in the call that caused it. Inside jit a failure surfaces where the result is used, as jax's JaxRuntimeError whose
-text starts with the shmcomm exception's name; shmcomm.jax.original(error) gives the exception.
-
-Shapes under jit are fixed at trace time, so there allgather needs the same first dimension on every rank and
-alltoall equal splits (ranks that differ all raise MismatchError); eager calls allow different first dimensions and
-explicit splits (they exchange the counts first)."""
+text starts with the shmcomm exception's name; shmcomm.jax.original(error) gives the exception. Shapes under jit are
+fixed at trace time, so there allgather needs the same first dimension on every rank and alltoall equal splits (ranks
+that differ all raise MismatchError); eager calls exchange the counts first and allow both to differ."""
 import jax
 import jax.numpy as jnp
 import numpy as np

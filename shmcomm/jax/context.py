@@ -2,22 +2,11 @@
 """This process's side of the XLA handler: the context every executable points at, kept in step with the session,
 and what the handler asks of Python.
 
-The handler calls the C core itself only while the world communicator is one host's shared memory and no engine
-runs; the context's `comm` is that segment's handle then, and NULL otherwise. With NULL it hands each call here
-(`_from_handler`), which runs it on the session's communicator through collectives.run, as the numpy API does: across
-hosts that is the torus and the MPI transport, and with the engine running it is the engine's queue, so that
-asynchronous numpy or torch collectives and the jitted ones keep one order on every rank. A small allreduce across
-hosts without the engine takes the numpy API's quick call there (quick_path.world.crossing: the torus's small path in
-one C call) before a Request would be built. The handler also comes here
-after the core failed, for the numpy API's explanation of the failure.
-
-Under jit, a failure reaches the caller as jax's JaxRuntimeError, whose text starts with the shmcomm exception's
-class; `original(error)` gives the shmcomm exception itself (the eager calls raise that one directly).
-
-The direct path runs on XLA's thread, which JAX lets run ahead of Python (asynchronous dispatch). Jitted collectives
-are ordered among themselves by their token, but not against the numpy API's blocking calls, which go straight to the
-segment from the caller's thread: a program that mixes them waits for the jitted ones first (jax.effects_barrier()).
-An engine that starts while a jitted collective is in flight is the same case."""
+The handler calls the C core itself only while the world communicator is one host's shared memory and no engine runs
+(direct()); otherwise it hands each call to Python, which runs it through collectives.run as the numpy API does, so
+that asynchronous numpy or torch collectives and the jitted ones keep one order on every rank. Jitted collectives are
+not ordered against the numpy API's blocking calls: a program that mixes them waits for the jitted ones first
+(jax.effects_barrier()), and so does one that starts the engine while a jitted collective is in flight."""
 import collections
 import itertools
 import math
@@ -94,7 +83,10 @@ def sync():
 
 
 def direct():
-    """Whether the handler calls the C core itself now (one host, no engine), rather than Python."""
+    """Whether the handler calls the C core itself now (one host, no engine), rather than Python. That path runs on
+    XLA's thread, which JAX lets run ahead of Python (asynchronous dispatch): jitted collectives are ordered among
+    themselves by their token, but not against the numpy API's blocking calls, which go straight to the segment from
+    the caller's thread."""
     return _context.comm != ffi.NULL
 
 
@@ -135,7 +127,8 @@ def _recorded(error):
 
 
 def original(error):
-    """The shmcomm exception behind a JaxRuntimeError that a collective raised, or None."""
+    """The shmcomm exception behind a JaxRuntimeError that a collective raised under jit (its text starts with the
+    exception's class), or None. Eager calls raise the shmcomm exception directly."""
     text = str(error)
     at = text.find(_MARK)
     if at < 0:
@@ -148,7 +141,12 @@ def original(error):
 @ffi.def_extern(name="smc_jax_python", error=1)
 def _from_handler(ctx, call):
     """Runs `call` (rc == 0) or explains the core's failure (rc != 0); returns 0 on success, else 1 with the text in
-    call.error. Never raises: the handler is C code under XLA."""
+    call.error. Never raises: the handler is C code under XLA.
+
+    Calls come here when the context's `comm` is NULL: across hosts they run on the torus and the MPI transport, and
+    with the engine running through the engine's queue. A small allreduce across hosts without the engine takes the
+    numpy API's quick call (quick_path.world.crossing: the torus's small path in one C call) before a Request would
+    be built. A failed direct call comes here too, for the numpy API's explanation of the failure."""
     try:
         if call.rc:
             error = _explained(call)

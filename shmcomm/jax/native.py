@@ -2,15 +2,11 @@
 """The XLA FFI handler of shmcomm.jax (csrc/jax/handler.c): built on first use, registered with XLA, and given this
 process's context.
 
-Why a build on first use, and not inside the core: the handler needs XLA's C API header, which ships with jaxlib.
-pip builds shmcomm in an isolated environment without jax (and a wheel is built once, for every jaxlib it will meet),
-so the core's build never sees that header; compiling it against the jaxlib actually installed also guarantees that
-the handler speaks that jaxlib's API version. So the first `import shmcomm.jax` compiles a small cffi module (about
-a second) into a cache directory (SHMCOMM_JAX_BUILD_DIR, default ~/.cache/shmcomm/jax-ffi), keyed by the sources and
-jaxlib's header, under a file lock so that the ranks of a job build it once. Every later import loads it. A machine
-without a C compiler can build it ahead, where one exists, with `python -m shmcomm.jax.native` and the same
-directory. The core itself stays unchanged; the handler reaches its collectives through function pointers that the
-shared-memory transport hands out."""
+It is built on first use, not with the core, because it needs XLA's C API header, which ships with jaxlib: pip builds
+shmcomm in an isolated environment without jax, and compiling against the jaxlib actually installed guarantees that
+the handler speaks its API version. A machine without a C compiler can build it ahead, where one exists, with
+`python -m shmcomm.jax.native` and the same SHMCOMM_JAX_BUILD_DIR. The core stays unchanged; the handler reaches its
+collectives through function pointers that the shared-memory transport hands out."""
 import hashlib
 import os
 import sys
@@ -73,7 +69,9 @@ def _compile(jax_dir, include, xla_include, work):
 
 
 def load():
-    """The compiled module (ffi, lib), built first if needed."""
+    """The compiled module (ffi, lib), built first if needed: a small cffi module compiled into a cache directory
+    (SHMCOMM_JAX_BUILD_DIR, default ~/.cache/shmcomm/jax-ffi), keyed by the sources and jaxlib's header, under a file
+    lock so that the ranks of a job build it once. Raises ImportError where it cannot be compiled."""
     import jax.ffi
 
     jax_dir, include = _sources()

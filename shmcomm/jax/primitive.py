@@ -2,22 +2,9 @@
 """One JAX primitive for every collective: its shapes, its lowering to the XLA FFI handler, its derivatives and its
 batching.
 
-Order. Each collective carries an *ordered* effect (CollectiveEffect). JAX threads a token through every operation
-with an ordered effect, inside a jit function and from one jit call to the next, and the lowering passes that token
-into the custom call and takes the next one out of it. Each collective therefore depends on the one before it as
-data: XLA can neither reorder two of them nor run them at once on its thread pool, and since the custom call is
-marked side-effecting it neither drops nor merges them. Inside lax.scan, fori_loop and while_loop the token is part
-of the loop carry, and lax.cond passes it into the branch taken; every rank runs the same program, so every rank
-issues the same collectives in the same order (a rank that does not, say by taking the other branch, meets a
-mismatch or a timeout: the core compares every call's description). jax.ffi.ffi_call(has_side_effect=True) alone
-would not do: its effect is unordered, which keeps the call alive but lets XLA schedule independent calls in any
-order, or concurrently.
-
-Derivatives (sum over ranks of each rank's loss): an allreduce's transpose is the same allreduce (Sum or Average);
-an allgather's is a sum reduce-scatter of the cotangent into the same rows; a reduce-scatter's is an allgather; a
-broadcast's is a sum to the root; an alltoall's is the alltoall back. Each is itself a collective, issued in the
-same order on every rank. Batching (vmap): the reductions and the broadcast work elementwise, so they take the
-batched array as it is; the row-wise collectives work on the batch as the second axis."""
+Every collective carries one ordered effect (CollectiveEffect), so that XLA keeps all of them in program order, inside
+loops and conditionals too, and every rank issues the same collectives in the same order. Derivatives and batched
+(vmap) forms are collectives themselves, issued in the same order on every rank."""
 import functools
 import os
 import zlib
@@ -40,7 +27,16 @@ from shmcomm.jax import context, native
 
 
 class CollectiveEffect(jax_effects.Effect):
-    """The ordered effect of every shmcomm collective (one effect: one token chain for all of them)."""
+    """The ordered effect of every shmcomm collective (one effect: one token chain for all of them).
+
+    JAX threads a token through every operation with an ordered effect, inside a jit function and from one jit call
+    to the next; the lowering passes it into the custom call and takes the next one out of it. Each collective thus
+    depends on the one before it as data: XLA can neither reorder two of them nor run them at once on its thread pool,
+    and since the custom call is marked side-effecting it neither drops nor merges them. Inside lax.scan, fori_loop and
+    while_loop the token is part of the loop carry, and lax.cond passes it into the branch taken; a rank that issues
+    other collectives (say by taking the other branch) meets a mismatch or a timeout, as the core compares every
+    call's description. jax.ffi.ffi_call(has_side_effect=True) alone would not do: its effect is unordered, which keeps
+    the call alive but lets XLA schedule independent calls in any order, or concurrently."""
 
     def __str__(self):
         return "shmcomm"
@@ -144,7 +140,7 @@ def _lowering(ctx, *operands, kind, op, prescale, postscale, root, rows, sends, 
     with_token = ctx.replace(avals_in=(*ctx.avals_in, abstract_token), avals_out=(*ctx.avals_out, abstract_token))
     # Out of place: the core reads the operand and writes the result in one pass. Aliasing the result to the
     # operand would make XLA copy the operand first whenever it stays live (always for a jit argument that is not
-    # donated): a second full pass over memory, into freshly faulted pages (at 64 MiB, 3x the numpy API's time).
+    # donated): a second full pass over memory, into freshly faulted pages.
     results = list(jax.ffi.ffi_lowering(native.TARGET, has_side_effect=True)(with_token, *operands, token, **attrs))
     ctx.set_tokens_out(mlir.TokenSet({EFFECT: results.pop()}))
     return results
@@ -174,6 +170,9 @@ def _jvp(primals, tangents, **params):
 
 
 def _transpose(cts, x, *, kind, op, prescale, postscale, root, rows, sends, size, rank, name):
+    """Derivatives of the sum over ranks of each rank's loss: an allreduce's transpose is the same allreduce (Sum or
+    Average), an allgather's a sum reduce-scatter of the cotangent into the same rows, a reduce-scatter's an
+    allgather, a broadcast's a sum to the root, an alltoall's the alltoall back."""
     (ct,) = cts
     if type(ct) is ad.Zero:
         return [ad.Zero(x.aval)]
@@ -206,6 +205,8 @@ ad.primitive_transposes[collective_p] = _transpose
 
 # ---- batching ----
 def _batch(args, dims, **params):
+    """vmap: the reductions and the broadcast work elementwise, so they take the batched array as it is; the row-wise
+    collectives work on the batch as the second axis."""
     kind = params["kind"]
     if kind == "barrier":
         return collective_p.bind(**params), []

@@ -134,7 +134,7 @@ def rank_environments(num_proc, token, hostname, base_env, flag_env):
         env["PYTHONUNBUFFERED"] = "1"  # Python ranks would otherwise hold their output back until exit
         if "OMP_NUM_THREADS" not in base_env:
             # Each rank's math library would start a thread per core and spin; N ranks would then fight over the
-            # cores (10x slower training here). Share the cores out, as torchrun does; set it to override.
+            # cores, which slows training badly. Share the cores out, as torchrun does; set it to override.
             env["OMP_NUM_THREADS"] = str(max(1, _cores() // num_proc))
         environments.append(env)
     return environments

@@ -1,15 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""--config-file: horovodrun's YAML layout, read into the same settings as the flags.
-
-    controller: gloo                 # or mpi (noted: shmcomm has one)
-    params: {fusion_threshold_mb: 32, cycle_time_ms: 2, cache_capacity: 1024, hierarchical_allreduce: false,
-             hierarchical_allgather: false, torus_allreduce: false}
-    autotune: {enabled: true, log_file: tune.csv, warmup_samples: 3, steps_per_sample: 10,
-               bayes_opt_max_samples: 20, gaussian_process_noise: 0.8}
-    timeline: {filename: timeline.json, mark_cycles: true}
-    stall_check: {enabled: true, warning_time_seconds: 60, shutdown_time_seconds: 0}
-    library_options: {mpi_threads_disable: false, num_nccl_streams: 1, ccl_bgt_affinity: 0, gloo_timeout_seconds: 30}
-    logging: {level: warning, with_timestamp: false}
+"""--config-file: horovodrun's YAML layout (apply shows it), read into the same settings as the flags.
 
 A value fills in its setting only when the command line left it out: flags override the file. params also takes
 shmcomm's allreduce_algo, torus_grid and torus_small_bytes. Unknown sections and keys are errors, so that a typo
@@ -78,7 +68,20 @@ def load(path):
 
 
 def apply(args, config):
-    """Sets every setting the file gives and the command line left out (None); ValueError names the bad entry."""
+    """Sets every setting the file gives and the command line left out (None); ValueError names the bad entry.
+    The file's layout, horovodrun's:
+
+        controller: gloo                 # or mpi (noted: shmcomm has one)
+        params: {fusion_threshold_mb: 32, cycle_time_ms: 2, cache_capacity: 1024, hierarchical_allreduce: false,
+                 hierarchical_allgather: false, torus_allreduce: false}
+        autotune: {enabled: true, log_file: tune.csv, warmup_samples: 3, steps_per_sample: 10,
+                   bayes_opt_max_samples: 20, gaussian_process_noise: 0.8}
+        timeline: {filename: timeline.json, mark_cycles: true}
+        stall_check: {enabled: true, warning_time_seconds: 60, shutdown_time_seconds: 0}
+        library_options: {mpi_threads_disable: false, num_nccl_streams: 1, ccl_bgt_affinity: 0,
+                          gloo_timeout_seconds: 30}
+        logging: {level: warning, with_timestamp: false}
+    """
     for section, values in config.items():
         if section == "controller":
             if str(values).lower() not in ("gloo", "mpi"):

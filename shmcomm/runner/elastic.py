@@ -2,24 +2,11 @@
 """shmcommrun's elastic mode (Horovod's --min-np, --max-np, --host-discovery-script, --elastic-timeout), on one host or
 across hosts.
 
-The launcher owns the membership: who is in the job, in which order, on which host. It serves it over TCP
-(elastic_server.py; the workers' side is startup/membership.py), starts workers itself (on this host directly, on
-other hosts through ssh or --launcher-agent, as Horovod's driver does) and publishes a new membership whenever the
-job changes. Each membership is a world of its own: new segments (a token per generation) inside each host, a new
-TCP mesh between the ranks across hosts (transport/tcp.py). Why not MPI, which fixed-size jobs across hosts use:
-an MPI world cannot lose a process and go on, nor take new ones in, and hydra stops the whole job when a process
-dies. Why TCP and not a file: the workers of other hosts share no file system with the launcher, and a closed
-connection tells each side at once that the other is gone.
-
-When a worker dies, the launcher publishes a membership without it at once: the survivors' collectives fail on the
-dead peer, they roll back to their last commit and re-form (shmcomm/elastic.py). A membership with fewer than
---min-np workers is never published: the workers wait for capacity instead. The discovery script (run every second)
-says how many slots each host has; without one, this host has -np. Free slots get new workers (a replacement on the
-host that lost one, or the first workers of a new host), which join at the survivors' next commit and receive the
-state; a host that leaves the script's output (or fewer slots on one) has its newest workers retired at the next
-commit (HostsUpdatedInterrupt on every rank, as in Horovod), after which they exit. With fewer workers than --min-np
-for --elastic-timeout seconds, the job stops with an error naming why: it never waits for ever. The job succeeds
-once its workers have all exited and at least one finished with code 0."""
+The launcher owns the membership (who is in the job, in which order, on which host), serves it over TCP
+(elastic_server.py; the workers' side is startup/membership.py), starts workers itself (here directly, on other hosts
+through ssh or --launcher-agent) and publishes a new membership whenever the job changes: a world of its own, with new
+segments and a new TCP mesh (transport/tcp.py). Not MPI: its world cannot lose or gain a process, and hydra stops the
+job when one dies. Not a file: other hosts share none, and a closed connection tells each side the other is gone."""
 import os
 import re
 import secrets
@@ -78,6 +65,18 @@ def remote_command(env, command, cwd):
 
 
 class Driver:
+    """The launcher's side of an elastic job (see run).
+
+    When a worker dies, the launcher publishes a membership without it at once: the survivors' collectives fail on the
+    dead peer, they roll back to their last commit and re-form (shmcomm/elastic.py). A membership with fewer than
+    --min-np workers is never published: the workers wait for capacity instead. The discovery script (run every
+    second) says how many slots each host has; without one, this host has -np. Free slots get new workers (a
+    replacement on the host that lost one, or the first workers of a new host), which join at the survivors' next
+    commit and receive the state; a host that leaves the script's output (or fewer slots on one) has its newest
+    workers retired at the next commit (HostsUpdatedInterrupt on every rank, as in Horovod), after which they exit.
+    With fewer workers than --min-np for --elastic-timeout seconds, the job stops with an error naming why: it never
+    waits for ever. The job succeeds once its workers have all exited and at least one finished with code 0."""
+
     def __init__(self, command, env, min_np, max_np, initial, script, elastic_timeout, grace_s, is_this_host,
                  agent=None, interfaces=None, default_slots=1):
         self.command, self.env = command, env

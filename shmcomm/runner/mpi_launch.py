@@ -4,10 +4,9 @@
 Hydra reaches every host with ssh (or the --launcher-agent given instead), starts the ranks there, forwards their
 output, and kills the whole job when a rank dies (rank_guard.py makes every failure count as one). The ranks learn
 their rank, size, local and cross ranks from MPI; this launcher only gives every rank what MPI cannot know: the job
-token, the tuning variables of the flags and SHMCOMM_LAUNCHER=mpi. The launcher's own environment reaches
-the ranks too (hydra's default), less any rank identity it carries from an enclosing job.
-
-Nothing here imports mpi4py: the launcher stays a plain process.
+token, the tuning variables of the flags and SHMCOMM_LAUNCHER=mpi. The launcher's own environment reaches the ranks
+too (hydra's default), less any rank identity it carries from an enclosing job. Nothing here imports mpi4py: the
+launcher stays a plain process.
 """
 
 import os

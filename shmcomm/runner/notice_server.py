@@ -2,14 +2,10 @@
 """The multi-host launcher's failure notices (the ranks' side is shmcomm/startup/notices.py): a TCP server every
 rank connects to while MPI starts, on whatever host it runs.
 
-Until MPI has started everywhere, a rank cannot learn from MPI which rank is missing: MPI_Init waits for all of
-them and says nothing. The launcher can: each rank's guard (runner/rank_guard.py) prints a line when its rank dies,
-exits or stays stopped, and those lines pass through the launcher. It sends each one to every rank here, as one JSON
-line, {"rank": 3, "host": "h1", "what": "was killed by signal 9", "stopped": false}, and every notice so far to a
-rank that connects later; the ranks' init then raises an error naming that rank instead of waiting out
-SHMCOMM_START_TIMEOUT. A rank's cause of failure, {"rank": 3, "cause": "ValueError: ..."}, goes out the same way
-for the errors of the others, whose hosts may not see its saved report. Ranks say nothing; a connection that closes
-is forgotten."""
+Until MPI has started everywhere, a rank cannot learn from MPI which rank is missing: MPI_Init waits for all of them
+and says nothing. The launcher can: each rank's guard (runner/rank_guard.py) prints a line when its rank dies, exits
+or stays stopped, and those lines pass through the launcher, which sends them to every rank here; the ranks' init
+then raises an error naming that rank instead of waiting out SHMCOMM_START_TIMEOUT."""
 import json
 import socket
 import struct
@@ -21,6 +17,11 @@ _SEND_TIMEOUT_S = 2
 
 
 class NoticeServer:
+    """Sends each notice to every rank as one JSON line, {"rank": 3, "host": "h1", "what": "was killed by signal 9",
+    "stopped": false}, and every notice so far to a rank that connects later. A rank's cause of failure, {"rank": 3,
+    "cause": "ValueError: ..."}, goes out the same way for the errors of the others, whose hosts may not see its saved
+    report. Ranks say nothing; a connection that closes is forgotten."""
+
     def __init__(self, interfaces=None):
         self.listener, self.addresses = open_listener(interfaces)
         self.lock = threading.Lock()

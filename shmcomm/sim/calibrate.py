@@ -4,15 +4,7 @@
 Each sample (algorithm, nbytes, seconds) gives one row: the model's coefficients for that run (model.cost_terms)
 times the unknown parameters must equal the measured seconds. Rows are divided by the measured time, so the fit
 minimises relative error and a 1 KiB run, which pins alpha, weighs as much as a 1 GiB run, which pins beta.
-
-A step that mixes intra and inter hops costs whichever is slower, so which coefficients apply depends on the
-parameters being fitted. The fit starts from the machine's links and refits until that choice stops changing.
 Parameters no sample depends on keep the machine's values.
-
-Gamma is weakly determined by all-reduce times alone: a bandwidth-optimal all-reduce reduces half the bytes it
-sends, whatever the algorithm, so gamma and beta move together. A ("reduce", nbytes, seconds) sample, the time
-of one local reduction of nbytes, separates them; without one, gamma is fitted only if the samples' matrix is
-well conditioned, and kept from the machine otherwise.
 """
 from typing import Iterable, List, NamedTuple, Tuple
 
@@ -70,6 +62,16 @@ def calibrate(samples: Iterable[Tuple[str, float, float]], machine: Machine, fit
     samples: (algorithm, nbytes, seconds), algorithm as model.parse_algorithm reads it ("ring", "torus 2x4", ...)
       or "reduce" for a local reduction.
     fit_gamma: None fits gamma when the samples separate it from beta, True insists, False keeps machine's gamma.
+
+    A step that mixes intra and inter hops costs whichever is slower, so which coefficients apply depends on the
+    parameters being fitted: the fit starts from the machine's links and refits until that choice stops changing.
+    Gamma is weakly determined by all-reduce times alone (a bandwidth-optimal all-reduce reduces half the bytes it
+    sends, whatever the algorithm, so gamma and beta move together). A ("reduce", nbytes, seconds) sample, the time
+    of one local reduction of nbytes, separates them; without one, gamma is fitted only if the samples' matrix is
+    well conditioned, and kept from the machine otherwise.
+
+        fit = calibrate([("ring", 1024, 3.1e-5), ("torus 2x4", 2**26, 0.021), ...], Machine(8, 4, ...))
+        fit.intra, fit.inter, fit.gamma_s_per_byte, fit.relative_errors
     """
     samples = list(samples)
     if not samples:

@@ -4,13 +4,8 @@
 Every algorithm is reduced to five coefficients, one per model parameter (TERMS), so that
 time = coefficients @ machine.parameters. Latency coefficients count steps, bandwidth coefficients count the
 bytes a rank pushes through its slowest link in each step, and the gamma coefficient counts the bytes a rank
-reduces. Calibration fits the parameters from measured times with the same coefficients.
-
-Ranks are numbered host by host: rank r lives on host r // local. A torus grid X x Y puts rank r in row r // X
-and column r % X, so rows stay inside a host when X divides local, and span X / local hosts when local divides X.
-Each host has one NIC (the inter link, its bandwidth per direction, full duplex), which every rank of the host
-that sends across hosts at the same time shares equally. Shared memory (the intra link) is taken per rank pair.
-Sizes are continuous: the padding of M to a multiple of X is left out.
+reduces. Calibration fits the parameters from measured times with the same coefficients. Sizes are continuous:
+the padding of M to a multiple of X is left out. Machine says how ranks, hosts and links are laid out.
 """
 from dataclasses import dataclass, replace
 from typing import List, NamedTuple, Tuple
@@ -52,7 +47,12 @@ class LinkModel:
 
 @dataclass(frozen=True)
 class Machine:
-    """`ranks` ranks, `local` per host; `intra` links ranks of one host, `inter` is one host's NIC."""
+    """`ranks` ranks, `local` per host; `intra` links ranks of one host, `inter` is one host's NIC.
+
+    Ranks are numbered host by host: rank r lives on host r // local. A torus grid X x Y puts rank r in row r // X
+    and column r % X, so rows stay inside a host when X divides local, and span X / local hosts when local divides
+    X. Each host has one NIC (the inter link, its bandwidth per direction, full duplex), which every rank of the host
+    that sends across hosts at the same time shares equally. Shared memory (the intra link) is taken per rank pair."""
 
     ranks: int
     local: int
@@ -282,7 +282,17 @@ def best_grid(machine: Machine, nbytes: float) -> Tuple[int, int]:
 
 def predict(machine: Machine, nbytes: float, grid=None, servers: int = 1) -> List[Prediction]:
     """Ring, torus on the default grid, torus on the best grid (and on `grid`), the torus's small-message path,
-    hierarchical, star."""
+    hierarchical, star. The torus reduce-scatters along rows inside a host, all-reduces along columns across hosts
+    and all-gathers along rows; hierarchical reduces to a root per host, rings across the roots and broadcasts.
+
+        abci = Machine(ranks=1088, local=4,
+                       intra=LinkModel.from_bandwidth(0.5e-6, 50e9),   # shared memory / NVLink inside a host
+                       inter=LinkModel.from_bandwidth(2e-6, 12.5e9),   # one host's NIC, shared by its ranks
+                       gamma_s_per_byte=0.1e-9)                        # cost of reducing one byte
+        for algorithm, seconds, steps, inter_bytes in predict(abci, 100 * 2**20):
+            print(algorithm, seconds, steps, inter_bytes)
+        best_grid(abci, 100 * 2**20)                                   # (X, Y) with X * Y == 1088
+    """
     grids = [default_grid(machine), best_grid(machine, nbytes)]
     if grid is not None:
         grids.append(_check_grid(machine, grid))

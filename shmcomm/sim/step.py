@@ -6,15 +6,15 @@ packs each round's tensors, in order, into fused allreduces of at most `fusion` 
 cycle per round for the others (an engine whose peers are not ready sleeps out its cycle). Each fused allreduce
 costs what model.cost_terms says for the path the library takes at that size (the torus's small-message path up to
 `small_bytes`, else the torus on the hosts' grid), with the links fitted (calibrate.py) to allreduces timed on the
-machine at run time. The step's computation is what the measured step time leaves over at the starting settings.
-Overlap of communication with computation is left out: the autotuner's measurements correct for it."""
+machine at run time. Overlap with computation is left out: the autotuner's measurements correct for it."""
 from shmcomm.sim.calibrate import calibrate
 from shmcomm.sim.model import LinkModel, Machine, cost_terms
 
 
 class StepModel:
     """timings: [(bytes, seconds)] of single allreduces on this job's ranks; sizes: the bytes of a step's tensors in
-    the order they are reduced; start: the settings ({fusion, bucket, cycle ms}) step_seconds was measured under."""
+    the order they are reduced; start: the settings ({fusion, bucket, cycle ms}) step_seconds was measured under. The
+    step's computation is what the measured step time leaves over at the starting settings."""
 
     def __init__(self, ranks, local, small_bytes, cycle_weight, timings, sizes, step_seconds, start):
         if not sizes:

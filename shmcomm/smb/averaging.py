@@ -2,31 +2,10 @@
 """Elastic averaging (EASGD, Zhang, Choromanska and LeCun 2015) over a job-wide Soft Memory Box, as ShmCaffe trains:
 the building blocks any framework uses (shmcomm.torch.ElasticAveragingOptimizer is one user).
 
-Each worker steps on its own; every few steps it exchanges with the centre c held in the box:
-
-    d = alpha * (x - c);  x -= d;  c += d        (the read of c and c += d: one atomic box exchange)
-
-without waiting for any other worker (asynchronous). In the hybrid mode the ranks of a host average their gradients
-synchronously and one rank per host exchanges for the host, then broadcasts to it (host_process_set gives the set).
-
-    centre = ElasticCentre("centre", x.size)      # every rank; job-wide box
-    if shmcomm.rank() == 0:
-        centre.initialise(x)                       # the others wait for it in ready()
-    centre.ready()
-    for step in ...:
-        ...local SGD step on x...
-        if step % period == 0:
-            centre.exchange(x, alpha=0.2)
-    centre.flush(); centre.pull()                  # the centre, for evaluation
-
-The exchange is one request to each host of the centre (SoftMemoryBox.exchange: x goes, d comes back, and the home
-host applies c += d under the box's lock): one round trip, where a read of c and an accumulate of d took two, and
-nobody's update comes between the read and the accumulate.
-
-overlap=True sends the exchange from a background thread while the caller computes (ShmCaffe's update thread): the
-exchange takes a copy of x, and the d it brings back is subtracted from x at the next exchange (or flush), so the
-worker's pull lands one exchange late, as the centre's push did when only the push went in the background. In line
-an exchange then costs a copy of x and a subtraction, whatever the network."""
+Each worker steps on its own and, every few steps, exchanges with the centre c held in the box without waiting for any
+other worker: d = alpha * (x - c); x -= d; c += d, where the read of c and c += d are one atomic box exchange (one round
+trip to each host of the centre, with nobody's update in between). In the hybrid mode the ranks of a host average their
+gradients synchronously and one rank per host exchanges for the host, then broadcasts to it (see host_process_set)."""
 import concurrent.futures
 import itertools
 
@@ -40,7 +19,22 @@ from shmcomm.smb.box import SoftMemoryBox
 
 class ElasticCentre:
     """The centre of `count` elements of `dtype` in the job-wide box `name` (home and stripes as for
-    SoftMemoryBox)."""
+    SoftMemoryBox).
+
+    overlap=True sends each exchange from a background thread while the caller computes (ShmCaffe's update thread):
+    the exchange takes a copy of x, and the d it brings back is subtracted from x at the next exchange (or flush), so
+    the worker's pull lands one exchange late. In line an exchange then costs a copy of x and a subtraction.
+
+        centre = ElasticCentre("centre", x.size)      # every rank; job-wide box
+        if shmcomm.rank() == 0:
+            centre.initialise(x)                       # the others wait for it in ready()
+        centre.ready()
+        for step in ...:
+            ...local SGD step on x...
+            if step % period == 0:
+                centre.exchange(x, alpha=0.2)
+        centre.flush(); centre.pull()                  # the centre, for evaluation
+    """
 
     def __init__(self, name, count, dtype=np.float32, home=None, stripes=1, overlap=True):
         self.box = SoftMemoryBox(name, shape=(int(count),), dtype=dtype, home=home, stripes=stripes)

@@ -1,19 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Soft Memory Box: named, typed shared buffers that every rank of the job reads, writes and accumulates into.
 
-    box = shmcomm.SoftMemoryBox("weights", shape=(1024,), dtype=np.float32)   # create, or attach if it exists
-    box.accumulate(delta, alpha=-0.1)          # atomic: w = w - 0.1 * delta, never a lost update
-    box.wait_version(v + 1, timeout=5)         # sleep until someone else has written
-    with box.locked(): ...                     # several operations as one
-
-In a job that spans hosts a box is job-wide: every rank of every host creates or attaches it by name and sees the
-same elements, versions and lock. It lives on one home host (`home=`, by default one picked from the name; `box.home`
-says which), or is striped over `stripes=k` hosts so that k hosts serve its traffic (shmcomm/smb/stripes.py). The
-home host's ranks reach it through shared memory, the others through the home's box servers (smb/server.py).
-`local=True` keeps a box in this host's arena only, seen by this host's ranks, with no network at all.
-
-Boxes live in the job's arena for as long as the job; destroy() gives the name and, once every handle is closed,
-the space back."""
+In a job that spans hosts a box is job-wide: every rank creates or attaches it by name and sees the same elements,
+versions and lock. It lives on one home host (`home=`, by default picked from the name; `box.home` says which), or is
+striped over `stripes=k` hosts (smb/stripes.py); the home's ranks reach it through shared memory, the others through
+its box servers (smb/server.py). `local=True` keeps a box in this host's arena, for its ranks only, with no network.
+Boxes live in the job's arena for as long as the job; destroy() gives the name and, once every handle is closed, the
+space back."""
 import contextlib
 
 import numpy as np

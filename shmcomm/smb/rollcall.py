@@ -1,18 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Who is holding a job up, across hosts: a roll call that every rank's box server answers.
 
-A rank whose wait across hosts times out knows only whom it waited for, which is often a rank that waits in turn for
-the one that stopped (a torus column waits on a rank whose host waits on the stopped one). Before it raises, it asks
-every other rank to answer (check()): it connects to the rank's box server (server.py, C threads in every rank of
-a job across hosts) and sends a ping, which the server answers at once, whatever its rank is doing (its threads never
-need the interpreter), unless the process is stopped or frozen, say by SIGSTOP or a debugger (it does not answer), or
-gone (the connection is refused). The silent and the gone are named in the error: they hold the job up. (A rank hung
-in its own code still answers; the ranks that wait for it name it.) The roll call travels on TCP, not MPI, whose
-library may crash when a peer process is gone.
-
-A process that found ranks holding the job up (stopped or hung) must not call MPI_Finalize at exit:
-MPICH's waits there for every process of the job, stopped ones included, for ever. It exits without it
-(exit_without_finalize), with code 1, and the launcher stops the job."""
+A rank whose wait across hosts times out knows only whom it waited for, often a rank that waits in turn for the one
+that stopped. Before it raises, it pings every other rank's box server (server.py: C threads that answer whatever the
+rank is doing), over TCP, not MPI, whose library may crash when a peer process is gone. A process stopped or frozen
+(SIGSTOP, a debugger) does not answer, a gone one refuses the connection: both are named in the error. A process that
+found ranks stopped exits with code 1 without MPI_Finalize, where MPICH would wait for them for ever
+(exit_without_finalize), and the launcher stops the job."""
 import atexit
 import errno
 import os
@@ -39,7 +33,8 @@ class RollCall:
         self.silent = []  # the ranks a roll call found silent (stopped or hung)
 
     def check(self, grace_s=_GRACE_S):
-        """{rank: SILENT or GONE} for the other ranks that do not answer within grace_s."""
+        """{rank: SILENT or GONE} for the other ranks that do not answer within grace_s. A rank hung in its own code
+        still answers (its server's threads never need the interpreter): the ranks that wait for it name it."""
         deadline = time.monotonic() + grace_s
         selector = selectors.DefaultSelector()
         failed = {}

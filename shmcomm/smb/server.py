@@ -3,27 +3,10 @@
 connections from the ranks of the other hosts and apply their box operations to this host's arena, one thread per
 connection, in the messages of wire.py.
 
-Why a server thread and not MPI one-sided RMA (measured in benchmarks/smb.py, figures in benchmarks/RESULTS.md):
-- MPI accumulates are atomic only against other MPI accumulates of the same op and datatype; the home host's own
-  ranks write through the box's lock in shared memory, which no MPI_Accumulate respects, and beta != 1 has no
-  predefined MPI op at all. The server applies every operation under the same lock as the local ranks.
-- MPICH applies a passive-target accumulate that falls back to active messages only when the target enters MPI, and
-  the home host's ranks are computing, not calling MPI. A server thread sleeping in the kernel on its socket wakes
-  as soon as bytes arrive.
-- A thread blocked in MPI's own wait polls a core, which ranks oversubscribing two cores cannot spare; a socket wait
-  costs nothing while no request comes, and a dead peer is seen as a closed connection, not as an MPI hang.
-
-Why in C: a server thread written in Python needs the interpreter lock several times per request, and a rank that
-computes in Python (a training loop of small torch operations) gives that lock up only every switch interval (5 ms).
-With such a home rank a remote 4 KiB exchange took 20.6 ms through a Python server thread, against 0.07 ms with the
-home rank idle (benchmarks/RESULTS.md, "The box server without the interpreter"). The C threads never touch the
-interpreter: they serve at the same speed whatever the home rank's Python does.
-
-The lock of a box is a robust, recursive pthread mutex: owned by the thread that took it. A remote lock is taken by
-the connection's thread and released by it, so it is released when the connection ends too: a client that dies
-holding a box lock (its process gone, its connection closed by its kernel) has its locks released and the box's
-version bumped, as the C core does for a local holder that dies. A client whose whole host vanished closes nothing;
-the server's TCP keepalive finds it gone within about 7 s of silence, with the same result."""
+Not MPI one-sided RMA (benchmarks/smb.py): MPI accumulates are not atomic against the home ranks' own writes under the
+box's lock, and progress waits for the target to call MPI, while a thread asleep on its socket wakes when bytes arrive
+and costs no core. In C: a Python server thread would wait for the interpreter lock, which a home rank computing in
+Python gives up only every switch interval; the C threads serve alike whatever the home rank does."""
 import fcntl
 import socket
 import struct
@@ -52,7 +35,13 @@ def interface_addresses():
 
 
 class BoxServer:
-    """Listens on every interface; `address` is (addresses, port) for the other hosts."""
+    """Listens on every interface; `address` is (addresses, port) for the other hosts.
+
+    A box's lock is a robust, recursive pthread mutex owned by the thread that took it: a remote lock is taken and
+    released by the connection's thread, so a client that dies holding it (its connection closed by its kernel) has
+    its locks released and the box's version bumped, as for a local holder that dies. A client whose whole host
+    vanished closes nothing; the server's TCP keepalive finds it gone within about 7 s of silence, with the same
+    result."""
 
     def __init__(self, shm, timeout_s):
         self._timeout_s = timeout_s

@@ -1,13 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where a job-wide Soft Memory Box lives, and boxes striped over several hosts (SMB2's several memory servers).
 
-A box has a home host; on it, the box is in the arena, and the host's ranks reach it through shared memory
-(smb/storage.py) while the other hosts' ranks reach it through the home's box servers (smb/client.py).
-A box of `stripes=k` is k boxes, `name@0` .. `name@{k-1}`, of about count/k elements each, stripe j on host
-(home + j) % hosts, described by a small box `name@stripes` at home holding [count, dtype, k]. Its version and its
-lock are the description's: every write and accumulate bumps the description once its stripes are done, and
-lock() takes the description's lock and then every stripe's, in order, so that it excludes every writer of every
-stripe (each of which takes its stripe's lock) and two lockers never wait for each other crosswise."""
+A box has a home host, in whose arena it is: that host's ranks reach it through shared memory (smb/storage.py), the
+other hosts' ranks through the home's box servers (smb/client.py). A box of `stripes=k` is k boxes, `name@0` ..
+`name@{k-1}`, of about count/k elements each, stripe j on host (home + j) % hosts, described by a small box
+`name@stripes` at home holding [count, dtype, k] (StripedHandle)."""
 import zlib
 
 import numpy as np
@@ -48,7 +45,10 @@ def find(comm, network, home, name, timeout_s):
 
 
 class StripedHandle:
-    """box.BoxHandle's interface over the stripes of one box."""
+    """box.BoxHandle's interface over the stripes of one box. Its version and its lock are the description's: every
+    write and accumulate bumps the description once its stripes are done, and lock() takes the description's lock and
+    then every stripe's, in order, so that it excludes every writer of every stripe (each of which takes its stripe's
+    lock) and two lockers never wait for each other crosswise."""
 
     def __init__(self, comm, network, home, name, description, count=None, dtype=None, stripes=None, timeout_s=0.0):
         """`description`: the handle to `name@stripes` (created here when `count` is given, else found)."""
@@ -132,10 +132,9 @@ class StripedHandle:
         The bump must come after every stripe is done. Where the home stripe (and the description with it) is on
         another host and this host's part is small, this host's stripes go first and the home stripe's request
         carries the bump (FLAG_THEN_TOUCH): one round trip instead of two, which is most of the cost of a small
-        exchange (0.05 ms each across the simulated hosts). A big local part is worth overlapping with the transfer
-        instead, and then the bump follows on its own; so does it while this handle holds the box's lock, whose
-        description part belongs to the description's connection (the home stripe's server thread would wait for
-        it)."""
+        exchange. A big local part is worth overlapping with the transfer instead, and then the bump follows on its
+        own; so does it while this handle holds the box's lock, whose description part belongs to the description's
+        connection (the home stripe's server thread would wait for it)."""
         spans = list(self._spans(offset, count, ptr))
         home = self._parts[0]
         local_bytes = sum(n for part, _, n, _ in spans if not hasattr(part, "start")) * self.esize

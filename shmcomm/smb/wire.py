@@ -1,18 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The messages between a Soft Memory Box client on one host and the box server on the box's home host
-(the server reads and writes the same layout in C, csrc/net/wire.c), over one TCP connection per
-client handle.
+"""The messages between a Soft Memory Box client and the box server on the box's home host, one TCP connection per
+client handle. Both ends are C (csrc/net/wire.c, box_request.c for the client, box_session.c for the server); this
+module packs and unpacks the headers.
 
-A request is a fixed header (REQUEST), then the box name (create and attach; with FLAG_THEN_TOUCH the name of the
-box whose version to bump after the operation), then the elements written, accumulated or exchanged; a reply is a
-fixed header (REPLY), then an error text or the elements read (an exchange's d). Every operation is one request and
-one reply, so a connection carries one operation at a time and a reply that does not come in time means the home host
-stopped answering.
-
-Both ends are C (csrc/net/box_request.c sends and receives for the client, csrc/net/box_session.c for the server);
-this module packs and unpacks the headers. Each message leaves in one sendmsg of its header and its elements: sent as
-two, a small request crossed the network as two segments, and the receiver woke for the header and then again for the
-elements (a remote 4 KiB accumulate took 0.09 ms against 0.04 ms for a version query)."""
+A request is a fixed header (REQUEST), then the box name (create and attach; with FLAG_THEN_TOUCH the box whose version
+to bump after the operation), then the elements written, accumulated or exchanged; a reply is a fixed header (REPLY),
+then an error text or the elements read (an exchange's d). A connection carries one operation at a time, each message
+in one sendmsg (one segment, one wake-up); a reply that does not come in time means the home host stopped answering."""
 import socket
 import struct
 

@@ -1,17 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Builds the world communicator for the kind of job this process is in, from transports and algorithms.
 
-- one host, the usual case: the host's shared-memory transport under algorithms.host.HostComm, nothing else (no
-  MPI is imported);
-- one host with SHMCOMM_TORUS_GRID=XxY: rows and columns of the torus both on shared memory, which is how the torus
-  is exercised without several hosts;
+- one host, the usual case: the host's shared-memory transport under algorithms.host.HostComm, and no MPI imported;
+- one host with SHMCOMM_TORUS_GRID=XxY: the torus's rows and columns both on shared memory, to exercise it on one host;
 - several hosts (launched by mpiexec, shmcommrun -H, srun): each host's shared memory for the rows, MPI for the
   columns and for the collectives that are not allreduce;
-- an elastic world that spans hosts (startup/membership.py): each host's shared memory under a TCP mesh between all the
-  ranks (transport/tcp.py), formed anew at every membership; MPI cannot lose or gain a process.
-
-In an elastic job every shared-memory init watches membership's abandon word: a world that a newer membership
-replaces while it forms is given up at once (AbandonedError), not waited for until SHMCOMM_START_TIMEOUT."""
+- an elastic world that spans hosts (startup/membership.py): each host's shared memory under a TCP mesh between all
+  the ranks (transport/tcp.py), formed anew at every membership, since MPI cannot lose or gain a process."""
 import threading
 import time
 
@@ -42,6 +37,8 @@ def process_set(world, ranks, set_id, generation):
 
 
 def _shm(topo, tuning, generation, **where):
+    """In an elastic job every shared-memory init watches membership's abandon word: a world that a newer membership
+    replaces while it forms is given up at once (AbandonedError), not waited for until SHMCOMM_START_TIMEOUT."""
     return SharedMemory(topo, tuning, generation, abandon=membership.abandon_word(), **where)
 
 

@@ -1,16 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which path CUDA tensors take, decided from every rank's description of its GPU.
 
-NCCL needs a GPU of its own per rank: two ranks of a communicator on one device make ncclCommInitRank fail
-("Duplicate GPU detected"). So the ranks first swap descriptions of their devices (`describe`: the host, the
-device's UUID and PCI address) and every rank runs `choose_path` on the same list, which makes the same choice
-everywhere:
-- "nccl" when no two ranks of a host hold the same device;
-- "host" when some do (a single-GPU machine running several ranks): the tensors are staged through pinned host
-  memory into the shared-memory collectives.
-SHMCOMM_GPU_PATH=nccl or host forces one (nccl on a shared device is an error that names the ranks).
-
-Everything here is plain data, so that it is tested without a GPU."""
+NCCL needs a GPU of its own per rank: two ranks of a communicator on one device make ncclCommInitRank fail ("Duplicate
+GPU detected"). So the ranks swap descriptions of their devices (`describe`) and every rank runs `choose_path` on the
+same list, which makes the same choice everywhere: "nccl" when no two ranks of a host hold the same device, "host" when
+some do (the tensors are staged through pinned host memory into the shared-memory collectives). SHMCOMM_GPU_PATH=nccl
+or host forces one (nccl on a shared device is an error that names the ranks). Everything here is plain data, so that
+it is tested without a GPU."""
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 PATHS = ("auto", "nccl", "host")

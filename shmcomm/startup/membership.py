@@ -3,19 +3,10 @@
 takes its place in it.
 
 Every worker holds one TCP connection to the launcher (SHMCOMM_ELASTIC_DRIVER: the launcher's addresses, tried in
-turn; the first that answers is the one routable from this host). Over it the worker says who it is, where it
-listens for its peers (the world's cross-host transport, transport/tcp.py) and that it is ready; the launcher sends
-a record, one JSON line, whenever the job changes:
-
-    {"generation": 3, "token": "<job token>g3", "members": [0, 2, 3, 4], "hosts": [...], "addresses": [...],
-     "retired": [5], "abort": null}
-
-`members` are worker ids in rank order, with each one's host and listening address (the ranks of a host are
-consecutive, and rank 0 is the oldest worker: the one whose state the others receive). Each generation has a job
-token of its own, so a re-formed world meets in new segments. `retired` workers were stopped by the launcher (their
-host left the discovery script's output): they exit at their next join. `abort` holds the reason when the job
-cannot go on; a worker that hears it, or loses the launcher, stops (SIGTERM to itself): no worker outlives its job,
-even on a host the launcher reaches only through ssh. Nothing else in shmcomm knows the job is elastic."""
+turn; the first that answers is the one routable from this host). Over it the worker says who it is, where it listens
+for its peers (transport/tcp.py) and that it is ready; the launcher sends a record (see _Link) whenever the job changes.
+A worker that hears an abort, or loses the launcher, stops (SIGTERM to itself): no worker outlives its job, even on a
+host the launcher reaches only through ssh. Nothing else in shmcomm knows the job is elastic."""
 import atexit
 import json
 import logging
@@ -38,7 +29,17 @@ class MembershipError(ShmCommError):
 
 
 class _Link:
-    """This process's connection to the launcher, its listening socket for its peers, and what it has heard."""
+    """This process's connection to the launcher, its listening socket for its peers, and what it has heard: the
+    launcher's records, one JSON line each, such as
+
+        {"generation": 3, "token": "<job token>g3", "members": [0, 2, 3, 4], "hosts": [...], "addresses": [...],
+         "retired": [5], "abort": null}
+
+    `members` are worker ids in rank order, with each one's host and listening address (the ranks of a host are
+    consecutive, and rank 0 is the oldest worker: the one whose state the others receive). Each generation has a job
+    token of its own, so a re-formed world meets in new segments. `retired` workers were stopped by the launcher
+    (their host left the discovery script's output): they exit at their next join. `abort` holds the reason when the
+    job cannot go on."""
     sock = None
     listener = None
     address = None  # "ip:port" of the listener, as the peers reach it

@@ -3,22 +3,9 @@
 by tests/multiproc.py, started by mpiexec, or by shmcommrun across simulated hosts).
 
 Every rank can build every rank's input (they are functions of the rank), so each rank checks each result against
-an expectation computed here, never with the library under test:
-
-- allreduce: every dtype and op, pre- and postscale factors that do not cancel, integer Average (truncating),
-  counts that do not divide by the row size, and a count past the torus's small-message size;
-- allgather, reducescatter, alltoall: the full contents, with uneven first dimensions and splits (some ranks send
-  or get nothing), so that a rank that gets another rank's rows fails;
-- broadcast from every root;
-- 16-bit floats: the library accumulates in float32 and rounds once. `rounding` compares the library's sums of
-  inputs chosen so that rounding at each step would give other bits (checked here too) with the float32 sum
-  rounded once.
-
-Results that must be identical on every rank are hashed (sha256 of their full bytes) into `digests`; the test
-process compares the ranks' digests, so that no collective of the library judges its own results.
-
-    report = run_checks()              # on every rank; also written to out_dir/checks.<rank>.json if given
-    assert_identical(reports)          # in the test process
+an expectation computed here, never with the library under test (run_checks). Results that must be identical on
+every rank are hashed (sha256 of their full bytes) into `digests`, and the test process compares the ranks' digests
+(assert_identical), so that no collective of the library judges its own results.
 """
 import json
 import os
@@ -245,7 +232,20 @@ def check_alltoall(shmcomm, report, dtypes, large=True):
 
 def run_checks(out_dir=None, bf16=None, large=True):
     """Every check above on this rank (shmcomm.init() first); returns the report as a dict and, with `out_dir`,
-    writes it to out_dir/checks.<rank>.json. bf16=None: bfloat16 too when torch can be imported."""
+    writes it to out_dir/checks.<rank>.json. bf16=None: bfloat16 too when torch can be imported. The checks:
+
+    - allreduce: every dtype and op, pre- and postscale factors that do not cancel, integer Average (truncating),
+      counts that do not divide by the row size, and a count past the torus's small-message size;
+    - allgather, reducescatter, alltoall: the full contents, with uneven first dimensions and splits (some ranks send
+      or get nothing), so that a rank that gets another rank's rows fails;
+    - broadcast from every root;
+    - 16-bit floats: the library accumulates in float32 and rounds once. `rounding` compares the library's sums of
+      inputs chosen so that rounding at each step would give other bits (checked here too) with the float32 sum
+      rounded once.
+
+        report = run_checks()              # on every rank; also written to out_dir/checks.<rank>.json if given
+        assert_identical(reports)          # in the test process
+    """
     import shmcomm
 
     shmcomm.init()

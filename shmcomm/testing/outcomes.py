@@ -1,13 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What each rank of a failure test raised, written by the rank to a file and read by the test process.
+"""What each rank of a failure test raised, written by the rank to a file and read by the test process (read).
 
 Ranks of a job whose output the launcher or hydra forwards cannot be relied on to print whole lines before they are
 stopped, so each rank writes its own file:
 
     except shmcomm.ShmCommError as error:
         outcomes.record(directory, shmcomm.rank(), error, started)
-
-    raised = outcomes.read(directory)       # {rank: {"type", "rank", "seconds", "message"}}
 """
 import json
 import os
@@ -26,6 +24,7 @@ def record(directory, rank, error, started=None):
 
 
 def read(directory):
+    """What the ranks recorded in `directory`: {rank: {"type", "rank", "seconds", "message"}}."""
     outcomes = {}
     for name in os.listdir(directory):
         if name.startswith("raised.") and not name.endswith(".tmp"):

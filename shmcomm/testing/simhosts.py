@@ -4,24 +4,9 @@
     with SimulatedHosts(2, rate="1gbit") as sim:
         subprocess.run([mpiexec, *sim.mpiexec_args(2), sys.executable, "job.py"])
 
-Each simulated host is a network namespace with a veth pair whose other end sits on a bridge in the root
-namespace (10.213.X.1/24 on the bridge, 10.213.X.(10+i)/24 in host i). Nothing routes beyond the bridge: the
-namespaces have no default route and the root namespace's forwarding is left as it is. Hosts still share the
-file system, /dev/shm and the process table; only the network, the host name and `private_dir` (an empty folder of
-its own in each host, as a host's own /tmp is: TMPDIR for a launcher whose files the hosts must not see) are
-their own.
-
-MPI (MPICH from the PyPI wheel, started by hydra) reaches the hosts through `agent`, an ssh stand-in that runs
-the proxy command inside the host's namespace under a fresh UTS namespace carrying the host's name. MPICH
-groups ranks into nodes by host name, so ranks of one simulated host meet in shared memory and ranks of
-different hosts go through the network module. That module needs telling not to take shortcuts: UCX (the
-wheel's default) sees one machine and would move every byte through shared memory and cross-memory attach, so
-`MPI_ENVIRONMENT` limits it to TCP on the veth; libfabric (MPIR_CVAR_CH4_NETMOD=ofi) is pinned the same way.
-
-Needs root, iproute2 (`ip`, `tc`) and util-linux (`unshare`); otherwise entering raises
-SimulatedHostsUnavailable with the reason (missing_prerequisite() says it beforehand), so tests can skip. Where
-they are all there, any failure to make the hosts raises too.
-"""
+Needs root, iproute2 (`ip`, `tc`) and util-linux (`unshare`); otherwise entering raises SimulatedHostsUnavailable with
+the reason (missing_prerequisite() says it beforehand), so tests can skip. Where they are all there, any failure to
+make the hosts raises too."""
 
 import ipaddress
 import os
@@ -152,7 +137,21 @@ def host_cpus(n_hosts, cpus=None):
 class SimulatedHosts:
     """Context manager creating `n_hosts` simulated hosts; `rate` (tc syntax, e.g. "1gbit") caps each host's
     link in both directions; `own_cpus` gives each host its own CPUs (host_cpus). Everything is removed on exit, on
-    SIGTERM (when entered in the main thread) and by close(); cleanup_stale() removes what a killed process left."""
+    SIGTERM (when entered in the main thread) and by close(); cleanup_stale() removes what a killed process left.
+
+    Each simulated host is a network namespace with a veth pair whose other end sits on a bridge in the root
+    namespace (10.213.X.1/24 on the bridge, 10.213.X.(10+i)/24 in host i). Nothing routes beyond the bridge: the
+    namespaces have no default route and the root namespace's forwarding is left as it is. Hosts still share the
+    file system, /dev/shm and the process table; only the network, the host name and `private_dir` (an empty folder
+    of its own in each host, as a host's own /tmp is: TMPDIR for a launcher whose files the hosts must not see) are
+    their own.
+
+    MPI (MPICH from the PyPI wheel, started by hydra) reaches the hosts through `agent`, an ssh stand-in that runs
+    the proxy command inside the host's namespace under a fresh UTS namespace carrying the host's name. MPICH groups
+    ranks into nodes by host name, so ranks of one simulated host meet in shared memory and ranks of different hosts
+    go through the network module, which must not take shortcuts: UCX (the wheel's default) sees one machine and
+    would move every byte through shared memory and cross-memory attach, so `MPI_ENVIRONMENT` limits it to TCP on
+    the veth; libfabric (MPIR_CVAR_CH4_NETMOD=ofi) is pinned the same way."""
 
     def __init__(self, n_hosts, rate=None, own_cpus=False):
         if not 1 <= n_hosts <= 200:
@@ -293,8 +292,8 @@ class SimulatedHosts:
 
         OMP_NUM_THREADS is threads_per_rank unless extra_env says otherwise. shmcommrun gives the ranks of a
         multi-host job this host's cores over the ranks per host (it cannot see a remote host's cores), which here
-        would give every simulated host all of this machine's cores: one rank per host on 2 shared cores then ran
-        torch with 2 threads each, whose spinning barriers made a training step 15x slower."""
+        would give every simulated host all of this machine's cores: the ranks' torch threads would then outnumber
+        the cores, and their spinning barriers slow a training step badly."""
         env = dict(MPI_ENVIRONMENT, OMP_NUM_THREADS=self.threads_per_rank(ranks_per_host), **(extra_env or {}))
         mpi_args = ["-localhost", self.bridge_address]
         for name, value in env.items():

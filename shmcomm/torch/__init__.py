@@ -1,17 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Horovod's PyTorch API over shmcomm: `import shmcomm.torch as hvd` and a Horovod training script runs unchanged
-on CPU ranks, on one host or across hosts (shared memory within a host; MPI and the 2D-torus allreduce between
-hosts).
+"""Horovod's PyTorch API over shmcomm: `import shmcomm.torch as hvd` and a Horovod training script runs unchanged on
+CPU ranks, on one host or across hosts (shared memory within a host; MPI and the 2D-torus allreduce between hosts).
 
-CUDA tensors go through every collective, the asynchronous handles and DistributedOptimizer: over NCCL when each
-rank has a GPU of its own, through pinned host memory into the shared-memory collectives when ranks share one
-(shmcomm/algorithms/device.py). These paths have not yet run on a GPU.
-
-op=Adasum works in allreduce and DistributedOptimizer (Horovod's delta optimizer) for float16/32/64 on
-power-of-two worlds (algorithms/adasum.py).
-
-Elastic training (`hvd.elastic.run`, `TorchState`, `ElasticSampler`) works under shmcommrun --min-np/--max-np on one
-host (shmcomm/torch/elastic.py)."""
+CUDA tensors go through every collective, the asynchronous handles and DistributedOptimizer: over NCCL when each rank
+has a GPU of its own, through pinned host memory into the shared-memory collectives when ranks share one
+(algorithms/device.py); these paths have not yet run on a GPU. op=Adasum works in allreduce and DistributedOptimizer
+for float16/32/64 on power-of-two worlds (algorithms/adasum.py). Elastic training (`hvd.elastic.run`, `TorchState`,
+`ElasticSampler`: torch/elastic.py) works under shmcommrun --min-np/--max-np, on one host or across hosts."""
 import importlib as _importlib
 import importlib.util as _importlib_util
 

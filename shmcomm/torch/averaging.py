@@ -2,19 +2,11 @@
 """ElasticAveragingOptimizer: ShmCaffe's asynchronous (elastic averaging against a centre in a job-wide Soft Memory
 Box) and hybrid (synchronous inside a host, asynchronous between hosts) training, around any torch optimizer.
 
-    optimizer = hvd.ElasticAveragingOptimizer(optimizer, named_parameters=model.named_parameters(), alpha=0.2,
-                                              period=1, hybrid=False)
-
-Asynchronous: each rank steps on its own gradients; every `period` steps it exchanges with the centre
-(shmcomm/smb/averaging.py: x -= alpha (x - c), c += alpha (x - c), the read of c and its update one atomic box exchange)
-and never waits for another rank, so a slow rank slows only itself. Hybrid: gradients are averaged over the host's
-ranks every step (one blocking allreduce in the host's shared memory; a DistributedOptimizer where the job has one
-host), and every `period` steps the host's first rank exchanges with the centre for the host, then hands the
-parameters to the host's other ranks (through a box of the host).
-
-The parameters are moved into one flat buffer (each parameter's .data becomes a view of it), so that an exchange
-is one box exchange of the whole model. centre_state_dict() returns the centre as a state dict of the
-parameters, for evaluation and checkpoints (model.load_state_dict(..., strict=False))."""
+Asynchronous, each rank exchanges with the centre (shmcomm/smb/averaging.py) every `period` steps and never waits for
+another rank, so a slow rank slows only itself. Hybrid, the gradients are averaged over the host's ranks every step
+and the host's first rank exchanges for the host. The parameters are moved into one flat buffer (each parameter's
+.data becomes a view of it), so that an exchange is one box exchange of the whole model; centre_state_dict() returns
+the centre for evaluation and checkpoints (model.load_state_dict(..., strict=False))."""
 import collections
 
 import numpy as np

@@ -5,27 +5,28 @@ epochs, without restarting the job.
 Each rank keeps its per-pass batch; the optimizer accumulates more backward passes per step instead
 (DistributedOptimizer's backward_passes_per_step), so the global batch is size() * per-pass batch * passes. The
 learning rate follows the linear scaling rule (Goyal et al.): it is multiplied by new passes / old passes whenever
-the passes change, on top of whatever else sets it.
-
-    optimizer = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                         average_aggregated_gradients=True)
-    schedule = hvd.BatchSizeSchedule(optimizer, {0: 1, 30: 2, 60: 4})   # epoch -> passes per step
-    for epoch in range(90):
-        schedule.set_epoch(epoch)
-        for i, (x, y) in enumerate(loader):
-            loss_fn(model(x), y).backward()
-            if schedule.step_due(i):
-                optimizer.step()
-                optimizer.zero_grad()
-
-With average_aggregated_gradients=True the step's gradient is the mean over the whole global batch, which is what
-a single process computing that batch at once would get; without it (Horovod's default for PyTorch) it is the sum
-over the passes, and the learning rate then needs no scaling (scale_lr=False)."""
+the passes change, on top of whatever else sets it."""
 
 
 class BatchSizeSchedule:
     """`schedule`: {epoch: backward passes per step} (the entry for the latest epoch reached applies; epoch 0 must
-    be there). `scale_lr`: multiply every parameter group's learning rate by the ratio of passes at each change."""
+    be there). `scale_lr`: multiply every parameter group's learning rate by the ratio of passes at each change.
+
+    With average_aggregated_gradients=True the step's gradient is the mean over the whole global batch, which is what
+    a single process computing that batch at once would get; without it (Horovod's default for PyTorch) it is the sum
+    over the passes, and the learning rate then needs no scaling (scale_lr=False).
+
+        optimizer = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                             average_aggregated_gradients=True)
+        schedule = hvd.BatchSizeSchedule(optimizer, {0: 1, 30: 2, 60: 4})   # epoch -> passes per step
+        for epoch in range(90):
+            schedule.set_epoch(epoch)
+            for i, (x, y) in enumerate(loader):
+                loss_fn(model(x), y).backward()
+                if schedule.step_due(i):
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """
 
     def __init__(self, optimizer, schedule, scale_lr=True):
         if not hasattr(optimizer, "set_backward_passes_per_step"):

@@ -6,8 +6,7 @@
 
 DDP keeps its bucketing and its overlap of communication with backward; only the bytes travel through shmcomm
 (shared memory inside a host, the 2D torus across hosts). DDP still needs a torch.distributed process group (gloo)
-for its start-up broadcasts. `state` may be None (every rank) or a ProcessSet of the ranks that run this DDP model;
-any other state is ignored."""
+for its start-up broadcasts."""
 import itertools
 import threading
 
@@ -22,7 +21,9 @@ _lock = threading.Lock()
 
 
 def allreduce_hook(state, bucket):
-    """Starts the in-place Average allreduce of the bucket's flat gradient; returns a Future of the result."""
+    """Starts the in-place Average allreduce of the bucket's flat gradient; returns a Future of the result.
+    `state` may be None (every rank) or a ProcessSet of the ranks that run this DDP model; any other state is
+    ignored."""
     buffer = bucket.buffer()
     with _lock:
         call = next(_calls)

@@ -1,22 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Elastic training for PyTorch, Horovod's horovod.torch.elastic: run, TorchState, ElasticSampler.
-
-    import shmcomm.torch as hvd
-    hvd.init()
-    sampler = hvd.elastic.ElasticSampler(dataset)
-    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0)
-
-    @hvd.elastic.run
-    def train(state):
-        for state.epoch in range(state.epoch, epochs):
-            for i, batch in enumerate(state.sampler.batches(batch_size)):
-                ...one step on `batch` (a list of dataset indices; it may be empty at an epoch's end)...
-                state.sampler.record_batch(i, batch_size)
-                state.commit()
-            state.epoch += 1  # committed as the next epoch, as in Horovod's examples
-            state.sampler.set_epoch(state.epoch)
-            state.commit()
-    train(state)
+"""Elastic training for PyTorch, Horovod's horovod.torch.elastic: run, TorchState, ElasticSampler (run shows them).
 
 Run it with shmcommrun --min-np/--max-np (and --host-discovery-script): the launcher replaces workers that die and
 adds those the script makes room for (runner/elastic.py); shmcomm/elastic.py says what happens on each rank."""
@@ -52,7 +35,25 @@ def _reset():
 
 def run(func):
     """Horovod's decorator: func(state, ...) runs until it returns, re-forming the world whenever a worker is lost
-    (rolling back to state's last commit) or added (at the next commit)."""
+    (rolling back to state's last commit) or added (at the next commit).
+
+        import shmcomm.torch as hvd
+        hvd.init()
+        sampler = hvd.elastic.ElasticSampler(dataset)
+        state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0)
+
+        @hvd.elastic.run
+        def train(state):
+            for state.epoch in range(state.epoch, epochs):
+                for i, batch in enumerate(state.sampler.batches(batch_size)):
+                    ...one step on `batch` (a list of dataset indices; it may be empty at an epoch's end)...
+                    state.sampler.record_batch(i, batch_size)
+                    state.commit()
+                state.epoch += 1  # committed as the next epoch, as in Horovod's examples
+                state.sampler.set_epoch(state.epoch)
+                state.commit()
+        train(state)
+    """
     return run_fn(func, _reset)
 
 

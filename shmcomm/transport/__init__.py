@@ -2,46 +2,28 @@
 """Transports: how bytes move between the ranks of one communicator. The algorithms (shmcomm/algorithms/) compose
 them; nothing above this package calls the C core's communication functions or MPI directly.
 
-Two transports exist today:
-- `shm.SharedMemory`: the ranks of one host (or a subset: a process set, a logical grid's row or column) meet in one
-  shared-memory segment owned by the C core. Its collectives are steps over that segment; it also owns the doorbells
-  the engine sleeps on and the Soft Memory Box arena (`box.py`).
-- `mpi.Mpi`: the ranks of an MPI communicator (one rank per host in a torus column, or the whole world), with a
-  deadline on every wait that MPI itself would leave unbounded.
-
-Both offer the interface below (`Transport`), in the units of the C core: pointers, element counts and dtype codes
-(vocabulary/dtypes.py), byte counts, a 64-bit `tag` that every rank must pass equal (a digest of the collective's
-description, vocabulary/description.py) and `what`, how errors name the call. Failures raise the exceptions of
-shmcomm.vocabulary.exceptions; a transport that can no longer be trusted raises BrokenCommunicatorError for every later
-collective.
-
-    rank, size, ranks             this process's index, the member count, the members' job ranks
-    allreduce(src, dst, count, dtype, op, prescale, postscale, divisor, tag, what)
-    reducescatter(src, dst, counts, dtype, op, prescale, postscale, divisor, tag, what)
-    broadcast(src, dst, nbytes, root, tag, what)
-    allgatherv(src, nbytes, dst, sizes, tag, what)
-    alltoallv(src, send_sizes, dst, recv_sizes, tag, what)
-    barrier(what)
-    allgather_bytes(payload)      every rank's bytes object (the engine's negotiation, within the deadline)
-    failed_ranks()                job ranks known to be dead (liveness; MPI knows none)
-    set_spin(spin_us), close()
-
-`SharedMemory` adds the doorbells the engine sleeps on (doorbell(), ring_doorbell(everyone), wait_doorbell(seen,
-timeout_s)); other hosts are not in its segment, so across hosts the engine cycles on its timer. `Mpi` adds
-point-to-point (`exchange`, `sendrecv`) for the agreement's recursive doubling and for rings; the shared memory needs
-none, since every rank reads its peers' slots directly.
-
-A third, `nccl.NcclComm`, moves device memory and does not take this interface: NCCL's calls enqueue on a CUDA
-stream and return, so its collectives take device pointers and a stream, and a separate bounded wait
-(`NcclComm.wait`: ncclCommGetAsyncError polled to the deadline and against the host transport's liveness, then
-ncclCommAbort) ends each piece of work. Its communicator is built from a unique id that the host transport's
-`allgather_bytes` distributes, and it is split into the 2D torus's rows and columns (ncclCommSplit).
-algorithms/device.py composes it, and the host transports for GPUs that ranks share."""
+`shm.SharedMemory` joins the ranks of one host (or a subset: a process set, a logical grid's row or column) in one
+shared-memory segment owned by the C core; `mpi.Mpi` the ranks of an MPI communicator, with a deadline on every wait
+that MPI itself would leave unbounded; `tcp.Tcp` those of an elastic world across hosts. All offer the `Transport`
+interface. `nccl.NcclComm` moves device memory and does not: its calls enqueue on a CUDA stream and return
+(algorithms/device.py composes it with a host transport)."""
 import abc
 
 
 class Transport(abc.ABC):
-    """The interface every transport offers; see the module docstring. Subclasses set rank, size and ranks."""
+    """The interface every transport offers. Subclasses set rank (this process's index), size (the member count) and
+    ranks (the members' job ranks).
+
+    Arguments are in the units of the C core: pointers, element counts and dtype codes (vocabulary/dtypes.py), byte
+    counts, a 64-bit `tag` that every rank must pass equal (a digest of the collective's description,
+    vocabulary/description.py) and `what`, how errors name the call. Failures raise the exceptions of
+    shmcomm.vocabulary.exceptions; a transport that can no longer be trusted raises BrokenCommunicatorError for every
+    later collective.
+
+    `SharedMemory` adds the doorbells the engine sleeps on (doorbell(), ring_doorbell(everyone), wait_doorbell(seen,
+    timeout_s)) and the Soft Memory Box arena; other hosts are not in its segment, so across hosts the engine cycles
+    on its timer. `Mpi` adds point-to-point (`exchange`, `sendrecv`) for the agreement's recursive doubling and for
+    rings; the shared memory needs none, since every rank reads its peers' slots directly."""
 
     rank = 0
     size = 1
@@ -77,6 +59,7 @@ class Transport(abc.ABC):
         """Every rank's bytes object, in rank order, within the deadline."""
 
     def failed_ranks(self):
+        """Job ranks known to be dead (liveness; MPI knows none)."""
         return []
 
     def set_spin(self, spin_us, yield_us):

@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The agreement's rounds across hosts in C (csrc/mpi/crossing.c), built on first use with the MPI wheel's mpicc.
 
-Why C: a small cross-host collective is one exchange of MPI's per round, and the Python and mpi4py layers around
-each exchange (posting it, waiting for it under a watchdog, merging the headers, reducing the data) cost about as
-much as the exchange itself (benchmarks/RESULTS.md, "Small collectives across hosts, taken apart"). The module
-calls MPI directly on the communicator mpi4py holds (mpi4py.MPI._addressof), and the core's smc_reduce by address.
-The core itself stays free of MPI; the module is built like shmcomm.jax's handler: once per machine into a cache
-directory (SHMCOMM_CROSSING_BUILD_DIR, default ~/.cache/shmcomm/crossing), keyed by its sources and the compiler.
-
-Where it cannot be built or loaded (no mpicc beside the interpreter or on PATH, no C compiler, a module built for
-another MPI than the one mpi4py loaded), or with SHMCOMM_MPI_CROSSING=0, the agreement runs its rounds in Python,
-with the same rules and the same deadline."""
+A small cross-host collective is one MPI exchange per round, and the Python and mpi4py layers around each exchange
+cost about as much as the exchange itself. So the module calls MPI directly on the communicator mpi4py holds
+(mpi4py.MPI._addressof), and the core's smc_reduce by address; the core itself stays free of MPI. Where the module
+cannot be built or loaded (load()), or with SHMCOMM_MPI_CROSSING=0, the agreement runs its rounds in Python, with
+the same rules and the same deadline."""
 import hashlib
 import logging
 import os
@@ -101,7 +96,10 @@ def _load():
 
 def load():
     """(ffi, lib) of the compiled module, built first if needed; None where it cannot be had (said once, at debug
-    level: the Python rounds are the fallback, not an error)."""
+    level: the Python rounds are the fallback, not an error): no mpicc beside the interpreter or on PATH, no C
+    compiler, or a module built for another MPI than the one mpi4py loaded. It is built like shmcomm.jax's handler,
+    once per machine into a cache directory (SHMCOMM_CROSSING_BUILD_DIR, default ~/.cache/shmcomm/crossing), keyed by
+    its sources and the compiler."""
     global _loaded
     if _loaded is None:
         if not env.mpi_crossing():

@@ -2,19 +2,10 @@
 """The CUDA kernels of csrc/cuda/kernels.cu (scaling, batched copies for fusion), compiled with nvcc on first use.
 
 Only what torch does not already do in one kernel: unpacking a fusion buffer into N tensors is N copy kernels in
-torch and one launch here (per 64 tensors); the scaling computes 16-bit floats in float32 in the same pass. (An
-fp16/bf16 conversion kernel would not pay: torch's .to() is already one kernel.)
-
-Why on first use, and not at install: most machines that install shmcomm have no nvcc (and installs must stay as
-fast as they are), and the GPU to compile for is known only where the kernels run. So the first CUDA collective
-that can use them compiles the source with nvcc (a few seconds) into SHMCOMM_CUDA_BUILD_DIR (default
-~/.cache/shmcomm/cuda-kernels), keyed by the source, nvcc's version and the target architectures, under the lock of
-build_cache.py so that a job's ranks build once. The runtime is linked statically (-cudart static), so the library
-needs only the driver. Without nvcc, `load()` returns None and callers use torch's own operations for the same
-steps; `unavailable()` says why.
-
-Architectures: SHMCOMM_CUDA_ARCHS (e.g. "90" or "80;90"), else the given device's compute capability; PTX for the
-first one is included as well, so that newer GPUs can JIT it."""
+torch and one launch here (per 64 tensors); the scaling computes 16-bit floats in float32 in the same pass. They are
+compiled on first use, not at install, because most machines that install shmcomm have no nvcc and the GPU to compile
+for is known only where the kernels run. Without nvcc, `load()` returns None and callers use torch's own operations
+for the same steps; `unavailable()` says why."""
 import ctypes
 import hashlib
 import os
@@ -51,8 +42,9 @@ def nvcc():
 
 
 def archs(capability=None):
-    """The architectures to compile for, as numbers ("90"): SHMCOMM_CUDA_ARCHS, else `capability` (major, minor),
-    else 75 (the oldest CUDA 13 supports, as PTX that newer GPUs compile when they load it)."""
+    """The architectures to compile for, as numbers ("90"): SHMCOMM_CUDA_ARCHS (e.g. "90" or "80;90"), else
+    `capability` (major, minor), else 75 (the oldest CUDA 13 supports, as PTX that newer GPUs compile when they load
+    it)."""
     chosen = env.cuda_archs()
     if chosen:
         return chosen
@@ -62,7 +54,8 @@ def archs(capability=None):
 
 
 def command(compiler, src, out, arch_list):
-    """nvcc's command line: SASS for each architecture and PTX for the first."""
+    """nvcc's command line: SASS for each architecture and PTX for the first, so that newer GPUs can JIT it. The
+    runtime is linked statically (-cudart static), so the library needs only the driver."""
     gencode = ["-gencode=arch=compute_%s,code=sm_%s" % (a, a) for a in arch_list]
     gencode.append("-gencode=arch=compute_%s,code=compute_%s" % (arch_list[0], arch_list[0]))
     return [compiler, "-O3", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static", *gencode, "-o", str(out),
@@ -77,7 +70,9 @@ def _key(compiler, src, arch_list):
 
 def build(arch_list):
     """The path of the compiled library (building it if needed). Raises RuntimeError with nvcc's words when the
-    compilation fails, FileNotFoundError without nvcc or the source."""
+    compilation fails, FileNotFoundError without nvcc or the source. It is built into SHMCOMM_CUDA_BUILD_DIR (default
+    ~/.cache/shmcomm/cuda-kernels), keyed by the source, nvcc's version and the target architectures, under the lock
+    of build_cache.py so that a job's ranks build once."""
     compiler, src = nvcc(), source()
     if compiler is None:
         raise FileNotFoundError("nvcc was not found (set CUDA_HOME or put nvcc on PATH)")

@@ -7,7 +7,7 @@ import weakref
 
 _WATCH_PERIOD_S = 0.1
 _CLOSE_POLL_S = 0.01  # how long poll() polls before it sleeps
-_FINE_WAIT_S = 0.2  # how long wait_all() sleeps at most 1 ms at a time before it sleeps up to 10 ms
+_FINE_WAIT_S = 0.2  # how long wait_all() keeps its sleeps short (up to 1e-3 s) before they may grow to 1e-2 s
 
 
 class Watchdog:
@@ -99,10 +99,10 @@ def wait_all(requests, deadline, late):
     caller's communicator is then unusable)."""
     from mpi4py import MPI
 
-    # Sleeps of at most 1 ms for the first _FINE_WAIT_S, then of at most 10 ms. With more ranks than cores, a peer's
-    # answer is often a few scheduler slices away; a sleep of up to 10 ms each time overshot it: synchronous training
-    # on 2 simulated hosts x 2 ranks sharing 2 cores stepped at 20-27 steps/s, at 35-41 with 1 ms sleeps. Longer
-    # waits (a rank idle until its peers' next step) go back to 10 ms, so that they cost next to nothing.
+    # Short sleeps (up to 1e-3 s) for the first _FINE_WAIT_S, then up to 1e-2 s. With more ranks than cores, a peer's
+    # answer is often a few scheduler slices away, and the longer sleep each time overshot it, which slowed
+    # synchronous training. Longer waits (a rank idle until its peers' next step) go back to the longer sleep, so that
+    # they cost next to nothing.
     pause, fine_until = 1e-4, time.monotonic() + _FINE_WAIT_S
     while not MPI.Request.Testall(requests):
         now = time.monotonic()

@@ -2,19 +2,10 @@
 """The MPI transport: the ranks of an MPI communicator (mpi4py on numpy views of the tensors' memory).
 
 MPI checks no arguments and has no timeouts. The arguments are the algorithms' business: they run the agreement
-(algorithms/agreement.py) before they hand a collective to this transport, so `tag` is not checked here. The
-timeouts are this module's: every wait that can outlast a peer that stopped (the agreement's exchanges, the
-engine's negotiation, a barrier) has the deadline of SHMCOMM_TIMEOUT (deadline.py), and a transport whose wait was
-abandoned refuses every later collective (BrokenCommunicatorError), since its messages are out of step from then
-on. The data phases after a successful agreement (allreduce, reduce-scatter, broadcast, allgatherv, alltoallv, the
-ring's steps) are MPI's nonblocking collectives, waited for as MPI's blocking calls would (spinning, yielding the core)
-but only until the same deadline: every rank has arrived by then, but one stopped mid-way (SIGSTOP, a debugger, a
-hung thread holding the GIL) would otherwise hold the others in MPI for ever. (The communicator then names the
-ranks holding the job up: rollcall.py.)
-
-MPI has no 16-bit float reductions, so float16 and bfloat16 are widened to float32, scaled and reduced there, and
-rounded back once (kernels.widened). Scale factors use the core's kernels, so they follow the same rules as
-everywhere else."""
+(algorithms/agreement.py) before they hand a collective to this transport, so `tag` is not checked here. The timeouts
+are this module's: every wait that can outlast a peer that stopped has the deadline of SHMCOMM_TIMEOUT (deadline.py),
+and a transport whose wait was abandoned refuses every later collective (BrokenCommunicatorError), since its messages
+are out of step from then on."""
 import itertools
 import time
 
@@ -44,7 +35,15 @@ def choose_thread_level(serialized):
 
 
 class Mpi(Transport):
-    """A transport over the MPI communicator `comm`; `ranks` are its members' job ranks (MPI.COMM_WORLD's)."""
+    """A transport over the MPI communicator `comm`; `ranks` are its members' job ranks (MPI.COMM_WORLD's).
+
+    The deadline bounds the agreement's exchanges, the engine's negotiation and barriers, and also the data phases
+    after a successful agreement (allreduce, reduce-scatter, broadcast, allgatherv, alltoallv, the ring's steps):
+    these are MPI's nonblocking collectives, waited for as MPI's blocking calls would (spinning, yielding the core).
+    Every rank has arrived by then, but one stopped mid-way (SIGSTOP, a debugger, a hung thread holding the GIL) would
+    otherwise hold the others in MPI for ever; the communicator then names the ranks holding the job up (rollcall.py).
+    MPI has no 16-bit float reductions, so float16 and bfloat16 are widened to float32, scaled and reduced there, and
+    rounded back once (kernels.widened); scale factors use the core's kernels, as everywhere else."""
 
     def __init__(self, comm, timeout_s, what="across hosts"):
         from mpi4py import MPI

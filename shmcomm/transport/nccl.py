@@ -4,22 +4,8 @@
 It speaks in device pointers (ints), element counts, NCCL's dtype and op names (nccl_library.DTYPES, OPS) and CUDA
 stream handles (ints: torch's `stream.cuda_stream`), so that nothing here needs torch or the CUDA runtime; whoever
 calls it makes the communicator's device current first (NCCL takes the calling thread's current device when a
-communicator is created).
-
-Lifecycle, as NCCL documents it:
-- `NcclComm.create(unique_id, rank, size, ...)`: every rank calls ncclCommInitRank with the 128-byte id that rank 0
-  drew (`nccl_library.NcclLibrary.unique_id()`) and the host transport handed to the others;
-- `split(color, key)`: ncclCommSplit, collective over the parent, for the 2D torus's rows and columns;
-- collectives enqueue and return at once (the communicator is a blocking one: a call returns when the work is
-  enqueued); `group()` wraps several in ncclGroupStart/ncclGroupEnd (send/recv pairs must be grouped);
-- `wait(done, what)`: polls `done()` (the caller's CUDA event query) and ncclCommGetAsyncError until the work is done,
-  an asynchronous error appears or SHMCOMM_TIMEOUT passes; on error or timeout it calls ncclCommAbort (which also
-  frees the kernels blocked on a dead peer) and raises an error naming the call and the ranks;
-- `close()`: ncclCommAbort, which never waits for peers (ncclCommDestroy may).
-
-Communicator creation and split block inside NCCL until every rank has called them; they run in a helper thread, so
-that a rank that never comes makes the others raise after the deadline instead of hanging (the helper thread is left
-blocked; the job is expected to stop)."""
+communicator is created). It does not take the host transports' interface: NCCL's calls enqueue and return, so each
+piece of work ends with a separate bounded wait (NcclComm.wait)."""
 import contextlib
 import threading
 import time
@@ -59,7 +45,8 @@ def wait_for(done, async_error, timeout_s, failed_ranks=None, clock=time.monoton
 def _bounded(call, timeout_s, what, ranks, on_thread=None):
     """Runs a blocking NCCL call (communicator creation or split) in a helper thread, after `on_thread()` there (the
     caller makes its device current with it: CUDA's current device is per thread); its result code, or TimeoutError
-    naming the ranks after `timeout_s`."""
+    naming the ranks after `timeout_s`, so that a rank that never comes makes the others raise instead of hanging.
+    The helper thread is then left blocked; the job is expected to stop."""
     outcome = {}
 
     def run():
@@ -87,7 +74,14 @@ def _ranks_text(ranks):
 
 class NcclComm:
     """One NCCL communicator. `ranks`: the job ranks it holds, in its rank order (for messages); `failed_ranks`:
-    the host transport's liveness (job ranks known dead), consulted while a wait lasts."""
+    the host transport's liveness (job ranks known dead), consulted while a wait lasts.
+
+    Its life, as NCCL documents it: create() with the id that rank 0 drew and the host transport handed to the
+    others; split() for the 2D torus's rows and columns; collectives that enqueue and return at once (the
+    communicator is a blocking one: a call returns when the work is enqueued), in group() where they must launch
+    together; wait() for each piece of work; close(): ncclCommAbort, which never waits for peers (ncclCommDestroy
+    may). Creation and split block inside NCCL until every rank has called them, so they run in a helper thread with
+    the deadline (_bounded)."""
 
     def __init__(self, library, handle, rank, ranks, timeout_s, failed_ranks=None, on_thread=None):
         self.library = library
@@ -102,8 +96,9 @@ class NcclComm:
 
     @classmethod
     def create(cls, unique_id, rank, ranks, timeout_s, failed_ranks=None, library=None, on_thread=None):
-        """Every rank of `ranks` calls this with the same `unique_id` (bytes, 128) and its own `rank` (an index in
-        `ranks`). `on_thread()` makes the rank's device current in the thread that calls NCCL."""
+        """ncclCommInitRank: every rank of `ranks` calls this with the same `unique_id` (bytes, 128: rank 0's
+        nccl_library.NcclLibrary.unique_id(), which the host transport's `allgather_bytes` distributes) and its own
+        `rank` (an index in `ranks`). `on_thread()` makes the rank's device current in the thread that calls NCCL."""
         library = library or load()
         ffi, lib = library.ffi, library.lib
         if len(unique_id) != ffi.sizeof("ncclUniqueId"):
@@ -205,8 +200,8 @@ class NcclComm:
         raise error
 
     def abort(self):
-        """ncclCommAbort: stops this rank's outstanding NCCL work and frees the communicator; never waits for
-        peers."""
+        """ncclCommAbort: stops this rank's outstanding NCCL work (kernels blocked on a dead peer included) and frees
+        the communicator; never waits for peers."""
         if self.handle is not None:
             handle, self.handle = self.handle, None
             self.library.lib.ncclCommAbort(handle)

@@ -1,15 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """NCCL, found and bound at run time: shmcomm never compiles or links against it.
 
-`load()` looks for `libnccl.so.2`, in this order:
-1. SHMCOMM_NCCL_LIBRARY, a path (an error if it is set and does not load: the user asked for that file);
-2. the `nvidia-nccl-cu13` and `nvidia-nccl-cu12` wheels (GPU builds of torch bring one of them), found through the
-   wheel's own file list so that a change of layout inside the wheel does not lose it;
-3. a copy already mapped into this process (torch loads its NCCL when torch.distributed starts);
-4. the dynamic loader's search path (a system install).
-It binds the calls shmcomm uses through cffi's ABI mode (no compiler, no headers) and checks the version. Everything
-here runs without a GPU: the version, the error strings and a unique id need none; communicators and collectives
-need a device."""
+`load()` looks for `libnccl.so.2` (find() says where), binds the calls shmcomm uses through cffi's ABI mode (no
+compiler, no headers) and checks the version. Everything here runs without a GPU: the version, the error strings and
+a unique id need none; communicators and collectives need a device."""
 import ctypes.util
 import functools
 import importlib.metadata
@@ -84,7 +78,7 @@ def version_tuple(code):
 
 
 class NcclLibrary:
-    """One loaded libnccl: `path`, `found_by` (which of the places above), `version` and the bound calls.
+    """One loaded libnccl: `path`, `found_by` (which of the places find() looks in), `version` and the bound calls.
 
     `check(result, what, comm=None)` turns a non-zero ncclResult_t into NcclError with NCCL's own words (its last
     error message where it has one)."""
@@ -161,7 +155,12 @@ def _on_loader_path():
 
 
 def find():
-    """(path, found_by) of the library `load()` would take, or None; SHMCOMM_NCCL_LIBRARY wins when set."""
+    """(path, found_by) of the library `load()` would take, or None. In this order:
+    1. SHMCOMM_NCCL_LIBRARY, a path (an error if it is set and does not load: the user asked for that file);
+    2. the `nvidia-nccl-cu13` and `nvidia-nccl-cu12` wheels (GPU builds of torch bring one of them), found through the
+       wheel's own file list so that a change of layout inside the wheel does not lose it;
+    3. a copy already mapped into this process (torch loads its NCCL when torch.distributed starts);
+    4. the dynamic loader's search path (a system install)."""
     chosen = env.nccl_library()
     if chosen:
         return chosen, SETTING

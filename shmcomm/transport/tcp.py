@@ -2,18 +2,11 @@
 """The TCP transport: the ranks of an elastic world that spans hosts, one TCP connection between every two ranks.
 
 An elastic job cannot take its cross-host transport from MPI: an MPI world cannot lose a process and go on, nor take
-new ones in. Its worlds are formed anew at every membership (membership.py), from the addresses the workers gave the
-launcher; each world's ranks connect to each other here (connect_mesh) and close the connections when the world is
-left. A peer that dies closes its connections: the survivors' next wait on it raises RankFailure naming it at
-once, which is what lets the elastic loop roll back and re-form. Every wait has the deadline of SHMCOMM_TIMEOUT;
-a transport whose wait failed refuses every later call (BrokenCommunicatorError), its streams being out of step.
-
-Every message is framed (8 bytes of length, then the bytes), and every call moves at most one message each way
-between two ranks, all of them at once (a selector over non-blocking sockets), so that no rank waits on a peer that
-waits to send. The collectives are direct: allgather and alltoall send to every peer; allreduce and reduce-scatter
-send each rank its share, which it reduces in rank order (the same bits wherever it runs), then the shares are
-gathered. Fewer messages than a ring, and fine for the few hosts elastic worlds span; MPI's job (shmcommrun -H)
-remains the path for fixed worlds. It offers the MPI transport's interface (mpi.py), so the algorithms use it alike."""
+new ones in. Its worlds are formed anew at every membership (membership.py), and each world's ranks connect to each
+other here (connect_mesh) and close the connections when the world is left. A peer that dies closes its connections,
+so the survivors' next wait on it raises RankFailure naming it at once, which lets the elastic loop roll back and
+re-form. It offers the MPI transport's interface (mpi.py), so the algorithms use it alike; MPI's job (shmcommrun -H)
+remains the path for fixed worlds."""
 import selectors
 import socket
 import struct
@@ -123,7 +116,15 @@ class _Incoming:
 
 class Tcp(Transport):
     """A transport over the connections `sockets` ({peer index: socket}) of rank `rank` among `ranks` (job ranks);
-    `hosts` names each rank's host, for the errors."""
+    `hosts` names each rank's host, for the errors.
+
+    Every wait has the deadline of SHMCOMM_TIMEOUT; a transport whose wait failed refuses every later call
+    (BrokenCommunicatorError), its streams being out of step. Every message is framed (8 bytes of length, then the
+    bytes), and every call moves at most one message each way between two ranks, all of them at once (a selector
+    over non-blocking sockets), so that no rank waits on a peer that waits to send. The collectives are direct:
+    allgather and alltoall send to every peer; allreduce and reduce-scatter send each rank its share, which it reduces
+    in rank order (the same bits wherever it runs), then the shares are gathered. That is fewer messages than a ring,
+    and fine for the few hosts elastic worlds span."""
 
     def __init__(self, sockets, rank, ranks, hosts, timeout_s, what="across hosts"):
         self.sockets, self.rank, self.ranks, self.size = sockets, rank, list(ranks), len(ranks)
