@@ -242,6 +242,43 @@ def test_a_dead_rank_is_named_before_a_rank_that_left_after_it():
     assert "died" in results[2][1][1], results
 
 
+def _lock_holder_stuck(done, left):
+    import shmcomm
+
+    shmcomm.init()
+    me = shmcomm.rank()
+    box = shmcomm.SoftMemoryBox("held", shape=(4,), create=None)
+    shmcomm.barrier()
+    try:
+        if me == 1:  # takes the lock and is stuck holding it
+            with box.locked():
+                assert done.wait(60)
+            return "stuck"
+        if me == 0:  # gives up on the lock, naming its holder, and leaves
+            time.sleep(0.3)
+            with pytest.raises(shmcomm.TimeoutError, match="rank 1 .*holds it"):
+                box.lock(timeout=0.5)
+            shmcomm.shutdown()
+            left.set()
+            return "left"
+        assert left.wait(60)
+        with pytest.raises(shmcomm.RankFailure) as info:
+            shmcomm.barrier()
+        return info.value.rank, str(info.value)
+    finally:
+        if me != 1:
+            done.set()
+
+
+def test_a_rank_that_gave_up_on_a_stuck_rank_and_left_points_to_the_stuck_one():
+    """Rank 1 holds a box lock and is stuck; rank 0 gives up on the lock, naming rank 1, and leaves; rank 2, waiting
+    in a barrier, finds rank 0 gone and names rank 1, the cause, not rank 0 (a chaos run: SIGSTOP in a box lock)."""
+    results = multiproc.run(3, _lock_holder_stuck, multiproc.Event(), multiproc.Event(), env={"SHMCOMM_TIMEOUT": "30"})
+    assert results[:2] == ["left", "stuck"], results
+    rank, text = results[2]
+    assert rank == 1 and "rank 1 (pid" in text and "rank 0 (pid" in text and "gave up waiting" in text, results
+
+
 def _stuck_peer(done):
     import shmcomm
 

@@ -82,6 +82,8 @@ static inline uint8_t* smc_half(smc_comm_t* c, int r) {
 /* liveness.c: SMC_SUCCESS while rank r is attached and alive; otherwise SMC_ERR_RANK_FAILED with a text and failure
  * data naming it. */
 smc_result_t smc_peer_check(smc_comm_t* c, int r, const char* what);
+/* This rank gave up waiting for rank r (a timeout naming it): a peer that finds this rank gone names r instead. */
+void smc_comm_blame(smc_comm_t* c, int r);
 
 /* step.c: the building blocks of every collective. A collective is a series of steps; in a step each rank writes
  * into its current half (smc_half), all ranks synchronise (smc_sync; more than once if the step has phases), each

@@ -45,7 +45,12 @@ smc_result_t smc_peer_check(smc_comm_t* c, int r, const char* what) {
    * dead rank, the cause, where there is one (a rank killed in init otherwise came out as a survivor's shutdown). */
   for (int o = 0; o < c->size; o++)
     if (o != c->rank && o != r && gone(c, o, &err) == 1) return died(c, o, what);
-  const int job_rank = smc_job_rank(c, r);
+  /* Or it gave up on a rank that is stuck (stopped, or holding a box lock): name that one, as the peer did. */
+  const int job_rank = smc_job_rank(c, r), blamed = atomic_load(&c->ctl[r].blamed) - 1;
+  if (blamed >= 0 && blamed < c->size && blamed != c->rank && blamed != r)
+    return smc_set_peer_error(SMC_ERR_RANK_FAILED, smc_job_rank(c, blamed), SMC_FIELD_NONE,
+                              "%s: rank %d (pid %d) is stuck or gone: rank %d (pid %d) gave up waiting for it and left",
+                              what, smc_job_rank(c, blamed), (int)c->ctl[blamed].pid, job_rank, (int)c->ctl[r].pid);
   return smc_set_peer_error(SMC_ERR_RANK_FAILED, job_rank, SMC_FIELD_NONE, "%s: rank %d (pid %d) %s", what, job_rank,
                             (int)c->ctl[r].pid, atomic_load(&c->ctl[r].failed) ? "failed" :
                             "has shut down; the ranks did not call the same collectives");

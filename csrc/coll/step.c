@@ -60,6 +60,7 @@ smc_result_t smc_sync(smc_comm_t* c, const char* what) {
         if (o != c->rank && (int32_t)(atomic_load(&c->ctl[o].seq) - target) < 0)
           used += (size_t)snprintf(others + used, sizeof(others) - used, " and rank %d (pid %d)", smc_job_rank(c, o),
                                    (int)c->ctl[o].pid);
+      smc_comm_blame(c, r);
       rc = smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, r), SMC_FIELD_NONE,
                               "%s: timed out after %.0f s waiting for rank %d (pid %d, alive)%s: it is stuck, or it "
                               "called a different collective (SHMCOMM_TIMEOUT sets the limit)",

@@ -249,10 +249,12 @@ smc_result_t smc_box_lock(smc_box_t* b, double timeout_s) {
   smc_result_t rc = lock_robust_as(&e->lock, timeout_s, e->name, &recovered);
   if (rc == SMC_ERR_TIMEOUT) {
     int holder = e->holder; /* read without the lock: only for the message */
-    if (holder >= 0 && holder < c->size)
+    if (holder >= 0 && holder < c->size) {
+      smc_comm_blame(c, holder);
       return smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, holder), SMC_FIELD_NONE,
                                 "box '%s': lock not obtained within %.1f s: rank %d (pid %d) holds it", e->name,
                                 timeout_s, smc_job_rank(c, holder), (int)c->ctl[holder].pid);
+    }
   }
   if (rc != SMC_SUCCESS) return rc;
   int tid = (int)syscall(SYS_gettid);

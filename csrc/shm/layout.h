@@ -16,7 +16,7 @@
 #define SMC_CACHE_LINE 64
 #define SMC_PAGE 4096
 #define SMC_MAGIC 0x31474553434d53ULL /* "SMCSEG1" */
-#define SMC_LAYOUT_VERSION 5
+#define SMC_LAYOUT_VERSION 6
 #define SMC_MAX_RANKS 1024
 #define SMC_MAX_BOXES 256
 #define SMC_BOX_NAME_MAX 64
@@ -70,6 +70,7 @@ typedef struct {
   _Atomic uint32_t dead;     /* set by the first peer that saw the owner die */
   _Atomic uint32_t departed; /* set by the owner on a clean shutdown */
   _Atomic uint32_t failed;   /* set by the owner that leaves because of an error of its own */
+  _Atomic int32_t blamed;    /* set by the owner: 1 + the rank its last failed wait was for (smc_comm_blame), or 0 */
   pthread_mutex_t alive;
   /* Line 3: the owner's doorbell: its engine sleeps on it between cycles; rung by itself or by any rank. */
   _Atomic uint32_t bell __attribute__((aligned(SMC_CACHE_LINE)));
