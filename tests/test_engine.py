@@ -230,6 +230,37 @@ def test_join_contributes_zeros_and_returns_the_last_rank():
     assert results[2][0] == [1.0] * 4  # only rank 2 left
 
 
+def _results_freed_at_once():
+    import gc
+    import weakref
+
+    import shmcomm
+
+    shmcomm.init(engine=True)
+    gc.disable()  # what only the cyclic collector frees stays alive meanwhile
+    try:
+        alive = []
+        for i, submit in enumerate([lambda x: shmcomm.allreduce_async(x, op=shmcomm.Sum, name="a"),
+                                    lambda x: shmcomm.broadcast_async(x, root_rank=0, name="b"),
+                                    lambda x: shmcomm.allgather_async(x, name="g"),
+                                    lambda x: shmcomm.alltoall_async(x, name="t")]):
+            x = np.ones(shmcomm.size() * 4, np.float32)
+            out = shmcomm.synchronize(submit(x))
+            results, sent = weakref.ref(out), weakref.ref(x)
+            del out, x
+            alive.append((i, results() is not None, sent() is not None))
+        return alive
+    finally:
+        gc.enable()
+
+
+def test_an_asynchronous_result_is_freed_once_the_caller_drops_it():
+    # A handle and its request pointing at each other made cyclic garbage that held a result, possibly a large
+    # tensor, until the collector's next full pass.
+    for alive in multiproc.run(2, _results_freed_at_once, timeout=60):
+        assert alive == [(i, False, False) for i in range(4)]
+
+
 def test_join_needs_the_engine():
     def body():
         import shmcomm

@@ -150,8 +150,13 @@ def finish(outcomes):
     with _completed:
         for handle, result, error in outcomes:
             handle._result, handle._error, handle.finished = result, error, now
-            if handle.request is not None and error is None:
-                handle.request.tensor = handle.request.buffer = None  # the caller holds what it needs
+            if handle.request is not None:
+                # The request and its handle point at each other until now: undone, the pair would be cyclic
+                # garbage, and keep the result alive until the collector's next full pass.
+                handle.request.handle = None
+                if error is None:
+                    handle.request.tensor = handle.request.buffer = None  # the caller holds what it needs
+            handle.wake = None
             handle.done = True
             if handle._callbacks:
                 callbacks.append(handle)
