@@ -274,10 +274,6 @@ void smc_comm_mark_failed(smc_comm_t* c) {
   if (c != NULL && c->holds_alive) atomic_store(&c->ctl[c->rank].failed, 1);
 }
 
-void smc_comm_blame(smc_comm_t* c, int r) {
-  if (r >= 0 && r < c->size && r != c->rank) atomic_store(&c->ctl[c->rank].blamed, r + 1);
-}
-
 static void ring_one(smc_rank_ctl_t* r) {
   atomic_fetch_add(&r->bell, 1);
   if (atomic_load(&r->bell_sleepers) != 0) smc_futex_wake_all(&r->bell);

@@ -55,3 +55,8 @@ smc_result_t smc_peer_check(smc_comm_t* c, int r, const char* what) {
                             (int)c->ctl[r].pid, atomic_load(&c->ctl[r].failed) ? "failed" :
                             "has shut down; the ranks did not call the same collectives");
 }
+
+/* Names r as the rank this one gave up waiting for: a peer that then finds this one departed names r instead. */
+void smc_comm_blame(smc_comm_t* c, int r) {
+  if (r >= 0 && r < c->size && r != c->rank) atomic_store(&c->ctl[c->rank].blamed, r + 1);
+}

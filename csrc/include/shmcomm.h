@@ -242,7 +242,7 @@ void smc_window_drop(smc_window_t* window);
 /* How many collectives of this communicator read and wrote shared buffers directly; for logs and tests. */
 uint64_t smc_comm_shared_calls(smc_comm_t* comm);
 
-/* ---- Soft Memory Box (csrc/shm/box.c): named typed buffers in the job arena ---- */
+/* ---- Soft Memory Box (csrc/coll/box.c): named typed buffers in the job arena ---- */
 /* Creates a box of `count` elements, zero-filled. exist_ok: attach instead when one of that name, dtype and count
  * exists. */
 smc_result_t smc_box_create(smc_comm_t* comm, const char* name, size_t count, smc_datatype_t dtype, int exist_ok,

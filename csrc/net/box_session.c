@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* One connection of the box server (net/box_session.h): what it opened (its box, the boxes whose versions it bumps
- * after an operation, the box lock it holds) and each request applied with the box calls of csrc/shm/box.c. */
+ * after an operation, the box lock it holds) and each request applied with the box calls of csrc/coll/box.c. */
 #define _GNU_SOURCE
 #include "net/box_session.h"
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Soft Memory Box storage in the shared-memory transport's arena (csrc/shm/box.c): named, typed buffers that every
+"""Soft Memory Box storage in the shared-memory transport's arena (csrc/coll/box.c): named, typed buffers that every
 rank of the host reads, writes and accumulates into under a robust per-box lock. box.py is the user's API
 over this; client.RemoteBoxHandle is the same handle for a box in another host's arena (served there by
 server.py), and stripes.py composes handles into a striped box."""

@@ -341,18 +341,23 @@ smc_result_t smc_box_accumulate(smc_box_t* b, size_t offset, size_t count, const
 }
 
 /* d = alpha*x - alpha*c computed into the caller's buffer by the same axpby as accumulate (no kernel of its own),
- * then c += d: a read and an accumulate under one lock hold, so that a remote worker pays one round trip, not two,
- * and no other writer comes between the read of c and the update. */
-smc_result_t smc_box_exchange(smc_box_t* b, size_t offset, size_t count, void* x_to_d, double alpha,
-                              uint64_t* version) {
-  SMC_CHECK(check_range(b, offset, count, x_to_d, "box exchange"));
-  SMC_CHECK(smc_box_lock(b, b->timeout_s));
+ * then c += d, with the lock held: a read and an accumulate under one hold, so that a remote worker pays one round
+ * trip, not two, and no other writer comes between the read of c and the update. */
+static smc_result_t exchange_locked(smc_box_t* b, size_t offset, size_t count, void* x_to_d, double alpha) {
   smc_datatype_t dtype = (smc_datatype_t)b->entry->dtype;
   uint8_t* range = b->data + offset * b->esize;
   uint8_t* c = paused_read(b, range, count * b->esize);
   smc_result_t rc = smc_axpby(x_to_d, c, count, dtype, -alpha, alpha);
   if (rc == SMC_SUCCESS) rc = smc_axpby(c, x_to_d, count, dtype, 1.0, 1.0);
   paused_write(range, c, count * b->esize);
+  return rc;
+}
+
+smc_result_t smc_box_exchange(smc_box_t* b, size_t offset, size_t count, void* x_to_d, double alpha,
+                              uint64_t* version) {
+  SMC_CHECK(check_range(b, offset, count, x_to_d, "box exchange"));
+  SMC_CHECK(smc_box_lock(b, b->timeout_s));
+  smc_result_t rc = exchange_locked(b, offset, count, x_to_d, alpha);
   uint64_t v = rc == SMC_SUCCESS ? bump_version(b->entry) : 0;
   unlock_box(b->entry);
   if (version != NULL) *version = v;
@@ -363,13 +368,7 @@ smc_result_t smc_box_exchange_held(smc_box_t* b, size_t offset, size_t count, vo
   SMC_CHECK(check_range(b, offset, count, x_to_d, "box exchange"));
   if (b->entry->holder_tid != (int)syscall(SYS_gettid) || b->entry->depth == 0)
     return smc_set_error(SMC_ERR_INVALID, "box '%s': a part of an exchange without holding the lock", b->entry->name);
-  smc_datatype_t dtype = (smc_datatype_t)b->entry->dtype;
-  uint8_t* range = b->data + offset * b->esize;
-  uint8_t* c = paused_read(b, range, count * b->esize);
-  smc_result_t rc = smc_axpby(x_to_d, c, count, dtype, -alpha, alpha);
-  if (rc == SMC_SUCCESS) rc = smc_axpby(c, x_to_d, count, dtype, 1.0, 1.0);
-  paused_write(range, c, count * b->esize);
-  return rc;
+  return exchange_locked(b, offset, count, x_to_d, alpha);
 }
 
 smc_result_t smc_box_wait_version(smc_box_t* b, uint64_t min_version, double timeout_s, uint64_t* version) {
