@@ -33,6 +33,14 @@ static int quick_dtype(const Py_buffer* view) {
   }
 }
 
+/* The hash of key, which it releases: *ok 1, or 0 with Python's error set. */
+static uint64_t hash_and_release(PyObject* key, int* ok) {
+  Py_hash_t h = PyObject_Hash(key);
+  Py_DECREF(key);
+  *ok = !(h == -1 && PyErr_Occurred());
+  return *ok ? (uint64_t)h : 0;
+}
+
 /* description.tag in C: hash((dtype,) + shape[from:]) of Python's own tuple hash, so that a rank on this path and one
  * on the full path agree (from 1: the collectives whose first dimension may differ between ranks). 0 with *ok = 0 if
  * Python could not build the tuple. */
@@ -46,11 +54,7 @@ static uint64_t quick_tag(int dtype, const Py_buffer* view, int from, int* ok) {
     item = PyLong_FromSsize_t(view->shape[d]);
     if (item == NULL || PyTuple_SetItem(key, 1 + d - from, item) != 0) goto fail;
   }
-  Py_hash_t h = PyObject_Hash(key);
-  Py_DECREF(key);
-  if (h == -1 && PyErr_Occurred()) return 0;
-  *ok = 1;
-  return (uint64_t)h;
+  return hash_and_release(key, ok);
 fail:
   Py_DECREF(key);
   return 0;
@@ -85,15 +89,22 @@ static int output_view(PyObject* x, Py_buffer* in, PyObject* out, Py_buffer* vie
   return 1;
 }
 
-/* x's buffer with its core dtype and tag, and the output's buffer (x's own where out is x): 1, or 0 with nothing held
- * where the full path must decide. */
-static int take_arrays(PyObject* x, PyObject* out, Py_buffer* in, Py_buffer* view, int* dtype, uint64_t* tag) {
-  if (PyObject_GetBuffer(x, in, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (out == x ? PyBUF_WRITABLE : 0)) != 0) return 0;
+/* x's buffer with its core dtype and tag, and the output's buffer (x's own where out is x). */
+typedef struct {
+  Py_buffer in, view;
+  int dtype;
+  uint64_t tag;
+} arrays_t;
+
+/* 1, or 0 with nothing held where the full path must decide. */
+static int take_arrays(PyObject* x, PyObject* out, arrays_t* a) {
+  if (PyObject_GetBuffer(x, &a->in, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (out == x ? PyBUF_WRITABLE : 0)) != 0)
+    return 0;
   int ok = 0;
-  *dtype = quick_dtype(in); /* broadcast too: for the types the core reduces, the dtype key is the code */
-  *tag = *dtype < 0 ? 0 : quick_tag(*dtype, in, 0, &ok);
-  if (!ok || !output_view(x, in, out, view)) {
-    PyBuffer_Release(in);
+  a->dtype = quick_dtype(&a->in); /* broadcast too: for the types the core reduces, the dtype key is the code */
+  a->tag = a->dtype < 0 ? 0 : quick_tag(a->dtype, &a->in, 0, &ok);
+  if (!ok || !output_view(x, &a->in, out, &a->view)) {
+    PyBuffer_Release(&a->in);
     return 0;
   }
   return 1;
@@ -131,16 +142,14 @@ static PyObject* quick_allreduce(PyObject* self, PyObject* const* args, Py_ssize
   long horovod_op = horovod_number(op);
   double prescale = PyFloat_AsDouble(args[5]), postscale = PyFloat_AsDouble(args[6]);
   if (PyErr_Occurred() || comm == NULL || size < 1 || horovod_op < 0) return not_here();
-  Py_buffer in, view;
-  int dtype;
-  uint64_t tag;
-  if (!take_arrays(x, out, &in, &view, &dtype, &tag)) return not_here();
+  arrays_t a;
+  if (!take_arrays(x, out, &a)) return not_here();
   smc_result_t rc;
   Py_BEGIN_ALLOW_THREADS
-  rc = smc_allreduce(comm, in.buf, view.buf, (size_t)(in.len / in.itemsize), (smc_datatype_t)dtype,
-                     core_op(horovod_op), prescale, postscale, horovod_op == 0 ? (double)size : 1.0, tag);
+  rc = smc_allreduce(comm, a.in.buf, a.view.buf, (size_t)(a.in.len / a.in.itemsize), (smc_datatype_t)a.dtype,
+                     core_op(horovod_op), prescale, postscale, horovod_op == 0 ? (double)size : 1.0, a.tag);
   Py_END_ALLOW_THREADS
-  return finish(x, &in, out, &view, rc);
+  return finish(x, &a.in, out, &a.view, rc);
 }
 
 /* broadcast(communicator address, x, out, root index): out is x itself or an array of x's type, dtype and shape. */
@@ -151,15 +160,13 @@ static PyObject* quick_broadcast(PyObject* self, PyObject* const* args, Py_ssize
   PyObject *x = args[1], *out = args[2];
   long root = PyLong_AsLong(args[3]);
   if (PyErr_Occurred() || comm == NULL || root < 0) return not_here();
-  Py_buffer in, view;
-  int dtype;
-  uint64_t tag;
-  if (!take_arrays(x, out, &in, &view, &dtype, &tag)) return not_here();
+  arrays_t a;
+  if (!take_arrays(x, out, &a)) return not_here();
   smc_result_t rc;
   Py_BEGIN_ALLOW_THREADS
-  rc = smc_broadcast(comm, in.buf, view.buf, (size_t)in.len, (int)root, tag);
+  rc = smc_broadcast(comm, a.in.buf, a.view.buf, (size_t)a.in.len, (int)root, a.tag);
   Py_END_ALLOW_THREADS
-  return finish(x, &in, out, &view, rc);
+  return finish(x, &a.in, out, &a.view, rc);
 }
 
 #include "py/quick_rows.c"

@@ -41,11 +41,7 @@ static uint64_t crossing_signature(int dtype, const Py_buffer* view, long op, do
     if (items[i] != NULL && PyTuple_SetItem(key, i, items[i]) != 0) built = 0;
   }
   if (!built) goto fail;
-  Py_hash_t h = PyObject_Hash(key);
-  Py_DECREF(key);
-  if (h == -1 && PyErr_Occurred()) return 0;
-  *ok = 1;
-  return (uint64_t)h;
+  return hash_and_release(key, ok);
 fail:
   Py_XDECREF(shape);
   Py_XDECREF(key);
@@ -114,28 +110,27 @@ static PyObject* quick_crossing_allreduce(PyObject* self, PyObject* const* args,
   double prescale = PyFloat_AsDouble(args[4]), postscale = PyFloat_AsDouble(args[5]);
   if (PyErr_Occurred() || call == NULL || horovod_op < 0 || !*call->usable[0] || !*call->usable[1])
     return not_here();
-  Py_buffer in, view;
-  int dtype, ok = 0;
-  uint64_t tag;
-  if (!take_arrays(x, out, &in, &view, &dtype, &tag)) return not_here();
-  const uint64_t nbytes = (uint64_t)in.len, count = nbytes / (uint64_t)in.itemsize;
+  arrays_t a;
+  int ok = 0;
+  if (!take_arrays(x, out, &a)) return not_here();
+  const uint64_t nbytes = (uint64_t)a.in.len, count = nbytes / (uint64_t)a.in.itemsize;
   const long divisor = horovod_op == 0 ? call->world_size : 1;
   /* 16-bit floats are carried as float32 by the full path; an empty array is its business too */
-  uint64_t sig = dtype == SMC_FLOAT16 || nbytes == 0 || nbytes < call->min_bytes || nbytes > call->max_bytes ||
-                 nbytes > call->capacity ? 0 : crossing_signature(dtype, &in, horovod_op, prescale, postscale, count,
-                                                                  divisor, &ok);
+  uint64_t sig = a.dtype == SMC_FLOAT16 || nbytes == 0 || nbytes < call->min_bytes || nbytes > call->max_bytes ||
+                 nbytes > call->capacity ? 0 : crossing_signature(a.dtype, &a.in, horovod_op, prescale, postscale,
+                                                                  count, divisor, &ok);
   if (!ok) {
-    if (out != x) PyBuffer_Release(&view);
-    PyBuffer_Release(&in);
+    if (out != x) PyBuffer_Release(&a.view);
+    PyBuffer_Release(&a.in);
     return not_here();
   }
   int stage, rc = 0;
   Py_BEGIN_ALLOW_THREADS
-  stage = small_path(call, in.buf, view.buf, count, nbytes, dtype, core_op(horovod_op), prescale, postscale, divisor,
-                     sig, &rc);
+  stage = small_path(call, a.in.buf, a.view.buf, count, nbytes, a.dtype, core_op(horovod_op), prescale, postscale,
+                     divisor, sig, &rc);
   Py_END_ALLOW_THREADS
-  if (out != x) PyBuffer_Release(&view);
-  PyBuffer_Release(&in);
+  if (out != x) PyBuffer_Release(&a.view);
+  PyBuffer_Release(&a.in);
   const uint64_t* words = call->message;
   switch (stage) {
     case DONE: Py_INCREF(out); return out;

@@ -36,6 +36,39 @@ static int rows_input(PyObject* x, Py_buffer* in, uint64_t* row_bytes, int tag_f
   return 1;
 }
 
+/* What allgather and alltoall hold between their steps: x's buffer and, where out can take rows like x's, out's
+ * (have_view); the bytes of a row and the tag of x's trailing dimensions; the rows the result has (total) and whether
+ * out's buffer has them (fits). */
+typedef struct {
+  Py_buffer in, view;
+  int have_view, fits;
+  uint64_t row_bytes, tag, total;
+} rows_call_t;
+
+/* x's rows and out's buffer into r; 0 (nothing held) where the full path must decide: x is not rows the core knows,
+ * or out is neither None nor an output of rows like x's, whatever their number. */
+static int take_rows(PyObject* x, PyObject* out, rows_call_t* r) {
+  if (!rows_input(x, &r->in, &r->row_bytes, 1, &r->tag)) return 0;
+  r->have_view = out != Py_None && rows_output(x, &r->in, out, &r->view);
+  r->fits = 0;
+  r->total = 0;
+  if (out != Py_None && !r->have_view) {
+    PyBuffer_Release(&r->in);
+    return 0;
+  }
+  return 1;
+}
+
+/* After a first step that filled `counts`: the result's rows, the sum of counts[j * stride + offset] over the ranks,
+ * and the second step at once (without the interpreter) where out's buffer has them. */
+static smc_result_t finish_if_fits(smc_result_t (*step)(smc_comm_t*, const void*, void*, uint64_t, const uint64_t*),
+                                   smc_comm_t* comm, rows_call_t* r, const uint64_t* counts, long size, long stride,
+                                   long offset) {
+  for (long j = 0; j < size; j++) r->total += counts[j * stride + offset];
+  r->fits = r->have_view && (uint64_t)r->view.shape[0] == r->total;
+  return r->fits ? step(comm, r->in.buf, r->view.buf, r->row_bytes, counts) : SMC_SUCCESS;
+}
+
 /* A new array from empty((rows,) + x's trailing dimensions, x.dtype), with its buffer in *view; NULL with Python's
  * error set where that failed. */
 static PyObject* new_rows(PyObject* empty, PyObject* x, const Py_buffer* in, uint64_t rows, Py_buffer* view) {
@@ -52,22 +85,23 @@ static PyObject* new_rows(PyObject* empty, PyObject* x, const Py_buffer* in, uin
   return out;
 }
 
-/* What a collective whose result's rows were known only after its first step (`rows`) does next: into out's buffer
- * (view, held) when it has that many rows; else into a new array when out is None; else (out does not fit) it takes
- * part without keeping anything, and returns None for the caller to raise the output's error. The second step is
- * taken whatever happens, so that no peer waits for this rank. Releases in and view. */
+/* What a collective whose result's rows were known only after its first step (r->total) does next: into out's buffer
+ * (r->view, held) when it has that many rows; else into a new array when out is None; else (out does not fit) it
+ * takes part without keeping anything, and returns None for the caller to raise the output's error. The second step
+ * is taken whatever happens, so that no peer waits for this rank. Releases r's buffers. */
 static PyObject* second_step(smc_result_t (*step)(smc_comm_t*, const void*, void*, uint64_t, const uint64_t*),
-                             smc_comm_t* comm, PyObject* x, Py_buffer* in, PyObject* out, Py_buffer* view,
-                             int have_view, PyObject* empty, uint64_t rows, uint64_t row_bytes, const uint64_t* counts) {
+                             smc_comm_t* comm, PyObject* x, rows_call_t* r, PyObject* out, PyObject* empty,
+                             const uint64_t* counts) {
   PyObject* result = NULL;
-  if (have_view && (uint64_t)view->shape[0] == rows) {
+  int have_view = r->have_view;
+  if (have_view && (uint64_t)r->view.shape[0] == r->total) {
     result = out;
     Py_INCREF(out);
   } else {
-    if (have_view) PyBuffer_Release(view);
+    if (have_view) PyBuffer_Release(&r->view);
     have_view = 0;
     if (out == Py_None) {
-      result = new_rows(empty, x, in, rows, view); /* NULL with an error set: the step below still runs */
+      result = new_rows(empty, x, &r->in, r->total, &r->view); /* NULL with an error set: the step below still runs */
       have_view = result != NULL;
     } else {
       result = Py_None;
@@ -76,10 +110,10 @@ static PyObject* second_step(smc_result_t (*step)(smc_comm_t*, const void*, void
   }
   smc_result_t rc; /* a failed new array's error stays set meanwhile: no Python runs until it is returned */
   Py_BEGIN_ALLOW_THREADS
-  rc = step(comm, in->buf, have_view ? view->buf : NULL, row_bytes, counts);
+  rc = step(comm, r->in.buf, have_view ? r->view.buf : NULL, r->row_bytes, counts);
   Py_END_ALLOW_THREADS
-  if (have_view) PyBuffer_Release(view);
-  PyBuffer_Release(in);
+  if (have_view) PyBuffer_Release(&r->view);
+  PyBuffer_Release(&r->in);
   if (rc != SMC_SUCCESS) {
     Py_XDECREF(result);
     PyErr_Clear();
@@ -100,25 +134,15 @@ static PyObject* quick_allgather(PyObject* self, PyObject* const* args, Py_ssize
   PyObject *x = args[2], *out = args[3], *empty = args[5];
   uint64_t* every = PyLong_AsVoidPtr(args[4]);
   if (PyErr_Occurred() || comm == NULL || every == NULL || size < 1) return not_here();
-  Py_buffer in, view;
-  uint64_t row_bytes, tag;
-  if (!rows_input(x, &in, &row_bytes, 1, &tag)) return not_here();
-  int have_view = out != Py_None && rows_output(x, &in, out, &view);
-  if (out != Py_None && !have_view) { /* not an output of rows like x's, whatever their number: the full path's */
-    PyBuffer_Release(&in);
-    return not_here();
-  }
+  rows_call_t r;
+  if (!take_rows(x, out, &r)) return not_here();
   smc_result_t rc;
-  int fits = 0;
-  uint64_t total = 0;
   Py_BEGIN_ALLOW_THREADS
-  rc = smc_allgather_begin(comm, in.buf, (uint64_t)in.shape[0], row_bytes, tag, every);
-  for (long j = 0; rc == SMC_SUCCESS && j < size; j++) total += every[j];
-  fits = rc == SMC_SUCCESS && have_view && (uint64_t)view.shape[0] == total;
-  if (fits) rc = smc_allgather_finish(comm, in.buf, view.buf, row_bytes, every); /* both steps in one release */
+  rc = smc_allgather_begin(comm, r.in.buf, (uint64_t)r.in.shape[0], r.row_bytes, r.tag, every);
+  if (rc == SMC_SUCCESS) rc = finish_if_fits(smc_allgather_finish, comm, &r, every, size, 1, 0);
   Py_END_ALLOW_THREADS
-  if (fits || rc != SMC_SUCCESS) return finish(x, &in, have_view ? out : x, &view, rc);
-  return second_step(smc_allgather_finish, comm, x, &in, out, &view, have_view, empty, total, row_bytes, every);
+  if (r.fits || rc != SMC_SUCCESS) return finish(x, &r.in, r.have_view ? out : x, &r.view, rc);
+  return second_step(smc_allgather_finish, comm, x, &r, out, empty, every);
 }
 
 /* The rows rank j is sent, from alltoall's splits (None: an equal share each, which must divide the rows; or a list
@@ -155,28 +179,21 @@ static PyObject* quick_alltoall(PyObject* self, PyObject* const* args, Py_ssize_
   uint64_t* matrix = PyLong_AsVoidPtr(args[7]);
   if (PyErr_Occurred() || comm == NULL || sends == NULL || matrix == NULL || size < 1 || me < 0 || me >= size)
     return not_here();
-  Py_buffer in, view;
-  uint64_t row_bytes, tag;
-  if (!rows_input(x, &in, &row_bytes, 1, &tag)) return not_here();
-  int have_view = out != Py_None && rows_output(x, &in, out, &view);
-  if ((out != Py_None && !have_view) || !split_rows(splits, size, (uint64_t)in.shape[0], sends)) {
-    if (have_view) PyBuffer_Release(&view);
-    PyBuffer_Release(&in);
+  rows_call_t r;
+  if (!take_rows(x, out, &r)) return not_here();
+  if (!split_rows(splits, size, (uint64_t)r.in.shape[0], sends)) {
+    if (r.have_view) PyBuffer_Release(&r.view);
+    PyBuffer_Release(&r.in);
     return not_here();
   }
   smc_result_t rc;
-  int fits = 0;
-  uint64_t total = 0;
   Py_BEGIN_ALLOW_THREADS
-  rc = smc_alltoall_begin(comm, in.buf, sends, row_bytes, tag, matrix);
-  for (long j = 0; rc == SMC_SUCCESS && j < size; j++) total += matrix[j * size + me];
-  fits = rc == SMC_SUCCESS && have_view && (uint64_t)view.shape[0] == total;
-  if (fits) rc = smc_alltoall_finish(comm, in.buf, view.buf, row_bytes, matrix); /* both steps in one release */
+  rc = smc_alltoall_begin(comm, r.in.buf, sends, r.row_bytes, r.tag, matrix);
+  if (rc == SMC_SUCCESS) rc = finish_if_fits(smc_alltoall_finish, comm, &r, matrix, size, size, me);
   Py_END_ALLOW_THREADS
-  if (rc != SMC_SUCCESS) return finish(x, &in, have_view ? out : x, &view, rc);
-  PyObject* result = fits ? finish(x, &in, out, &view, rc)
-                          : second_step(smc_alltoall_finish, comm, x, &in, out, &view, have_view, empty, total,
-                                        row_bytes, matrix);
+  if (rc != SMC_SUCCESS) return finish(x, &r.in, r.have_view ? out : x, &r.view, rc);
+  PyObject* result = r.fits ? finish(x, &r.in, out, &r.view, rc)
+                            : second_step(smc_alltoall_finish, comm, x, &r, out, empty, matrix);
   if (result == NULL || result == Py_None || PyLong_Check(result) || splits == Py_None) return result;
   PyObject* got = PyTuple_New(size);
   for (long j = 0; got != NULL && j < size; j++) {

@@ -100,11 +100,8 @@ class HostComm(Communicator):
             out = self._short(self.shm.quick_allgather, x, what, output, self.every_at, what)
             if out is not NotImplemented:
                 return out if out is not None else self.output_misfit("allgather", x, output, what)
-        src = wrap(x, what)
-        shape = tuple(src.shape) or (1,)
-        size = row_bytes(src, shape)
+        src, shape, size, tag = _rows(x, what)
         rows = self._every
-        tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
         self._step(self.shm.allgather_begin, src, what, src.ptr, shape[0], size, rows, tag, what)
         return self._finish(self.shm.allgather_finish, src, output, (sum(rows[0:self.size]),) + shape[1:], what, size,
                             rows)
@@ -156,11 +153,8 @@ class HostComm(Communicator):
             done = self._short(self.shm.quick_alltoall, x, what, output, splits, self.sends_at, self.matrix_at, what)
             if done is not NotImplemented:
                 return done if done is not None else self.output_misfit("alltoall", x, output, what)
-        src = wrap(x, what)
-        shape = tuple(src.shape) or (1,)
-        size = row_bytes(src, shape)
+        src, shape, size, tag = _rows(x, what)
         matrix = self._matrix
-        tag = description.tag(src.dtype_key(), shape[1:])  # the first dimension may differ
         sends = ffi.new("uint64_t[]", splits)
         self._step(self.shm.alltoall_begin, src, what, src.ptr, sends, size, matrix, tag, what)
         n, me = self.size, self.rank
@@ -236,3 +230,11 @@ class HostComm(Communicator):
             parts.append("rank %d has %s%s" % (self.ranks[r], description.dtype_name(theirs.dtype, names),
                                                list(theirs.shape)))
         return MismatchError("%s: ranks disagree on the tensor: %s" % (what, "; ".join(parts)), error.field)
+
+
+def _rows(x, what):
+    """The input wrapped, its shape (one dimension at least), its bytes per row, and the tag of a call whose first
+    dimension may differ between ranks."""
+    src = wrap(x, what)
+    shape = tuple(src.shape) or (1,)
+    return src, shape, row_bytes(src, shape), description.tag(src.dtype_key(), shape[1:])

@@ -6,34 +6,18 @@ A worker's first line says who it is and where its peers reach it; from then on 
 put it in the next membership. The launcher sends every membership record to every connected worker (and the newest
 one to a worker that connects later). A worker whose connection closes is gone, whatever its launcher-side process
 (ssh, a launcher agent) says."""
-import fcntl
 import json
 import socket
-import struct
 import threading
 
-_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+from shmcomm.startup.addresses import interface_addresses
 
 
 def local_addresses(interfaces=None):
     """This machine's IPv4 addresses (of `interfaces` only, if given), loopback last: the workers try them in turn,
     and the first that answers is one their host can route to."""
-    found = []
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        for _, name in socket.if_nameindex():
-            if interfaces and name not in interfaces:
-                continue
-            try:
-                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
-            except OSError:  # no IPv4 address
-                continue
-            found.append(socket.inet_ntoa(packed[20:24]))
-    finally:
-        probe.close()
-    if not interfaces and "127.0.0.1" not in found:
-        found.append("127.0.0.1")
-    return sorted(dict.fromkeys(found), key=lambda a: a.startswith("127."))
+    found = interface_addresses(interfaces)
+    return found if interfaces or "127.0.0.1" in found else found + ["127.0.0.1"]
 
 
 def open_listener(interfaces=None):

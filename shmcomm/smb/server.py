@@ -7,31 +7,8 @@ Not MPI one-sided RMA (benchmarks/smb.py): MPI accumulates are not atomic agains
 box's lock, and progress waits for the target to call MPI, while a thread asleep on its socket wakes when bytes arrive
 and costs no core. In C: a Python server thread would wait for the interpreter lock, which a home rank computing in
 Python gives up only every switch interval; the C threads serve alike whatever the home rank does."""
-import fcntl
-import socket
-import struct
-
 from shmcomm._native import check, ffi, lib
-
-_SIOCGIFADDR = 0x8915
-
-
-def interface_addresses():
-    """This host's IPv4 addresses other than loopback, by interface: where the other hosts may reach it."""
-    found = []
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        for _, name in socket.if_nameindex():
-            if name == "lo":
-                continue
-            try:
-                raw = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
-            except OSError:  # no IPv4 address on it
-                continue
-            found.append(socket.inet_ntoa(raw[20:24]))
-    finally:
-        probe.close()
-    return found
+from shmcomm.startup.addresses import interface_addresses
 
 
 class BoxServer:
@@ -48,7 +25,8 @@ class BoxServer:
         out = ffi.new("smc_box_server_t **")
         check(lib.smc_box_server_start(shm.handle, out))
         self._server = out[0]
-        self.address = (interface_addresses(), int(lib.smc_box_server_port(self._server)))
+        reachable = [a for a in interface_addresses() if not a.startswith("127.")]
+        self.address = (reachable, int(lib.smc_box_server_port(self._server)))
 
     def close(self):
         """Stops accepting and ends every connection; waits (up to the timeout) for their threads to leave the arena,

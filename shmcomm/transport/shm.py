@@ -16,6 +16,12 @@ _QUICK_ALLREDUCE, _QUICK_BROADCAST, _QUICK_ALLGATHER, _QUICK_ALLTOALL, _QUICK_RE
 SMC_REASON_BYTES = 479  # what peers read of a refusal's reason (SMC_REASON_MAX in csrc/coll/comm.h, less the NUL)
 
 
+def _check(rc, what):
+    """Raises the failure of a step the core returned `rc` for."""
+    if rc != 0:
+        raise _error(rc, what)
+
+
 def _error(rc, what):
     """The exception for a failed step: the core's (built from its failure data), its text prefixed with the
     caller's name for the call where the core's own does not mention it. A dead rank's text stands as it is. The
@@ -81,9 +87,7 @@ class SharedMemory(Transport):
         cfg.job_ranks = job_ranks
         cfg.abandon = ffi.NULL if abandon is None else abandon
         out = ffi.new("smc_comm_t **")
-        rc = lib.smc_comm_create(cfg, out)
-        if rc != 0:
-            raise _error(rc, "init")
+        _check(lib.smc_comm_create(cfg, out), "init")
         self.handle = out[0]
         self.address = int(ffi.cast("uintptr_t", self.handle))  # for quick_allreduce and quick_broadcast; 0 once closed
         # Single copy is a speed path with a silent fallback: say which one this machine took.
@@ -111,9 +115,7 @@ class SharedMemory(Transport):
         this process. The memory lives as long as the array (and its views), also past shutdown. `tag`: any 64-bit
         value (a digest of shapes) that must be equal on every rank."""
         out = ffi.new("smc_window_t **")
-        rc = lib.smc_window_create(self.handle, nbytes, tag, 1 if self.tuning.shared_buffers else 0, out)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_window_create(self.handle, nbytes, tag, 1 if self.tuning.shared_buffers else 0, out), what)
         memory = WindowMemory(ffi.gc(out[0], lib.smc_window_drop), nbytes)
         if not memory.shared:
             log.debug("%s: %d bytes stay this rank's own memory (%s)", what, nbytes, "SHMCOMM_SHARED_BUFFERS=0"
@@ -142,9 +144,7 @@ class SharedMemory(Transport):
 
     # ---- steps ----
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
-        rc = lib.smc_allreduce(self.handle, src, dst, count, dtype, op, prescale, postscale, divisor, tag)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_allreduce(self.handle, src, dst, count, dtype, op, prescale, postscale, divisor, tag), what)
 
     # A numpy array's common case in one C call, arrays and all (csrc/py/quick_calls.c): the result, or NotImplemented
     # where the caller's full path must look closer (also where this build has no such function).
@@ -169,48 +169,32 @@ class SharedMemory(Transport):
         """`counts`: elements per rank, a sequence or a uint64_t[] the caller keeps for calls of the same split."""
         if not isinstance(counts, ffi.CData):
             counts = ffi.new("uint64_t[]", counts)
-        rc = lib.smc_reducescatter(self.handle, src, dst, counts, dtype, op, prescale, postscale, divisor, tag)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_reducescatter(self.handle, src, dst, counts, dtype, op, prescale, postscale, divisor, tag), what)
 
     def broadcast(self, src, dst, nbytes, root, tag, what):
-        rc = lib.smc_broadcast(self.handle, src, dst, nbytes, root, tag)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_broadcast(self.handle, src, dst, nbytes, root, tag), what)
 
     def allgatherv(self, src, nbytes, dst, sizes, tag, what):
-        rc = lib.smc_allgatherv(self.handle, src, nbytes, dst, ffi.new("uint64_t[]", sizes), tag)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_allgatherv(self.handle, src, nbytes, dst, ffi.new("uint64_t[]", sizes), tag), what)
 
     def alltoallv(self, src, send_sizes, dst, recv_sizes, tag, what):
-        rc = lib.smc_alltoallv(self.handle, src, ffi.new("uint64_t[]", send_sizes), dst,
-                               ffi.new("uint64_t[]", recv_sizes), tag)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_alltoallv(self.handle, src, ffi.new("uint64_t[]", send_sizes), dst,
+                                 ffi.new("uint64_t[]", recv_sizes), tag), what)
 
     # Allgather and alltoall whose sizes travel with the first window (csrc/coll/allgather.c, alltoall.c): `*_begin`
     # fills `every` (a uint64 array: rows per rank, or the size x size matrix of rows sent) and must be followed on
     # every rank by `*_finish`; dst NULL takes part without keeping anything.
     def allgather_begin(self, src, rows, row_bytes, every, tag, what):
-        rc = lib.smc_allgather_begin(self.handle, src, rows, row_bytes, tag, every)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_allgather_begin(self.handle, src, rows, row_bytes, tag, every), what)
 
     def allgather_finish(self, src, dst, row_bytes, every, what):
-        rc = lib.smc_allgather_finish(self.handle, src, dst, row_bytes, every)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_allgather_finish(self.handle, src, dst, row_bytes, every), what)
 
     def alltoall_begin(self, src, send_rows, row_bytes, matrix, tag, what):
-        rc = lib.smc_alltoall_begin(self.handle, src, send_rows, row_bytes, tag, matrix)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_alltoall_begin(self.handle, src, send_rows, row_bytes, tag, matrix), what)
 
     def alltoall_finish(self, src, dst, row_bytes, matrix, what):
-        rc = lib.smc_alltoall_finish(self.handle, src, dst, row_bytes, matrix)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_alltoall_finish(self.handle, src, dst, row_bytes, matrix), what)
 
     # The same in one C call for a numpy array (csrc/py/quick_calls.c), which works out the tag, the counts and the
     # result's shape itself: the result (alltoall: with the rows received from each rank, a tuple); None where `out`
@@ -244,16 +228,12 @@ class SharedMemory(Transport):
         return got
 
     def barrier(self, what="barrier"):
-        rc = lib.smc_barrier(self.handle)
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_barrier(self.handle), what)
 
     def refuse(self, kind, reason, what):
         """Takes the first step of collective `kind` (lib.SMC_COLL_*) as a refusal: every peer's call fails at once
         with PeerArgumentError naming this rank and `reason`."""
-        rc = lib.smc_coll_refuse(self.handle, kind, reason.encode("utf-8", "replace")[:SMC_REASON_BYTES])
-        if rc != 0:
-            raise _error(rc, what)
+        _check(lib.smc_coll_refuse(self.handle, kind, reason.encode("utf-8", "replace")[:SMC_REASON_BYTES]), what)
 
     def allgather_bytes(self, payload):
         def gatherv(mine, every, sizes):
