@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # benchmarks/ is not an installed package
     sys.path.insert(0, str(REPO))
 
-from benchmarks import backends, collectives, interleaved, report  # noqa: E402
+from benchmarks import backends, collectives, engine_settings, interleaved, report  # noqa: E402
 HEADER = ("#       size         count      type   redop    root"
           "     time   algbw   busbw #wrong     time   algbw   busbw #wrong")
 
@@ -207,6 +207,16 @@ def test_inplace_only_still_measures_the_copy(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert all(row["out_of_place"] == {"na": "--inplace-only"} for row in results["shmcomm"]["rows"])
     assert all("na" not in row["out_of_place"] for row in results["memcpy"]["rows"])
+
+
+@pytest.mark.long
+def test_engine_settings_against_the_defaults():
+    proc = run_module("benchmarks.engine_settings", ["-np", "2", "--rounds", "1", "--steps", "3", "--warmup", "1"],
+                      300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[0].lstrip("| ") for row in rows[1:]] == [label for label, _ in engine_settings.CONFIGURATIONS]
+    assert rows[1][3].strip(" |") == "1.00" and all(float(row[1]) > 0 for row in rows[1:])
 
 
 def test_smb_bandwidth_and_pingpong(tmp_path):

@@ -198,10 +198,10 @@ needs_nvcc = pytest.mark.skipif(cuda_kernels.nvcc() is None, reason="no nvcc: th
 @needs_nvcc
 @pytest.mark.slow
 def test_the_kernels_compile_with_nvcc_and_export_their_symbols(tmp_path, monkeypatch):
-    monkeypatch.setenv("SHMCOMM_CUDA_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv("SHMCOMM_BUILD_DIR", str(tmp_path))
     monkeypatch.setenv("SHMCOMM_CUDA_ARCHS", "75")
     path = cuda_kernels.build(cuda_kernels.archs())
-    assert path.parent.parent == tmp_path and path.name == cuda_kernels.LIBRARY
+    assert path.parent.parent == tmp_path / "cuda-kernels" and path.name == cuda_kernels.LIBRARY
     nm = shutil.which("nm")
     if nm:
         exported = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True).stdout
@@ -212,7 +212,7 @@ def test_the_kernels_compile_with_nvcc_and_export_their_symbols(tmp_path, monkey
     assert cuda_kernels.Kernels(path).path == str(path)
     # A second build of the same source and flags is the cached one.
     assert cuda_kernels.build(cuda_kernels.archs()) == path
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", path.parent.name]
+    assert sorted(p.name for p in (tmp_path / "cuda-kernels").iterdir()) == [".lock", path.parent.name]
 
 
 def test_without_nvcc_the_kernels_are_skipped_with_the_reason(tmp_path, monkeypatch):

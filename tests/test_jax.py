@@ -183,18 +183,18 @@ def test_without_jax_the_package_works_and_shmcomm_jax_says_what_is_missing():
 def test_the_handler_is_built_once_into_the_build_directory(tmp_path):
     """A fresh build directory gets the compiled handler on first import; a second import loads it unchanged."""
     program = "import shmcomm.jax, shmcomm.jax.native as n; print(sorted(p.name for p in n.build_dir().iterdir()))"
-    env = dict(SHMCOMM_JAX_BUILD_DIR=str(tmp_path / "ffi"))
+    env = dict(SHMCOMM_BUILD_DIR=str(tmp_path))
     first = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=job_env(**env), capture_output=True,
                            text=True, timeout=120)
     assert first.returncode == 0, first.stderr
-    (built,) = [p for p in (tmp_path / "ffi").iterdir() if not p.name.startswith(".")]
+    (built,) = [p for p in (tmp_path / "jax-ffi").iterdir() if not p.name.startswith(".")]
     (module,) = built.iterdir()
     stamp = module.stat().st_mtime_ns
     second = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=job_env(**env), capture_output=True,
                             text=True, timeout=120)
     assert second.returncode == 0, second.stderr
     assert module.stat().st_mtime_ns == stamp
-    assert not [p for p in (tmp_path / "ffi").iterdir() if p.name.startswith(".build-")]  # no leftovers
+    assert not [p for p in (tmp_path / "jax-ffi").iterdir() if p.name.startswith(".build-")]  # no leftovers
 
 
 

@@ -140,7 +140,7 @@ JAX_ALLREDUCE = textwrap.dedent("""
 def test_installed_wheel_builds_the_jax_handler_from_its_own_copy(installed, tmp_path):
     pytest.importorskip("jax", reason="shmcomm.jax needs jax: pip install -e '.[jax]'")
     env = {k: v for k, v in _no_compiler_env(installed).items() if k not in ("CC", "CXX")}  # a compiler, once
-    env["SHMCOMM_JAX_BUILD_DIR"] = str(tmp_path / "ffi")
+    env["SHMCOMM_BUILD_DIR"] = str(tmp_path / "builds")
     result = _run([installed / "bin" / "shmcommrun", "-np", 2, installed / "bin" / "python", "-c", JAX_ALLREDUCE],
                   cwd=tmp_path, env=env)
     site_packages = _venv_site_packages(installed).resolve()

@@ -109,14 +109,12 @@ def prefer_mpich_network(netmod):
     os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", netmod)
 
 
-def build_cache_dir(setting, name):
-    """The directory SHMCOMM_`setting` names, else ~/.cache/shmcomm/`name` (XDG_CACHE_HOME honoured): where things
-    compiled on first use are kept (transport/build_cache.py)."""
-    chosen = _get(setting)
-    if chosen:
-        return chosen
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "shmcomm", name)
+def build_dir(name):
+    """Where the things compiled on first use (transport/build_cache.py) named `name` are kept: in SHMCOMM_BUILD_DIR,
+    else in ~/.cache/shmcomm (XDG_CACHE_HOME honoured)."""
+    root = _get("BUILD_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                             os.path.join(os.path.expanduser("~"), ".cache"), "shmcomm")
+    return os.path.join(root, name)
 
 
 def cuda_home():

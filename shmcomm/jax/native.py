@@ -5,7 +5,7 @@ process's context.
 It is built on first use, not with the core, because it needs XLA's C API header, which ships with jaxlib: pip builds
 shmcomm in an isolated environment without jax, and compiling against the jaxlib actually installed guarantees that
 the handler speaks its API version. A machine without a C compiler can build it ahead, where one exists, with
-`python -m shmcomm.jax.native` and the same SHMCOMM_JAX_BUILD_DIR. The core stays unchanged; the handler reaches its
+`python -m shmcomm.jax.native` and the same SHMCOMM_BUILD_DIR. The core stays unchanged; the handler reaches its
 collectives through function pointers that the shared-memory transport hands out."""
 import hashlib
 import os
@@ -39,7 +39,7 @@ def _cdef(jax_dir):
 
 
 def build_dir():
-    return build_cache.cache_dir("JAX_BUILD_DIR", "jax-ffi")
+    return build_cache.cache_dir("jax-ffi")
 
 
 def _key(jax_dir, include, xla_include):
@@ -70,8 +70,8 @@ def _compile(jax_dir, include, xla_include, work):
 
 def load():
     """The compiled module (ffi, lib), built first if needed: a small cffi module compiled into a cache directory
-    (SHMCOMM_JAX_BUILD_DIR, default ~/.cache/shmcomm/jax-ffi), keyed by the sources and jaxlib's header, under a file
-    lock so that the ranks of a job build it once. Raises ImportError where it cannot be compiled."""
+    (SHMCOMM_BUILD_DIR/jax-ffi, default ~/.cache/shmcomm/jax-ffi), keyed by the sources and jaxlib's header, under a
+    file lock so that the ranks of a job build it once. Raises ImportError where it cannot be compiled."""
     import jax.ffi
 
     jax_dir, include = _sources()

@@ -16,9 +16,9 @@ from pathlib import Path
 from shmcomm import env
 
 
-def cache_dir(setting, name):
-    """The directory SHMCOMM_`setting` names, else ~/.cache/shmcomm/`name` (XDG_CACHE_HOME honoured)."""
-    return Path(env.build_cache_dir(setting, name))
+def cache_dir(name):
+    """SHMCOMM_BUILD_DIR/`name`, else ~/.cache/shmcomm/`name` (XDG_CACHE_HOME honoured)."""
+    return Path(env.build_dir(name))
 
 
 def built(root, key, build):

@@ -83,7 +83,7 @@ def _load():
     folder, mpicc = _sources(), _mpicc()
     if mpicc is None:
         raise ImportError("no mpicc beside %s or on PATH" % sys.executable)
-    target = build_cache.built(build_cache.cache_dir("CROSSING_BUILD_DIR", "crossing"), _key(folder, mpicc),
+    target = build_cache.built(build_cache.cache_dir("crossing"), _key(folder, mpicc),
                                lambda work: _compile(folder, mpicc, work))
     module = build_cache.imported(target, _MODULE)
     text = module.ffi.new("char[]", 8192)
@@ -98,7 +98,7 @@ def load():
     """(ffi, lib) of the compiled module, built first if needed; None where it cannot be had (said once, at debug
     level: the Python rounds are the fallback, not an error): no mpicc beside the interpreter or on PATH, no C
     compiler, or a module built for another MPI than the one mpi4py loaded. It is built like shmcomm.jax's handler,
-    once per machine into a cache directory (SHMCOMM_CROSSING_BUILD_DIR, default ~/.cache/shmcomm/crossing), keyed by
+    once per machine into a cache directory (SHMCOMM_BUILD_DIR/crossing, default ~/.cache/shmcomm/crossing), keyed by
     its sources and the compiler."""
     global _loaded
     if _loaded is None:

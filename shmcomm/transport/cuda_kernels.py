@@ -70,9 +70,9 @@ def _key(compiler, src, arch_list):
 
 def build(arch_list):
     """The path of the compiled library (building it if needed). Raises RuntimeError with nvcc's words when the
-    compilation fails, FileNotFoundError without nvcc or the source. It is built into SHMCOMM_CUDA_BUILD_DIR (default
-    ~/.cache/shmcomm/cuda-kernels), keyed by the source, nvcc's version and the target architectures, under the lock
-    of build_cache.py so that a job's ranks build once."""
+    compilation fails, FileNotFoundError without nvcc or the source. It is built into SHMCOMM_BUILD_DIR/cuda-kernels
+    (default ~/.cache/shmcomm/cuda-kernels), keyed by the source, nvcc's version and the target architectures, under
+    the lock of build_cache.py so that a job's ranks build once."""
     compiler, src = nvcc(), source()
     if compiler is None:
         raise FileNotFoundError("nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
@@ -86,7 +86,7 @@ def build(arch_list):
             raise RuntimeError("nvcc failed (%s): %s" % (" ".join(command(compiler, src, LIBRARY, arch_list)),
                                                          done.stderr.strip()[-2000:]))
 
-    root = build_cache.cache_dir("CUDA_BUILD_DIR", "cuda-kernels")
+    root = build_cache.cache_dir("cuda-kernels")
     return build_cache.built(root, _key(compiler, src, arch_list), compile_into) / LIBRARY
 
 
