@@ -189,8 +189,18 @@ def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_fact
 
 def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=None):
     """Reduces `tensor` over all ranks in place and returns it; arguments and errors as allreduce()."""
-    return allreduce(tensor, op, average, prescale_factor, postscale_factor, name, output=tensor,
-                     process_set=process_set)
+    if world.address and type(tensor) is np.ndarray and average is None and process_set is None:
+        got = allreduce_call(world.address, world.size, tensor, tensor, op, prescale_factor, postscale_factor)
+        if got is not NotImplemented:
+            return got if type(got) is not int else _quick_failed(got, tensor, "allreduce", name)
+    elif world.crossing and type(tensor) is np.ndarray and average is None and process_set is None:
+        got = crossing_allreduce_call(world.crossing, tensor, tensor, op, prescale_factor, postscale_factor)
+        if got is not NotImplemented:
+            return got if type(got) is np.ndarray else world.comm.quick_allreduce_failed(
+                got, tensor, op, prescale_factor, postscale_factor, _what("allreduce", name))
+    if average is None and _engine_free(tensor, process_set):
+        return _latency_path(tensor, tensor, op, prescale_factor, postscale_factor, name)
+    return run(allreduce_request(tensor, tensor, op, average, prescale_factor, postscale_factor, name, process_set))
 
 
 def broadcast_request(tensor, output, root_rank, name, process_set):
