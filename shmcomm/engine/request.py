@@ -156,7 +156,6 @@ def finish(outcomes):
                 handle.request.handle = None
                 if error is None:
                     handle.request.tensor = handle.request.buffer = None  # the caller holds what it needs
-            handle.wake = None
             handle.done = True
             if handle._callbacks:
                 callbacks.append(handle)
