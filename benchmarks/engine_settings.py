@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from statistics import median_high
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,11 +71,6 @@ def _job(np_, extra_env, steps, warmup):
     return result
 
 
-def _median(values):
-    values = sorted(values)
-    return values[len(values) // 2]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-np", type=int, default=2)
@@ -101,9 +97,9 @@ def main():
     defaults = measured["defaults"]
     for label, _ in CONFIGURATIONS:
         runs = measured[label]
-        ratio = _median([r["median"] / d["median"] for r, d in zip(runs, defaults)])
-        print("| %s | %.2f | %.2f | %.2f |" % (label, 1e3 * _median([r["median"] for r in runs]),
-                                              1e3 * _median([r["p90"] for r in runs]), ratio))
+        ratio = median_high([r["median"] / d["median"] for r, d in zip(runs, defaults)])
+        print("| %s | %.2f | %.2f | %.2f |" % (label, 1e3 * median_high([r["median"] for r in runs]),
+                                              1e3 * median_high([r["p90"] for r in runs]), ratio))
 
 
 if __name__ == "__main__":
