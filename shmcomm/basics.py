@@ -10,11 +10,21 @@ from shmcomm.vocabulary.exceptions import AbandonedError
 def init(engine=None):
     """Joins the job described by the launcher's environment (a world of one without it). Idempotent.
 
-    engine=True starts the background engine now, on every rank, as Horovod does; shmcomm.torch.init() passes it.
-    Without it, blocking calls go straight to the shared memory (the lowest latency) and the engine starts with the
-    first asynchronous call, which every rank makes at the same point of the program. join() needs the engine from
-    the start, since the ranks that call it and the ones that go on differ. SHMCOMM_ENGINE=1 sets the default, and so
-    does a timeline (SHMCOMM_TIMELINE): the engine records what it runs, so every collective goes through it."""
+    Every setting is read and checked here, so that a bad value fails at once, naming the variable.
+
+    Args:
+        engine: True starts the background engine now, on every rank, as Horovod does (shmcomm.torch.init() passes
+            it). Without it, blocking calls go straight to the shared memory (the lowest latency) and the engine starts
+            with the first asynchronous call, which every rank makes at the same point of the program. join() needs the
+            engine from the start, since the ranks that call it and the ones that go on differ. SHMCOMM_ENGINE=1 sets
+            the default, and so does a timeline (SHMCOMM_TIMELINE): the engine records what it runs, so every
+            collective goes through it.
+
+    Raises:
+        ValueError: a setting's value is refused (the message names the variable).
+        TimeoutError: a rank did not come within SHMCOMM_START_TIMEOUT (the error names it).
+        MembershipError: in an elastic job, the launcher gave up or no membership came in time.
+    """
     env.validate()
     if engine is None:
         engine = env.engine_requested() or env.timeline()[0] is not None
@@ -86,7 +96,7 @@ def _topology_question(field, doc):
     def question():
         return getattr(session.communicator().topology, field)
     question.__name__ = question.__qualname__ = field
-    question.__doc__ = doc
+    question.__doc__ = doc + "\n\nReturns:\n    An int.\n\nRaises:\n    NotInitializedError: before init()."
     return question
 
 

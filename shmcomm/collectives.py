@@ -3,96 +3,18 @@
 
 Every rank must call the same collectives in the same order with agreeing arguments. When they do not, every rank
 raises MismatchError for that call and the job can go on. While the background engine runs (asynchronous operations
-started it), these calls go through it, so that they and the asynchronous ones keep one order on every rank.
-
-A request on a CUDA tensor is served by the device communicator next to the world's (algorithms/device.py), on the
-global process set only."""
+started it), these calls go through it, so that they and the asynchronous ones keep one order on every rank."""
 import numpy as np
 
 from shmcomm.vocabulary import ops
 from shmcomm.startup import session
 from shmcomm.engine import current as current_engine
+from shmcomm.engine.calls import (allgather_request, allreduce_request, alltoall_request, barrier_request,
+                                  broadcast_request, is_cuda, received_splits, reducescatter_op, reducescatter_request,
+                                  root_index, rows_per_rank, run)
 from shmcomm.quick_path import (allgather_call, allreduce_call, alltoall_call, broadcast_call, crossing_allreduce_call,
                                 reducescatter_call, world)
-from shmcomm.engine.request import Request, execute
-from shmcomm.vocabulary.buffers import is_torch, wrap, wrap_device
-from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
-
-def resolve_set(process_set):
-    """The communicator and id of a process set (None or the global set: everyone)."""
-    comm = session.communicator()
-    if process_set is None or process_set.process_set_id == 0:
-        return comm, 0
-    return process_set.communicator(), process_set.process_set_id
-
-
-def is_cuda(tensor):
-    return is_torch(tensor) and tensor.is_cuda
-
-
-def on_device(req):
-    """Hands a request on a CUDA tensor to the device communicator, whose checks travel with it (Request.checked)."""
-    if is_cuda(req.tensor):
-        if req.set_id:
-            req.checked(_no_device_sets, req.what)
-        else:
-            from shmcomm.algorithms import device
-
-            req.comm = device.communicator(req.comm)
-            req.checked(req.comm.prepare, req)
-    return req
-
-
-def _no_device_sets(what):
-    raise NotSupportedError("%s: CUDA tensors are supported on the global process set only" % what)
-
-
-def _name(kind, name):
-    # Unnamed requests are named by the engine, which only they pass through when it runs.
-    return None if name is None else "%s.%s" % (kind, name)
-
-
-def run(req):
-    """Runs a request now, or through the engine if it is running."""
-    engine = current_engine()
-    if engine is not None and not engine.in_engine_thread():
-        return engine.submit(req, settle=True).wait()
-    return execute(req)
-
-
-def root_index(comm, root_rank, what):
-    """Horovod's root_rank is a global rank; the core wants its index in the communicator."""
-    if not isinstance(root_rank, (int, np.integer)) or int(root_rank) not in comm.ranks:
-        raise InvalidArgumentError("%s: root rank %r is not one of the ranks %s" % (what, root_rank,
-                                                                                 _ranks_text(comm.ranks)))
-    return comm.ranks.index(int(root_rank))
-
-
-def _ranks_text(ranks):
-    return "0..%d" % (len(ranks) - 1) if ranks == list(range(len(ranks))) else str(ranks)
-
-
-def splits_list(splits, rows, n, what):
-    if splits is None:
-        if rows % n:
-            raise InvalidArgumentError("%s: the first dimension (%d) does not divide by the number of ranks (%d); pass "
-                                       "splits" % (what, rows, n))
-        return [rows // n] * n
-    if hasattr(splits, "tolist"):
-        splits = splits.tolist()
-    splits = [int(s) for s in splits]
-    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-        raise InvalidArgumentError("%s: splits %s must have %d non-negative entries that add up to the first "
-                                   "dimension (%d)" % (what, splits, n, rows))
-    return splits
-
-
-def allreduce_request(tensor, output, op, average, prescale_factor, postscale_factor, name, process_set):
-    comm, set_id = resolve_set(process_set)
-    req = Request("allreduce", _name("allreduce", name), tensor, comm, set_id, output=output,
-                  prescale=prescale_factor, postscale=postscale_factor)
-    req.op = req.checked(ops.resolve, op, average, default=ops.Sum)
-    return on_device(req)
+from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 
 def _engine_free(tensor, process_set):
@@ -188,7 +110,18 @@ def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_fact
 
 
 def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=None):
-    """Reduces `tensor` over all ranks in place and returns it; arguments and errors as allreduce()."""
+    """Reduces `tensor` over all ranks in place.
+
+    Args:
+        tensor: a numpy array or torch CPU tensor, overwritten with the result.
+        op, average, prescale_factor, postscale_factor, name, process_set: as allreduce().
+
+    Returns:
+        `tensor`, holding the reduction.
+
+    Raises:
+        ShmCommError: as allreduce().
+    """
     if world.address and type(tensor) is np.ndarray and average is None and process_set is None:
         got = allreduce_call(world.address, world.size, tensor, tensor, op, prescale_factor, postscale_factor)
         if got is not NotImplemented:
@@ -203,18 +136,24 @@ def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_fac
     return run(allreduce_request(tensor, tensor, op, average, prescale_factor, postscale_factor, name, process_set))
 
 
-def broadcast_request(tensor, output, root_rank, name, process_set):
-    comm, set_id = resolve_set(process_set)
-    req = Request("broadcast", _name("broadcast", name), tensor, comm, set_id, output=output)
-    req.root = req.checked(root_index, comm, root_rank, req.what, default=0)
-    return on_device(req)
-
-
 def broadcast(tensor, root_rank, name=None, output=None, process_set=None):
     """Rank `root_rank`'s `tensor` on every rank, in a new tensor or in `output`.
 
-    Every rank passes a tensor of the same shape and dtype; only the root's contents matter. `root_rank` is a rank of
-    `process_set` (default: every rank). Errors as allreduce(); a root outside the set is an InvalidArgumentError.
+    Args:
+        tensor: a numpy array or torch tensor of the same shape and dtype on every rank; only the root's contents matter.
+        root_rank: the rank whose tensor is sent, a rank of `process_set`.
+        name: names the call in errors and the timeline.
+        output: an array of the tensor's shape and dtype to write the result into.
+        process_set: the ranks that take part (default: every rank).
+
+    Returns:
+        The root's tensor (`output` when given).
+
+    Raises:
+        InvalidArgumentError: `root_rank` is not in the set, or `output` does not fit; other errors as allreduce().
+
+    Example:
+        `shmcomm.broadcast(np.arange(3) * shmcomm.rank(), root_rank=1)` gives `[0, 1, 2]` on every rank.
     """
     if world.address and type(tensor) is np.ndarray and process_set is None and type(root_rank) is int \
             and 0 <= root_rank < world.size:  # the world's ranks are its indices
@@ -228,7 +167,17 @@ def broadcast(tensor, root_rank, name=None, output=None, process_set=None):
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
-    """Overwrites `tensor` with root_rank's on every rank; returns it."""
+    """Overwrites `tensor` with rank `root_rank`'s on every rank.
+
+    Args:
+        tensor, root_rank, name, process_set: as broadcast().
+
+    Returns:
+        `tensor`, holding the root's values.
+
+    Raises:
+        ShmCommError: as broadcast().
+    """
     if world.address and type(tensor) is np.ndarray and process_set is None and type(root_rank) is int \
             and 0 <= root_rank < world.size:
         got = broadcast_call(world.address, tensor, tensor, root_rank)
@@ -239,17 +188,24 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
     return run(broadcast_request(tensor, tensor, root_rank, name, process_set))
 
 
-def allgather_request(tensor, name, process_set, output=None):
-    comm, set_id = resolve_set(process_set)
-    return on_device(Request("allgather", _name("allgather", name), tensor, comm, set_id, output=output))
-
-
 def allgather(tensor, name=None, process_set=None, output=None):
-    """Concatenation of every rank's `tensor` along the first dimension, which may differ between ranks; in a new
-    array, or in `output` (which must have the concatenation's shape and the tensor's dtype).
+    """Every rank's `tensor` concatenated along the first dimension, in rank order.
 
-    The other dimensions and the dtype must agree on every rank (else MismatchError on every rank); other errors as
-    allreduce().
+    Args:
+        tensor: a numpy array or torch tensor; its first dimension may differ between ranks, the other dimensions and
+            the dtype must agree.
+        name: names the call in errors and the timeline.
+        process_set: the ranks that take part (default: every rank).
+        output: an array of the concatenation's shape and the tensor's dtype to write the result into.
+
+    Returns:
+        The concatenation (`output` when given).
+
+    Raises:
+        MismatchError: the ranks' other dimensions or dtypes differ; every rank raises. Other errors as allreduce().
+
+    Example:
+        `shmcomm.allgather(np.full(shmcomm.rank() + 1, shmcomm.rank()))` gives `[0, 1, 1]` on 2 ranks.
     """
     if world.address and type(tensor) is np.ndarray and process_set is None:
         got = allgather_call(world.address, world.size, tensor, output, world.every, np.empty)
@@ -266,29 +222,26 @@ def allgather(tensor, name=None, process_set=None, output=None):
     return run(allgather_request(tensor, name, process_set, output))
 
 
-def _reducescatter_op(op):
-    resolved = ops.resolve(op)
-    if resolved == ops.Adasum:
-        raise InvalidArgumentError("reducescatter: Adasum is an allreduce op; use Sum or Average")
-    return resolved
-
-
-def reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set, output=None):
-    comm, set_id = resolve_set(process_set)
-    req = Request("reducescatter", _name("reducescatter", name), tensor, comm, set_id, output=output,
-                  prescale=prescale_factor, postscale=postscale_factor)
-    req.op = req.checked(_reducescatter_op, op, default=ops.Sum)
-    return on_device(req)
-
-
 def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postscale_factor=1.0, process_set=None,
                   output=None):
-    """Rank r receives its share of the reduction of `tensor` along the first dimension; with rows that do not
-    divide evenly, the first (rows % size) ranks get one extra row (Horovod's rule). In a new array, or in
-    `output`.
+    """This rank's share of the reduction of `tensor`, split along the first dimension.
 
-    `op`, `prescale_factor` and `postscale_factor` as allreduce() (the default op here is Average too); so are the
-    errors. A rank whose share is empty gets an array of no rows.
+    With rows that do not divide evenly, the first (rows % size) ranks get one extra row (Horovod's rule); a rank whose
+    share is empty gets an array of no rows.
+
+    Args:
+        tensor: a numpy array or torch tensor of the same shape and dtype on every rank.
+        op: Average (the default), Sum, Min, Max or Product (not Adasum).
+        name: names the call in errors and the timeline.
+        prescale_factor, postscale_factor: as allreduce().
+        process_set: the ranks that take part (default: every rank).
+        output: an array of this rank's share's shape and the tensor's dtype to write the result into.
+
+    Returns:
+        This rank's rows of the reduction (`output` when given).
+
+    Raises:
+        ShmCommError: as allreduce().
     """
     if world.address and type(tensor) is np.ndarray and process_set is None:
         got = reducescatter_call(world.address, world.size, world.rank, tensor, output, op, prescale_factor,
@@ -299,45 +252,31 @@ def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postsc
         comm = session.communicator()
         what = _what("reducescatter", name)
         try:
-            return comm.reducescatter(tensor, _reducescatter_op(op), prescale_factor, postscale_factor, what, output)
+            return comm.reducescatter(tensor, reducescatter_op(op), prescale_factor, postscale_factor, what, output)
         except InvalidArgumentError as error:
             raise comm.refused("reducescatter", error, what) from None
     return run(reducescatter_request(tensor, op, name, prescale_factor, postscale_factor, process_set, output))
 
 
-def alltoall_request(tensor, splits, name, process_set, output=None):
-    comm, set_id = resolve_set(process_set)
-    req = Request("alltoall", _name("alltoall", name), tensor, comm, set_id, output=output)
-    req.splits = req.checked(_rows_per_rank, tensor, splits, comm.size, req.what)
-    return on_device(req)
-
-
-def _rows_per_rank(tensor, splits, n, what):
-    if type(tensor) is np.ndarray:
-        shape = tensor.shape
-    else:
-        shape = (wrap_device if is_cuda(tensor) else wrap)(tensor, what).shape  # checks the tensor before reading it
-    return splits_list(splits, (tuple(shape) or (1,))[0], n, what)
-
-
-def received_splits(tensor, got):
-    """Rows received per rank, as Horovod returns them: int32, a torch tensor for torch input."""
-    got = np.asarray(got, dtype=np.int32)
-    if is_torch(tensor):
-        import torch
-
-        return torch.from_numpy(got)
-    return got
-
-
 def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
-    """Sends splits[j] rows of `tensor` (in order) to rank j and returns the rows received, in rank order, in a new
-    array or in `output` (which must have exactly the rows received). With `splits`, also returns how many rows came
-    from each rank (as Horovod does).
+    """Sends `splits[j]` rows of `tensor`, in order, to rank j; returns the rows received, in rank order.
 
-    Without `splits`, the first dimension must divide evenly by the number of ranks. `splits` must have one
-    non-negative count per rank that add up to the first dimension (InvalidArgumentError otherwise); the ranks must
-    agree on the other dimensions and the dtype (MismatchError on every rank otherwise); other errors as allreduce().
+    Args:
+        tensor: a numpy array or torch tensor; the ranks agree on its dimensions after the first and its dtype.
+        splits: one non-negative row count per rank, adding up to the first dimension; without it the first dimension
+            must divide evenly by the number of ranks.
+        name: names the call in errors and the timeline.
+        process_set: the ranks that take part (default: every rank).
+        output: an array with exactly the rows received, to write them into.
+
+    Returns:
+        The rows received (`output` when given); with `splits`, a pair of them and the number of rows that came from
+        each rank (int32, a torch tensor for torch input), as Horovod returns.
+
+    Raises:
+        InvalidArgumentError: `splits` is not one count per rank adding up to the first dimension, or the first
+            dimension does not divide evenly without it.
+        MismatchError: the ranks' other dimensions or dtypes differ; every rank raises. Other errors as allreduce().
     """
     if world.address and type(tensor) is np.ndarray and process_set is None:
         got = alltoall_call(world.address, world.size, world.rank, tensor, output, splits, world.sends, world.matrix,
@@ -350,7 +289,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
         comm = session.communicator()
         what = _what("alltoall", name)
         try:
-            out, got = comm.alltoall(tensor, _rows_per_rank(tensor, splits, comm.size, what), what, output)
+            out, got = comm.alltoall(tensor, rows_per_rank(tensor, splits, comm.size, what), what, output)
         except InvalidArgumentError as error:
             raise comm.refused("alltoall", error, what) from None
     else:
@@ -359,11 +298,16 @@ def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
 
 
 def barrier(process_set=None):
-    """Returns once every rank of `process_set` (default: every rank) has called barrier().
+    """Returns once every rank of `process_set` has called barrier().
 
-    Raises RankFailure if a rank dies meanwhile and TimeoutError if one does not come within SHMCOMM_TIMEOUT."""
+    Args:
+        process_set: the ranks that wait for one another (default: every rank).
+
+    Raises:
+        RankFailure: a rank died or left meanwhile (the error names it).
+        TimeoutError: a rank did not come within SHMCOMM_TIMEOUT.
+    """
     if process_set is None and current_engine() is None:
         session.communicator().barrier()
         return
-    comm, set_id = resolve_set(process_set)
-    run(Request("barrier", None, None, comm, set_id))
+    run(barrier_request(process_set))

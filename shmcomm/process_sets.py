@@ -14,7 +14,17 @@ _next_id = [1]
 
 
 class ProcessSet:
-    """A set of global ranks. `rank()` is this process's index in it; `size()` how many it holds."""
+    """A set of global ranks that collectives may run on alone (Horovod's ProcessSet).
+
+    Register it with add_process_set() on every rank, then pass it as any collective's `process_set`; only its members
+    call those collectives.
+
+    Args:
+        ranks: the global ranks of the set (any order; repeats are dropped).
+
+    Example:
+        `evens = shmcomm.add_process_set([0, 2])`; then on ranks 0 and 2, `shmcomm.allreduce(x, process_set=evens)`.
+    """
 
     def __init__(self, ranks):
         self.ranks = sorted({int(r) for r in ranks})
@@ -22,24 +32,41 @@ class ProcessSet:
         self._comm = None
 
     def size(self):
-        """The number of ranks in the set."""
+        """The number of ranks in the set.
+
+        Returns:
+            An int: the set's ranks, or every rank for the global set.
+        """
         return len(self.ranks) if self.process_set_id != 0 else session.communicator().topology.size
 
     def rank(self):
-        """This rank's index within the set, or -1 if it is not a member."""
+        """This rank's index within the set.
+
+        Returns:
+            An int, or -1 when this rank is not a member.
+        """
         if self.process_set_id == 0:
             return _my_rank()
         me = _my_rank()
         return self.ranks.index(me) if me in self.ranks else -1
 
     def included(self):
-        """True if this rank is a member of the set."""
+        """Whether this rank is a member of the set.
+
+        Returns:
+            True for a member (every rank is one of the global set).
+        """
         return self.process_set_id == 0 or _my_rank() in self.ranks
 
     def communicator(self):
         """The communicator the set's collectives run on, on this rank.
 
-        Raises InvalidArgumentError if the set was never added (add_process_set) or this rank is not a member."""
+        Returns:
+            The set's communicator (what the collectives hand their calls to).
+
+        Raises:
+            InvalidArgumentError: the set was never added (add_process_set), or this rank is not a member.
+        """
         if self.process_set_id is None:
             raise InvalidArgumentError("process set %s was never added (add_process_set)" % self.ranks)
         if self._comm is None:
@@ -57,7 +84,18 @@ global_process_set.process_set_id = 0
 
 
 def add_process_set(process_set):
-    """Registers a set (a ProcessSet or a list of ranks). Every rank must call it, in the same order."""
+    """Registers a set; every rank calls it, in the same order, so that every rank numbers the sets
+    alike. The members then meet in a segment of their own.
+
+    Args:
+        process_set: a ProcessSet, or a list of global ranks.
+
+    Returns:
+        The registered ProcessSet (with its `process_set_id`).
+
+    Raises:
+        InvalidArgumentError: the ranks are empty or out of range, or a set of the same ranks exists already.
+    """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     comm = session.communicator()
     if not ps.ranks or any(r < 0 or r >= comm.size for r in ps.ranks):
@@ -77,7 +115,14 @@ def add_process_set(process_set):
 
 
 def remove_process_set(process_set):
-    """Unregisters a set and closes its communicator. Every rank must call it."""
+    """Unregisters a set and closes its communicator; every rank calls it.
+
+    Args:
+        process_set: a set add_process_set() returned.
+
+    Raises:
+        InvalidArgumentError: it is the global set, which cannot be removed.
+    """
     if process_set.process_set_id in (None, 0):
         raise InvalidArgumentError("the global process set cannot be removed")
     with _lock:

@@ -19,14 +19,30 @@ from shmcomm.transport.shm import WindowMemory
 
 
 def shared_empty(shape, dtype=np.float32):
-    """A new uninitialised numpy array that every rank of this host maps. Collective: every rank calls it, with the
-    same shape and dtype (a difference raises MismatchError on every rank). Its memory lives as long as the array and
-    its views, past shutdown() too. Where the ranks cannot map each other's memory (no ptrace rights between them, a
-    kernel before Linux 5.6, SHMCOMM_SHARED_BUFFERS=0) or in a world of one rank, it is an ordinary array and every
-    collective works on it as on any other. Across hosts, the ranks of each host map each other's (the torus's steps
-    inside a host then read and write them directly); every rank must still pass the same shape and dtype. Not while
-    the engine runs (after the first asynchronous call, or init(engine=True)): the engine's own fusion buffer is shared
-    already."""
+    """A new uninitialised numpy array that every rank of this host maps, so that collectives on it
+    read and write the ranks' memory directly instead of staging copies.
+
+    Collective: every rank calls it, with the same shape and dtype. Its memory lives as long as the array and its views,
+    past shutdown() too. Where the ranks cannot map each other's memory (no ptrace rights between them, a kernel before
+    Linux 5.6, SHMCOMM_SHARED_BUFFERS=0) or in a world of one rank, it is an ordinary array, and every collective works
+    on it as on any other. Across hosts, the ranks of each host map each other's.
+
+    Args:
+        shape: an int or a tuple of ints.
+        dtype: any numpy dtype (default float32).
+
+    Returns:
+        A numpy array; is_shared() says whether the ranks map it.
+
+    Raises:
+        InvalidArgumentError: a shape that is not integers, a negative dimension, or not a dtype.
+        MismatchError: the ranks passed different shapes or dtypes; every rank raises.
+        NotSupportedError: the background engine runs (after the first asynchronous call, or init(engine=True)): its
+            own fusion buffer is shared already.
+
+    Example:
+        `grads = shmcomm.shared_empty(1 << 20)`; fill it, then `shmcomm.allreduce_(grads)`.
+    """
     try:
         shape = tuple(operator.index(d) for d in shape) if np.iterable(shape) else (operator.index(shape),)
     except TypeError:
@@ -51,7 +67,14 @@ def shared_empty(shape, dtype=np.float32):
 
 
 def is_shared(array):
-    """Whether `array` (or the array it is a view of) came from shared_empty and every rank of its host maps it."""
+    """Whether an array came from shared_empty() and every rank of its host maps it.
+
+    Args:
+        array: a numpy array, or a view of one.
+
+    Returns:
+        True when `array` (or the array it is a view of) is shared; False for any other array.
+    """
     while array is not None:
         if isinstance(array, WindowMemory):
             return array.shared

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
 
-from shmcomm import collectives
+from shmcomm.engine import calls
 from shmcomm.vocabulary import description, ops
 from shmcomm.startup import session
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
@@ -82,10 +82,22 @@ def allreduce(x, op=ops.Average, prescale_factor=1.0, postscale_factor=1.0, name
 
 
 def broadcast(x, root_rank, name=None):
-    """root_rank's value of every leaf, on every rank."""
+    """Rank `root_rank`'s value of every leaf, on every rank; eagerly and under jit.
+
+    Args:
+        x: a jax or numpy array, or any pytree of them; every rank passes the same structure, shapes and dtypes.
+        root_rank: the rank whose values everyone receives.
+        name: names the call in errors.
+
+    Returns:
+        The same pytree, holding the root's values.
+
+    Raises:
+        InvalidArgumentError: `root_rank` is not a rank of the job; other errors as allreduce().
+    """
     size, rank = _world()
     what = name or "broadcast"
-    root = collectives.root_index(session.communicator(), root_rank, what)
+    root = calls.root_index(session.communicator(), root_rank, what)
     return _each(x, lambda leaf, w: bind(leaf, "broadcast", root=root, size=size, rank=rank, name=w), what)
 
 
@@ -94,8 +106,21 @@ def _rows_of(x):
 
 
 def allgather(x, name=None):
-    """Every rank's leaf concatenated along the first dimension (scalars count as one row). Under jit every rank
-    must have the same first dimension; eagerly they may differ."""
+    """Every rank's leaf concatenated along the first dimension (scalars count as one row), in rank order.
+
+    Under jit every rank must have the same first dimension; eagerly they may differ (the counts are exchanged first).
+
+    Args:
+        x: a jax or numpy array, or any pytree of them; the ranks agree on the dimensions after the first and the dtype.
+        name: names the call in errors.
+
+    Returns:
+        The same pytree of concatenated arrays, equal on every rank.
+
+    Raises:
+        MismatchError: the ranks' other dimensions or dtypes differ (under jit also the first); other errors as
+            allreduce().
+    """
     size, rank = _world()
 
     def one(leaf, what):
@@ -110,8 +135,20 @@ def allgather(x, name=None):
 
 
 def reducescatter(x, op=ops.Average, prescale_factor=1.0, postscale_factor=1.0, name=None):
-    """Rank r's rows of the reduction of every leaf along its first dimension; with rows that do not divide evenly,
-    the first (rows % size) ranks get one more (Horovod's rule)."""
+    """Rank r's rows of the reduction of every leaf along its first dimension.
+
+    With rows that do not divide evenly, the first (rows % size) ranks get one more (Horovod's rule).
+
+    Args:
+        x: a jax or numpy array of at least one dimension, or any pytree of them; the same on every rank.
+        op, prescale_factor, postscale_factor, name: as allreduce().
+
+    Returns:
+        The same pytree, each leaf this rank's rows of its reduction.
+
+    Raises:
+        InvalidArgumentError: a leaf with no dimension; other errors as allreduce().
+    """
     op = ops.resolve(op)
     size, rank = _world()
 
@@ -124,15 +161,27 @@ def reducescatter(x, op=ops.Average, prescale_factor=1.0, postscale_factor=1.0, 
 
 
 def alltoall(x, splits=None, name=None):
-    """Sends splits[j] rows of every leaf (in order) to rank j and returns the rows received, in rank order. Without
-    splits the first dimension is split evenly. With splits (eager only), also returns how many rows came from each
-    rank, as Horovod does (for a pytree: one such array per leaf, in a matching pytree)."""
+    """Sends `splits[j]` rows of every leaf, in order, to rank j and returns the rows received, in rank order.
+
+    Args:
+        x: a jax or numpy array, or any pytree of them; the ranks agree on the dimensions after the first and the dtype.
+        splits: one row count per rank, adding up to the first dimension (eager only); None splits it evenly.
+        name: names the call in errors.
+
+    Returns:
+        The same pytree of received rows; with `splits`, the pair of it and a matching pytree of int32 arrays saying
+        how many rows came from each rank (as Horovod returns).
+
+    Raises:
+        InvalidArgumentError: `splits` inside jit (the rows received must be known at trace time: pad to equal splits),
+            or splits that do not add up; other errors as allreduce().
+    """
     size, rank = _world()
     received = []
 
     def one(leaf, what):
         leaf = _rows_of(leaf)
-        sends = collectives.splits_list(splits, leaf.shape[0], size, what)
+        sends = calls.splits_list(splits, leaf.shape[0], size, what)
         if splits is None:
             return bind(leaf, "alltoall", rows=sends, sends=sends, size=size, rank=rank, name=what)
         if _tracing(leaf):

@@ -3,7 +3,7 @@
 and what the handler asks of Python.
 
 The handler calls the C core itself only while the world communicator is one host's shared memory and no engine runs
-(direct()); otherwise it hands each call to Python, which runs it through collectives.run as the numpy API does, so
+(direct()); otherwise it hands each call to Python, which runs it through engine.calls.run as the numpy API does, so
 that asynchronous numpy or torch collectives and the jitted ones keep one order on every rank. Jitted collectives are
 not ordered against the numpy API's blocking calls: a program that mixes them waits for the jitted ones first
 (jax.effects_barrier()), and so does one that starts the engine while a jitted collective is in flight."""
@@ -21,7 +21,7 @@ from shmcomm.startup import log, session
 from shmcomm._native import error_for, lib as core_lib
 from shmcomm.algorithms.host import HostComm
 from shmcomm.vocabulary.buffers import wrap
-from shmcomm.collectives import run
+from shmcomm.engine.calls import run
 from shmcomm.engine.request import Request
 from shmcomm.vocabulary.exceptions import MismatchError, NotInitializedError, ShmCommError
 from shmcomm.jax import native, results_heap
@@ -127,8 +127,24 @@ def _recorded(error):
 
 
 def original(error):
-    """The shmcomm exception behind a JaxRuntimeError that a collective raised under jit (its text starts with the
-    exception's class), or None. Eager calls raise the shmcomm exception directly."""
+    """The shmcomm exception behind a JaxRuntimeError that a collective raised under jit.
+
+    Eager calls raise the shmcomm exception directly; under jit, XLA wraps it.
+
+    Args:
+        error: a jax.errors.JaxRuntimeError.
+
+    Returns:
+        The shmcomm exception (MismatchError, RankFailure...), or None when the error did not come from a collective.
+
+    Example:
+            try:
+                step(params, batch)
+            except jax.errors.JaxRuntimeError as error:
+                cause = sj.original(error)
+                if isinstance(cause, sj.MismatchError):
+                    ...
+    """
     text = str(error)
     at = text.find(_MARK)
     if at < 0:

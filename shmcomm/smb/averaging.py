@@ -18,22 +18,32 @@ from shmcomm.smb.box import SoftMemoryBox
 
 
 class ElasticCentre:
-    """The centre of `count` elements of `dtype` in the job-wide box `name` (home and stripes as for
-    SoftMemoryBox).
+    """The centre variable of elastic averaging (EASGD), held in a job-wide Soft Memory Box.
 
-    overlap=True sends each exchange from a background thread while the caller computes (ShmCaffe's update thread):
+    With overlap, each exchange is sent from a background thread while the caller computes (ShmCaffe's update thread):
     the exchange takes a copy of x, and the d it brings back is subtracted from x at the next exchange (or flush), so
-    the worker's pull lands one exchange late. In line an exchange then costs a copy of x and a subtraction.
+    the worker's pull lands one exchange late. In line, an exchange then costs a copy of x and a subtraction.
 
-        centre = ElasticCentre("centre", x.size)      # every rank; job-wide box
-        if shmcomm.rank() == 0:
-            centre.initialise(x)                       # the others wait for it in ready()
-        centre.ready()
-        for step in ...:
-            ...local SGD step on x...
-            if step % period == 0:
-                centre.exchange(x, alpha=0.2)
-        centre.flush(); centre.pull()                  # the centre, for evaluation
+    Args:
+        name: the box's name, the same on every rank.
+        count: the number of elements of the centre (the flattened parameters).
+        dtype: the parameters' numpy dtype.
+        home, stripes: where the box lives across hosts, as for SoftMemoryBox.
+        overlap: exchange from a background thread (True) or in line (False).
+
+    Raises:
+        ShmCommError: as SoftMemoryBox's constructor.
+
+    Example:
+            centre = ElasticCentre("centre", x.size)      # every rank; job-wide box
+            if shmcomm.rank() == 0:
+                centre.initialise(x)                       # the others wait for it in ready()
+            centre.ready()
+            for step in ...:
+                ...local SGD step on x...
+                if step % period == 0:
+                    centre.exchange(x, alpha=0.2)
+            centre.flush(); centre.pull()                  # the centre, for evaluation
     """
 
     def __init__(self, name, count, dtype=np.float32, home=None, stripes=1, overlap=True):
@@ -48,15 +58,36 @@ class ElasticCentre:
             self._pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shmcomm-elastic")
 
     def initialise(self, x):
-        """Sets the centre to `x` (one rank does it); the centre is ready once this has happened."""
+        """Sets the centre to `x`; one rank does it, and the centre is ready from then on.
+
+        Args:
+            x: a contiguous numpy array of `count` elements of the centre's dtype.
+
+        Raises:
+            InvalidArgumentError: another dtype, size or layout.
+        """
         self.box.write(self._checked(x, "initialise"))
 
     def ready(self, timeout=None):
-        """Waits until some rank has initialised the centre."""
+        """Waits until some rank has initialised the centre.
+
+        Args:
+            timeout: seconds (default SHMCOMM_TIMEOUT).
+
+        Raises:
+            TimeoutError: no rank initialised it in time.
+        """
         self.box.wait_version(1, timeout)
 
     def pull(self, out=None):
-        """A copy of the centre."""
+        """A copy of the centre, taken under the box's lock.
+
+        Args:
+            out: an array of `count` elements of the centre's dtype to copy into (default: a new one).
+
+        Returns:
+            `out`, or a new array, holding the centre.
+        """
         return self.box.read(out=out)
 
     def _checked(self, x, what):
@@ -67,8 +98,22 @@ class ElasticCentre:
         return x
 
     def exchange(self, x, alpha):
-        """x -= alpha * (x - c) in place, and c += alpha * (x - c) atomically in the box (x before the pull). With
-        overlap, this exchange's d reaches x at the next exchange or flush; the previous one's lands now."""
+        """One elastic-averaging exchange: x -= alpha * (x - c) in place, and c += alpha * (x - c) atomically in the
+        box.
+
+        With overlap, this exchange's d reaches x at the next exchange or flush, and the previous one's lands now.
+
+        Args:
+            x: this rank's parameters, a contiguous numpy array of `count` elements of the centre's dtype.
+            alpha: the moving rate, in (0, 1].
+
+        Returns:
+            The box's new version in line; None with overlap (the exchange is still in flight).
+
+        Raises:
+            InvalidArgumentError: another dtype, size or layout, or alpha outside (0, 1].
+            ShmCommError: with overlap, the previous exchange's error.
+        """
         self._checked(x, "exchange")
         if not 0.0 < alpha <= 1.0:
             raise InvalidArgumentError("elastic centre '%s': alpha must be in (0, 1], got %r" % (self.name, alpha))

@@ -142,8 +142,17 @@ class SoftMemoryBox:
         return self._handle().version()
 
     def view(self):
-        """A numpy array over the shared memory itself: no copy, no lock. Use it for reading a quiet box, or under
-        `locked()`. Only where the box's memory is: on its home host, and not for a striped box."""
+        """The box's elements as a numpy array over the shared memory itself: no copy, no lock.
+
+        Use it to read a quiet box, or under `locked()`. Only where the box's memory is: on its home host, and not for a
+        striped box.
+
+        Returns:
+            A numpy array of the box's shape and dtype.
+
+        Raises:
+            InvalidArgumentError: the box's memory is on another host, or it is striped (read() copies it).
+        """
         raw = self._handle().data(self.count * self.dtype.itemsize)
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape)
 
@@ -155,7 +164,20 @@ class SoftMemoryBox:
         return int(value)
 
     def read(self, out=None, offset=0, count=None):
-        """A consistent copy of elements [offset, offset+count) (all by default), taken under the box lock."""
+        """A consistent copy of elements [offset, offset+count), taken under the box lock.
+
+        Args:
+            out: an array of the box's dtype to copy into (default: a new one).
+            offset: the first element to read.
+            count: how many elements (default: to the end of the box).
+
+        Returns:
+            `out`, or a new array: of the box's shape when the whole box is read, else of `count` elements.
+
+        Raises:
+            InvalidArgumentError: a range past the box's end, or an `out` of another dtype or size.
+            HostFailure: the box's host is gone (across hosts).
+        """
         box = self._handle()
         offset = self._index(offset, "offset", "read")
         count = self._index(max(self.count - offset, 0) if count is None else count, "count", "read")
@@ -169,19 +191,11 @@ class SoftMemoryBox:
         return out
 
     def write(self, data, offset=0):
-        """Overwrites elements from `offset` with `data`; returns the new version."""
-        box = self._handle()
-        buf = self._source(data, offset, "write")
-        return box.write(self._index(offset, "offset", "write"), buf.count, buf.ptr)
-
-    def accumulate(self, data, alpha=1.0, beta=1.0, offset=0):
-        """box = beta * box + alpha * data, atomically against every other writer.
+        """Overwrites elements from `offset` with `data`, atomically against every other writer.
 
         Args:
             data: an array of the box's dtype (any shape: its elements in order).
-            alpha: multiplies `data`.
-            beta: multiplies the box's elements before the sum (1: a plain accumulate).
-            offset: the first element of the box to update.
+            offset: the first element of the box to overwrite.
 
         Returns:
             The box's new version.
@@ -191,15 +205,47 @@ class SoftMemoryBox:
             HostFailure: the box's host is gone (across hosts).
         """
         box = self._handle()
+        buf = self._source(data, offset, "write")
+        return box.write(self._index(offset, "offset", "write"), buf.count, buf.ptr)
+
+    def accumulate(self, data, alpha=1.0, beta=1.0, offset=0):
+        """box = beta * box + alpha * data, atomically against every other writer.
+
+        Args:
+            data: as write().
+            alpha: multiplies `data`.
+            beta: multiplies the box's elements before the sum (1: a plain accumulate).
+            offset: the first element of the box to update.
+
+        Returns:
+            The box's new version.
+
+        Raises:
+            InvalidArgumentError, HostFailure: as write().
+        """
+        box = self._handle()
         buf = self._source(data, offset, "accumulate")
         return box.accumulate(self._index(offset, "offset", "accumulate"), buf.count, buf.ptr, float(alpha),
                               float(beta))
 
     def exchange(self, buf, alpha, offset=0):
-        """Elastic averaging's exchange in one step, atomic against every other writer (shmcomm/smb/averaging.py builds
-        on it): `buf` (a writable contiguous array of the box's dtype) holds x; with c the box's elements from
-        `offset`, d = alpha * (x - c) replaces x in `buf`, and c += d. The caller then does x -= d. One round trip
-        to a box on another host (a read and an accumulate would take two). Returns the new version."""
+        """Elastic averaging's exchange in one step, atomic against every other writer.
+
+        With c the box's elements from `offset` and x the contents of `buf`: d = alpha * (x - c) replaces x in `buf`,
+        and c += d; the caller then does x -= d. One round trip to a box on another host, where a read and an accumulate
+        would take two (ElasticCentre builds on it).
+
+        Args:
+            buf: a writable contiguous array of the box's dtype holding x; on return it holds d.
+            alpha: the elastic averaging's moving rate.
+            offset: the first element of the box to exchange with.
+
+        Returns:
+            The box's new version.
+
+        Raises:
+            InvalidArgumentError: another dtype, a read-only `buf`, or a range past the box's end.
+        """
         box = self._handle()
         out = wrap(buf, "box '%s' exchange" % self.name, writable=True)
         if out.code != self._box.dtype:
@@ -208,10 +254,17 @@ class SoftMemoryBox:
         return box.exchange(self._index(offset, "offset", "exchange"), out.count, out.ptr, float(alpha))
 
     def lock(self, timeout=None):
-        """Takes the box's lock, job-wide, waiting up to `timeout` seconds (default SHMCOMM_TIMEOUT).
+        """Takes the box's lock, job-wide.
 
-        Raises TimeoutError naming the holder if it does not come free in time. A rank that dies holding the lock leaves
-        it to the next taker, and the box's version moves on so that readers can tell."""
+        A rank that dies holding the lock leaves it to the next taker, and the box's version moves on so that readers
+        can tell.
+
+        Args:
+            timeout: seconds to wait for the lock (default SHMCOMM_TIMEOUT).
+
+        Raises:
+            TimeoutError: the lock did not come free in time; the message names the holder.
+        """
         try:
             self._handle().lock(self._timeout if timeout is None else float(timeout))
         except TimeoutError as error:  # the holder may itself wait for a rank that is stopped: name those
@@ -219,15 +272,24 @@ class SoftMemoryBox:
             raise
 
     def unlock(self):
-        """Releases the lock this rank holds; InvalidArgumentError if it holds none."""
+        """Releases the lock this rank holds.
+
+        Raises:
+            InvalidArgumentError: this rank holds no lock on the box.
+        """
         self._handle().unlock()
 
     @contextlib.contextmanager
     def locked(self, timeout=None):
         """A context manager that holds the lock for its block: several operations as one.
 
-            with box.locked():
-                snapshot = box.read()"""
+        Args:
+            timeout: as lock().
+
+        Example:
+                with box.locked():
+                    snapshot = box.read()
+        """
         self.lock(timeout)
         try:
             yield self
@@ -235,11 +297,14 @@ class SoftMemoryBox:
             self.unlock()
 
     def wait_version(self, version, timeout=None):
-        """Sleeps until the version reaches `version`; returns the version seen.
+        """Sleeps until the box's version reaches `version`.
 
         Args:
             version: the version to wait for (box.version + k waits for k more updates).
             timeout: seconds (default SHMCOMM_TIMEOUT).
+
+        Returns:
+            The version seen, at least `version`.
 
         Raises:
             TimeoutError: the version did not come in time.

@@ -56,7 +56,11 @@ def communicator():
 
 
 def is_initialized():
-    """True between init() and shutdown() on this rank."""
+    """Whether this rank has joined the job.
+
+    Returns:
+        True between init() and shutdown() on this rank.
+    """
     return state.comm is not None
 
 

@@ -16,7 +16,7 @@ from shmcomm import process_sets as _process_sets
 from shmcomm.asynchronous import start_timeline, stop_timeline  # noqa: F401
 from shmcomm.basics import cross_rank, cross_size, is_initialized, local_rank, local_size, rank, size
 from shmcomm.process_sets import ProcessSet, global_process_set  # noqa: F401
-from shmcomm.torch import mpi_ops as _mpi_ops
+from shmcomm.torch import handles as _handles
 from shmcomm.torch.compression import Compression  # noqa: F401
 from shmcomm.torch.batch_size import BatchSizeSchedule  # noqa: F401
 from shmcomm.vocabulary.exceptions import HostsUpdatedInterrupt  # noqa: F401
@@ -38,19 +38,26 @@ from shmcomm.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
 
 
 def init(comm=None, process_sets=None):
-    """Joins the job the launcher started and starts the background engine on every rank (all collectives, blocking
-    ones included, then go through it, and join() works).
+    """Joins the job the launcher started and starts the background engine on every rank; every collective, blocking
+    ones included, then goes through the engine, and join() works.
 
-    comm: None, or a list of ranks that names every rank of the job (shmcomm's world is always every rank the
-    launcher started). process_sets: None, "dynamic" (sets can always be added later), or a list of ProcessSet that
-    every rank registers now, in order."""
+    Args:
+        comm: None, or a list of ranks naming every rank of the job (shmcomm's world is always every rank the launcher
+            started; use add_process_set() for a subset).
+        process_sets: None, "dynamic" (sets can always be added later), or a list of ProcessSet that every rank
+            registers now, in order.
+
+    Raises:
+        ValueError: a `comm` that is not every rank, or `process_sets` of another kind; also the settings' errors, as
+            shmcomm.init().
+    """
     if comm is not None:
         _check_comm(comm)
     if not (process_sets is None or process_sets == "dynamic" or
             (isinstance(process_sets, (list, tuple)) and all(isinstance(p, ProcessSet) for p in process_sets))):
         raise ValueError("process_sets must be None, 'dynamic' or a list of ProcessSet, got %r" % (process_sets,))
     _basics.init(engine=True)
-    _mpi_ops._handle_map.clear()
+    _handles._handle_map.clear()
     if isinstance(process_sets, (list, tuple)):
         for ps in process_sets:
             if ps.process_set_id is None:
@@ -59,17 +66,37 @@ def init(comm=None, process_sets=None):
 
 
 def add_process_set(process_set):
-    """Registers a process set (a ProcessSet or a list of global ranks). Every rank calls it, in the same order, as
-    in Horovod; it returns once every rank has registered the set, so that no rank's collectives on it reach a rank
-    that does not know it yet."""
+    """Registers a process set; every rank calls it, in the same order, as in Horovod.
+
+    It returns once every rank has registered the set, so that no rank's collectives on it reach a rank that does not
+    know it yet.
+
+    Args:
+        process_set: a ProcessSet, or a list of global ranks.
+
+    Returns:
+        The registered ProcessSet.
+
+    Raises:
+        InvalidArgumentError: the ranks are empty or out of range, or a set of the same ranks exists already.
+    """
     ps = _process_sets.add_process_set(process_set)
     barrier()
     return ps
 
 
 def remove_process_set(process_set):
-    """Unregisters a process set. Every rank calls it; it waits until every rank is done with the set's
-    collectives. Returns True, as Horovod does on success."""
+    """Unregisters a process set; every rank calls it, and it waits until every rank is done with the set's collectives.
+
+    Args:
+        process_set: a set add_process_set() returned.
+
+    Returns:
+        True, as Horovod returns on success.
+
+    Raises:
+        InvalidArgumentError: it is the global set.
+    """
     barrier()
     _process_sets.remove_process_set(process_set)
     return True
@@ -99,7 +126,7 @@ def __getattr__(name):
 def shutdown():
     """Stops the background engine and leaves the job; init() may be called again afterwards."""
     _basics.shutdown()
-    _mpi_ops._handle_map.clear()
+    _handles._handle_map.clear()
 
 
 # What this build can do, truthfully: collectives on CPU tensors, over shared memory within a host and over MPI
@@ -107,36 +134,59 @@ def shutdown():
 # memory); never over Gloo, ROCm, DDL or oneCCL.
 
 def mpi_built():
-    """True when mpi4py is installed (it is a dependency): a job that spans hosts then runs its cross-host steps
-    over MPI. Looks for the package without importing it, since importing mpi4py.MPI starts MPI."""
+    """Whether mpi4py is installed (it is a dependency): a job that spans hosts then runs its cross-host steps over MPI.
+    Looks for the package without importing it, since importing mpi4py.MPI starts MPI.
+
+    Returns:
+        True when mpi4py can be imported.
+    """
     return _importlib_util.find_spec("mpi4py") is not None
 
 
 def mpi_enabled():
-    """True when this job's collectives go over MPI: it was initialized and spans hosts. A job on one host meets
-    only in shared memory, even when mpiexec started it."""
+    """Whether this job's collectives go over MPI: it was initialized and spans hosts. A job on one host meets only in
+    shared memory, even when mpiexec started it.
+
+    Returns:
+        True for an initialized job across hosts.
+    """
     return _basics.is_initialized() and _basics.communicator().mpi is not None
 
 
 def mpi_threads_supported():
-    """Always False: shmcomm promises no MPI thread level to scripts that call MPI themselves (a job on one host does
-    not start MPI at all)."""
+    """Whether scripts may call MPI from several threads beside shmcomm.
+
+    Returns:
+        False: shmcomm promises no MPI thread level to scripts that call MPI themselves (a job on one host does not
+        start MPI at all).
+    """
     return False
 
 
 def gloo_built():
-    """False: shmcomm never runs over Gloo (Horovod's function, for scripts that ask)."""
+    """Horovod's question, for scripts that ask.
+
+    Returns:
+        False: shmcomm never runs over Gloo.
+    """
     return False
 
 
 def gloo_enabled():
-    """False: shmcomm never runs over Gloo."""
+    """Horovod's question, for scripts that ask.
+
+    Returns:
+        False: shmcomm never runs over Gloo.
+    """
     return False
 
 
 def nccl_built():
-    """The version code of the NCCL library shmcomm loads (23203 for 2.32.3), as Horovod returns it; 0 when there is
-    none or no GPU to use it on."""
+    """The version of the NCCL library shmcomm loads, as Horovod returns it.
+
+    Returns:
+        Its version code (23203 for 2.32.3); 0 when there is none, or no GPU to use it on.
+    """
     if not cuda_built():
         return 0
     from shmcomm.transport import nccl_library
@@ -149,22 +199,38 @@ def nccl_built():
 
 
 def cuda_built():
-    """True when this process's torch sees a GPU: CUDA tensors then go through every collective."""
+    """Whether CUDA tensors go through every collective: this process's torch sees a GPU.
+
+    Returns:
+        torch.cuda.is_available().
+    """
     import torch
 
     return torch.cuda.is_available()
 
 
 def rocm_built():
-    """False: shmcomm has no ROCm path."""
+    """Horovod's question, for scripts that ask.
+
+    Returns:
+        False: shmcomm has no ROCm path.
+    """
     return False
 
 
 def ddl_built():
-    """False: shmcomm has no IBM DDL path."""
+    """Horovod's question, for scripts that ask.
+
+    Returns:
+        False: shmcomm has no IBM DDL path.
+    """
     return False
 
 
 def ccl_built():
-    """False: shmcomm has no oneCCL path."""
+    """Horovod's question, for scripts that ask.
+
+    Returns:
+        False: shmcomm has no oneCCL path.
+    """
     return False

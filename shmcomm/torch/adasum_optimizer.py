@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 
 from shmcomm import asynchronous
-from shmcomm.torch import mpi_ops
+from shmcomm.torch import handles
 from shmcomm.torch.mpi_ops import Adasum
 from shmcomm.torch.optimizer_checks import ZeroGradGuard, parameter_names
 
@@ -64,8 +64,8 @@ class _DistributedAdasumOptimizer(ZeroGradGuard):
                 group["params"] = params
         delta = (p.detach() - start).contiguous()
         compressed, ctx = self._compression.compress(delta)
-        handle = mpi_ops._start(asynchronous.allreduce_async_, [compressed], [self._parameter_names[p]],
-                                mpi_ops._first, op=Adasum)
+        handle = handles._start(asynchronous.allreduce_async_, [compressed], [self._parameter_names[p]],
+                                handles._first, op=Adasum)
         return handle, start, ctx
 
     def synchronize(self):
@@ -84,7 +84,7 @@ class _DistributedAdasumOptimizer(ZeroGradGuard):
         error = None
         for p, (handle, start, ctx) in self._handles.items():
             try:
-                delta = self._compression.decompress(mpi_ops.synchronize(handle), ctx)
+                delta = self._compression.decompress(handles.synchronize(handle), ctx)
             except Exception as e:  # wait for the rest: their tensors are in use
                 error = error or e
                 continue

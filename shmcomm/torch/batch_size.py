@@ -9,23 +9,33 @@ the passes change, on top of whatever else sets it."""
 
 
 class BatchSizeSchedule:
-    """`schedule`: {epoch: backward passes per step} (the entry for the latest epoch reached applies; epoch 0 must
-    be there). `scale_lr`: multiply every parameter group's learning rate by the ratio of passes at each change.
+    """Grows the global batch at chosen epochs: more backward passes per step, and the learning rate scaled to match.
 
-    With average_aggregated_gradients=True the step's gradient is the mean over the whole global batch, which is what
-    a single process computing that batch at once would get; without it (Horovod's default for PyTorch) it is the sum
-    over the passes, and the learning rate then needs no scaling (scale_lr=False).
+    With average_aggregated_gradients=True the step's gradient is the mean over the whole global batch, which is what a
+    single process computing that batch at once would get; without it (Horovod's default for PyTorch) it is the sum over
+    the passes, and the learning rate then needs no scaling (scale_lr=False).
 
-        optimizer = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                             average_aggregated_gradients=True)
-        schedule = hvd.BatchSizeSchedule(optimizer, {0: 1, 30: 2, 60: 4})   # epoch -> passes per step
-        for epoch in range(90):
-            schedule.set_epoch(epoch)
-            for i, (x, y) in enumerate(loader):
-                loss_fn(model(x), y).backward()
-                if schedule.step_due(i):
-                    optimizer.step()
-                    optimizer.zero_grad()
+    Args:
+        optimizer: a DistributedOptimizer.
+        schedule: {epoch: backward passes per step}; the entry for the latest epoch reached applies, and epoch 0 must be
+            there.
+        scale_lr: multiply every parameter group's learning rate by the ratio of passes at each change.
+
+    Raises:
+        ValueError: not a DistributedOptimizer, or a schedule without epoch 0 or with passes that are not positive
+            integers.
+
+    Example:
+            optimizer = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                                 average_aggregated_gradients=True)
+            schedule = hvd.BatchSizeSchedule(optimizer, {0: 1, 30: 2, 60: 4})   # epoch -> passes per step
+            for epoch in range(90):
+                schedule.set_epoch(epoch)
+                for i, (x, y) in enumerate(loader):
+                    loss_fn(model(x), y).backward()
+                    if schedule.step_due(i):
+                        optimizer.step()
+                        optimizer.zero_grad()
     """
 
     def __init__(self, optimizer, schedule, scale_lr=True):
@@ -40,11 +50,25 @@ class BatchSizeSchedule:
         self.passes = optimizer.backward_passes_per_step
 
     def passes_at(self, epoch):
-        """The backward passes per step the schedule gives for `epoch`."""
+        """The backward passes per step the schedule gives for an epoch.
+
+        Args:
+            epoch: an epoch number, from 0.
+
+        Returns:
+            An int.
+        """
         return [p for e, p in self.schedule.items() if e <= epoch][-1]
 
     def set_epoch(self, epoch):
-        """Applies the schedule for `epoch`; call it before the epoch's first backward pass, on every rank."""
+        """Applies the schedule for an epoch; call it before the epoch's first backward pass, on every rank.
+
+        Args:
+            epoch: the epoch about to start.
+
+        Returns:
+            The backward passes per step from now on.
+        """
         passes = self.passes_at(epoch)
         if passes != self.passes:
             if self.scale_lr:
@@ -55,5 +79,12 @@ class BatchSizeSchedule:
         return passes
 
     def step_due(self, batch_index):
-        """True after the last backward pass of a step (batch_index counts from 0 within the epoch)."""
+        """Whether a backward pass is the last of its step.
+
+        Args:
+            batch_index: the pass's batch number, counted from 0 within the epoch.
+
+        Returns:
+            True when optimizer.step() is due after this pass.
+        """
         return (batch_index + 1) % self.passes == 0

@@ -21,9 +21,18 @@ _lock = threading.Lock()
 
 
 def allreduce_hook(state, bucket):
-    """Starts the in-place Average allreduce of the bucket's flat gradient; returns a Future of the result.
-    `state` may be None (every rank) or a ProcessSet of the ranks that run this DDP model; any other state is
-    ignored."""
+    """DDP's communication hook: starts the in-place Average allreduce of a bucket's flat gradient.
+
+    Args:
+        state: None (every rank), or a ProcessSet of the ranks that run this DDP model; any other state is ignored.
+        bucket: the torch.distributed.GradBucket DDP passes.
+
+    Returns:
+        A torch.futures.Future of the averaged bucket; it fails with the collective's error.
+
+    Example:
+        `model.register_comm_hook(state=None, hook=shmcomm.torch.allreduce_hook)`.
+    """
     buffer = bucket.buffer()
     with _lock:
         call = next(_calls)

@@ -96,8 +96,23 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=glob
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """root_rank's `obj` on every rank (serialized with cloudpickle: its size first, then its bytes). The default
-    name does not depend on `obj`, so the other ranks may pass anything (None) in its place."""
+    """Rank `root_rank`'s `obj` on every rank, serialized with cloudpickle (its size first, then its bytes).
+
+    Args:
+        obj: any object cloudpickle can serialize; only the root's matters, so the others may pass None.
+        root_rank: the rank whose object everyone receives.
+        name: names the call (the default does not depend on `obj`).
+        process_set: the ranks that take part (default: every rank).
+
+    Returns:
+        The root's object, unpickled on every rank (the root gets a copy too).
+
+    Raises:
+        ShmCommError: as broadcast().
+
+    Example:
+        `epoch = hvd.broadcast_object(epoch, root_rank=0)` after the root resumed from a checkpoint.
+    """
     name = "broadcast_object" if name is None else str(name)
     root = basics.rank() == root_rank
     if root:
@@ -113,7 +128,19 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
-    """The list of every rank's `obj` (in rank order), serialized with cloudpickle."""
+    """Every rank's `obj`, serialized with cloudpickle, gathered on every rank.
+
+    Args:
+        obj: any object cloudpickle can serialize.
+        name: names the call.
+        process_set: the ranks that take part (default: every rank).
+
+    Returns:
+        The list of the ranks' objects, in rank order.
+
+    Raises:
+        ShmCommError: as allgather().
+    """
     name = "allgather_object" if name is None else str(name)
     payload = torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
     sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name + ".sz", process_set).tolist()
@@ -126,8 +153,20 @@ def allgather_object(obj, name=None, process_set=global_process_set):
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
-    """Reduces a sparse COO tensor by gathering every rank's indices and values (Sum or Average); returns a callable
-    that waits and returns the (uncoalesced) sparse result."""
+    """Starts reducing a sparse COO tensor by gathering every rank's indices and values.
+
+    Args:
+        tensor: a sparse COO tensor of the same size on every rank.
+        name: names the gathers.
+        op: Sum or Average.
+        process_set: the ranks that take part (default: every rank).
+
+    Returns:
+        A callable that waits and returns the sparse result (uncoalesced: indices may repeat).
+
+    Raises:
+        NotImplementedError: an op other than Sum and Average.
+    """
     op = resolve(op)
     if op not in (Average, Sum):
         raise NotImplementedError("sparse allreduce supports Sum and Average only, not %s" % op.name)

@@ -7,78 +7,27 @@ allreduce -> allreduce of the gradient with the same op and scale factors; allga
 gradient, this rank's rows; broadcast -> the Average allreduce of the gradient on the root, zeros elsewhere;
 reducescatter -> the allgather of the gradient, times the set size for Sum (and times the scale factors);
 alltoall -> the alltoall of the gradient back along the received splits."""
-import itertools
-
 import torch
 
 from shmcomm import asynchronous as _async, basics
-from shmcomm.vocabulary.exceptions import InvalidArgumentError, ShmCommError
-from shmcomm.vocabulary.ops import Adasum, Average, Max, Min, Product, Sum, resolve  # noqa: F401
+from shmcomm.vocabulary.exceptions import ShmCommError
+from shmcomm.vocabulary.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 from shmcomm.process_sets import global_process_set
 from shmcomm.torch.compression import Compression
+from shmcomm.torch.handles import _apply, _group, _names, _resolved, _set, _single, _start, poll, synchronize
 
 # Errors of the collectives themselves (mismatches, failed or shut-down peers) are ShmCommErrors, and RuntimeErrors
 # as Horovod's are; bad arguments are also ValueErrors.
 HorovodInternalError = ShmCommError
 
-# handle -> (engine handles, tensors kept alive until synchronize, how to turn the results into the output)
-_handle_map = {}
-_next_handle = itertools.count(1)
-
-
-def _register(handles, keep, finish):
-    handle = next(_next_handle)
-    _handle_map[handle] = (handles, keep, finish)
-    return handle
-
-
-def _first(results):
-    return results[0]
-
-
-def _set(process_set):
-    return global_process_set if process_set is None else process_set
-
-
-def _names(name, count):
-    # A group's tensors are negotiated one by one, so each needs its own name, identical on every rank.
-    return [None] * count if name is None else ["%s.%d" % (name, i) for i in range(count)]
-
-
-def _resolved(op, average=None):
-    """The op Horovod's arguments mean; an unknown op is passed on as given, so that the request carries its error
-    to the other ranks instead of raising here, before they could hear of it (Request.checked)."""
-    try:
-        return resolve(op, average)
-    except InvalidArgumentError:
-        if average is not None:
-            raise
-        return op
-
 
 def is_homogeneous():
-    """True when every host runs the same number of ranks, as in Horovod (always, on one host)."""
+    """Whether every host runs the same number of ranks, as in Horovod.
+
+    Returns:
+        True when it does (always, on one host).
+    """
     return len({len(host) for host in basics.communicator().host_groups}) == 1
-
-
-def _start(start, tensors, names, finish, **kwargs):
-    """Submits one request per tensor (the inputs stay referenced until synchronize) under one handle."""
-    tensors = list(tensors)
-    return _register([start(t, name=n, **kwargs) for t, n in zip(tensors, names)], tensors, finish)
-
-
-def _group(start, tensors, name, **kwargs):
-    return _start(start, tensors, _names(name, len(tensors)), tuple, **kwargs)
-
-
-def _single(start, tensor, name, **kwargs):
-    return _start(start, [tensor], [name], _first, **kwargs)
-
-
-def _apply(function, compression, tensors, *args):
-    """Runs a differentiable collective over a list of tensors, compressed on the way."""
-    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
-    return [compression.decompress(t, c) for t, c in zip(function.apply(*args, *compressed), ctxs)]
 
 
 # ---- allreduce ----
@@ -91,42 +40,93 @@ def _reduction(submit, combine, tensors, average=None, name=None, op=None, presc
 
 
 def allreduce_async(tensor, *args, **kwargs):
-    """allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-    process_set=global_process_set): starts reducing `tensor` over the ranks into a new tensor (allreduce's
-    arguments, without compression) and returns at once.
+    """Starts reducing `tensor` over the ranks into a new tensor and returns at once.
+
+    Args:
+        tensor: as allreduce().
+        average, name, op, prescale_factor, postscale_factor, process_set: as allreduce(), in that order (there is no
+            compression here).
 
     Returns:
-        A handle: poll(handle) says whether the result is ready, synchronize(handle) waits for it and returns it (or
-        raises the call's error: allreduce's). Give every handle to synchronize().
+        An int handle: poll(handle) says whether the result is ready; synchronize(handle) waits for it and returns it,
+        or raises allreduce()'s errors. Give every handle to synchronize().
+
+    Example:
+        `h = hvd.allreduce_async(grad, name="grad.0")`, other work, then `grad = hvd.synchronize(h)`.
     """
     return _reduction(_async.allreduce_async, _single, tensor, *args, **kwargs)
 
 
 def allreduce_async_(tensor, *args, **kwargs):
-    """Starts reducing `tensor` in place (allreduce_async's arguments); synchronize() returns `tensor`."""
+    """Starts reducing `tensor` in place and returns at once.
+
+    Args:
+        tensor: as allreduce(); it holds the result once the handle completes.
+        average, name, op, prescale_factor, postscale_factor, process_set: as allreduce_async().
+
+    Returns:
+        An int handle: synchronize(handle) returns `tensor`.
+    """
     return _reduction(_async.allreduce_async_, _single, tensor, *args, **kwargs)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set):
-    """Reduces `tensor` over the ranks of `process_set` in place and returns it (default op: Average)."""
+    """Reduces `tensor` over the ranks of `process_set` in place (default op: Average).
+
+    Args:
+        tensor: as allreduce(); it holds the result on return.
+        average, name, op, prescale_factor, postscale_factor, process_set: as allreduce().
+
+    Returns:
+        `tensor`.
+
+    Raises:
+        ShmCommError: as allreduce().
+    """
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
 def grouped_allreduce_async(tensors, *args, **kwargs):
-    """One handle for the allreduce of every tensor of the list (allreduce_async's arguments); synchronize() returns
-    a tuple of new tensors."""
+    """Starts the allreduce of every tensor of a list, fused where the engine can, under one handle.
+
+    Args:
+        tensors: a list of tensors (each may differ in shape and dtype; every rank passes the same list).
+        average, name, op, prescale_factor, postscale_factor, process_set: as allreduce_async(); `name` names the group
+            (its tensors are `name.0`, `name.1`...).
+
+    Returns:
+        An int handle: synchronize(handle) returns a tuple of new tensors, in the list's order.
+    """
     return _reduction(_async.allreduce_async, _group, tensors, *args, **kwargs)
 
 
 def grouped_allreduce_async_(tensors, *args, **kwargs):
-    """The same, in place."""
+    """Starts the in-place allreduce of every tensor of a list, under one handle.
+
+    Args:
+        tensors: as grouped_allreduce_async(); each holds its result once the handle completes.
+        average, name, op, prescale_factor, postscale_factor, process_set: as grouped_allreduce_async().
+
+    Returns:
+        An int handle: synchronize(handle) returns the tuple of `tensors`.
+    """
     return _reduction(_async.allreduce_async_, _group, tensors, *args, **kwargs)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
-    """Reduces each of `tensors` in place, as one fused operation; returns the list."""
+    """Reduces each tensor of a list in place, as one group.
+
+    Args:
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set: as grouped_allreduce_async_().
+
+    Returns:
+        The tuple of `tensors`, holding the results.
+
+    Raises:
+        ShmCommError: as allreduce(); every tensor of the group is waited for before an error is raised.
+    """
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                                 process_set))
 
@@ -185,7 +185,19 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set):
-    """allreduce of every tensor of the list, started together; returns a list; differentiable."""
+    """The allreduce of every tensor of a list, started together; differentiable.
+
+    Args:
+        tensors: a list of tensors.
+        average, name, compression, op, prescale_factor, postscale_factor, process_set: as allreduce(); `name` names the
+            group.
+
+    Returns:
+        A list of new tensors, in the list's order.
+
+    Raises:
+        ShmCommError: as allreduce().
+    """
     if not tensors:
         return []
     return _apply(HorovodAllreduce, compression, tensors, _names(name, len(tensors)), _resolved(op, average),
@@ -195,14 +207,27 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 # ---- allgather ----
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
-    """Starts concatenating every rank's `tensor` along the first dimension (which may differ between ranks)."""
+    """Starts concatenating every rank's `tensor` along the first dimension.
+
+    Args:
+        tensor, name, process_set: as allgather().
+
+    Returns:
+        An int handle: synchronize(handle) returns the concatenation, or raises allgather()'s errors.
+    """
     return _single(_async.allgather_async, tensor, name, process_set=process_set)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
-    """Starts allgather() of each of `tensors`, as one group; returns one handle for all.
+    """Starts allgather() of each tensor of a list, under one handle.
 
-    synchronize(handle) returns the list of gathered tensors."""
+    Args:
+        tensors: a list of tensors; each one's first dimension may differ between ranks.
+        name, process_set: as allgather(); `name` names the group.
+
+    Returns:
+        An int handle: synchronize(handle) returns the tuple of gathered tensors.
+    """
     return _group(_async.allgather_async, tensors, name, process_set=process_set)
 
 
@@ -251,26 +276,59 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """Gathers each of `tensors` from every rank, as one group; returns the list of results.
+    """Gathers each tensor of a list from every rank, as one group; differentiable (the gradient of each result is
+    reduced back to the ranks' slices).
 
-    Differentiable: the gradient of each result is reduced back to the ranks' slices."""
+    Args:
+        tensors, name, process_set: as grouped_allgather_async().
+
+    Returns:
+        A list of the gathered tensors, in the list's order.
+
+    Raises:
+        ShmCommError: as allgather().
+    """
     return list(HorovodAllgather.apply(_names(name, len(tensors)), process_set, *tensors)) if tensors else []
 
 
 # ---- broadcast ----
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
-    """Starts copying root_rank's `tensor` (root_rank is a global rank) into a new tensor on every rank."""
+    """Starts copying rank `root_rank`'s `tensor` into a new tensor on every rank.
+
+    Args:
+        tensor, root_rank, name, process_set: as broadcast().
+
+    Returns:
+        An int handle: synchronize(handle) returns the root's tensor, or raises broadcast()'s errors.
+    """
     return _single(_async.broadcast_async, tensor, name, root_rank=root_rank, process_set=process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
-    """Starts an in-place broadcast of rank `root_rank`'s `tensor`; returns a handle."""
+    """Starts overwriting `tensor` with rank `root_rank`'s on every rank.
+
+    Args:
+        tensor, root_rank, name, process_set: as broadcast().
+
+    Returns:
+        An int handle: synchronize(handle) returns `tensor`.
+    """
     return _single(_async.broadcast_async_, tensor, name, root_rank=root_rank, process_set=process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
-    """Overwrites `tensor` with rank `root_rank`'s on every rank; returns it."""
+    """Overwrites `tensor` with rank `root_rank`'s on every rank.
+
+    Args:
+        tensor, root_rank, name, process_set: as broadcast().
+
+    Returns:
+        `tensor`.
+
+    Raises:
+        ShmCommError: as broadcast().
+    """
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
@@ -311,45 +369,30 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 # ---- completion, join, barrier ----
 
-def poll(handle):
-    """True once the operation behind `handle` has finished (synchronize() will then not block)."""
-    entry = _handle_map.get(handle)
-    if entry is None:
-        raise ValueError("handle %r was not created by this process or has been synchronized already" % (handle,))
-    return all(h.poll() for h in entry[0])
-
-
-def synchronize(handle):
-    """Waits for the operation and returns its output (a tuple for grouped operations, and for alltoall with
-    splits); raises its error. Every part of a grouped operation is waited for before an error is raised."""
-    entry = _handle_map.get(handle)
-    if entry is None:
-        return None  # as Horovod: unknown, or synchronized already
-    handles, _, finish = entry
-    results, error = [], None
-    try:
-        for h in handles:
-            try:
-                results.append(_async.synchronize(h))
-            except Exception as e:  # keep waiting: the other parts still use their tensors
-                error = error or e
-    finally:
-        _handle_map.pop(handle, None)
-    if error is not None:
-        raise error
-    return finish(results)
-
-
 def join(device=-1):
-    """Says this rank has no more data and waits until every rank has; meanwhile this rank contributes zeros to the
-    others' allreduces. Returns the rank that joined last (the same on every rank). `device` is accepted for
-    Horovod compatibility; join() covers allreduces of CPU tensors (a CUDA allreduce fails on every rank while a
-    rank has joined)."""
+    """Says this rank has no more data, and waits until every rank has said the same.
+
+    Meanwhile this rank contributes zeros to the others' allreduces, so that ranks with uneven data finish an epoch
+    together. join() covers allreduces of CPU tensors (a CUDA allreduce fails on every rank while a rank has joined).
+
+    Args:
+        device: accepted for Horovod's scripts; not used.
+
+    Returns:
+        The rank that joined last, the same on every rank.
+    """
     return int(_async.join())
 
 
 def barrier(process_set=global_process_set):
-    """Returns once every rank of the set has called it."""
+    """Returns once every rank of the set has called it.
+
+    Args:
+        process_set: the ranks that take part (a ProcessSet from add_process_set; default: every rank).
+
+    Raises:
+        RankFailure: a rank died or left meanwhile; TimeoutError: a rank did not come within SHMCOMM_TIMEOUT.
+    """
     from shmcomm.collectives import barrier as _barrier
 
     _barrier(process_set)

@@ -11,7 +11,7 @@ import torch
 
 from shmcomm import asynchronous, basics, env
 from shmcomm.process_sets import global_process_set
-from shmcomm.torch import adasum_optimizer, mpi_ops
+from shmcomm.torch import adasum_optimizer, handles
 from shmcomm.torch.compression import Compression
 from shmcomm.torch.functions import broadcast_object, sparse_allreduce_async
 from shmcomm.torch.mpi_ops import Adasum, Average
@@ -104,7 +104,7 @@ class _DistributedOptimizer(ZeroGradGuard):
             else (1.0, 1.0)
         if self.average_aggregated_gradients:  # the mean over the passes, not their sum
             pre /= self.backward_passes_per_step
-        return mpi_ops._start(asynchronous.allreduce_async_, tensors, names, tuple, op=self.op, prescale_factor=pre,
+        return handles._start(asynchronous.allreduce_async_, tensors, names, tuple, op=self.op, prescale_factor=pre,
                               postscale_factor=post, process_set=self.process_set)
 
     def _allreduce_grad_async(self, p):
@@ -151,7 +151,7 @@ class _DistributedOptimizer(ZeroGradGuard):
                     key.grad = handle()
                     self._allreduce_delay[key] = self.backward_passes_per_step
                     continue
-                outputs = mpi_ops.synchronize(handle)
+                outputs = handles.synchronize(handle)
             except Exception as e:  # wait for the rest anyway: their tensors are in use
                 error = error or e
                 continue

@@ -1,15 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Horovod's torch alltoall and reducescatter: blocking, asynchronous, grouped and differentiable, on the handles and
-helpers of mpi_ops.py (which holds the other collectives and the gradients' rules)."""
+"""Horovod's torch alltoall and reducescatter: blocking, asynchronous, grouped and differentiable, on the handles of
+handles.py; mpi_ops.py holds the other collectives and the gradients' rules."""
 import torch
 
 from shmcomm import asynchronous as _async, basics
-from shmcomm.collectives import alltoall_request
+from shmcomm.engine.calls import alltoall_request
 from shmcomm.vocabulary.ops import Average, Sum
 from shmcomm.process_sets import global_process_set
 from shmcomm.torch.compression import Compression
-from shmcomm.torch.mpi_ops import (_apply, _first, _group, _names, _register, _resolved, _set, _single, _start,
-                                   grouped_allgather, synchronize)
+from shmcomm.torch.handles import (_apply, _first, _group, _names, _register, _resolved, _set, _single, _start,
+                                   synchronize)
+from shmcomm.torch.mpi_ops import grouped_allgather
 
 
 # ---- alltoall ----
@@ -23,8 +24,15 @@ def _alltoall_async(tensor, splits, name, process_set):
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
-    """Starts sending splits[j] rows of `tensor` to rank j (equal shares without splits). synchronize() returns the
-    received rows, and with `splits` also the rows received from each rank."""
+    """Starts sending `splits[j]` rows of `tensor` to rank j (equal shares without splits).
+
+    Args:
+        tensor, splits, name, process_set: as alltoall().
+
+    Returns:
+        An int handle: synchronize(handle) returns the received rows, and with `splits` the pair (rows,
+        received_splits); or raises alltoall()'s errors.
+    """
     finish = _first if splits is not None else (lambda results: results[0][0])
     return _register([_alltoall_async(tensor, splits, name, process_set)], (tensor, splits), finish)
 
@@ -72,17 +80,30 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0):
-    """Starts reducing `tensor`; this rank gets its share of the first dimension (the first rows % size ranks get a
-    row more)."""
+    """Starts reducing `tensor`; this rank gets its share of the first dimension.
+
+    Args:
+        tensor, name, op, process_set, prescale_factor, postscale_factor: as reducescatter() (no compression here).
+
+    Returns:
+        An int handle: synchronize(handle) returns this rank's rows of the reduction, or raises reducescatter()'s
+        errors.
+    """
     return _single(_async.reducescatter_async, tensor, name, op=_resolved(op), prescale_factor=prescale_factor,
                    postscale_factor=postscale_factor, process_set=process_set)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0):
-    """Starts reducescatter() of each of `tensors`, as one group; returns a handle.
+    """Starts reducescatter() of each tensor of a list, under one handle.
 
-    synchronize(handle) returns the list of this rank's shares."""
+    Args:
+        tensors: a list of tensors, the same on every rank.
+        name, op, process_set, prescale_factor, postscale_factor: as reducescatter(); `name` names the group.
+
+    Returns:
+        An int handle: synchronize(handle) returns the tuple of this rank's shares.
+    """
     return _group(_async.reducescatter_async, tensors, name, op=_resolved(op), prescale_factor=prescale_factor,
                   postscale_factor=postscale_factor, process_set=process_set)
 
@@ -135,7 +156,19 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    """Reduces each of `tensors` and returns this rank's share of each, as one group."""
+    """Reduces each tensor of a list and returns this rank's share of each, as one group; differentiable.
+
+    Args:
+        tensors: a list of tensors, the same on every rank.
+        name, compression, op, process_set, prescale_factor, postscale_factor: as reducescatter(); `name` names the
+            group.
+
+    Returns:
+        A list of this rank's shares, in the list's order.
+
+    Raises:
+        ShmCommError: as reducescatter().
+    """
     if not tensors:
         return []
     return _apply(HorovodReducescatter, compression, tensors, _names(name, len(tensors)), _resolved(op), process_set,

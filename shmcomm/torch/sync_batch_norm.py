@@ -17,7 +17,17 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class SyncBatchNorm(_BatchNorm):
-    """Applies synchronous batch normalization over N-dimensional input (at least 2-D: batch, channels, ...)."""
+    """Batch normalization over the whole batch of every rank of a process set (Horovod's SyncBatchNorm): a drop-in for
+    torch.nn.BatchNorm1d/2d/3d on CPU tensors.
+
+    Args:
+        num_features: the number of channels (the input's second dimension).
+        eps, momentum, affine, track_running_stats: as torch.nn.BatchNorm2d.
+        process_set: the ranks whose batches are normalized together (default: every rank).
+
+    Example:
+        `model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), hvd.SyncBatchNorm(8))`.
+    """
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
                  process_set=global_process_set):
@@ -29,8 +39,18 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError("expected at least 2D input (got {}D input)".format(input.dim()))
 
     def forward(self, input):
-        """Normalizes `input` with the mean and variance of the whole batch
-        over the ranks of the process set while training; as BatchNorm otherwise."""
+        """Normalizes `input` with the mean and variance of the whole batch over the ranks of the process set while
+        training; as BatchNorm otherwise (eval mode exchanges nothing).
+
+        Args:
+            input: a tensor of at least 2 dimensions (batch, channels, ...).
+
+        Returns:
+            The normalized tensor, of the input's shape.
+
+        Raises:
+            ValueError: an input of fewer than 2 dimensions.
+        """
         self._check_input_dim(input)
         sync = self.training and self.process_set.included() and self.process_set.size() > 1
         if not sync:
