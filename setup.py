@@ -10,7 +10,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HANDLER_SOURCES = ("csrc/jax/handler.c", "csrc/jax/handler.h", "csrc/include/shmcomm.h")
-TRANSPORT_SOURCES = ("csrc/cuda/kernels.cu", "csrc/mpi/crossing.c", "csrc/mpi/crossing.h")
+TRANSPORT_SOURCES = ("csrc/cuda/kernels.cu", "csrc/mpi/crossing.c", "csrc/mpi/crossing.h", "csrc/include/shmcomm.h")
 
 
 class BuildPyWithHandler(build_py):

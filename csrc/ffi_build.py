@@ -6,6 +6,7 @@ compiler against the code they describe."""
 import glob
 import os
 import platform
+import re
 import sys
 
 from cffi import FFI
@@ -15,8 +16,24 @@ HEADER = os.path.join(HERE, "include", "shmcomm.h")
 
 
 def _cdef_text(header=HEADER):
+    """The header's declarations for cffi: its lines that are not preprocessor directives, and each constant
+    `#define SMC_NAME value` as cffi reads one from the compiled C (an integer, a double or a string), so that Python
+    takes its value from the header and never a copy."""
+    lines = []
     with open(header) as f:
-        return "".join(line for line in f if not line.lstrip().startswith("#"))
+        for line in f:
+            words = line.split(None, 2)
+            if not line.lstrip().startswith("#"):
+                lines.append(line)
+            elif len(words) == 3 and words[0] == "#define" and words[1].startswith("SMC_") and "(" not in words[1]:
+                value = words[2].split("/*")[0].strip()
+                if value.startswith('"'):
+                    lines.append("static char *const %s;\n" % words[1])
+                elif re.fullmatch(r"[0-9]*\.?[0-9]+[eE][+-]?[0-9]+|[0-9]*\.[0-9]+", value):
+                    lines.append("static const double %s;\n" % words[1])
+                else:
+                    lines.append("#define %s ...\n" % words[1])
+    return "".join(lines)
 
 
 # Not the core: shmcomm.jax's XLA handler and the cross-host rounds over MPI (each built apart, on first use) and the

@@ -3,7 +3,6 @@
 import ctypes
 
 from shmcomm.vocabulary import exceptions as exc
-from shmcomm.startup import failure_reports
 
 try:
     from shmcomm._C import ffi, lib
@@ -36,6 +35,10 @@ _FIELDS = {
     lib.SMC_FIELD_TAG: "shape",
 }
 
+# The cause a failed rank saved, added to a RankFailure's text: startup/failure_reports.py knows where causes are and
+# sets this when it loads, so that the loader of the core, which the settings read their limits from, stays below it.
+explain_rank_failure = None
+
 
 def last_error():
     return ffi.string(lib.smc_last_error()).decode("utf-8", "replace")
@@ -59,7 +62,7 @@ def error_for(rc, prefix=None):
     # A rank died or shut down: in this call, or in the one that broke the communicator.
     if cls is exc.RankFailure or (cls is exc.BrokenCommunicatorError and failure.code == lib.SMC_ERR_RANK_FAILED):
         rank = failure.rank if failure.rank >= 0 else None
-        return exc.RankFailure(failure_reports.with_cause(text, rank), rank)
+        return exc.RankFailure(explain_rank_failure(text, rank) if explain_rank_failure else text, rank)
     if cls is exc.PeerArgumentError:
         return exc.PeerArgumentError(text, failure.rank if failure.rank >= 0 else None)
     if cls is exc.MismatchError:

@@ -88,7 +88,8 @@ def installed(wheel, tmp_path_factory):
 
 
 JAX_HANDLER = ["shmcomm/jax/csrc/handler.c", "shmcomm/jax/csrc/handler.h", "shmcomm/jax/csrc/shmcomm.h"]
-CROSSING = ["shmcomm/transport/csrc/crossing.c", "shmcomm/transport/csrc/crossing.h"]
+CROSSING = ["shmcomm/transport/csrc/crossing.c", "shmcomm/transport/csrc/crossing.h",
+            "shmcomm/transport/csrc/shmcomm.h"]
 
 
 def test_wheel_carries_the_compiled_core_and_no_sources(wheel):

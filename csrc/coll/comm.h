@@ -103,7 +103,6 @@ smc_result_t smc_comm_usable(smc_comm_t* c, const char* what);
  * waiting; returns rc with its text and failure data as they were. Other codes (a broken or NULL communicator) come
  * back untouched: no step can be taken then. */
 smc_result_t smc_refuse_here(smc_comm_t* c, smc_coll_kind_t kind, smc_result_t rc);
-#define SMC_REASON_MAX 480 /* bytes of a refusal's reason that peers read */
 uint64_t smc_digest(const uint64_t* values, int n, uint64_t seed);
 
 /* cma.c: single copy through Linux cross-memory attach (process_vm_readv, process_vm_writev). A reader copies

@@ -19,17 +19,13 @@ smc_result_t smc_set_peer_error(smc_result_t rc, int rank, smc_field_t field, co
 smc_result_t smc_set_failure(smc_result_t rc, const smc_failure_t* failure, const char* fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* The most bytes any buffer can hold: no mapping is larger than the address space (57 bits with 5-level paging).
- * Larger sizes (a negative count cast to unsigned, a sum that wrapped) are refused instead of read past. */
-#define SMC_MAX_BYTES ((uint64_t)1 << 57)
-
 /* a + b, saturated at SMC_MAX_BYTES + 1, for summing per-rank sizes that are checked against SMC_MAX_BYTES. */
 static inline uint64_t smc_add_bytes(uint64_t a, uint64_t b) {
   return a > SMC_MAX_BYTES || b > SMC_MAX_BYTES || a + b > SMC_MAX_BYTES ? SMC_MAX_BYTES + 1 : a + b;
 }
 
 /* A wait's limit in seconds: a number, not negative, not infinite (every wait ends). */
-static inline int smc_timeout_ok(double s) { return s >= 0 && s <= 1e9; }
+static inline int smc_timeout_ok(double s) { return s >= 0 && s <= SMC_MAX_SECONDS; }
 
 /* Propagates a failure: the callee already wrote the text. */
 #define SMC_CHECK(call)            \

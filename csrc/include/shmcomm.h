@@ -137,6 +137,13 @@ typedef struct smc_comm smc_comm_t;
 typedef struct smc_box smc_box_t;
 typedef struct smc_window smc_window_t;
 
+/* ---- limits (shmcomm/env/values.py reads them too) ---- */
+/* The most bytes any buffer can hold: no mapping is larger than the address space (57 bits with 5-level paging).
+ * Larger sizes (a negative count cast to unsigned, a sum that wrapped) are refused instead of read past. */
+#define SMC_MAX_BYTES ((uint64_t)1 << 57)
+/* The longest wait, in seconds: a timeout must be a number from 0 to this (every wait ends). */
+#define SMC_MAX_SECONDS 1e9
+
 /* ---- errors ---- */
 const char* smc_last_error(void);            /* this thread's text for its last failure */
 void smc_last_failure(smc_failure_t* out);   /* this thread's data for its last failure */
@@ -226,6 +233,7 @@ smc_result_t smc_barrier(smc_comm_t* comm);
  * collectives above do this themselves when their own argument checks fail. Returns SMC_SUCCESS once every rank has
  * taken the step (the caller then reports its own error), or the failure of that step. */
 smc_result_t smc_coll_refuse(smc_comm_t* comm, smc_coll_kind_t kind, const char* reason);
+enum { SMC_REASON_MAX = 480 }; /* bytes of a refusal's reason that peers read, its NUL included */
 
 /* ---- shared buffers (csrc/coll/window.c) ----
  * Collective: every rank makes a buffer of `bytes` (bytes and tag the same on every rank, else every rank fails with
@@ -294,12 +302,63 @@ int smc_box_server_port(const smc_box_server_t* server);
  * 0 if some had not by then (they are left to finish; the server's memory stays theirs). */
 int smc_box_server_stop(smc_box_server_t* server, double timeout_s);
 
+/* ---- the agreement across hosts (shmcomm/algorithms/agreement.py; csrc/mpi/crossing.c runs its rounds in C) ----
+ * A message is a header of SMC_AGREEMENT_HEADER_BYTES (uint64 words: signature, status, lowest failed rank + 1, 0 for
+ * none, and the bytes of data that follow), then the data. Statuses, the worse the higher: REFUSED is a call that
+ * failed a rank's own checks, FAILED a failed step. Data of SMC_AGREEMENT_HALVING_BYTES or more among 4 or more ranks
+ * (after the fold) is reduced by halving and gathered by doubling. */
+enum { SMC_AGREEMENT_OK = 0, SMC_AGREEMENT_MISMATCH = 1, SMC_AGREEMENT_REFUSED = 2, SMC_AGREEMENT_FAILED = 3 };
+enum { SMC_AGREEMENT_HEADER_BYTES = 32, SMC_AGREEMENT_HALVING_BYTES = 65536 };
+/* What a round does with its peer (the agreement's plan, in order). */
+enum {
+  SMC_ROUND_HAND_OVER = 0, /* send everything, receive the verdict and adopt it (a folded rank) */
+  SMC_ROUND_TAKE = 1,      /* receive a folded rank's message and merge it */
+  SMC_ROUND_SWAP = 2,      /* send and receive at once, merge (recursive doubling) */
+  SMC_ROUND_GIVE_BACK = 3  /* send the verdict back to a folded rank */
+};
+/* The rounds in C return this less the core's error code when a reduction failed. */
+enum { SMC_CROSSING_REDUCE_FAILED = -1000 };
+
+/* ---- the box server's messages (csrc/net/wire.c) ----
+ * A request is a little-endian header of SMC_REQUEST_BYTES, then a name (create and attach; with SMC_FLAG_THEN_TOUCH
+ * the box whose version to bump afterwards), then elements; a reply is a header of SMC_REPLY_BYTES, then an error text
+ * (status 1: "ClassName\nmessage", the class the client raises) or the elements read. Python packs and reads the
+ * headers through the two functions below (shmcomm/smb/wire.py). */
+enum { SMC_OP_CREATE = 1, SMC_OP_ATTACH = 2, SMC_OP_READ = 3, SMC_OP_WRITE = 4, SMC_OP_ACCUMULATE = 5, SMC_OP_LOCK = 6,
+       SMC_OP_UNLOCK = 7, SMC_OP_WAIT = 8, SMC_OP_VERSION = 9, SMC_OP_DESTROY = 10, SMC_OP_CLOSE = 11,
+       SMC_OP_TOUCH = 12, SMC_OP_PING = 13, SMC_OP_EXCHANGE = 14 };
+/* Request flags. SMC_FLAG_STREAM (an exchange): the reply is an accepting header, then d in parts as x's parts arrive,
+ * then the final header (the version), so that x and d travel at once; a refusal before any part is a plain error
+ * reply, sent once x has been drained. */
+enum { SMC_FLAG_EXIST_OK = 1, SMC_FLAG_THEN_TOUCH = 2, SMC_FLAG_STREAM = 4 };
+enum { SMC_FLAG_STRIPED = 1 }; /* attach's reply flag: the name belongs to a striped box, whose description came */
+enum { SMC_REQUEST_BYTES = 48, SMC_REPLY_BYTES = 32 };
+
+typedef struct {
+  uint8_t op, flags;
+  uint16_t name_len;
+  uint32_t dtype;
+  uint64_t offset, count; /* offset: a version for SMC_OP_WAIT */
+  double alpha, beta, timeout_s;
+} smc_wire_request_t;
+
+typedef struct {
+  int32_t status;
+  uint32_t text_len;
+  uint64_t version, count;
+  uint32_t dtype, flags;
+} smc_wire_reply_t;
+
+void smc_wire_pack_request(uint8_t* bytes, const smc_wire_request_t* request);
+void smc_wire_parse_request(const uint8_t* bytes, smc_wire_request_t* request);
+void smc_wire_pack_reply(uint8_t* bytes, const smc_wire_reply_t* reply);
+void smc_wire_parse_reply(const uint8_t* bytes, smc_wire_reply_t* reply);
+
 /* ---- box client (csrc/net/box_request.c): one request to another host's box server, without Python ----
- * The request (header and name: head, head_len; elements: out, out_len) and the reply (its 32-byte header into reply,
- * then an error text into text, NUL-terminated, or in_len bytes of elements into in) are in the messages of
- * csrc/net/wire.h. Each returns 0 once done (the reply's status says whether the server refused), SMC_WIRE_CLOSED if
- * the connection ended or broke, SMC_WIRE_TIMEOUT if timeout_s passed first. text_cap: at least
- * SMC_WIRE_TEXT_BYTES. */
+ * The request (header and name: head, head_len; elements: out, out_len) and the reply (its header into reply, then
+ * an error text into text, NUL-terminated, or in_len bytes of elements into in) are the messages above. Each returns
+ * 0 once done (the reply's status says whether the server refused), SMC_WIRE_CLOSED if the connection ended or broke,
+ * SMC_WIRE_TIMEOUT if timeout_s passed first. text_cap: at least SMC_WIRE_TEXT_BYTES. */
 enum { SMC_WIRE_CLOSED = 1, SMC_WIRE_TIMEOUT = 2, SMC_WIRE_TEXT_BYTES = 1280 };
 /* The request alone; its reply is for smc_box_receive (requests to several hosts go out before any reply is awaited). */
 int smc_box_send(int fd, const void* head, size_t head_len, const void* out, size_t out_len, double timeout_s);

@@ -5,7 +5,7 @@
  * the worst, two OKs with different signatures or paths make a MISMATCH, the lowest failed rank wins, and data is
  * reduced only between two OKs, the lower rank's first on both sides so that both compute the same bits.
  *
- * Data of SMC_CROSSING_HALVING_BYTES or more among 4 or more ranks (after the fold) takes the rounds by halving and
+ * Data of SMC_AGREEMENT_HALVING_BYTES or more among 4 or more ranks (after the fold) takes the rounds by halving and
  * doubling instead (agreement.py says why): each exchange carries the header and the half of the data that the
  * partner keeps; after the last one every rank holds the verdict and its reduced share, and where the verdict is OK
  * the shares are gathered back by doubling, data alone. */
@@ -16,7 +16,7 @@
 #include <string.h>
 #include <time.h>
 
-enum { OK = 0, MISMATCH = 1, HEADER_BYTES = 32 };
+enum { OK = SMC_AGREEMENT_OK, MISMATCH = SMC_AGREEMENT_MISMATCH, HEADER_BYTES = SMC_AGREEMENT_HEADER_BYTES };
 #define CLOSE_WAIT_S 0.01   /* poll MPI, yielding the core, this long; then sleep between polls */
 #define LONGEST_NAP_NS 1000000L
 #define CANCEL_WAIT_S 1.0  /* how long a late receive's cancellation may take before it is left pending */
@@ -116,7 +116,7 @@ static int exchange(MPI_Comm comm, int peer, void* into, int into_len, uint64_t*
 static int halving(const int* kinds, int rounds, uint64_t nbytes, uint64_t count) {
   int swaps = 0;
   for (int k = 0; k < rounds; k++) swaps += kinds[k] == SMC_ROUND_SWAP;
-  return swaps >= 2 && nbytes >= SMC_CROSSING_HALVING_BYTES && count > 0 &&
+  return swaps >= 2 && nbytes >= SMC_AGREEMENT_HALVING_BYTES && count > 0 &&
          (count >> swaps) * (nbytes / count) >= HEADER_BYTES;
 }
 

@@ -67,12 +67,12 @@ static uint8_t* stage_buffer(exchange_t* x, size_t* want) {
 
 /* The stage after a complete one; 0 for a reply no server sends. */
 static int next_stage(exchange_t* x) {
-  int32_t status;
-  memcpy(&status, x->reply, 4);
+  smc_wire_reply_t reply;
+  smc_wire_parse_reply(x->reply, &reply);
   x->got = 0;
   if (x->stage == 0 || x->stage == 3) {
-    memcpy(&x->text_len, x->reply + 4, 4);
-    if (status != 0) {
+    x->text_len = reply.text_len;
+    if (reply.status != 0) {
       if (x->text_len >= x->text_cap) return 0;
       x->stage = 1;
     } else if (x->stage == 0 && x->in_len > 0) {

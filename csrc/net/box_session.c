@@ -208,8 +208,8 @@ static int serve_streamed(session_t* c, const smc_wire_request_t* q, const char*
   }
   c->held++;
   uint8_t accepted[SMC_REPLY_BYTES], final[SMC_REPLY_BYTES];
-  smc_wire_reply_t r = {0, 0, q->count, q->dtype, 0};
-  smc_wire_pack_reply(accepted, &r, 0);
+  smc_wire_reply_t r = {.count = q->count, .dtype = q->dtype};
+  smc_wire_pack_reply(accepted, &r);
   char text[SMC_WIRE_TEXT_BYTES];
   for (size_t at = 0;; at += part) {
     const size_t n = total - at < part ? total - at : part;
@@ -232,7 +232,8 @@ static int serve_streamed(session_t* c, const smc_wire_request_t* q, const char*
       r.version = version;
       r.status = rc == SMC_SUCCESS ? 0 : 1;
       int text_len = rc == SMC_SUCCESS ? 0 : smc_wire_error_text(text, sizeof(text), rc, smc_last_error());
-      smc_wire_pack_reply(final, &r, (uint32_t)text_len);
+      r.text_len = (uint32_t)text_len;
+      smc_wire_pack_reply(final, &r);
       iov[k++] = (struct iovec){final, sizeof(final)};
       if (text_len) iov[k++] = (struct iovec){text, (size_t)text_len};
     }
@@ -276,7 +277,7 @@ static int serve_one(session_t* c) {
   if (in_bytes && !smc_wire_recv_within(c->fd, c->payload, (size_t)in_bytes, c->comm->timeout_s))
     return 0;  /* nothing half-read is applied */
 
-  smc_wire_reply_t r = {0, 0, 0, 0, 0};
+  smc_wire_reply_t r = {0};
   size_t out_bytes = 0;
   rc = apply(c, &q, name, &r, &out_bytes);
   if (rc == SMC_SUCCESS && carries && (q.flags & SMC_FLAG_THEN_TOUCH)) rc = touch_named(c, name, &r.version);
@@ -285,7 +286,7 @@ static int serve_one(session_t* c) {
     ok = smc_wire_send_error(c->fd, rc, smc_last_error());
   } else {
     uint8_t reply[SMC_REPLY_BYTES];
-    smc_wire_pack_reply(reply, &r, 0);
+    smc_wire_pack_reply(reply, &r);
     ok = smc_wire_send(c->fd, reply, sizeof(reply), c->payload, out_bytes);
   }
   return ok && q.op != SMC_OP_CLOSE && q.op != SMC_OP_DESTROY && q.op != SMC_OP_PING;

@@ -69,13 +69,34 @@ void smc_wire_parse_request(const uint8_t* b, smc_wire_request_t* r) {
   memcpy(&r->timeout_s, b + 40, 8);
 }
 
-void smc_wire_pack_reply(uint8_t* b, const smc_wire_reply_t* r, uint32_t text_len) {
+void smc_wire_pack_request(uint8_t* b, const smc_wire_request_t* r) {
+  b[0] = r->op;
+  b[1] = r->flags;
+  memcpy(b + 2, &r->name_len, 2);
+  memcpy(b + 4, &r->dtype, 4);
+  memcpy(b + 8, &r->offset, 8);
+  memcpy(b + 16, &r->count, 8);
+  memcpy(b + 24, &r->alpha, 8);
+  memcpy(b + 32, &r->beta, 8);
+  memcpy(b + 40, &r->timeout_s, 8);
+}
+
+void smc_wire_pack_reply(uint8_t* b, const smc_wire_reply_t* r) {
   memcpy(b, &r->status, 4);
-  memcpy(b + 4, &text_len, 4);
+  memcpy(b + 4, &r->text_len, 4);
   memcpy(b + 8, &r->version, 8);
   memcpy(b + 16, &r->count, 8);
   memcpy(b + 24, &r->dtype, 4);
   memcpy(b + 28, &r->flags, 4);
+}
+
+void smc_wire_parse_reply(const uint8_t* b, smc_wire_reply_t* r) {
+  memcpy(&r->status, b, 4);
+  memcpy(&r->text_len, b + 4, 4);
+  memcpy(&r->version, b + 8, 8);
+  memcpy(&r->count, b + 16, 8);
+  memcpy(&r->dtype, b + 24, 4);
+  memcpy(&r->flags, b + 28, 4);
 }
 
 /* The exception class the client raises for a core code (shmcomm/_native.py's table, as box_wire.py names them). */
@@ -104,8 +125,8 @@ int smc_wire_send_error(int fd, smc_result_t rc, const char* text) {
   char message[SMC_WIRE_TEXT_BYTES];
   int n = smc_wire_error_text(message, sizeof(message), rc, text);
   uint8_t head[SMC_REPLY_BYTES];
-  smc_wire_reply_t r = {1, 0, 0, 0, 0};
-  smc_wire_pack_reply(head, &r, (uint32_t)n);
+  smc_wire_reply_t r = {.status = 1, .text_len = (uint32_t)n};
+  smc_wire_pack_reply(head, &r);
   return smc_wire_send(fd, head, sizeof(head), message, (size_t)n);
 }
 

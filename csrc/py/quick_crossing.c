@@ -16,7 +16,6 @@ typedef int (*crossing_rounds_fn)(uintptr_t comm_address, const int* peers, cons
                                   void* message, void* incoming, uint64_t capacity, uint64_t nbytes, uint64_t count,
                                   int code, int op, uintptr_t reduce, double timeout_s, int* late_round);
 
-enum { CROSSING_HEADER_BYTES = 32, CROSSING_OK = 0, CROSSING_FAILED = 3 }; /* agreement.py's */
 
 /* Collective.signature(count, divisor, True) of describe("allreduce", dtype, shape, op, prescale, postscale): the
  * hash of (kind, dtype, shape, op, prescale, postscale, root -1, count, divisor, True). 0 with *ok = 0 where Python
@@ -59,26 +58,26 @@ static int small_path(smc_crossing_call_t* call, const void* src, void* out, uin
                       int* rc) {
   smc_comm_t* row = (smc_comm_t*)call->row;
   uint64_t* words = call->message;
-  uint8_t* data = (uint8_t*)call->message + CROSSING_HEADER_BYTES;
+  uint8_t* data = (uint8_t*)call->message + SMC_AGREEMENT_HEADER_BYTES;
   *rc = smc_allreduce(row, src, data, (size_t)count, (smc_datatype_t)dtype, op, prescale, 1.0, 1, sig);
   if (*rc != SMC_SUCCESS) return ROW_FAILED;
   if (call->row_rank == 0) {
     words[0] = sig;
-    words[1] = CROSSING_OK;
+    words[1] = SMC_AGREEMENT_OK;
     words[2] = 0;
     words[3] = nbytes;
     int rounds = ((crossing_rounds_fn)call->rounds)(call->mpi_comm, call->peers, call->kinds, call->count, call->rank,
                                                     call->message, call->incoming, call->capacity, nbytes, count, dtype,
                                                     op, (uintptr_t)&smc_reduce, call->timeout_s, &call->late_round);
     if (rounds != 0) { /* the row hears that this rank failed, as the full path tells it */
-      words[1] = CROSSING_FAILED;
+      words[1] = SMC_AGREEMENT_FAILED;
       words[2] = (uint64_t)call->world_rank + 1;
-    } else if (words[1] == CROSSING_OK && (postscale != 1.0 || divisor != 1)) { /* Agreement.allreduce's scaling */
+    } else if (words[1] == SMC_AGREEMENT_OK && (postscale != 1.0 || divisor != 1)) { /* Agreement.allreduce's scaling */
       const void* result[1] = {data};
       smc_reduce(data, result, 1, (size_t)count, (smc_datatype_t)dtype, SMC_SUM, 1.0, postscale, divisor);
     }
     int told = call->row_size > 1 ? smc_broadcast(row, call->message, call->message,
-                                                  CROSSING_HEADER_BYTES + nbytes, 0, nbytes) : SMC_SUCCESS;
+                                                  SMC_AGREEMENT_HEADER_BYTES + nbytes, 0, nbytes) : SMC_SUCCESS;
     if (rounds != 0) {
       *rc = rounds;
       return ROUNDS_FAILED;
@@ -88,10 +87,10 @@ static int small_path(smc_crossing_call_t* call, const void* src, void* out, uin
       return BROADCAST_FAILED;
     }
   } else {
-    *rc = smc_broadcast(row, NULL, call->message, CROSSING_HEADER_BYTES + nbytes, 0, nbytes);
+    *rc = smc_broadcast(row, NULL, call->message, SMC_AGREEMENT_HEADER_BYTES + nbytes, 0, nbytes);
     if (*rc != SMC_SUCCESS) return BROADCAST_FAILED;
   }
-  if (words[1] != CROSSING_OK) return VERDICT;
+  if (words[1] != SMC_AGREEMENT_OK) return VERDICT;
   memcpy(out, data, (size_t)nbytes);
   return DONE;
 }

@@ -10,17 +10,18 @@ can be built: the same rules, the same deadline, without a Python layer between 
 import numpy as np
 
 from shmcomm.vocabulary import description
-from shmcomm._native import error_for, ffi
+from shmcomm._native import error_for, ffi, lib
 from shmcomm.vocabulary.exceptions import PeerArgumentError, TimeoutError
 from shmcomm.transport import crossing, kernels
 
 # Statuses, the worse the higher: REFUSED is a call that failed a rank's own checks (a bad argument there): every
 # rank is in step and hears why (refusal_error); FAILED is a failed step, after which nothing more is exchanged.
-OK, MISMATCH, REFUSED, FAILED = 0, 1, 2, 3
-HEADER_BYTES = 32     # uint64 words: signature, status, lowest failed rank + 1 (0: none), data bytes that follow
+OK, MISMATCH, REFUSED, FAILED = lib.SMC_AGREEMENT_OK, lib.SMC_AGREEMENT_MISMATCH, lib.SMC_AGREEMENT_REFUSED, \
+    lib.SMC_AGREEMENT_FAILED
+HEADER_BYTES = lib.SMC_AGREEMENT_HEADER_BYTES  # uint64 words: signature, status, lowest failed rank + 1, data bytes
 _REASON_WORDS = 64    # a refusal's reason as int64 words (512 bytes of UTF-8)
 _TAG = 0x5AC          # apart from the tags of the ring's messages on the same communicator
-HALVING_BYTES = 64 << 10  # csrc/mpi/crossing.h: SMC_CROSSING_HALVING_BYTES
+HALVING_BYTES = lib.SMC_AGREEMENT_HALVING_BYTES
 
 
 def combine(sig, status, culprit, other_sig, other_status, other_culprit):

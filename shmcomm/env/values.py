@@ -5,6 +5,8 @@ the variable."""
 import contextlib
 import os
 
+from shmcomm._native import lib as core_lib
+
 
 _overrides = {}  # this process's settings that replace the environment's (env.adopt_identity)
 _source = [None]  # the mapping read instead of os.environ inside reading_from(), else None
@@ -49,8 +51,8 @@ def spelling(name, environ=None):
                 "SHMCOMM_" + name)
 
 
-MAX_BYTES = 1 << 57      # the C core's SMC_MAX_BYTES: no buffer is larger than the address space
-MAX_SECONDS = 1e9        # the C core's longest wait (smc_timeout_ok)
+MAX_BYTES = core_lib.SMC_MAX_BYTES      # no buffer is larger than the address space
+MAX_SECONDS = core_lib.SMC_MAX_SECONDS  # the longest wait
 
 
 def number(name, default, kind=float, environ=None, low=None, high=None, positive=False):

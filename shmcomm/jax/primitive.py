@@ -7,7 +7,6 @@ loops and conditionals too, and every rank issues the same collectives in the sa
 (vmap) forms are collectives themselves, issued in the same order on every rank."""
 import functools
 import os
-import zlib
 
 import numpy as np
 
@@ -20,8 +19,7 @@ from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from shmcomm.vocabulary import description, ops
-from shmcomm._native import lib
+from shmcomm.vocabulary import description, dtypes, ops
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
 from shmcomm.jax import context, native
 
@@ -57,9 +55,6 @@ collective_p = Primitive("shmcomm_collective")
 collective_p.multiple_results = True
 collective_p.def_impl(functools.partial(dispatch.apply_primitive, collective_p))
 
-KIND = {"allreduce": lib.SMC_COLL_ALLREDUCE, "reducescatter": lib.SMC_COLL_REDUCESCATTER,
-        "broadcast": lib.SMC_COLL_BROADCAST, "allgather": lib.SMC_COLL_ALLGATHERV,
-        "alltoall": lib.SMC_COLL_ALLTOALLV, "barrier": lib.SMC_COLL_BARRIER}
 REDUCING = ("allreduce", "reducescatter")
 ROWS = ("allgather", "alltoall", "reducescatter")  # their shape's first dimension is rows, split between ranks
 
@@ -99,8 +94,6 @@ collective_p.def_effectful_abstract_eval(_abstract_eval)
 
 def _dtype_code(dtype, kind, what):
     """The core's type code, or -1 for a type the core only moves (allowed where nothing is reduced)."""
-    from shmcomm.vocabulary import dtypes
-
     code = dtypes.numpy_code(np.dtype(dtype))
     if code is None:
         if kind in REDUCING:
@@ -114,13 +107,13 @@ def _tag(dtype, shape, kind):
     """The digest every rank must pass equal, as the numpy API computes it: the shape, or the trailing dimensions
     for the row-wise collectives whose first dimension may differ (the per-rank row counts are compared too)."""
     code = _dtype_code(dtype, "allgather", "")
-    key = code if code >= 0 else 1000 + zlib.crc32(np.dtype(dtype).name.encode())
+    key = code if code >= 0 else dtypes.foreign_key(np.dtype(dtype).name)
     shape = tuple(shape)
     return description.tag(key, shape[1:] if kind in ("allgather", "alltoall") else shape)
 
 
 def _lowering(ctx, *operands, kind, op, prescale, postscale, root, rows, sends, size, rank, name):
-    attrs = dict(context=np.int64(context.address()), pid=np.int64(os.getpid()), kind=np.int64(KIND[kind]),
+    attrs = dict(context=np.int64(context.address()), pid=np.int64(os.getpid()), kind=np.int64(description.KIND[kind]),
                  dtype=np.int64(-1), op=np.int64(op), c_op=np.int64(0), divisor=np.int64(1), root=np.int64(root),
                  tag=np.int64(0), prescale=np.float64(prescale), postscale=np.float64(postscale),
                  itemsize=np.int64(1), name=name)

@@ -5,8 +5,8 @@ over this; client.RemoteBoxHandle is the same handle for a box in another host's
 server.py), and stripes.py composes handles into a striped box."""
 from shmcomm._native import check, ffi, lib
 
-# The box that describes a striped box: int64 [count, dtype, stripes] (the core's SMC_BOX_STRIPED_SUFFIX).
-STRIPED_SUFFIX = "@stripes"
+# The box that describes a striped box, int64 [count, dtype, stripes], is named with this after the box's name.
+STRIPED_SUFFIX = ffi.string(lib.SMC_BOX_STRIPED_SUFFIX).decode()
 
 
 def stripe_name(name, index):

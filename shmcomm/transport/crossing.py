@@ -15,24 +15,28 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from shmcomm._native import lib as core_lib
 from shmcomm.transport import build_cache
 from shmcomm import env
 
 log = logging.getLogger("shmcomm.transport")
 
 _MODULE = "_shmcomm_crossing"
-REDUCE_FAILED = -1000  # crossing.h: SMC_CROSSING_REDUCE_FAILED
-HAND_OVER, TAKE, SWAP, GIVE_BACK = 0, 1, 2, 3  # crossing.h: what a round does
+REDUCE_FAILED = core_lib.SMC_CROSSING_REDUCE_FAILED
+# What a round does with its peer.
+HAND_OVER, TAKE, SWAP, GIVE_BACK = (core_lib.SMC_ROUND_HAND_OVER, core_lib.SMC_ROUND_TAKE, core_lib.SMC_ROUND_SWAP,
+                                    core_lib.SMC_ROUND_GIVE_BACK)
 _loaded = None  # (ffi, lib), False when it cannot be had, None before the first try
 
 
 def _sources():
-    """The directory holding crossing.c and crossing.h: inside the installed package (setup.py copies them there) or
-    in the source tree of an editable install."""
+    """The directories holding crossing.c and crossing.h, and the core's header they include: inside the installed
+    package (setup.py copies all three there) or in the source tree of an editable install."""
     here = Path(__file__).resolve().parent
-    for folder in (here / "csrc", here.parents[1] / "csrc" / "mpi"):
-        if (folder / "crossing.c").exists() and (folder / "crossing.h").exists():
-            return folder
+    for folder, include in ((here / "csrc", here / "csrc"),
+                            (here.parents[1] / "csrc" / "mpi", here.parents[1] / "csrc" / "include")):
+        if all((f / n).exists() for f, n in ((folder, "crossing.c"), (folder, "crossing.h"), (include, "shmcomm.h"))):
+            return folder, include
     raise ImportError("the C sources of the cross-host rounds are missing from the installation (%s)" % here)
 
 
@@ -41,11 +45,11 @@ def _mpicc():
     return str(beside) if beside.exists() else shutil.which("mpicc")
 
 
-def _key(folder, mpicc):
+def _key(folder, include, mpicc):
     """The sources and the compiler wrapper itself (a script naming MPI's prefix and the compiler), read rather than
     run: every rank of a cross-host job computes this at start."""
     digest = hashlib.sha256()
-    for path in (folder / "crossing.c", folder / "crossing.h", Path(mpicc).resolve()):
+    for path in (folder / "crossing.c", folder / "crossing.h", include / "shmcomm.h", Path(mpicc).resolve()):
         digest.update(path.read_bytes())
     digest.update((mpicc + sys.version + sysconfig.get_config_var("EXT_SUFFIX")).encode())
     return digest.hexdigest()[:20]
@@ -56,19 +60,19 @@ def _key(folder, mpicc):
 _BUILD = """
 import sys
 from cffi import FFI
-module, cdef, folder, tmpdir = sys.argv[1:]
+module, cdef, folder, include, tmpdir = sys.argv[1:]
 builder = FFI()
 builder.cdef(cdef)
-builder.set_source(module, '#include "crossing.h"', sources=[folder + "/crossing.c"], include_dirs=[folder],
+builder.set_source(module, '#include "crossing.h"', sources=[folder + "/crossing.c"], include_dirs=[folder, include],
                    extra_compile_args=["-O2", "-std=gnu11", "-Wall"])
 print(builder.compile(tmpdir=tmpdir, verbose=False))
 """
 
 
-def _compile(folder, mpicc, work):
+def _compile(folder, include, mpicc, work):
     lines = (folder / "crossing.h").read_text().splitlines()
     cdef = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
-    run = subprocess.run([sys.executable, "-c", _BUILD, _MODULE, cdef, str(folder), str(work.parent)],
+    run = subprocess.run([sys.executable, "-c", _BUILD, _MODULE, cdef, str(folder), str(include), str(work.parent)],
                          env=dict(env.environment(), CC=mpicc), stdin=subprocess.DEVNULL, capture_output=True,
                          text=True, timeout=600)
     if run.returncode != 0:
@@ -80,11 +84,11 @@ def _compile(folder, mpicc, work):
 def _load():
     from mpi4py import MPI
 
-    folder, mpicc = _sources(), _mpicc()
+    (folder, include), mpicc = _sources(), _mpicc()
     if mpicc is None:
         raise ImportError("no mpicc beside %s or on PATH" % sys.executable)
-    target = build_cache.built(build_cache.cache_dir("crossing"), _key(folder, mpicc),
-                               lambda work: _compile(folder, mpicc, work))
+    target = build_cache.built(build_cache.cache_dir("crossing"), _key(folder, include, mpicc),
+                               lambda work: _compile(folder, include, mpicc, work))
     module = build_cache.imported(target, _MODULE)
     text = module.ffi.new("char[]", 8192)
     module.lib.smc_crossing_library(text, 8192)

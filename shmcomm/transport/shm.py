@@ -13,7 +13,7 @@ from shmcomm.transport import Transport, allgather_bytes_over
 # csrc/py/quick_calls.c
 _QUICK_ALLREDUCE, _QUICK_BROADCAST, _QUICK_ALLGATHER, _QUICK_ALLTOALL, _QUICK_REDUCESCATTER = (
     quick_function(k) for k in range(5))
-SMC_REASON_BYTES = 479  # what peers read of a refusal's reason (SMC_REASON_MAX in csrc/coll/comm.h, less the NUL)
+REASON_BYTES = lib.SMC_REASON_MAX - 1  # what peers read of a refusal's reason, less the NUL
 
 
 def _check(rc, what):
@@ -233,7 +233,7 @@ class SharedMemory(Transport):
     def refuse(self, kind, reason, what):
         """Takes the first step of collective `kind` (lib.SMC_COLL_*) as a refusal: every peer's call fails at once
         with PeerArgumentError naming this rank and `reason`."""
-        _check(lib.smc_coll_refuse(self.handle, kind, reason.encode("utf-8", "replace")[:SMC_REASON_BYTES]), what)
+        _check(lib.smc_coll_refuse(self.handle, kind, reason.encode("utf-8", "replace")[:REASON_BYTES]), what)
 
     def allgather_bytes(self, payload):
         def gatherv(mine, every, sizes):

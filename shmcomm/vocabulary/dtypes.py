@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which array element types the core reduces, and how numpy and torch spell them."""
+import zlib
+
 import numpy as np
 
 from shmcomm._native import lib
@@ -41,6 +43,12 @@ INTEGER = {lib.SMC_INT8, lib.SMC_UINT8, lib.SMC_INT16, lib.SMC_INT32, lib.SMC_IN
 # disagree on the dtype (and every rank raises), and the engine never fuses CUDA tensors with CPU ones. Core codes
 # are below it; the keys of types the core does not reduce are 1000 and above (Buffer.dtype_key).
 DEVICE_KEY = 100
+
+
+def foreign_key(name):
+    """The dtype key of a type the core does not reduce, from its name: 1000 and above, and the same in every process
+    (str hashes differ between processes; crc32 does not)."""
+    return 1000 + zlib.crc32(name.encode())
 
 
 def device_code(key):
