@@ -322,8 +322,8 @@ enum { SMC_CROSSING_REDUCE_FAILED = -1000 };
 /* ---- the box server's messages (csrc/net/wire.c) ----
  * A request is a little-endian header of SMC_REQUEST_BYTES, then a name (create and attach; with SMC_FLAG_THEN_TOUCH
  * the box whose version to bump afterwards), then elements; a reply is a header of SMC_REPLY_BYTES, then an error text
- * (status 1: "ClassName\nmessage", the class the client raises) or the elements read. Python packs and reads the
- * headers through the two functions below (shmcomm/smb/wire.py). */
+ * (status 1: "ClassName\nmessage", the class the client raises) or the elements read. Each header is its struct's
+ * fields in order, little-endian, without padding (shmcomm/smb/wire.py reads the layout from these declarations). */
 enum { SMC_OP_CREATE = 1, SMC_OP_ATTACH = 2, SMC_OP_READ = 3, SMC_OP_WRITE = 4, SMC_OP_ACCUMULATE = 5, SMC_OP_LOCK = 6,
        SMC_OP_UNLOCK = 7, SMC_OP_WAIT = 8, SMC_OP_VERSION = 9, SMC_OP_DESTROY = 10, SMC_OP_CLOSE = 11,
        SMC_OP_TOUCH = 12, SMC_OP_PING = 13, SMC_OP_EXCHANGE = 14 };
@@ -349,7 +349,6 @@ typedef struct {
   uint32_t dtype, flags;
 } smc_wire_reply_t;
 
-void smc_wire_pack_request(uint8_t* bytes, const smc_wire_request_t* request);
 void smc_wire_parse_request(const uint8_t* bytes, smc_wire_request_t* request);
 void smc_wire_pack_reply(uint8_t* bytes, const smc_wire_reply_t* reply);
 void smc_wire_parse_reply(const uint8_t* bytes, smc_wire_reply_t* reply);

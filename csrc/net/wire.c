@@ -69,18 +69,6 @@ void smc_wire_parse_request(const uint8_t* b, smc_wire_request_t* r) {
   memcpy(&r->timeout_s, b + 40, 8);
 }
 
-void smc_wire_pack_request(uint8_t* b, const smc_wire_request_t* r) {
-  b[0] = r->op;
-  b[1] = r->flags;
-  memcpy(b + 2, &r->name_len, 2);
-  memcpy(b + 4, &r->dtype, 4);
-  memcpy(b + 8, &r->offset, 8);
-  memcpy(b + 16, &r->count, 8);
-  memcpy(b + 24, &r->alpha, 8);
-  memcpy(b + 32, &r->beta, 8);
-  memcpy(b + 40, &r->timeout_s, 8);
-}
-
 void smc_wire_pack_reply(uint8_t* b, const smc_wire_reply_t* r) {
   memcpy(b, &r->status, 4);
   memcpy(b + 4, &r->text_len, 4);

@@ -70,16 +70,16 @@ class RemoteBoxHandle:
         self._broken = None
         self._lock = threading.Lock()  # one request at a time on the connection
         self._sock = network.connect(host, self._what)
-        self._reply = ffi.new("uint8_t[]", wire.REPLY_BYTES)
+        self._reply = ffi.new("uint8_t[]", wire.REPLY.size)
         self._text = ffi.new("char[]", lib.SMC_WIRE_TEXT_BYTES)
         self.esize = 0
         encoded = name.encode()
         if count is not None:
-            request = wire.request(wire.CREATE, wire.FLAG_EXIST_OK if exist_ok else 0, len(encoded), dtype,
-                                   count=count)
+            request = wire.REQUEST.pack(wire.CREATE, wire.FLAG_EXIST_OK if exist_ok else 0, len(encoded), dtype, 0,
+                                        count, 0.0, 0.0, 0.0)
             reply = self._call(request + encoded, 0.0)
         else:
-            request = wire.request(wire.ATTACH, name_len=len(encoded), timeout_s=timeout_s)
+            request = wire.REQUEST.pack(wire.ATTACH, 0, len(encoded), 0, 0, 0, 0.0, 0.0, timeout_s)
             reply = self._call(request + encoded, timeout_s)
         _, self.count, self.dtype, flags = reply
         self.striped = bool(flags & wire.FLAG_STRIPED)
@@ -157,7 +157,7 @@ class RemoteBoxHandle:
 
     def _replied(self):
         """The reply's (version, count, dtype, flags), or the home's error raised."""
-        status, _, version, count, dtype, flags = wire.reply(self._reply)
+        status, _, version, count, dtype, flags = wire.REPLY.unpack(ffi.buffer(self._reply))
         if status != 0:
             class_name, _, message = ffi.string(self._text).decode("utf-8", "replace").partition("\n")
             raise wire.error_from(class_name, message)
@@ -174,7 +174,7 @@ class RemoteBoxHandle:
         touch = then_touch.encode() if then_touch is not None and op != "read" else b""
         streamed = op == "exchange" and nbytes >= STREAM_BYTES
         flags = (wire.FLAG_THEN_TOUCH if touch else 0) | (wire.FLAG_STREAM if streamed else 0)
-        request = wire.request(code, flags, len(touch), 0, offset, count, alpha, beta) + touch
+        request = wire.REQUEST.pack(code, flags, len(touch), 0, offset, count, alpha, beta, 0.0) + touch
         if streamed:
             version = self._exchange_streamed(request, ptr, nbytes)
             return lambda: version
@@ -183,7 +183,7 @@ class RemoteBoxHandle:
         return lambda: self._receive(deadline, into)[0]
 
     def _simple(self, op, offset=0, count=0, alpha=0.0, beta=0.0, timeout_s=0.0, payload=None, into=None):
-        request = wire.request(op, 0, 0, 0, offset, count, alpha, beta, timeout_s)
+        request = wire.REQUEST.pack(op, 0, 0, 0, offset, count, alpha, beta, timeout_s)
         return self._call(request, timeout_s, payload, into)[0]
 
     def version(self):

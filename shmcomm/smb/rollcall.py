@@ -38,7 +38,7 @@ class RollCall:
         deadline = time.monotonic() + grace_s
         selector = selectors.DefaultSelector()
         failed = {}
-        ping = wire.request(wire.PING)
+        ping = wire.REQUEST.pack(wire.PING, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0)
         for rank, (addresses, port) in self.servers.items():
             if rank == self.rank:
                 continue
@@ -66,11 +66,11 @@ class RollCall:
                             sock.send(ping)  # a few bytes into an empty buffer: all of them go
                             selector.modify(sock, selectors.EVENT_READ, key.data)
                             continue
-                        data = sock.recv(wire.REPLY_BYTES - len(got))
+                        data = sock.recv(wire.REPLY.size - len(got))
                         if not data:
                             raise OSError(errno.ECONNRESET, "closed")
                         key.data[1] = got + data
-                        if len(key.data[1]) < wire.REPLY_BYTES:
+                        if len(key.data[1]) < wire.REPLY.size:
                             continue
                     except OSError:
                         failed[rank] = GONE

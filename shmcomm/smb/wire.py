@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The messages between a Soft Memory Box client and the box server on the box's home host, one TCP connection per
 client handle. Both ends are C (csrc/net/wire.c, box_request.c for the client, box_session.c for the server); their
-format is the core's header's, and this module packs and reads the headers through the core.
+format is declared in the core's header, and this module packs and reads the headers in the layout read from it.
 
 A request is a fixed header, then the box name (create and attach; with FLAG_THEN_TOUCH the box whose version to bump
 after the operation), then the elements written, accumulated or exchanged; a reply is a fixed header, then an error
 text or the elements read (an exchange's d). A connection carries one operation at a time, each message in one
 sendmsg (one segment, one wake-up); a reply that does not come in time means the home host stopped answering."""
 import socket
+import struct
 
 from shmcomm._native import ffi, lib
 from shmcomm.vocabulary import exceptions as exc
@@ -19,23 +20,27 @@ CREATE, ATTACH, READ, WRITE, ACCUMULATE, LOCK, UNLOCK, WAIT, VERSION, DESTROY, C
 # PING is the roll call's (rollcall.py), answered at once; WRITE, ACCUMULATE and EXCHANGE carry `count` elements.
 FLAG_EXIST_OK, FLAG_THEN_TOUCH, FLAG_STREAM = lib.SMC_FLAG_EXIST_OK, lib.SMC_FLAG_THEN_TOUCH, lib.SMC_FLAG_STREAM
 FLAG_STRIPED = lib.SMC_FLAG_STRIPED  # attach's reply: the name belongs to a striped box, whose description came
-REQUEST_BYTES, REPLY_BYTES = lib.SMC_REQUEST_BYTES, lib.SMC_REPLY_BYTES
 
 
-def request(op, flags=0, name_len=0, dtype=0, offset=0, count=0, alpha=0.0, beta=0.0, timeout_s=0.0):
-    """A request's header, as bytes: `offset` is a version for WAIT, `name_len` the bytes of the name after it."""
-    fields = ffi.new("smc_wire_request_t *", (op, flags, name_len, dtype, offset, count, alpha, beta, timeout_s))
-    out = ffi.new("uint8_t[]", REQUEST_BYTES)
-    lib.smc_wire_pack_request(out, fields)
-    return ffi.buffer(out)[:]
+def _layout(ctype):
+    """struct's little-endian format for a header, from the core's declaration of it: its fields in order, each at the
+    offset C gives it (the wire's layout is the struct's own, without padding)."""
+    codes = {"uint8_t": "B", "uint16_t": "H", "uint32_t": "I", "int32_t": "i", "uint64_t": "Q", "double": "d"}
+    layout, at = "<", 0
+    for _, field in ffi.typeof(ctype).fields:
+        if field.offset != at:
+            raise ImportError("%s has padding at byte %d: the wire's layout is not its own" % (ctype, at))
+        layout += codes[field.type.cname]
+        at += ffi.sizeof(field.type)
+    return struct.Struct(layout)
 
 
-def reply(header):
-    """A reply's header (a uint8_t array of REPLY_BYTES, or bytes) as (status, text length, version, count, dtype,
-    flags); status 0 is success, else an error text of that length follows, "ClassName\nmessage"."""
-    fields = ffi.new("smc_wire_reply_t *")
-    lib.smc_wire_parse_reply(header if isinstance(header, ffi.CData) else ffi.from_buffer("uint8_t[]", header), fields)
-    return fields.status, fields.text_len, fields.version, fields.count, fields.dtype, fields.flags
+# op, flags, name length, dtype, offset (or a version), count, alpha, beta, timeout in seconds
+REQUEST = _layout("smc_wire_request_t")
+# status (0: success, else the error's class follows as text), text length, version, count, dtype, flags
+REPLY = _layout("smc_wire_reply_t")
+if (REQUEST.size, REPLY.size) != (lib.SMC_REQUEST_BYTES, lib.SMC_REPLY_BYTES):
+    raise ImportError("the wire's headers are %d and %d bytes, not the core's" % (REQUEST.size, REPLY.size))
 
 
 # The error classes a reply may name; anything else arrives as ShmCommError.
