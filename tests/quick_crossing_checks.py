@@ -102,12 +102,12 @@ big = np.ones(comm.torus.small_bytes // 4 + 1, np.float32)
 assert (shmcomm.allreduce(big, op=shmcomm.Sum) == n).all()
 assert (shmcomm.allreduce(np.ones(8, np.float16), op=shmcomm.Sum) == n).all()
 calls = []
-mpi_allreduce = comm.mpi.allreduce
-comm.mpi.allreduce = lambda *args: calls.append(args) or mpi_allreduce(*args)
+mpi_allreduce = comm.across.allreduce
+comm.across.allreduce = lambda *args: calls.append(args) or mpi_allreduce(*args)
 comm.algorithm = "mpi"
 assert comm.quick_call.max_bytes == 0
 assert (shmcomm.allreduce(np.ones(8, np.float32), op=shmcomm.Sum) == n).all() and len(calls) == 1
-comm.algorithm, comm.mpi.allreduce = "auto", mpi_allreduce
+comm.algorithm, comm.across.allreduce = "auto", mpi_allreduce
 assert comm.quick_call.max_bytes == comm.torus.small_bytes
 mpi.Barrier()
 print("quick ok", flush=True)

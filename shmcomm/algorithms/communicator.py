@@ -19,7 +19,7 @@ class Communicator:
         self.size = len(self.ranks)
         self.closables = []             # further transports, and the launcher's notices, to close with it
         self.host_groups = [self.ranks]  # the job ranks of each host (WorldComm: of every host)
-        self.mpi = None                 # the MPI transport across hosts, if the job spans hosts
+        self.across = None              # the transport across hosts (MPI, or an elastic world's TCP mesh), if any
 
     @property
     def doorbell_reaches_all(self):

@@ -45,29 +45,30 @@ def _naming_holdups(method):
 
 class WorldComm(Communicator):
     """`host`: this host's algorithms.host.HostComm; `torus`: a torus2d.Torus, or None (hosts of unequal sizes);
-    `mpi`: the MPI transport over the whole job, None for a grid on one host; `paths`: env.PathSettings;
+    `across`: the transport over the whole job across hosts (MPI; the TCP mesh in an elastic world), None for a grid
+    on one host; `paths`: env.PathSettings;
     `host_groups`: the job ranks of each host."""
 
-    def __init__(self, topology, tuning, host, torus, paths, mpi=None, host_groups=None):
+    def __init__(self, topology, tuning, host, torus, paths, across=None, host_groups=None):
         super().__init__(host.shm, topology, tuning, range(topology.size))
         self.host_groups = [list(g) for g in host_groups] if host_groups is not None else [self.ranks]
         self.host = host
         self.torus = torus
-        self.mpi = mpi
+        self.across = across
         self.torus_min_bytes = paths.torus_min_bytes
         # A small allreduce of a numpy array may take the torus's small path in one C call
         # (csrc/py/quick_crossing.c, through quick_path.py): its smc_crossing_call_t, where the rounds are compiled.
         self.quick_call = None
-        if torus is not None and mpi is not None:
-            self.quick_call = torus.column.quick_call(self.size, 0, 0, (mpi.usable_flag, torus.column.transport.
+        if torus is not None and across is not None:
+            self.quick_call = torus.column.quick_call(self.size, 0, 0, (across.usable_flag, torus.column.transport.
                                                                          usable_flag))
         if self.quick_call is not None:
             row = torus.row
             self.quick_call.row, self.quick_call.row_rank, self.quick_call.row_size = row.address, row.rank, row.size
             self.quick_call.world_rank = topology.rank
-        self.algorithm = choice.validate(paths.algorithm, torus is not None, mpi is not None)
+        self.algorithm = choice.validate(paths.algorithm, torus is not None, across is not None)
         # Without a torus, every cross-host collective starts with this.
-        self.agreement = Agreement(mpi) if mpi is not None and torus is None else None
+        self.agreement = Agreement(across) if across is not None and torus is None else None
         self.roll_call = None  # transport.rollcall.RollCall across hosts: a timeout names the ranks holding it up
 
     @property
@@ -106,7 +107,7 @@ class WorldComm(Communicator):
         except MismatchError:
             raise self._disagreement(what, collective) from None
         except Refused:
-            raise refusal_error(what, None, self.mpi, self.host.shm) from None
+            raise refusal_error(what, None, self.across, self.host.shm) from None
 
     # ---- allreduce ----
     @_naming_holdups
@@ -128,11 +129,11 @@ class WorldComm(Communicator):
                         description.describe("allreduce", code, (count,), op, float(prescale), float(postscale)))
 
     def _allreduce(self, ptr, dst_ptr, count, code, esize, op, prescale, postscale, what, divisor, collective):
-        if self.mpi is not None and self.mpi.broken:
-            self.mpi.usable(what)  # raises
+        if self.across is not None and self.across.broken:
+            self.across.usable(what)  # raises
         divisor = (self.size if op == ops.Average else 1) if divisor is None else divisor
         c_op = ops.C_OP[op]
-        algorithm = choice.allreduce(self.algorithm, count * esize, self.torus is not None, self.mpi is not None,
+        algorithm = choice.allreduce(self.algorithm, count * esize, self.torus is not None, self.across is not None,
                                      self.torus_min_bytes)
         narrow = None
         if code in kernels.HALF and algorithm != "mpi":
@@ -151,15 +152,15 @@ class WorldComm(Communicator):
         except MismatchError:
             raise self._disagreement(what, collective) from None
         except Refused:  # a rank's own checks failed: every rank now hears why
-            raise refusal_error(what, None, self.mpi, self.host.shm) from None
+            raise refusal_error(what, None, self.across, self.host.shm) from None
         if algorithm != "torus":
             if dst_ptr != ptr:
                 ffi.memmove(dst_ptr, ptr, count * esize)
             if algorithm == "ring":
                 raw = np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8)
-                ring_allreduce(self.mpi, raw, code, c_op, prescale, postscale, divisor)
+                ring_allreduce(self.across, raw, code, c_op, prescale, postscale, divisor)
             else:
-                self.mpi.allreduce(dst_ptr, dst_ptr, count, code, c_op, prescale, postscale, divisor, 0, what)
+                self.across.allreduce(dst_ptr, dst_ptr, count, code, c_op, prescale, postscale, divisor, 0, what)
         if narrow is not None:
             kernels.narrow_into(narrow[0], wide, narrow[1])
 
@@ -176,14 +177,14 @@ class WorldComm(Communicator):
             stages = [adasum.stage_for(self.torus.row, tag, what), adasum.stage_for(self.torus.column.transport, tag,
                                                                                       what)]
         else:
-            stages = [adasum.stage_for(self.mpi, tag, what)]
+            stages = [adasum.stage_for(self.across, tag, what)]
         adasum.run(stages, ptr, dst_ptr, count, code, sizes, prescale, postscale, what)
 
     def _agree(self, sig, what):
         """Across hosts, before MPI carries a collective: raises MismatchError on every rank if they disagree, and
         TimeoutError if one does not come (MPI itself would check neither)."""
-        if self.mpi is not None:
-            self.mpi.usable(what)
+        if self.across is not None:
+            self.across.usable(what)
         status, culprit = self.torus.agree(sig, what) if self.torus is not None else self.agreement.agree(sig)
         if status != OK:
             if status == REFUSED:
@@ -193,19 +194,19 @@ class WorldComm(Communicator):
     def refuse(self, kind, reason, what):
         """This rank's call failed its own checks: the agreement every collective starts with carries REFUSED
         instead of a signature, then the ranks swap reasons (Communicator.refused)."""
-        if self.mpi is not None:
-            self.mpi.usable(what)
+        if self.across is not None:
+            self.across.usable(what)
         if self.torus is not None:
             status, _ = self.torus.agree(0, what, refusal=reason)
         else:
             status, _ = self.agreement.agree(0, REFUSED, self.rank + 1)
         if status == REFUSED:
-            refusal_error(what, reason, self.mpi, self.host.shm)
+            refusal_error(what, reason, self.across, self.host.shm)
 
     def _disagreement(self, what, collective, buf=None):
         """The error every rank raises after a mismatch, naming what each rank passed."""
         names = {buf.dtype_key(): buf.type_name()} if buf is not None else None
-        return disagreement_error(what, collective, self.mpi, self.host.shm, names)
+        return disagreement_error(what, collective, self.across, self.host.shm, names)
 
     def _checked(self, what, collective, buf=None, extra=()):
         """The agreement on `collective` (and `extra` numbers that must agree too)."""
@@ -214,7 +215,7 @@ class WorldComm(Communicator):
         except MismatchError:
             raise self._disagreement(what, collective, buf) from None
         except Refused:
-            raise refusal_error(what, None, self.mpi, self.host.shm) from None
+            raise refusal_error(what, None, self.across, self.host.shm) from None
 
     # ---- the rest: MPI across hosts, shared memory on one host. Each starts with the agreement, so that ranks
     # calling different collectives find out as surely as ranks passing different tensors. ----
@@ -223,33 +224,33 @@ class WorldComm(Communicator):
         src = wrap(x, what, writable=output is x)
         out, dst = (x, src) if output is x else output_for(src, output, src.shape, what)  # before the agreement:
         self._checked(what, description.describe("broadcast", src.dtype_key(), src.shape, root=root), src)  # one
-        if self.mpi is None:  # rank's error after it would leave the others waiting in MPI
+        if self.across is None:  # rank's error after it would leave the others waiting in MPI
             return self.host.broadcast(x, out, root, what)
-        self.mpi.broadcast(src.ptr, dst.ptr, src.nbytes, root, 0, what)
+        self.across.broadcast(src.ptr, dst.ptr, src.nbytes, root, 0, what)
         return out
 
     @_naming_holdups
     def allgather(self, x, what, output=None):
         src = self._check_rows(x, "allgather", what)
-        if self.mpi is None:
+        if self.across is None:
             return self.host.allgather(x, what, output)
         shape = tuple(src.shape) or (1,)
         rows = self._first_dims(shape[0], what)
         size = row_bytes(src, shape)
-        return self._into(src, output, (sum(rows),) + shape[1:], what, lambda dst: self.mpi.allgatherv(
+        return self._into(src, output, (sum(rows),) + shape[1:], what, lambda dst: self.across.allgatherv(
             src.ptr, src.nbytes, dst.ptr, [r * size for r in rows], 0, what))
 
     @_naming_holdups
     def alltoall(self, x, splits, what, output=None):
         src = self._check_rows(x, "alltoall", what)
-        if self.mpi is None:
+        if self.across is None:
             return self.host.alltoall(x, splits, what, output)
         shape = tuple(src.shape) or (1,)
         got = np.empty(self.size, dtype=np.int64)
-        self.mpi.alltoallv(ffi.from_buffer(np.array(splits, dtype=np.int64)), [8] * self.size, ffi.from_buffer(got),
+        self.across.alltoallv(ffi.from_buffer(np.array(splits, dtype=np.int64)), [8] * self.size, ffi.from_buffer(got),
                            [8] * self.size, 0, what)
         size = row_bytes(src, shape)
-        return self._into(src, output, (int(got.sum()),) + shape[1:], what, lambda dst: self.mpi.alltoallv(
+        return self._into(src, output, (int(got.sum()),) + shape[1:], what, lambda dst: self.across.alltoallv(
             src.ptr, [s * size for s in splits], dst.ptr, [int(g) * size for g in got], 0, what)), got
 
     @staticmethod
@@ -271,7 +272,7 @@ class WorldComm(Communicator):
     def _first_dims(self, first, what):
         mine = np.array([first], dtype=np.int64)
         every = np.empty(self.size, dtype=np.int64)
-        self.mpi.allgatherv(ffi.from_buffer(mine), 8, ffi.from_buffer(every), [8] * self.size, 0, what)
+        self.across.allgatherv(ffi.from_buffer(mine), 8, ffi.from_buffer(every), [8] * self.size, 0, what)
         return [int(d) for d in every]
 
     @_naming_holdups
@@ -286,11 +287,11 @@ class WorldComm(Communicator):
         share = description.shares(src.shape[0], self.size)
         divisor = self.size if op == ops.Average else 1
         out, dst, error = output_or_scratch(src, output, (share[self.rank],) + tuple(src.shape[1:]), what)
-        if choice.allreduce(self.algorithm, src.nbytes, self.torus is not None, self.mpi is not None,
+        if choice.allreduce(self.algorithm, src.nbytes, self.torus is not None, self.across is not None,
                             self.torus_min_bytes) == "mpi":
             self._checked(what, collective, src, (src.count, divisor))
             per_row = src.count // src.shape[0] if src.shape[0] else 0
-            self.mpi.reducescatter(src.ptr, dst.ptr, [s * per_row for s in share], src.code, ops.C_OP[op], prescale,
+            self.across.reducescatter(src.ptr, dst.ptr, [s * per_row for s in share], src.code, ops.C_OP[op], prescale,
                                    postscale, divisor, 0, what)
         else:
             total, whole = output_for(src, None, src.shape, what)
@@ -305,7 +306,7 @@ class WorldComm(Communicator):
     @_naming_holdups
     def barrier(self, what="barrier"):
         self._checked(what, description.describe("barrier"))
-        if self.mpi is None:
+        if self.across is None:
             self.host.barrier(what)
 
     @_naming_holdups
@@ -327,6 +328,6 @@ class WorldComm(Communicator):
 
     @_naming_holdups
     def allgather_bytes(self, payload):
-        if self.mpi is None:
+        if self.across is None:
             return self.host.allgather_bytes(payload)
-        return self.mpi.allgather_bytes(payload)
+        return self.across.allgather_bytes(payload)

@@ -120,7 +120,7 @@ def _elastic_across_hosts(generation):
         sockets = connect_mesh(membership.listener(), record["addresses"], topo.rank, record["token"],
                                tuning.start_timeout_s, membership.superseded)
         mesh = Tcp(sockets, topo.rank, range(topo.size), hosts, tuning.timeout_s)
-        world = WorldComm(topo, tuning, HostComm(shm), None, paths, mpi=mesh, host_groups=groups)
+        world = WorldComm(topo, tuning, HostComm(shm), None, paths, across=mesh, host_groups=groups)
     except BaseException:
         shm.close()
         if mesh is not None:
@@ -146,7 +146,7 @@ def _world_across_hosts(topo, ctx, tuning, shm, paths):
     column = Mpi(ctx.cross, 0.8 * tuning.timeout_s, "torus column") if ctx.homogeneous else None
     torus = Torus(shm, MpiColumn(column, paths.torus_small_bytes), paths.torus_small_bytes,
                   world_rank=topo.rank) if column is not None else None
-    world = WorldComm(topo, tuning, HostComm(shm), torus, paths, mpi=Mpi(ctx.world, tuning.timeout_s),
+    world = WorldComm(topo, tuning, HostComm(shm), torus, paths, across=Mpi(ctx.world, tuning.timeout_s),
                       host_groups=ctx.world.allgather(ctx.host_ranks))
     world.box_network = _box_network(ctx, topo, tuning, shm)
     world.closables.append(world.box_network)

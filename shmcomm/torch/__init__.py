@@ -145,12 +145,15 @@ def mpi_built():
 
 def mpi_enabled():
     """Whether this job's collectives go over MPI: it was initialized and spans hosts. A job on one host meets only in
-    shared memory, even when mpiexec started it.
+    shared memory, even when mpiexec started it, and an elastic job's hosts meet over TCP.
 
     Returns:
-        True for an initialized job across hosts.
+        True for an initialized job whose hosts meet over MPI.
     """
-    return _basics.is_initialized() and _basics.communicator().mpi is not None
+    if not _basics.is_initialized():
+        return False
+    across = _basics.communicator().across
+    return across is not None and across.carrier == "mpi"
 
 
 def mpi_threads_supported():

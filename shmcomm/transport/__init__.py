@@ -29,6 +29,7 @@ class Transport(abc.ABC):
     size = 1
     ranks = (0,)
     doorbell_reaches_all = False
+    carrier = None  # what carries the bytes, in a word: "shared memory", "mpi", "tcp"
 
     @abc.abstractmethod
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):

@@ -45,6 +45,8 @@ class Mpi(Transport):
     MPI has no 16-bit float reductions, so float16 and bfloat16 are widened to float32, scaled and reduced there, and
     rounded back once (kernels.widened); scale factors use the core's kernels, as everywhere else."""
 
+    carrier = "mpi"
+
     def __init__(self, comm, timeout_s, what="across hosts"):
         from mpi4py import MPI
 

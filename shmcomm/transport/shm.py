@@ -51,6 +51,8 @@ class SharedMemory(Transport):
     `abandon`: None, or a uint32_t[1] that another thread sets when the world being formed will not be (init then
     raises AbandonedError instead of waiting for ranks that went on to a newer world); kept for as long as init runs."""
 
+    carrier = "shared memory"
+
     doorbell_reaches_all = True  # every rank of this communicator shares the segment
 
     def __init__(self, topology, tuning, generation, ranks=None, suffix="", arena=False, abandon=None):

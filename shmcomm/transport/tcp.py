@@ -126,6 +126,8 @@ class Tcp(Transport):
     in rank order (the same bits wherever it runs), then the shares are gathered. That is fewer messages than a ring,
     and fine for the few hosts elastic worlds span."""
 
+    carrier = "tcp"
+
     def __init__(self, sockets, rank, ranks, hosts, timeout_s, what="across hosts"):
         self.sockets, self.rank, self.ranks, self.size = sockets, rank, list(ranks), len(ranks)
         self.hosts = list(hosts)
