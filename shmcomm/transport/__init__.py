@@ -9,6 +9,8 @@ interface. `nccl.NcclComm` moves device memory and does not: its calls enqueue o
 (algorithms/device.py composes it with a host transport)."""
 import abc
 
+from shmcomm.vocabulary.exceptions import BrokenCommunicatorError
+
 
 class Transport(abc.ABC):
     """The interface every transport offers. Subclasses set rank (this process's index), size (the member count) and
@@ -22,14 +24,14 @@ class Transport(abc.ABC):
 
     `SharedMemory` adds the doorbells the engine sleeps on (doorbell(), ring_doorbell(everyone), wait_doorbell(seen,
     timeout_s)) and the Soft Memory Box arena; other hosts are not in its segment, so across hosts the engine cycles
-    on its timer. `Mpi` adds point-to-point (`exchange`, `sendrecv`) for the agreement's recursive doubling and for
-    rings; the shared memory needs none, since every rank reads its peers' slots directly."""
+    on its timer. `Mpi` and `Tcp` are `PointToPoint` transports too."""
 
     rank = 0
     size = 1
     ranks = (0,)
     doorbell_reaches_all = False
     carrier = None  # what carries the bytes, in a word: "shared memory", "mpi", "tcp"
+    broken = None  # why calls are refused, once a failure left the ranks' messages out of step
 
     @abc.abstractmethod
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
@@ -59,6 +61,12 @@ class Transport(abc.ABC):
     def allgather_bytes(self, payload):
         """Every rank's bytes object, in rank order, within the deadline."""
 
+    def usable(self, what):
+        """Raises BrokenCommunicatorError, naming `what` and `broken`, once an earlier failure left this transport
+        unusable."""
+        if self.broken:
+            raise BrokenCommunicatorError("%s: unusable after an earlier failure: %s" % (what, self.broken))
+
     def failed_ranks(self):
         """Job ranks known to be dead (liveness; MPI knows none)."""
         return []
@@ -68,6 +76,21 @@ class Transport(abc.ABC):
 
     def close(self):
         """Leaves the communicator; never blocks on peers."""
+
+
+class PointToPoint(Transport):
+    """A transport that also moves bytes between two of its ranks: the agreement's recursive doubling and the ring
+    need it (`Mpi`, `Tcp`); the shared memory does not, since every rank reads its peers' slots directly. Buffers are
+    uint8 numpy arrays."""
+
+    @abc.abstractmethod
+    def exchange(self, peer, send, send_bytes, recv, deadline, tag, late):
+        """Sends send[:send_bytes] to `peer` and/or receives into `recv` from it (either may be None) by `deadline`
+        (time.monotonic()); raises late() after it."""
+
+    @abc.abstractmethod
+    def sendrecv(self, send, dest, recv, source, tag, what="ring allreduce"):
+        """One ring step: sends `send` to `dest` while receiving `recv` from `source`, within SHMCOMM_TIMEOUT."""
 
 
 # The engine's negotiation messages are usually a few hundred bytes: each rank sends a fixed block (its length, then

@@ -12,8 +12,8 @@ import time
 import numpy as np
 
 from shmcomm._native import ffi, lib
-from shmcomm.vocabulary.exceptions import BrokenCommunicatorError, TimeoutError
-from shmcomm.transport import Transport, allgather_bytes_over, kernels
+from shmcomm.vocabulary.exceptions import TimeoutError
+from shmcomm.transport import PointToPoint, allgather_bytes_over, kernels
 from shmcomm.transport.deadline import Watchdog, poll, spin
 
 _NUMPY_OF = {lib.SMC_FLOAT32: np.float32, lib.SMC_FLOAT64: np.float64, lib.SMC_INT8: np.int8,
@@ -34,7 +34,7 @@ def choose_thread_level(serialized):
         mpi4py.rc.thread_level = "serialized"
 
 
-class Mpi(Transport):
+class Mpi(PointToPoint):
     """A transport over the MPI communicator `comm`; `ranks` are its members' job ranks (MPI.COMM_WORLD's).
 
     The deadline bounds the agreement's exchanges, the engine's negotiation and barriers, and also the data phases
@@ -70,10 +70,6 @@ class Mpi(Transport):
     def broken(self, why):
         self._broken = why
         self.usable_flag[0] = 0 if why else 1
-
-    def usable(self, what):
-        if self.broken:
-            raise BrokenCommunicatorError("%s: unusable after an earlier failure: %s" % (what, self.broken))
 
     def deadline(self):
         return time.monotonic() + self.timeout_s

@@ -16,9 +16,8 @@ import numpy as np
 
 from shmcomm.vocabulary import description
 from shmcomm._native import ffi, lib
-from shmcomm.vocabulary.exceptions import (AbandonedError, BrokenCommunicatorError, RankFailure, ShmCommError,
-                                           TimeoutError)
-from shmcomm.transport import Transport, kernels
+from shmcomm.vocabulary.exceptions import AbandonedError, RankFailure, ShmCommError, TimeoutError
+from shmcomm.transport import PointToPoint, kernels
 from shmcomm.smb.wire import tuned  # small messages at once, big buffers for megabytes
 
 _LENGTH = struct.Struct("<Q")
@@ -114,7 +113,7 @@ class _Incoming:
         self.buffer, self.head, self.length, self.got = buffer, b"", None, 0
 
 
-class Tcp(Transport):
+class Tcp(PointToPoint):
     """A transport over the connections `sockets` ({peer index: socket}) of rank `rank` among `ranks` (job ranks);
     `hosts` names each rank's host, for the errors.
 
@@ -134,10 +133,6 @@ class Tcp(Transport):
         self.timeout_s = timeout_s
         self.what = what
         self.broken = None  # why calls are refused: a wait failed, the streams are out of step
-
-    def usable(self, what):
-        if self.broken:
-            raise BrokenCommunicatorError("%s: unusable after an earlier failure: %s" % (what, self.broken))
 
     def deadline(self):
         return time.monotonic() + self.timeout_s
@@ -354,6 +349,6 @@ class Tcp(Transport):
         self._move({peer: send[:send_bytes]} if send is not None else {},
                    {peer: recv} if recv is not None else {}, self.what, deadline, late)
 
-    def sendrecv(self, send, dest, recv, source, tag):
+    def sendrecv(self, send, dest, recv, source, tag, what="ring allreduce"):
         """One ring step: send to `dest` while receiving from `source` (uint8 arrays)."""
-        self._move({dest: send}, {source: recv}, self.what)
+        self._move({dest: send}, {source: recv}, what)
