@@ -35,8 +35,8 @@ _FIELDS = {
     lib.SMC_FIELD_TAG: "shape",
 }
 
-# The cause a failed rank saved, added to a RankFailure's text: startup/failure_reports.py knows where causes are and
-# sets this when it loads, so that the loader of the core, which the settings read their limits from, stays below it.
+# The cause a failed rank saved, added to a RankFailure's text: start-up knows where causes are and sets this
+# (startup/bootstrap.py), so that the loader of the core, which the settings read their limits from, stays below it.
 explain_rank_failure = None
 
 

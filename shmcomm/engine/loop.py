@@ -171,8 +171,8 @@ class Engine:
         choices = []
         if algorithm is not None:
             choices = [a for a, possible in (("torus", getattr(self.comm, "torus", None) is not None),
-                                             ("ring", getattr(self.comm, "mpi", None) is not None),
-                                             ("mpi", getattr(self.comm, "mpi", None) is not None)) if possible]
+                                             ("ring", getattr(self.comm, "across", None) is not None),
+                                             ("mpi", getattr(self.comm, "across", None) is not None)) if possible]
             algorithm = "torus" if algorithm == "auto" and "torus" in choices else algorithm
         start = {"fusion": self.fusion_threshold, "cycle": self.cycle_s * 1000.0, "bucket": self.bucket_bytes,
                  "algorithm": algorithm}

@@ -5,8 +5,6 @@ the variable."""
 import contextlib
 import os
 
-from shmcomm._native import lib as core_lib
-
 
 _overrides = {}  # this process's settings that replace the environment's (env.adopt_identity)
 _source = [None]  # the mapping read instead of os.environ inside reading_from(), else None
@@ -51,8 +49,12 @@ def spelling(name, environ=None):
                 "SHMCOMM_" + name)
 
 
-MAX_BYTES = core_lib.SMC_MAX_BYTES      # no buffer is larger than the address space
-MAX_SECONDS = core_lib.SMC_MAX_SECONDS  # the longest wait
+try:
+    from shmcomm._native import lib as _core
+    MAX_BYTES = _core.SMC_MAX_BYTES      # no buffer is larger than the address space
+    MAX_SECONDS = _core.SMC_MAX_SECONDS  # the longest wait
+except ImportError:  # no core built: the launcher still reads settings, and its --check-build says what is missing
+    MAX_BYTES = MAX_SECONDS = float("inf")
 
 
 def number(name, default, kind=float, environ=None, low=None, high=None, positive=False):

@@ -10,13 +10,16 @@
 import threading
 import time
 
-from shmcomm import env
+from shmcomm import _native, env
 from shmcomm.startup import failure_reports, membership, topology
 from shmcomm.algorithms.host import HostComm
 from shmcomm.vocabulary.exceptions import RankFailure, TimeoutError
 from shmcomm.startup.notices import LauncherNotices
 from shmcomm.smb.rollcall import exit_without_finalize
 from shmcomm.transport.shm import SharedMemory
+
+# A RankFailure names the cause the failed rank saved (the loader of the core stays below start-up).
+_native.explain_rank_failure = failure_reports.with_cause
 
 
 def build_world(generation):

@@ -12,7 +12,7 @@ import select
 import sys
 import traceback
 
-from shmcomm import _native, env
+from shmcomm import env
 from shmcomm.vocabulary.exceptions import PeerArgumentError, RankFailure
 
 
@@ -188,5 +188,3 @@ def first_cause(directory):
     rank = min(found)[1]
     return rank, cause(rank, directory)
 
-
-_native.explain_rank_failure = with_cause
