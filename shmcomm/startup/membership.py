@@ -17,7 +17,7 @@ import threading
 import time
 
 from shmcomm import env
-from shmcomm._native import ffi
+from shmcomm.transport.shm import AbandonWord
 from shmcomm.vocabulary.exceptions import ShmCommError
 
 log = logging.getLogger("shmcomm.elastic")
@@ -48,14 +48,13 @@ class _Link:
     lost = None  # why the connection is gone
     leaving = False  # this process is exiting: a closed connection is expected
     changed = threading.Condition()
-    # 1 while superseded() would say why (a newer record came, or the launcher is gone), 0 otherwise: the C core
-    # reads it in init's waits (smc_config_t.abandon), where Python cannot be asked.
-    abandon = ffi.new("uint32_t[1]")
+    # Set while superseded() would say why (a newer record came, or the launcher is gone): init's waits read it.
+    abandon = AbandonWord()
 
 
 def _update_abandon():
     """Called with _Link.changed held, after the record, the joined record or `lost` changed."""
-    _Link.abandon[0] = 1 if superseded() is not None else 0
+    _Link.abandon.set(superseded() is not None)
 
 
 def joined_generation():

@@ -44,11 +44,22 @@ class WindowMemory:
                                     "shape": (nbytes,), "typestr": "|u1", "version": 3}
 
 
+class AbandonWord:
+    """A word another thread sets while init waits in the core, where Python cannot be asked: 1 when the world
+    being formed will not be (a newer one replaced it)."""
+
+    def __init__(self):
+        self.cdata = ffi.new("uint32_t[1]")
+
+    def set(self, abandoned):
+        self.cdata[0] = 1 if abandoned else 0
+
+
 class SharedMemory(Transport):
     """A communicator over some ranks of this host: all of them, or a subset (a process set, a row or column of a
     logical grid). `ranks` are the job ranks it holds, in order; `rank` is this process's index among them.
     `arena`: whether the segment holds the Soft Memory Box arena (only a host's main communicator does).
-    `abandon`: None, or a uint32_t[1] that another thread sets when the world being formed will not be (init then
+    `abandon`: None, or an AbandonWord that another thread sets when the world being formed will not be (init then
     raises AbandonedError instead of waiting for ranks that went on to a newer world); kept for as long as init runs."""
 
     carrier = "shared memory"
@@ -87,7 +98,7 @@ class SharedMemory(Transport):
         cfg.race_pause_us = tuning.race_pause_us
         job_ranks = ffi.new("int[]", self.ranks)  # so that the core's messages and failure data name job ranks
         cfg.job_ranks = job_ranks
-        cfg.abandon = ffi.NULL if abandon is None else abandon
+        cfg.abandon = ffi.NULL if abandon is None else abandon.cdata
         out = ffi.new("smc_comm_t **")
         _check(lib.smc_comm_create(cfg, out), "init")
         self.handle = out[0]
