@@ -16,7 +16,6 @@ typedef int (*crossing_rounds_fn)(uintptr_t comm_address, const int* peers, cons
                                   void* message, void* incoming, uint64_t capacity, uint64_t nbytes, uint64_t count,
                                   int code, int op, uintptr_t reduce, double timeout_s, int* late_round);
 
-
 /* Collective.signature(count, divisor, True) of describe("allreduce", dtype, shape, op, prescale, postscale): the
  * hash of (kind, dtype, shape, op, prescale, postscale, root -1, count, divisor, True). 0 with *ok = 0 where Python
  * could not build it. */
