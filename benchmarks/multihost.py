@@ -120,9 +120,8 @@ def _breakdown(world, mpi, sizes, count):
     clocked(torus.row, "allreduce", PHASES[0])
     clocked(torus.column, "allreduce", PHASES[1])
     clocked(torus.row, "broadcast", PHASES[2])
-    if leader:  # the exchanges: the agreement's rounds in C where compiled (MPI's calls and the merges), else MPI's
-        compiled = torus.column._compiled
-        clocked(*((compiled, "run") if compiled is not None else (torus.column.transport, "exchange")), "exchanges")
+    if leader:  # the exchanges: the agreement's rounds (MPI's calls, in C where compiled, and the merges)
+        clocked(torus.column._rounds, "run", "exchanges")
     world.algorithm = "torus"
     for size in sizes:
         x = np.ones(max(1, size // 4), dtype=np.float32)
@@ -130,20 +129,20 @@ def _breakdown(world, mpi, sizes, count):
         column = torus.column.transport.comm if leader else None
         partner = column.rank ^ 1 if leader and (column.rank ^ 1) < column.size else None
         rows = {name: [] for name in ("call",) + PHASES + ("exchanges", "MPI_Sendrecv", "one C call")}
-        quick = quick_path.world.crossing
+        quick = quick_path.world.crossing_allreduce
         for _ in range(count):
             if quick:
                 mpi.Barrier()
                 started = time.perf_counter()
                 shmcomm.allreduce_(x, op=shmcomm.Sum)
                 rows["one C call"].append(time.perf_counter() - started)
-            quick_path.world.crossing = 0  # the full path, whose phases the clocks see
+            quick_path.world.crossing_allreduce = None  # the full path, whose phases the clocks see
             mpi.Barrier()
             clocks.clear()
             started = time.perf_counter()
             shmcomm.allreduce_(x, op=shmcomm.Sum)
             rows["call"].append(time.perf_counter() - started)
-            quick_path.world.crossing = quick
+            quick_path.world.crossing_allreduce = quick
             for phase in PHASES + ("exchanges",):
                 rows[phase].append(clocks.get(phase, 0.0))
             mpi.Barrier()

@@ -79,6 +79,9 @@ ffibuilder = FFI()
 ffibuilder.cdef(_cdef_text())
 ffibuilder.cdef("void* smc_quick_method(int which);")  # csrc/py/quick_calls.c: a PyMethodDef, or NULL
 ffibuilder.cdef(_cdef_text(os.path.join(HERE, "py", "quick_crossing.h")))  # what its cross-host allreduce reads
+# The agreement's exchange through a Python transport (shmcomm/transport/crossing.py), an smc_exchange_fn.
+ffibuilder.cdef('extern "Python" int smc_python_exchange(void* context, int peer, void* into, int into_len, '
+                'const void* out, int out_len, double deadline);')
 ffibuilder.set_source(
     "shmcomm._C",
     '#include <string.h>\n#include "shmcomm.h"\n#include "py/quick_crossing.h"\n#include "py/quick_calls.c"',

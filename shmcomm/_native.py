@@ -75,14 +75,15 @@ def check(rc):
         raise error_for(rc)
 
 
-def quick_function(which):
+def quick_function(which, bound):
     """Function `which` of csrc/py/quick_calls.c (0: allreduce, 1: broadcast, 2: allgather, 3: alltoall,
-    4: reducescatter, 5: allreduce across hosts of one rank each) as a Python callable, or None where this build
-    has none (Python before 3.11). The module holds a PyMethodDef; PyCFunction_NewEx makes it callable."""
+    4: reducescatter, 5: allreduce across hosts of one rank each) bound to `bound`, the list that names its
+    communicator (csrc/py/quick_calls.c, BOUND_ITEMS), as a Python callable; None where this build has none (Python
+    before 3.11). The module holds a PyMethodDef; PyCFunction_NewEx makes it callable, with `bound` as its self."""
     method = lib.smc_quick_method(which)
     if method == ffi.NULL:
         return None
     new = ctypes.pythonapi.PyCFunction_NewEx
     new.restype = ctypes.py_object
     new.argtypes = [ctypes.c_void_p, ctypes.py_object, ctypes.py_object]
-    return new(int(ffi.cast("uintptr_t", method)), None, None)
+    return new(int(ffi.cast("uintptr_t", method)), bound, None)

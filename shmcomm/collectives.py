@@ -12,8 +12,7 @@ from shmcomm.engine import current as current_engine
 from shmcomm.engine.calls import (allgather_request, allreduce_request, alltoall_request, barrier_request,
                                   broadcast_request, is_cuda, received_splits, reducescatter_op, reducescatter_request,
                                   root_index, rows_per_rank, run)
-from shmcomm.quick_path import (allgather_call, allreduce_call, alltoall_call, broadcast_call, crossing_allreduce_call,
-                                reducescatter_call, world)
+from shmcomm.quick_path import world
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 
@@ -62,7 +61,7 @@ def _quick_failed(got, tensor, kind, name, output=None):
 # Each public function tries the quickest way first: a numpy array on the global set of a one-host world without the
 # engine (quick_path.world) goes to the core in one C call (csrc/py/quick_calls.c), which returns NotImplemented for
 # anything out of the ordinary, before any step; the full path then decides, and its checks say what is wrong. A small
-# allreduce across hosts does the same through the torus's small path in one C call (world.crossing).
+# allreduce across hosts does the same through the torus's small path in one C call (world.crossing_allreduce).
 
 def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_factor=1.0, name=None, output=None,
               process_set=None):
@@ -91,16 +90,14 @@ def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_fact
     Example:
         `shmcomm.allreduce(np.ones(4, np.float32), op=shmcomm.Sum)` gives `size()` in every element on every rank.
     """
-    if world.address and type(tensor) is np.ndarray and average is None and process_set is None:
-        got = allreduce_call(world.address, world.size, tensor,
-                             np.empty(tensor.shape, tensor.dtype) if output is None else output, op, prescale_factor,
-                             postscale_factor)
+    if world.allreduce and type(tensor) is np.ndarray and average is None and process_set is None:
+        got = world.allreduce(tensor, np.empty(tensor.shape, tensor.dtype) if output is None else output, op,
+                              prescale_factor, postscale_factor)
         if got is not NotImplemented:
             return got if type(got) is not int else _quick_failed(got, tensor, "allreduce", name)
-    elif world.crossing and type(tensor) is np.ndarray and average is None and process_set is None:
-        got = crossing_allreduce_call(world.crossing, tensor,
-                                      np.empty(tensor.shape, tensor.dtype) if output is None else output, op,
-                                      prescale_factor, postscale_factor)
+    elif world.crossing_allreduce and type(tensor) is np.ndarray and average is None and process_set is None:
+        got = world.crossing_allreduce(tensor, np.empty(tensor.shape, tensor.dtype) if output is None else output, op,
+                                       prescale_factor, postscale_factor)
         if got is not NotImplemented:
             return got if type(got) is np.ndarray else world.comm.quick_allreduce_failed(
                 got, tensor, op, prescale_factor, postscale_factor, _what("allreduce", name))
@@ -122,12 +119,12 @@ def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_fac
     Raises:
         ShmCommError: as allreduce().
     """
-    if world.address and type(tensor) is np.ndarray and average is None and process_set is None:
-        got = allreduce_call(world.address, world.size, tensor, tensor, op, prescale_factor, postscale_factor)
+    if world.allreduce and type(tensor) is np.ndarray and average is None and process_set is None:
+        got = world.allreduce(tensor, tensor, op, prescale_factor, postscale_factor)
         if got is not NotImplemented:
             return got if type(got) is not int else _quick_failed(got, tensor, "allreduce", name)
-    elif world.crossing and type(tensor) is np.ndarray and average is None and process_set is None:
-        got = crossing_allreduce_call(world.crossing, tensor, tensor, op, prescale_factor, postscale_factor)
+    elif world.crossing_allreduce and type(tensor) is np.ndarray and average is None and process_set is None:
+        got = world.crossing_allreduce(tensor, tensor, op, prescale_factor, postscale_factor)
         if got is not NotImplemented:
             return got if type(got) is np.ndarray else world.comm.quick_allreduce_failed(
                 got, tensor, op, prescale_factor, postscale_factor, _what("allreduce", name))
@@ -155,10 +152,9 @@ def broadcast(tensor, root_rank, name=None, output=None, process_set=None):
     Example:
         `shmcomm.broadcast(np.arange(3) * shmcomm.rank(), root_rank=1)` gives `[0, 1, 2]` on every rank.
     """
-    if world.address and type(tensor) is np.ndarray and process_set is None and type(root_rank) is int \
+    if world.broadcast and type(tensor) is np.ndarray and process_set is None and type(root_rank) is int \
             and 0 <= root_rank < world.size:  # the world's ranks are its indices
-        got = broadcast_call(world.address, tensor, np.empty(tensor.shape, tensor.dtype) if output is None else output,
-                             root_rank)
+        got = world.broadcast(tensor, np.empty(tensor.shape, tensor.dtype) if output is None else output, root_rank)
         if got is not NotImplemented:
             return got if type(got) is not int else _quick_failed(got, tensor, "broadcast", name)
     if _engine_free(tensor, process_set):
@@ -178,9 +174,9 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
     Raises:
         ShmCommError: as broadcast().
     """
-    if world.address and type(tensor) is np.ndarray and process_set is None and type(root_rank) is int \
+    if world.broadcast and type(tensor) is np.ndarray and process_set is None and type(root_rank) is int \
             and 0 <= root_rank < world.size:
-        got = broadcast_call(world.address, tensor, tensor, root_rank)
+        got = world.broadcast(tensor, tensor, root_rank)
         if got is not NotImplemented:
             return got if type(got) is not int else _quick_failed(got, tensor, "broadcast", name)
     if _engine_free(tensor, process_set):
@@ -207,8 +203,8 @@ def allgather(tensor, name=None, process_set=None, output=None):
     Example:
         `shmcomm.allgather(np.full(shmcomm.rank() + 1, shmcomm.rank()))` gives `[0, 1, 1]` on 2 ranks.
     """
-    if world.address and type(tensor) is np.ndarray and process_set is None:
-        got = allgather_call(world.address, world.size, tensor, output, world.every, np.empty)
+    if world.allgather and type(tensor) is np.ndarray and process_set is None:
+        got = world.allgather(tensor, output)
         if got is not NotImplemented:
             return got if got is not None and type(got) is not int else _quick_failed(got, tensor, "allgather", name,
                                                                                       output)
@@ -243,9 +239,8 @@ def reducescatter(tensor, op=ops.Average, name=None, prescale_factor=1.0, postsc
     Raises:
         ShmCommError: as allreduce().
     """
-    if world.address and type(tensor) is np.ndarray and process_set is None:
-        got = reducescatter_call(world.address, world.size, world.rank, tensor, output, op, prescale_factor,
-                                 postscale_factor, world.counts, np.empty)
+    if world.reducescatter and type(tensor) is np.ndarray and process_set is None:
+        got = world.reducescatter(tensor, output, op, prescale_factor, postscale_factor)
         if got is not NotImplemented:
             return got if type(got) is not int else _quick_failed(got, tensor, "reducescatter", name)
     if _engine_free(tensor, process_set):
@@ -278,9 +273,8 @@ def alltoall(tensor, splits=None, name=None, process_set=None, output=None):
             dimension does not divide evenly without it.
         MismatchError: the ranks' other dimensions or dtypes differ; every rank raises. Other errors as allreduce().
     """
-    if world.address and type(tensor) is np.ndarray and process_set is None:
-        got = alltoall_call(world.address, world.size, world.rank, tensor, output, splits, world.sends, world.matrix,
-                            np.empty)
+    if world.alltoall and type(tensor) is np.ndarray and process_set is None:
+        got = world.alltoall(tensor, output, splits)
         if got is not NotImplemented:
             if got is None or type(got) is int:
                 _quick_failed(got, tensor, "alltoall", name, output)

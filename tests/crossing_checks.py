@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Runs under mpiexec (tests/test_crossing.py): the agreement's rounds compiled in C (transport/crossing.py) and in
-Python give the same verdicts and the same bits, for every kind of header and two data types; and a rank that does
-not come makes the others time out, after which their transport refuses every call. Prints "crossing ok" on every
-rank that passed."""
+"""Runs under mpiexec (tests/test_crossing.py): the agreement's rounds over MPI's exchanges in C (transport/crossing.py)
+and over the MPI transport's exchange in Python give the same verdicts and the same bits, for every kind of header
+and two data types; and a rank that does not come makes the others time out, after which their transport refuses
+every call. Prints "crossing ok" on every rank that passed."""
 import time
 
 import numpy as np
@@ -11,6 +11,7 @@ from mpi4py import MPI
 from shmcomm._native import ffi, lib
 from shmcomm.algorithms.agreement import FAILED, HALVING_BYTES, HEADER_BYTES, MISMATCH, OK, Agreement
 from shmcomm.vocabulary.exceptions import BrokenCommunicatorError, TimeoutError
+from shmcomm.transport import crossing
 from shmcomm.transport.mpi import Mpi
 
 world = MPI.COMM_WORLD
@@ -19,11 +20,16 @@ CAPACITY = 128 << 10
 
 
 def agreement(compiled, timeout_s=30.0):
-    a = Agreement(Mpi(world.Dup(), timeout_s), capacity=CAPACITY)
-    if compiled:
-        assert a._compiled is not None, "the compiled rounds could not be had (transport/crossing.py says why)"
-    else:
-        a._compiled = None
+    """An agreement whose rounds exchange in C (the compiled module) or through the MPI transport in Python."""
+    built = crossing.load()
+    assert built is not None, "the compiled exchanges could not be had (transport/crossing.py says why)"
+    if not compiled:
+        crossing._loaded = False  # as without mpicc
+    try:
+        a = Agreement(Mpi(world.Dup(), timeout_s), capacity=CAPACITY)
+    finally:
+        crossing._loaded = built
+    assert (a._rounds.module is not None) == compiled
     return a
 
 

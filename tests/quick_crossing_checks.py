@@ -13,8 +13,8 @@ from shmcomm import basics, quick_path
 shmcomm.init()
 me, n = shmcomm.rank(), shmcomm.size()
 comm, world, mpi = basics.communicator(), quick_path.world, MPI.COMM_WORLD
-assert world.crossing, "rank %d: no quick call across hosts (are the rounds compiled?)" % me
-QUICK, FULL_TORUS = world.crossing, comm.torus.allreduce
+assert world.crossing_allreduce, "rank %d: no quick call across hosts (are the rounds compiled?)" % me
+QUICK, FULL_TORUS = world.crossing_allreduce, comm.torus.allreduce
 
 
 def refuse(*args, **kwargs):
@@ -32,11 +32,11 @@ def quick(call):
 
 def full(call):
     """call() with the quick call closed."""
-    world.crossing = 0
+    world.crossing_allreduce = None
     try:
         return call()
     finally:
-        world.crossing = QUICK
+        world.crossing_allreduce = QUICK
 
 
 def data(dtype, rank, shape=(3, 5)):

@@ -99,6 +99,105 @@ def test_only_the_transports_call_the_c_core():
     assert calls == []
 
 
+def _core_pointers(source):
+    """Lines of `source` that take the core's cffi: its ffi object (which makes and reads addresses), or the compiled
+    module itself."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            module, names = (node.module or "").rpartition(".")[2], {a.name for a in node.names}
+            if (module in ("_native", "_C") and "ffi" in names) or "_C" in names:
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Import) and any(a.name.endswith("._C") for a in node.names):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr == "ffi" and isinstance(node.value, ast.Name) \
+                and node.value.id == "_native":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_transports_make_addresses():
+    """Addresses are made, viewed and copied in shmcomm/transport/ (memory.py for the layers above), the Soft Memory
+    Box's own modules and the loader of the core; other modules read constants from the loader and hand addresses
+    down as they got them."""
+    takers = ["%s:%d" % (path.relative_to(PACKAGE.parent), line) for path in sorted(PACKAGE.rglob("*.py"))
+              if not {"transport", "smb"} & set(path.relative_to(PACKAGE).parts) and path.name != "_native.py"
+              for line in _core_pointers(path.read_text())]
+    assert takers == []
+
+
+def test_the_address_check_finds_every_way_to_the_core_cffi():
+    source = ("from shmcomm._native import ffi, lib\nfrom .._native import ffi\nfrom shmcomm import _C\n"
+              "import shmcomm._C\nfrom shmcomm import _native\nx = _native.ffi.NULL\n"
+              "from shmcomm._native import lib\nfrom shmcomm.transport import memory\n")
+    assert _core_pointers(source) == [1, 2, 3, 4, 6]
+
+
+KINDS = {"allreduce", "broadcast", "allgather", "reducescatter", "alltoall", "barrier"}
+
+
+def _kind_tested(test):
+    """The collective kind an `if` tests for with ==, a name ("allreduce") or a core code (lib.SMC_COLL_BROADCAST),
+    or None."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return None
+    for side in (test.left, test.comparators[0]):
+        if isinstance(side, ast.Constant) and side.value in KINDS:
+            return side.value
+        if isinstance(side, ast.Attribute) and side.attr.startswith("SMC_COLL_"):
+            return side.attr[len("SMC_COLL_"):].lower()
+    return None
+
+
+def _python_dispatch_tables(source):
+    """Functions of `source` that branch to three or more collective kinds (if/elif on the kind)."""
+    tables = []
+    for function in ast.walk(ast.parse(source)):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            kinds = {_kind_tested(n.test) for n in ast.walk(function) if isinstance(n, ast.If)} - {None}
+            if len(kinds) >= 3:
+                tables.append(function.name)
+    return tables
+
+
+def _c_dispatch_tables(source):
+    """The number of switch statements in C `source` with three or more collective kinds among their cases."""
+    import re
+
+    tables = 0
+    for body in re.split(r"\bswitch\s*\(", source)[1:]:
+        depth, end = 0, 0
+        for end, char in enumerate(body):
+            depth += {"{": 1, "}": -1}.get(char, 0)
+            if char == "}" and depth == 0:
+                break
+        tables += len(set(re.findall(r"case\s+SMC_COLL_(\w+)", body[:end]))) >= 3
+    return tables
+
+
+def test_dispatch_is_one_table():
+    """Each API builds a Request and engine/request.py's _dispatch is the one place that turns a kind into a call;
+    in C, the XLA handler's direct calls into the core (csrc/jax/handler.c) are the one switch on the kind. JAX's
+    transpose rule branches on the kind too, but to say which collective is each one's derivative, not how it runs."""
+    python = {"%s:%s" % (path.relative_to(PACKAGE.parent), name) for path in sorted(PACKAGE.rglob("*.py"))
+              for name in _python_dispatch_tables(path.read_text())}
+    assert python == {"shmcomm/engine/request.py:_dispatch", "shmcomm/jax/primitive.py:_transpose"}
+    csrc = PACKAGE.parent / "csrc"
+    c = {str(path.relative_to(csrc)) for path in sorted(csrc.rglob("*.[ch]")) if _c_dispatch_tables(path.read_text())}
+    assert c == {"jax/handler.c"}
+
+
+def test_the_dispatch_check_finds_a_second_table():
+    source = ("def run(kind):\n    if kind == 'allreduce':\n        a()\n    elif kind == lib.SMC_COLL_BROADCAST:\n"
+              "        b()\n    elif 'alltoall' == kind:\n        c()\n"
+              "def shape(kind):\n    if kind == 'allreduce' and quick:\n        a()\n    if kind == 'alltoall':\n"
+              "        b()\n")
+    assert _python_dispatch_tables(source) == ["run"]
+    c = ("switch (k) {\n case SMC_COLL_ALLREDUCE: { a(); break; }\n case SMC_COLL_BROADCAST: b();\n"
+         " case SMC_COLL_BARRIER: c();\n}\nswitch (op) { case SMC_SUM: case SMC_COLL_BARRIER: break; }\n")
+    assert _c_dispatch_tables(c) == 1
+
+
 def test_the_folders_show_the_layers():
     """The top of the package holds the public entry points (and the loader of the core) only; the Soft Memory Box,
     the vocabulary, the settings and start-up have folders of their own, and transport/ holds transports and what
@@ -110,8 +209,8 @@ def test_the_folders_show_the_layers():
     assert folders == ["algorithms", "engine", "env", "jax", "runner", "sim", "smb", "startup", "testing", "torch",
                        "transport", "vocabulary"]
     transports = sorted(p.stem for p in (PACKAGE / "transport").glob("*.py"))
-    assert transports == ["__init__", "build_cache", "crossing", "cuda_kernels", "deadline", "kernels", "mpi", "nccl",
-                          "nccl_library", "shm", "tcp"]
+    assert transports == ["__init__", "build_cache", "crossing", "cuda_kernels", "deadline", "kernels", "memory", "mpi",
+                          "nccl", "nccl_library", "shm", "tcp"]
 
 
 def test_no_regular_expression_reads_an_error_message():

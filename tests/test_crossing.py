@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("ranks", [pytest.param(3, marks=pytest.mark.long), 4, pytest.param(6, marks=pytest.mark.long)])
-def test_compiled_rounds_match_the_python_rounds(ranks):
+def test_exchanges_in_c_and_in_python_give_the_same_rounds(ranks):
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.exists():
         pytest.skip("no mpiexec beside this interpreter")
@@ -26,7 +26,7 @@ def test_compiled_rounds_match_the_python_rounds(ranks):
     assert run.stdout.count("crossing ok") == ranks, run.stdout + run.stderr
 
 
-def test_without_mpicc_the_rounds_stay_in_python(monkeypatch):
+def test_without_mpicc_the_exchanges_stay_in_python(monkeypatch):
     from shmcomm.transport import crossing
 
     monkeypatch.setattr(crossing, "_loaded", None)

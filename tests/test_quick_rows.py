@@ -32,11 +32,7 @@ def _repeated_calls(hide_quick=False):
     from shmcomm.transport import shm as transport
 
     if hide_quick:  # this rank takes the full path in Python; the others the quick calls
-        from shmcomm import quick_path
-
-        transport._QUICK_ALLREDUCE = transport._QUICK_BROADCAST = None
-        transport._QUICK_ALLGATHER = transport._QUICK_ALLTOALL = transport._QUICK_REDUCESCATTER = None
-        quick_path.allreduce_call = None  # which closes the public functions' quickest way (quick_path.world)
+        transport.quick_function = lambda which, bound: None  # as a build without them: none to bind at init
     shmcomm.init()
     size, me = shmcomm.size(), shmcomm.rank()
     wrapped, stepped = [], []
@@ -44,9 +40,9 @@ def _repeated_calls(hide_quick=False):
     for step in range(4):
         if step == 0 and not hide_quick:  # no array may be wrapped, nor a step taken from Python
             host.wrap = lambda *args, **kwargs: wrapped.append(args[1]) or full_wrap(*args, **kwargs)
-            if transport._QUICK_ALLGATHER is not None:
-                comm = session.communicator()
-                shm = getattr(comm, "host", comm).shm
+            comm = session.communicator()
+            shm = getattr(comm, "host", comm).shm
+            if shm.quick.allgather is not None:
                 for name in ("allgather_begin", "allgather_finish", "alltoall_begin", "alltoall_finish",
                              "reducescatter"):
                     setattr(shm, name, lambda *args, _name=name: stepped.append(_name))

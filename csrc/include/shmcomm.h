@@ -302,7 +302,7 @@ int smc_box_server_port(const smc_box_server_t* server);
  * 0 if some had not by then (they are left to finish; the server's memory stays theirs). */
 int smc_box_server_stop(smc_box_server_t* server, double timeout_s);
 
-/* ---- the agreement across hosts (shmcomm/algorithms/agreement.py; csrc/mpi/crossing.c runs its rounds in C) ----
+/* ---- the agreement across hosts (shmcomm/algorithms/agreement.py; its rounds: csrc/coll/agreement.c) ----
  * A message is a header of SMC_AGREEMENT_HEADER_BYTES (uint64 words: signature, status, lowest failed rank + 1, 0 for
  * none, and the bytes of data that follow), then the data. Statuses, the worse the higher: REFUSED is a call that
  * failed a rank's own checks, FAILED a failed step. Data of SMC_AGREEMENT_HALVING_BYTES or more among 4 or more ranks
@@ -316,8 +316,28 @@ enum {
   SMC_ROUND_SWAP = 2,      /* send and receive at once, merge (recursive doubling) */
   SMC_ROUND_GIVE_BACK = 3  /* send the verdict back to a folded rank */
 };
-/* The rounds in C return this less the core's error code when a reduction failed. */
-enum { SMC_CROSSING_REDUCE_FAILED = -1000 };
+/* The rounds return this less the core's code when a reduction failed; an exchange SMC_EXCHANGE_LATE after its
+ * deadline, SMC_EXCHANGE_RAISED when the Python transport it called raised (Python holds why). */
+enum { SMC_CROSSING_REDUCE_FAILED = -1000, SMC_EXCHANGE_LATE = -1, SMC_EXCHANGE_RAISED = -2 };
+
+/* One exchange of the rounds with `peer` (its index in the rounds' communicator): receive into `into` (up to
+ * `into_len` bytes; NULL for none) and send the `out_len` bytes at `out` (out_len < 0: none), both by `deadline`
+ * (monotonic seconds, the clock of Python's time.monotonic). Returns 0, SMC_EXCHANGE_LATE (a late receive
+ * cancelled, a late send left pending), or another nonzero code of its own (MPI's error). */
+typedef int (*smc_exchange_fn)(void* context, int peer, void* into, int into_len, const void* out, int out_len,
+                               double deadline);
+
+/* The rounds of the plan peers[k], kinds[k] over `exchange`. `message` and `incoming` are a header then room for
+ * `capacity` bytes of data; `message` holds this rank's header and data, and the combined verdict and data
+ * afterwards. `nbytes` of data (`count` elements of the core's type `code`) are reduced with `op`. Every wait ends
+ * by `timeout_s` from the call. Returns 0; the exchange's code (*late_round: the round whose exchange failed); or
+ * SMC_CROSSING_REDUCE_FAILED less the core's code where a reduction failed. */
+int smc_agreement_rounds(smc_exchange_fn exchange, void* context, const int* peers, const int* kinds, int rounds,
+                         int my_rank, void* message, void* incoming, uint64_t capacity, uint64_t nbytes,
+                         uint64_t count, int code, int op, double timeout_s, int* late_round);
+
+/* Combines header `theirs` into `mine` (csrc/coll/agreement.c's rules); returns whether both were OK and alike. */
+int smc_agreement_combine(uint64_t* mine, const uint64_t* theirs);
 
 /* ---- the box server's messages (csrc/net/wire.c) ----
  * A request is a little-endian header of SMC_REQUEST_BYTES, then a name (create and attach; with SMC_FLAG_THEN_TOUCH

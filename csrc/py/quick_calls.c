@@ -6,7 +6,8 @@
  * memory through the buffer protocol (which refuses what the core must not get: a non-contiguous array, or a
  * read-only one to write), and call the core with the interpreter lock released, as cffi's calls do.
  *
- * Each returns the result, or NotImplemented where anything is out of the ordinary (a dtype the core does not
+ * Each is bound to its communicator (the PyCFunction's self, see BOUND_ITEMS), so that callers hold a function and no
+ * address. Each returns the result, or NotImplemented where anything is out of the ordinary (a dtype the core does not
  * reduce, an output that does not fit, an op it does not know): the caller then takes the full path, whose checks
  * say what is wrong. A failed step returns its return code as an int, and the caller raises the core's error.
  *
@@ -15,6 +16,17 @@
  * builds compile it out and smc_quick_method returns NULL. */
 #if !defined(Py_LIMITED_API) || Py_LIMITED_API + 0 >= 0x030B0000
 #define SMC_QUICK_CALLS 1
+
+/* What a quick function is bound to (the self of its PyCFunction: transport/shm.py's SharedMemory._bound), a list:
+ * the communicator's address (0 once it is closed), its size, this rank's index, the addresses of the uint64_t
+ * arrays every[size], sends[size], matrix[size * size] and counts[size], and numpy.empty. */
+enum { BOUND_COMM, BOUND_SIZE, BOUND_RANK, BOUND_EVERY, BOUND_SENDS, BOUND_MATRIX, BOUND_COUNTS, BOUND_EMPTY,
+       BOUND_ITEMS };
+#define BOUND(self, item) PyList_GetItem(self, item) /* borrowed; bound() checked the list's length */
+
+static int bound(PyObject* self, Py_ssize_t items) {
+  return self != NULL && PyList_CheckExact(self) && PyList_Size(self) == items;
+}
 
 /* The core's dtype of a buffer's single-character native format, or -1. */
 static int quick_dtype(const Py_buffer* view) {
@@ -131,16 +143,15 @@ static PyObject* finish(PyObject* x, Py_buffer* in, PyObject* out, Py_buffer* vi
   return out;
 }
 
-/* allreduce(communicator address, communicator size, x, out, op, prescale, postscale): op is Horovod's number
- * (ops.ReduceOp, or None for Average); out is x itself or an array of x's type, dtype and shape. */
+/* allreduce(x, out, op, prescale, postscale): op is Horovod's number (ops.ReduceOp, or None for Average); out is x
+ * itself or an array of x's type, dtype and shape. */
 static PyObject* quick_allreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 7) return not_here();
-  smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
-  long size = PyLong_AsLong(args[1]);
-  PyObject *x = args[2], *out = args[3], *op = args[4];
+  if (nargs != 5 || !bound(self, BOUND_ITEMS)) return not_here();
+  smc_comm_t* comm = PyLong_AsVoidPtr(BOUND(self, BOUND_COMM));
+  long size = PyLong_AsLong(BOUND(self, BOUND_SIZE));
+  PyObject *x = args[0], *out = args[1], *op = args[2];
   long horovod_op = horovod_number(op);
-  double prescale = PyFloat_AsDouble(args[5]), postscale = PyFloat_AsDouble(args[6]);
+  double prescale = PyFloat_AsDouble(args[3]), postscale = PyFloat_AsDouble(args[4]);
   if (PyErr_Occurred() || comm == NULL || size < 1 || horovod_op < 0) return not_here();
   arrays_t a;
   if (!take_arrays(x, out, &a)) return not_here();
@@ -152,13 +163,12 @@ static PyObject* quick_allreduce(PyObject* self, PyObject* const* args, Py_ssize
   return finish(x, &a.in, out, &a.view, rc);
 }
 
-/* broadcast(communicator address, x, out, root index): out is x itself or an array of x's type, dtype and shape. */
+/* broadcast(x, out, root index): out is x itself or an array of x's type, dtype and shape. */
 static PyObject* quick_broadcast(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 4) return not_here();
-  smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
-  PyObject *x = args[1], *out = args[2];
-  long root = PyLong_AsLong(args[3]);
+  if (nargs != 3 || !bound(self, BOUND_ITEMS)) return not_here();
+  smc_comm_t* comm = PyLong_AsVoidPtr(BOUND(self, BOUND_COMM));
+  PyObject *x = args[0], *out = args[1];
+  long root = PyLong_AsLong(args[2]);
   if (PyErr_Occurred() || comm == NULL || root < 0) return not_here();
   arrays_t a;
   if (!take_arrays(x, out, &a)) return not_here();
@@ -174,19 +184,18 @@ static PyObject* quick_broadcast(PyObject* self, PyObject* const* args, Py_ssize
 
 static PyMethodDef smc_quick_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))quick_allreduce, METH_FASTCALL,
-     "allreduce(address, size, x, out, op, prescale, postscale): the result, NotImplemented, or a failed step's code"},
+     "allreduce(x, out, op, prescale, postscale): the result, NotImplemented, or a failed step's code"},
     {"broadcast", (PyCFunction)(void (*)(void))quick_broadcast, METH_FASTCALL,
-     "broadcast(address, x, out, root): the result, NotImplemented, or a failed step's code"},
+     "broadcast(x, out, root): the result, NotImplemented, or a failed step's code"},
     {"allgather", (PyCFunction)(void (*)(void))quick_allgather, METH_FASTCALL,
-     "allgather(address, size, x, out, every, empty): the result, None (out did not fit), NotImplemented, or a code"},
+     "allgather(x, out): the result, None (out did not fit), NotImplemented, or a failed step's code"},
     {"alltoall", (PyCFunction)(void (*)(void))quick_alltoall, METH_FASTCALL,
-     "alltoall(address, size, rank, x, out, splits, sends, matrix, empty): (the result, rows from each rank) (the "
-     "result alone without splits), None (out did not fit), NotImplemented, or a failed step's code"},
+     "alltoall(x, out, splits): (the result, rows from each rank) (the result alone without splits), None (out did "
+     "not fit), NotImplemented, or a failed step's code"},
     {"reducescatter", (PyCFunction)(void (*)(void))quick_reducescatter, METH_FASTCALL,
-     "reducescatter(address, size, rank, x, out, op, prescale, postscale, counts, empty): the result, "
-     "NotImplemented, or a failed step's code"},
+     "reducescatter(x, out, op, prescale, postscale): the result, NotImplemented, or a failed step's code"},
     {"crossing_allreduce", (PyCFunction)(void (*)(void))quick_crossing_allreduce, METH_FASTCALL,
-     "crossing_allreduce(call, x, out, op, prescale, postscale): the result, NotImplemented, (status, culprit) of a "
+     "crossing_allreduce(x, out, op, prescale, postscale): the result, NotImplemented, (status, culprit) of a "
      "verdict not OK, or the rounds' failure code"},
 };
 #endif

@@ -4,17 +4,13 @@
  *
  * The torus's small path (shmcomm/algorithms/torus2d.py, Torus._small) is: the row's allreduce into the agreement's
  * message, on the row's first rank the agreement's rounds with the data riding in them, then the row's broadcast of
- * verdict and result. Its steps are all in C (the core, and csrc/mpi/crossing.c's rounds); the Python from the
+ * verdict and result. Its steps are all in C (the core, and csrc/mpi/crossing.c's exchanges); the Python from the
  * public call to them and back cost as much as MPI's whole allreduce of 2 KiB between two hosts
  * (benchmarks/RESULTS.md). This takes that path for a numpy array, with the same signature
  * (description.Collective.signature, hashed as Python hashes it), the same kernels in the same order, and so the same
  * bits and verdicts as the full path, which ranks may take for any call. Where a step fails, it stops where the full
  * path would raise or turn to other steps, and says where (WorldComm.quick_allreduce_failed goes on from there). */
 #include "py/quick_crossing.h"
-
-typedef int (*crossing_rounds_fn)(uintptr_t comm_address, const int* peers, const int* kinds, int rounds, int my_rank,
-                                  void* message, void* incoming, uint64_t capacity, uint64_t nbytes, uint64_t count,
-                                  int code, int op, uintptr_t reduce, double timeout_s, int* late_round);
 
 /* Collective.signature(count, divisor, True) of describe("allreduce", dtype, shape, op, prescale, postscale): the
  * hash of (kind, dtype, shape, op, prescale, postscale, root -1, count, divisor, True). 0 with *ok = 0 where Python
@@ -65,9 +61,9 @@ static int small_path(smc_crossing_call_t* call, const void* src, void* out, uin
     words[1] = SMC_AGREEMENT_OK;
     words[2] = 0;
     words[3] = nbytes;
-    int rounds = ((crossing_rounds_fn)call->rounds)(call->mpi_comm, call->peers, call->kinds, call->count, call->rank,
-                                                    call->message, call->incoming, call->capacity, nbytes, count, dtype,
-                                                    op, (uintptr_t)&smc_reduce, call->timeout_s, &call->late_round);
+    int rounds = smc_agreement_rounds((smc_exchange_fn)call->exchange, (void*)call->context, call->peers, call->kinds,
+                                      call->count, call->rank, call->message, call->incoming, call->capacity, nbytes,
+                                      count, dtype, op, call->timeout_s, &call->late_round);
     if (rounds != 0) { /* the row hears that this rank failed, as the full path tells it */
       words[1] = SMC_AGREEMENT_FAILED;
       words[2] = (uint64_t)call->world_rank + 1;
@@ -94,18 +90,17 @@ static int small_path(smc_crossing_call_t* call, const void* src, void* out, uin
   return DONE;
 }
 
-/* crossing_allreduce(call address, x, out, op, prescale, postscale): out is x itself or an array of x's type, dtype
+/* crossing_allreduce(x, out, op, prescale, postscale), bound to a list of its smc_crossing_call_t's address: out is x itself or an array of x's type, dtype
  * and shape. Returns the result; NotImplemented where the full path must decide (nothing was done then); or where
  * the call failed, (stage, code) for the stages "row" (the row's step, the core's code), "rounds" (crossing.h's code,
  * the round in call->late_round) and "broadcast" (the core's code), or ("verdict", status, culprit) where the
  * verdict was not OK (on a rank other than the row's first, only its row's verdict yet). */
 static PyObject* quick_crossing_allreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 6) return not_here();
-  smc_crossing_call_t* call = PyLong_AsVoidPtr(args[0]);
-  PyObject *x = args[1], *out = args[2];
-  long horovod_op = horovod_number(args[3]);
-  double prescale = PyFloat_AsDouble(args[4]), postscale = PyFloat_AsDouble(args[5]);
+  if (nargs != 5 || !bound(self, 1)) return not_here();
+  smc_crossing_call_t* call = PyLong_AsVoidPtr(BOUND(self, 0));
+  PyObject *x = args[0], *out = args[1];
+  long horovod_op = horovod_number(args[2]);
+  double prescale = PyFloat_AsDouble(args[3]), postscale = PyFloat_AsDouble(args[4]);
   if (PyErr_Occurred() || call == NULL || horovod_op < 0 || !*call->usable[0] || !*call->usable[1])
     return not_here();
   arrays_t a;

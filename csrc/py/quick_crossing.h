@@ -1,14 +1,15 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* What the quick cross-host allreduce (csrc/py/quick_crossing.c) needs to run the agreement's rounds: the compiled
- * rounds of csrc/mpi/crossing.c, by address (this module stays free of MPI), and the arguments they take, which the
- * agreement keeps for every call (shmcomm/transport/crossing.py fills it). cffi reads this declaration too. */
+/* What the quick cross-host allreduce (csrc/py/quick_crossing.c) needs to run the agreement's rounds: the exchange
+ * over MPI of csrc/mpi/crossing.c, by address (this module stays free of MPI), and the arguments the rounds take,
+ * which the agreement keeps for every call (shmcomm/transport/crossing.py fills it). cffi reads this declaration
+ * too. */
 #ifndef SMC_PY_QUICK_CROSSING_H_
 #define SMC_PY_QUICK_CROSSING_H_
 #include <stdint.h>
 
 typedef struct {
-  uintptr_t rounds;        /* smc_crossing_rounds (csrc/mpi/crossing.h) */
-  uintptr_t mpi_comm;      /* its first arguments, as crossing.h describes them */
+  uintptr_t exchange;      /* smc_crossing_exchange (csrc/mpi/crossing.h), an smc_exchange_fn */
+  uintptr_t context;       /* its context: the address of the MPI_Comm */
   const int* peers;
   const int* kinds;
   int count;               /* rounds */

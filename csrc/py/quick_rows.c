@@ -122,17 +122,16 @@ static PyObject* second_step(smc_result_t (*step)(smc_comm_t*, const void*, void
   return result;
 }
 
-/* allgather(address, size, x, out, every, empty): every rank's rows of x, concatenated, into out (None: a new array);
- * `every` the address of a uint64_t[size] for the rows of each rank. Returns the result; None where out turned out
+/* allgather(x, out): every rank's rows of x, concatenated, into out (None: a new array); the bound `every` takes
+ * the rows of each rank. Returns the result; None where out turned out
  * not to have the rows the ranks sent (this rank took part without keeping them: the caller raises the output's
  * error, knowing the rows from `every`); NotImplemented (nothing begun); or a failed step's code. */
 static PyObject* quick_allgather(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 6) return not_here();
-  smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
-  long size = PyLong_AsLong(args[1]);
-  PyObject *x = args[2], *out = args[3], *empty = args[5];
-  uint64_t* every = PyLong_AsVoidPtr(args[4]);
+  if (nargs != 2 || !bound(self, BOUND_ITEMS)) return not_here();
+  smc_comm_t* comm = PyLong_AsVoidPtr(BOUND(self, BOUND_COMM));
+  long size = PyLong_AsLong(BOUND(self, BOUND_SIZE));
+  PyObject *x = args[0], *out = args[1], *empty = BOUND(self, BOUND_EMPTY);
+  uint64_t* every = PyLong_AsVoidPtr(BOUND(self, BOUND_EVERY));
   if (PyErr_Occurred() || comm == NULL || every == NULL || size < 1) return not_here();
   rows_call_t r;
   if (!take_rows(x, out, &r)) return not_here();
@@ -166,17 +165,16 @@ static int split_rows(PyObject* splits, long size, uint64_t rows, uint64_t* send
   return total == rows;
 }
 
-/* alltoall(address, size, rank, x, out, splits, sends, matrix, empty): `sends` the address of a uint64_t[size] for
- * the rows this rank sends each rank, `matrix` of a uint64_t[size * size] for every rank's. Returns (the result, the
+/* alltoall(x, out, splits): the bound `sends` takes the rows this rank sends each rank, `matrix` every rank's.
+ * Returns (the result, the
  * rows received from each rank, a tuple), the result alone where splits is None, or as allgather does. */
 static PyObject* quick_alltoall(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 9) return not_here();
-  smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
-  long size = PyLong_AsLong(args[1]), me = PyLong_AsLong(args[2]);
-  PyObject *x = args[3], *out = args[4], *splits = args[5], *empty = args[8];
-  uint64_t* sends = PyLong_AsVoidPtr(args[6]);
-  uint64_t* matrix = PyLong_AsVoidPtr(args[7]);
+  if (nargs != 3 || !bound(self, BOUND_ITEMS)) return not_here();
+  smc_comm_t* comm = PyLong_AsVoidPtr(BOUND(self, BOUND_COMM));
+  long size = PyLong_AsLong(BOUND(self, BOUND_SIZE)), me = PyLong_AsLong(BOUND(self, BOUND_RANK));
+  PyObject *x = args[0], *out = args[1], *splits = args[2], *empty = BOUND(self, BOUND_EMPTY);
+  uint64_t* sends = PyLong_AsVoidPtr(BOUND(self, BOUND_SENDS));
+  uint64_t* matrix = PyLong_AsVoidPtr(BOUND(self, BOUND_MATRIX));
   if (PyErr_Occurred() || comm == NULL || sends == NULL || matrix == NULL || size < 1 || me < 0 || me >= size)
     return not_here();
   rows_call_t r;
@@ -206,17 +204,17 @@ static PyObject* quick_alltoall(PyObject* self, PyObject* const* args, Py_ssize_
   return pair; /* NULL with Python's error set: out of memory */
 }
 
-/* reducescatter(address, size, rank, x, out, op, prescale, postscale, counts, empty): this rank's share of the
- * reduction along the first dimension (Horovod's split: the first rows % size ranks get a row more), into out (None:
- * a new array); op as allreduce's; `counts` the address of a uint64_t[size] for the elements of each rank's share. */
+/* reducescatter(x, out, op, prescale, postscale): this rank's share of the reduction along the first dimension
+ * (Horovod's split: the first rows % size ranks get a row more), into out (None: a new array); op as allreduce's;
+ * the bound `counts` takes the elements of each rank's share. */
 static PyObject* quick_reducescatter(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 10) return not_here();
-  smc_comm_t* comm = PyLong_AsVoidPtr(args[0]);
-  long size = PyLong_AsLong(args[1]), me = PyLong_AsLong(args[2]), horovod_op = horovod_number(args[5]);
-  PyObject *x = args[3], *out = args[4], *empty = args[9];
-  double prescale = PyFloat_AsDouble(args[6]), postscale = PyFloat_AsDouble(args[7]);
-  uint64_t* counts = PyLong_AsVoidPtr(args[8]);
+  if (nargs != 5 || !bound(self, BOUND_ITEMS)) return not_here();
+  smc_comm_t* comm = PyLong_AsVoidPtr(BOUND(self, BOUND_COMM));
+  long size = PyLong_AsLong(BOUND(self, BOUND_SIZE)), me = PyLong_AsLong(BOUND(self, BOUND_RANK));
+  long horovod_op = horovod_number(args[2]);
+  PyObject *x = args[0], *out = args[1], *empty = BOUND(self, BOUND_EMPTY);
+  double prescale = PyFloat_AsDouble(args[3]), postscale = PyFloat_AsDouble(args[4]);
+  uint64_t* counts = PyLong_AsVoidPtr(BOUND(self, BOUND_COUNTS));
   if (PyErr_Occurred() || comm == NULL || counts == NULL || size < 1 || me < 0 || me >= size || horovod_op < 0)
     return not_here();
   Py_buffer in, view;

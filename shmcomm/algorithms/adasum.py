@@ -8,7 +8,8 @@ shared memory, those between hosts over MPI, each rank carrying only its 1/local
 import numpy as np
 
 from shmcomm.vocabulary import dtypes
-from shmcomm._native import ffi, lib
+from shmcomm._native import lib
+from shmcomm.transport import memory
 from shmcomm.vocabulary.buffers import _EMPTY
 from shmcomm.vocabulary.exceptions import InvalidArgumentError, TimeoutError
 from shmcomm.transport import kernels
@@ -24,7 +25,7 @@ def is_power_of_two(n):
 
 
 def _ptr(array):
-    return ffi.from_buffer(array) if array.nbytes else _EMPTY
+    return memory.address(array) if array.nbytes else _EMPTY
 
 
 class ShmStage:
@@ -80,8 +81,8 @@ def run(stages, src_ptr, dst_ptr, count, code, sizes, prescale, postscale, what)
     """Checks, then allreduce() on the memory at src_ptr and dst_ptr (`count` elements of `code`)."""
     check(code, _product(s.size for s in stages), what, [s.size for s in stages])
     nbytes = count * kernels.itemsize(code)
-    src = np.frombuffer(ffi.buffer(src_ptr, nbytes), dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
-    dst = np.frombuffer(ffi.buffer(dst_ptr, nbytes), dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
+    src = memory.view(src_ptr, nbytes)
+    dst = memory.view(dst_ptr, nbytes)
     allreduce(stages, src, dst, code, sizes, prescale, postscale)
 
 

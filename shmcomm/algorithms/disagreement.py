@@ -7,7 +7,7 @@ groups ranks that passed the same."""
 import numpy as np
 
 from shmcomm.vocabulary import description
-from shmcomm._native import ffi
+from shmcomm.transport import memory
 from shmcomm.vocabulary.exceptions import MismatchError, ShmCommError
 
 
@@ -30,7 +30,7 @@ def gather_rows(mine, mpi, shm):
         return mpi.allgather_rows(mine)
     every = np.zeros((shm.size, mine.size), dtype=np.int64)
     try:
-        shm.allgatherv(ffi.from_buffer(mine), mine.nbytes, ffi.from_buffer(every), [mine.nbytes] * shm.size, 0,
+        shm.allgatherv(memory.address(mine), mine.nbytes, memory.address(every), [mine.nbytes] * shm.size, 0,
                        "disagreement")
     except ShmCommError:
         return None

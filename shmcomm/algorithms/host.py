@@ -7,16 +7,11 @@ turns arrays into pointers and sizes, and explains a disagreement on shapes by n
 import numpy as np
 
 from shmcomm.vocabulary import description, ops
-from shmcomm._native import ffi
+from shmcomm.transport import memory
 from shmcomm.algorithms import adasum
 from shmcomm.algorithms.communicator import Communicator
 from shmcomm.vocabulary.buffers import output_for, output_or_scratch, require_reducible, row_bytes, wrap
 from shmcomm.vocabulary.exceptions import InvalidArgumentError, MismatchError, ShmCommError
-
-
-def address(cdata):
-    """The address of a cffi array, as the quick calls take it."""
-    return int(ffi.cast("uintptr_t", cdata))
 
 
 class HostComm(Communicator):
@@ -24,23 +19,14 @@ class HostComm(Communicator):
 
     def __init__(self, shm):
         super().__init__(shm, shm.topology, shm.tuning, shm.ranks)
-        # The counts allgather, alltoall and reducescatter work out, reused by every call: one communicator runs one
-        # collective at a time, and a fresh array per call is a measurable share of a small one. The quick calls
-        # (csrc/py/quick_calls.c) take them by address.
-        self._every = ffi.new("uint64_t[]", self.size)  # allgather's rows per rank
-        self._matrix = ffi.new("uint64_t[]", self.size * self.size)  # [j * size + i]: rows rank j sends rank i
-        self._sends = ffi.new("uint64_t[]", self.size)  # alltoall's rows this rank sends each rank
-        self._counts = ffi.new("uint64_t[]", self.size)  # reducescatter's elements of each rank's share
-        self.every_at, self.matrix_at, self.sends_at, self.counts_at = (
-            address(a) for a in (self._every, self._matrix, self._sends, self._counts))
         self._splits = {}  # (rows, elements per row): reducescatter's split (_split)
 
     def allreduce(self, x, output, op, prescale, postscale, what):
         """Reduces `x` into `output` (which may be `x` itself, or None for a new array); returns the result.
         This is the latency path of the whole library: keep it free of avoidable work."""
         if type(x) is np.ndarray and op != ops.Adasum:
-            out = self._short(self.shm.quick_allreduce, x, what, np.empty(x.shape, x.dtype) if output is None
-                              else output, op, prescale, postscale, what)
+            out = self._short(self.shm.quick.allreduce, x, what, np.empty(x.shape, x.dtype) if output is None
+                              else output, op, prescale, postscale)
             if out is not NotImplemented:
                 return out
         inplace = output is x
@@ -81,8 +67,8 @@ class HostComm(Communicator):
     def broadcast(self, x, output, root, what):
         """`root` (an index in the communicator) sends `x`; everyone's result lands in `output` (may be `x`)."""
         if type(x) is np.ndarray:
-            out = self._short(self.shm.quick_broadcast, x, what, np.empty(x.shape, x.dtype) if output is None
-                              else output, root, what)
+            out = self._short(self.shm.quick.broadcast, x, what, np.empty(x.shape, x.dtype) if output is None
+                              else output, root)
             if out is not NotImplemented:
                 return out
         src = wrap(x, what, writable=output is x)
@@ -97,11 +83,11 @@ class HostComm(Communicator):
         """Concatenation along the first dimension, which may differ between ranks: every rank's row count travels
         with the first window of data, so a small allgather is one synchronisation. Into `output` when given."""
         if type(x) is np.ndarray:
-            out = self._short(self.shm.quick_allgather, x, what, output, self.every_at, what)
+            out = self._short(self.shm.quick.allgather, x, what, output)
             if out is not NotImplemented:
                 return out if out is not None else self.output_misfit("allgather", x, output, what)
         src, shape, size, tag = _rows(x, what)
-        rows = self._every
+        rows = self.shm.every
         self._step(self.shm.allgather_begin, src, what, src.ptr, shape[0], size, rows, tag, what)
         return self._finish(self.shm.allgather_finish, src, output, (sum(rows[0:self.size]),) + shape[1:], what, size,
                             rows)
@@ -110,8 +96,7 @@ class HostComm(Communicator):
         """This rank's share of the reduction, split along the first dimension by Horovod's rule; into `output`
         when given."""
         if type(x) is np.ndarray:
-            out = self._short(self.shm.quick_reducescatter, x, what, output, int(op), prescale, postscale,
-                              self.counts_at, what)
+            out = self._short(self.shm.quick.reducescatter, x, what, output, int(op), prescale, postscale)
             if out is not NotImplemented:
                 return out
         src = wrap(x, what)
@@ -142,20 +127,19 @@ class HostComm(Communicator):
             if len(self._splits) >= 64:
                 self._splits.clear()
             shares = description.shares(rows, self.size)
-            split = self._splits[(rows, per_row)] = (shares[self.rank], ffi.new("uint64_t[]",
-                                                                                [s * per_row for s in shares]))
+            split = self._splits[(rows, per_row)] = (shares[self.rank], memory.counts([s * per_row for s in shares]))
         return split
 
     def alltoall(self, x, splits, what, output=None):
         """Sends splits[j] rows to rank j; returns (rows received in rank order, rows received from each rank). The
         counts travel with the first window of data, so a small alltoall is one synchronisation."""
         if type(x) is np.ndarray:
-            done = self._short(self.shm.quick_alltoall, x, what, output, splits, self.sends_at, self.matrix_at, what)
+            done = self._short(self.shm.quick.alltoall, x, what, output, splits)
             if done is not NotImplemented:
                 return done if done is not None else self.output_misfit("alltoall", x, output, what)
         src, shape, size, tag = _rows(x, what)
-        matrix = self._matrix
-        sends = ffi.new("uint64_t[]", splits)
+        matrix = self.shm.matrix
+        sends = memory.counts(splits)
         self._step(self.shm.alltoall_begin, src, what, src.ptr, sends, size, matrix, tag, what)
         n, me = self.size, self.rank
         got = [matrix[j * n + me] for j in range(n)]
@@ -178,19 +162,20 @@ class HostComm(Communicator):
     def allgather_bytes(self, payload):
         return self.shm.allgather_bytes(payload)
 
-    def _short(self, step, x, what, *args):
-        """step(x, *args), a quick call of the transport (NotImplemented where it does not apply); a mismatch is
-        explained as on the full path."""
-        try:
-            return step(x, *args)
-        except MismatchError as error:
-            raise self.explain_mismatch(error, what, wrap(x, what)) from None
+    def _short(self, quick, x, what, *args):
+        """quick(x, *args), one of the transport's quick calls (transport/shm.py's QuickCalls): the result, or
+        NotImplemented where it does not apply (or this build has none); a failed step raises as on the full path."""
+        got = NotImplemented if quick is None else quick(x, *args)
+        if type(got) is int:
+            raise self.step_failure(got, x, what)
+        return got
 
     def output_misfit(self, kind, x, output, what):
         """Raises the error of an allgather's or alltoall's output that turned out, once the ranks' rows were known,
         not to fit them (the quick call took part without keeping anything); that of output_for."""
         n = self.size
-        rows = sum(self._every[0:n]) if kind == "allgather" else sum(self._matrix[j * n + self.rank] for j in range(n))
+        every, matrix = self.shm.every, self.shm.matrix
+        rows = sum(every[0:n]) if kind == "allgather" else sum(matrix[j * n + self.rank] for j in range(n))
         shape = (rows,) + x.shape[1:]
         try:
             output_for(wrap(x, what), output, shape, what)  # raises: the output has other rows than `shape`
@@ -218,7 +203,7 @@ class HostComm(Communicator):
         mine = description.Collective("allreduce", buf.dtype_key(), tuple(buf.shape)).words()
         every = np.zeros((self.size, mine.size), dtype=np.int64)
         try:
-            self.shm.allgatherv(ffi.from_buffer(mine), mine.nbytes, ffi.from_buffer(every),
+            self.shm.allgatherv(memory.address(mine), mine.nbytes, memory.address(every),
                                 [mine.nbytes] * self.size, 0, what)
         except ShmCommError as failure:
             return MismatchError("%s: ranks disagree on the tensor: (could not collect the shapes: %s)"

@@ -9,7 +9,7 @@ is why they carry small ones badly. MPI moves bytes only, so every dtype the cor
 included) works, and every rank ends with the same bits: each chunk is reduced in one place, then copied."""
 import numpy as np
 
-from shmcomm._native import ffi
+from shmcomm.transport import memory
 from shmcomm.vocabulary.description import shares
 from shmcomm.transport import kernels
 
@@ -22,12 +22,12 @@ def ring_allreduce(transport, raw, code, op, prescale=1.0, postscale=1.0, diviso
     n, me = transport.size, transport.rank
     esize = kernels.itemsize(code)
     count = raw.nbytes // esize
-    base = ffi.from_buffer(raw)
+    base = memory.address(raw)
     kernels.scale(base, count, code, prescale)
     counts = shares(count, n)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     scratch = np.empty(max(counts) * esize, dtype=np.uint8)
-    scratch_ptr = ffi.from_buffer(scratch)
+    scratch_ptr = memory.address(scratch)
     right, left = (me + 1) % n, (me - 1) % n
 
     def chunk(c):

@@ -11,7 +11,8 @@ import logging
 import numpy as np
 
 from shmcomm.vocabulary import description
-from shmcomm._native import ffi, lib
+from shmcomm._native import lib
+from shmcomm.transport import memory
 from shmcomm.algorithms.agreement import (FAILED, HEADER_BYTES, MISMATCH, OK, REFUSED, Agreement, Refused,
                                           ShmAgreement, failure_text)
 from shmcomm.algorithms.ring import ring_allreduce
@@ -70,7 +71,7 @@ class Torus:
         other than allreduce checks its arguments this way, so that ranks calling different collectives find out
         as surely as ranks passing different tensors. `refusal`: this rank's own checks failed with this error,
         which the row hears from the core and the columns as REFUSED."""
-        return self._small(ffi.NULL, ffi.NULL, 0, lib.SMC_UINT8, 0, lib.SMC_SUM, 1.0, 1.0, 1, sig, what, refusal)
+        return self._small(memory.NULL, memory.NULL, 0, lib.SMC_UINT8, 0, lib.SMC_SUM, 1.0, 1.0, 1, sig, what, refusal)
 
     def _small(self, src_ptr, dst_ptr, count, code, nbytes, op, prescale, postscale, divisor, sig, what,
                refusal=None):
@@ -94,7 +95,7 @@ class Torus:
         """The verdict of the small path whose row step failed with `failure` in the quick call across hosts
         (csrc/py/quick_crossing.c): it goes on as _small does (the output is not written)."""
         message = self.column.message(nbytes) if self.row.rank == 0 else self._scratch_ptr(HEADER_BYTES + nbytes)
-        return self._after_row(message, ffi.NULL, nbytes, code, op, postscale, divisor, sig, what,
+        return self._after_row(message, memory.NULL, nbytes, code, op, postscale, divisor, sig, what,
                                *_row_status(failure, self.world_rank))
 
     def after_quick_verdict(self, verdict, sig):
@@ -118,14 +119,14 @@ class Torus:
                     except ShmCommError as failure:
                         raise error or failure
                 if verdict[0] == OK:
-                    ffi.memmove(dst_ptr, data, nbytes)
+                    memory.copy(dst_ptr, data, nbytes)
         else:
             if status == OK:
-                row.broadcast(ffi.NULL, message, HEADER_BYTES + nbytes, 0, nbytes, what)
-                head = np.frombuffer(ffi.buffer(message, HEADER_BYTES), dtype=np.uint64)
+                row.broadcast(memory.NULL, message, HEADER_BYTES + nbytes, 0, nbytes, what)
+                head = memory.view(message, HEADER_BYTES).view(np.uint64)
                 verdict = int(head[1]), int(head[2])
                 if verdict[0] == OK:
-                    ffi.memmove(dst_ptr, data, nbytes)
+                    memory.copy(dst_ptr, data, nbytes)
                     return verdict
                 status, culprit = verdict
             # A host that had other counts may have taken the three-phase path, whose every column agrees: this
@@ -141,7 +142,7 @@ class Torus:
         mine = counts[row.rank]
         if row.size == 1:  # one rank per host: its share is the whole, so it goes straight into the output
             piece_ptr = dst_ptr
-            piece = np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8)
+            piece = memory.view(dst_ptr, count * esize)
         else:
             piece_ptr = self._scratch_ptr(mine * esize)
             piece = self._scratch[:mine * esize]
@@ -163,7 +164,7 @@ class Torus:
         sizes = [c * esize for c in counts]
         # After a failure the slices are not sums: gather them somewhere harmless (the row may all have failed, and
         # then no mismatch stops the copy).
-        target = dst_ptr if failure is None else ffi.new("char[]", count * esize)
+        target = dst_ptr if failure is None else memory.scratch(count * esize)
         try:
             row.allgatherv(piece_ptr, mine * esize, target, sizes, _FAILED if failure else 0, what)
         except MismatchError:  # the row agreed on the sizes in its first step: only a failure flag differs
@@ -182,7 +183,7 @@ class Torus:
     def _scratch_ptr(self, nbytes):
         if self._scratch.nbytes < nbytes:
             self._scratch = np.empty(nbytes, dtype=np.uint8)
-        return ffi.from_buffer(self._scratch)
+        return memory.address(self._scratch)
 
 
 # A row step's tag with this bit set says "my cross-host step failed": every rank of the row then sees a mismatch
@@ -233,7 +234,7 @@ class ShmColumn(ShmAgreement):
     """A column on shared memory (a logical grid on one host)."""
 
     def allreduce_slice(self, piece, code, op, postscale, divisor):
-        ptr = ffi.from_buffer(piece)
+        ptr = memory.address(piece)
         count = piece.nbytes // kernels.itemsize(code)
         self.transport.allreduce(ptr, ptr, count, code, op, 1.0, postscale, divisor, description.tag(code, (count,)),
                                  self.what)

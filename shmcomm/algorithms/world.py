@@ -11,7 +11,8 @@ import functools
 import numpy as np
 
 from shmcomm.vocabulary import description, ops
-from shmcomm._native import ffi, lib
+from shmcomm._native import lib
+from shmcomm.transport import memory
 from shmcomm.algorithms import adasum, choice
 from shmcomm.algorithms.agreement import MISMATCH, OK, REFUSED, Agreement, Refused, failure_text, refusal_error
 from shmcomm.algorithms.communicator import Communicator
@@ -58,14 +59,12 @@ class WorldComm(Communicator):
         self.torus_min_bytes = paths.torus_min_bytes
         # A small allreduce of a numpy array may take the torus's small path in one C call
         # (csrc/py/quick_crossing.c, through quick_path.py): its smc_crossing_call_t, where the rounds are compiled.
-        self.quick_call = None
+        self.quick_call = self.quick_crossing = None
         if torus is not None and across is not None:
-            self.quick_call = torus.column.quick_call(self.size, 0, 0, (across.usable_flag, torus.column.transport.
-                                                                         usable_flag))
-        if self.quick_call is not None:
-            row = torus.row
-            self.quick_call.row, self.quick_call.row_rank, self.quick_call.row_size = row.address, row.rank, row.size
-            self.quick_call.world_rank = topology.rank
+            quick = torus.column.quick_call(self.size, (across.usable_flag, torus.column.transport.usable_flag),
+                                            torus.row, topology.rank)
+            if quick is not None:
+                self.quick_call, self.quick_crossing = quick
         self.algorithm = choice.validate(paths.algorithm, torus is not None, across is not None)
         # Without a torus, every cross-host collective starts with this.
         self.agreement = Agreement(across) if across is not None and torus is None else None
@@ -139,9 +138,9 @@ class WorldComm(Communicator):
         if code in kernels.HALF and algorithm != "mpi":
             # The torus and the ring reduce in steps, each of which would round to 16 bits: they carry float32, and
             # the result is rounded once, as on one host (the MPI transport widens, scales and rounds by itself).
-            narrow = (np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8), code)
-            wide = kernels.widened(np.frombuffer(ffi.buffer(ptr, count * esize), dtype=np.uint8), code)
-            ptr = dst_ptr = ffi.from_buffer(wide)
+            narrow = (memory.view(dst_ptr, count * esize), code)
+            wide = kernels.widened(memory.view(ptr, count * esize), code)
+            ptr = dst_ptr = memory.address(wide)
             code, esize = lib.SMC_FLOAT32, 4
         try:
             if algorithm == "torus":
@@ -155,9 +154,9 @@ class WorldComm(Communicator):
             raise refusal_error(what, None, self.across, self.host.shm) from None
         if algorithm != "torus":
             if dst_ptr != ptr:
-                ffi.memmove(dst_ptr, ptr, count * esize)
+                memory.copy(dst_ptr, ptr, count * esize)
             if algorithm == "ring":
-                raw = np.frombuffer(ffi.buffer(dst_ptr, count * esize), dtype=np.uint8)
+                raw = memory.view(dst_ptr, count * esize)
                 ring_allreduce(self.across, raw, code, c_op, prescale, postscale, divisor)
             else:
                 self.across.allreduce(dst_ptr, dst_ptr, count, code, c_op, prescale, postscale, divisor, 0, what)
@@ -247,7 +246,7 @@ class WorldComm(Communicator):
             return self.host.alltoall(x, splits, what, output)
         shape = tuple(src.shape) or (1,)
         got = np.empty(self.size, dtype=np.int64)
-        self.across.alltoallv(ffi.from_buffer(np.array(splits, dtype=np.int64)), [8] * self.size, ffi.from_buffer(got),
+        self.across.alltoallv(memory.address(np.array(splits, dtype=np.int64)), [8] * self.size, memory.address(got),
                            [8] * self.size, 0, what)
         size = row_bytes(src, shape)
         return self._into(src, output, (int(got.sum()),) + shape[1:], what, lambda dst: self.across.alltoallv(
@@ -272,7 +271,7 @@ class WorldComm(Communicator):
     def _first_dims(self, first, what):
         mine = np.array([first], dtype=np.int64)
         every = np.empty(self.size, dtype=np.int64)
-        self.across.allgatherv(ffi.from_buffer(mine), 8, ffi.from_buffer(every), [8] * self.size, 0, what)
+        self.across.allgatherv(memory.address(mine), 8, memory.address(every), [8] * self.size, 0, what)
         return [int(d) for d in every]
 
     @_naming_holdups

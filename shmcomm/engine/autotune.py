@@ -15,7 +15,8 @@ import time
 import numpy as np
 
 from shmcomm.vocabulary import ops
-from shmcomm._native import ffi, lib
+from shmcomm._native import lib
+from shmcomm.transport import memory
 from shmcomm.engine import bayes
 
 log = logging.getLogger("shmcomm.engine")
@@ -260,7 +261,7 @@ def probe(comm, sizes):
     """[(bytes, seconds)]: the fastest of three allreduces of each size on `comm`, run by every rank alike (the
     engine's thread, when the tuner asks)."""
     buf = np.zeros(max(sizes) // 4, dtype=np.float32)
-    ptr = ffi.from_buffer(buf)
+    ptr = memory.address(buf)
     timings = []
     for nbytes in sizes:
         fastest = float("inf")

@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 
 from shmcomm.vocabulary import dtypes
-from shmcomm._native import ffi
+from shmcomm.transport import memory
 from shmcomm.vocabulary.buffers import output_for
 from shmcomm.vocabulary.exceptions import NotSupportedError
 from shmcomm.vocabulary.ops import ReduceOp
@@ -76,7 +76,7 @@ def run_group(comm, group, requests, fusion, itemsize, timeline):
     sizes = [nbytes(r.sig, itemsize) for r in group]
     total = sum(sizes)
     buf = fusion.get(total, comm)
-    base = ffi.from_buffer(buf)
+    base = memory.address(buf)
     names = [r.name for r in group]
     timeline.begin(names, "MEMCPY_IN_FUSION_BUFFER")
     at, views = 0, []
@@ -87,7 +87,7 @@ def run_group(comm, group, requests, fusion, itemsize, timeline):
             views.append(None)
         else:
             src = req.buffer
-            ffi.memmove(base + at, src.ptr, size)
+            memory.copy(base + at, src.ptr, size)
             views.append(src)
         at += size
     timeline.end(names, "MEMCPY_IN_FUSION_BUFFER")
@@ -107,7 +107,7 @@ def run_group(comm, group, requests, fusion, itemsize, timeline):
             req = requests[resp.name]
             out, dst = (req.tensor, src) if req.output is req.tensor else output_for(src, req.output,
                                                                                                src.shape, req.what)
-            ffi.memmove(dst.ptr, base + at, size)
+            memory.copy(dst.ptr, base + at, size)
             results[resp.name] = out
         at += size
     timeline.end(names, "MEMCPY_OUT_FUSION_BUFFER")

@@ -134,7 +134,7 @@ def nccl_library():
 
 
 def mpi_crossing():
-    """SHMCOMM_MPI_CROSSING=0 keeps the agreement's cross-host rounds in Python (transport/crossing.py)."""
+    """SHMCOMM_MPI_CROSSING=0 keeps the agreement's cross-host exchanges in Python (transport/crossing.py)."""
     return _flag("MPI_CROSSING", True)
 
 

@@ -15,10 +15,10 @@ import threading
 
 import numpy as np
 
-from shmcomm.vocabulary import dtypes
+from shmcomm.vocabulary import description, dtypes
 from shmcomm import env
 from shmcomm.startup import log, session
-from shmcomm._native import error_for, lib as core_lib
+from shmcomm._native import error_for
 from shmcomm.algorithms.host import HostComm
 from shmcomm.vocabulary.buffers import wrap
 from shmcomm.engine.calls import run
@@ -26,7 +26,7 @@ from shmcomm.engine.request import Request
 from shmcomm.vocabulary.exceptions import MismatchError, NotInitializedError, ShmCommError
 from shmcomm.jax import native, results_heap
 from shmcomm.vocabulary.ops import ReduceOp
-from shmcomm.quick_path import crossing_allreduce_call, host_alone, world
+from shmcomm.quick_path import host_alone, world
 
 ffi, lib = native.load()
 _context = ffi.new("smc_jax_context_t *")  # lives as long as the process: executables hold its address
@@ -161,8 +161,8 @@ def _from_handler(ctx, call):
 
     Calls come here when the context's `comm` is NULL: across hosts they run on the torus and the MPI transport, and
     with the engine running through the engine's queue. A small allreduce across hosts without the engine takes the
-    numpy API's quick call (quick_path.world.crossing: the torus's small path in one C call) before a Request would
-    be built. A failed direct call comes here too, for the numpy API's explanation of the failure."""
+    numpy API's quick call (quick_path.world.crossing_allreduce: the torus's small path in one C call) before a
+    Request would be built. A failed direct call comes here too, for the numpy API's explanation of the failure."""
     try:
         if call.rc:
             error = _explained(call)
@@ -191,53 +191,49 @@ def _view(ptr, nbytes, code, dims):
     return raw.view(dtypes.numpy_dtype(code)).reshape(dims)
 
 
+_KINDS = {code: kind for kind, code in description.KIND.items()}
+_REDUCTIONS = ("allreduce", "reducescatter")
+
+
 def _execute(call):
+    """The handler's call as the one Request the numpy API would build, run by engine.calls.run. Allreduce and
+    broadcast write into XLA's result buffer; the others' results are copied there (their shapes were fixed at
+    compile time, and a mismatch raises)."""
     comm = session.state.comm
+    what, kind = _name(call), _KINDS.get(call.kind)
     if comm is None:
-        raise NotInitializedError("%s: shmcomm is not initialized (shmcomm.jax.init())" % _name(call))
-    kind, what = call.kind, _name(call)
-    if kind == core_lib.SMC_COLL_BARRIER:
+        raise NotInitializedError("%s: shmcomm is not initialized (shmcomm.jax.init())" % what)
+    if kind is None:
+        raise ShmCommError("%s: unknown collective kind %d" % (what, call.kind))
+    if kind == "barrier":
         run(Request("barrier", None, None, comm, 0))
         return
     dims = [int(call.src_dims[d]) for d in range(call.src_ndim)]
     src = _view(call.src, call.src_bytes, call.dtype, dims)
-    dst_rows = [int(call.rows[r]) for r in range(call.nranks)] if call.rows != ffi.NULL else None
-    if kind == core_lib.SMC_COLL_ALLREDUCE:
-        dst = _view(call.dst, call.dst_bytes, call.dtype, dims)
-        if world.crossing:  # NotImplemented: nothing was sent, the Request decides
-            got = crossing_allreduce_call(world.crossing, src, dst, call.op, call.prescale, call.postscale)
-            if got is not NotImplemented:
-                if type(got) is not np.ndarray:
-                    world.comm.quick_allreduce_failed(got, src, call.op, call.prescale, call.postscale, what)
-                return
-        run(Request("allreduce", what, src, comm, 0, output=dst, op=ReduceOp(call.op), prescale=call.prescale,
-                    postscale=call.postscale))
-    elif kind == core_lib.SMC_COLL_BROADCAST:
-        dst = _view(call.dst, call.dst_bytes, call.dtype, dims)
-        run(Request("broadcast", what, src, comm, 0, output=dst, root=call.root))
-    elif kind == core_lib.SMC_COLL_REDUCESCATTER:
-        out = run(Request("reducescatter", what, src, comm, 0, op=ReduceOp(call.op), prescale=call.prescale,
-                          postscale=call.postscale))
-        _copy(out, call, what)
-    elif kind == core_lib.SMC_COLL_ALLGATHERV:
-        if len(set(dst_rows)) == 1:
-            # Each rank's block as one row: the agreement then also checks that every rank has the rows this
-            # rank's executable expects (the output's shape was fixed at compile time).
-            out = run(Request("allgather", what, src.reshape(1, -1), comm, 0))
-        else:
-            out = run(Request("allgather", what, src, comm, 0))
-        _copy(out, call, what)
-    elif kind == core_lib.SMC_COLL_ALLTOALLV:
-        sends = [int(call.sends[r]) for r in range(call.nranks)]
-        if len(set(sends)) == 1 and sends == dst_rows:  # equal splits: blocks as rows, checked as above
-            out, _ = run(Request("alltoall", what, src.reshape(comm.size, -1), comm, 0, splits=[1] * comm.size))
-        else:
-            out, got = run(Request("alltoall", what, src, comm, 0, splits=sends))
-            if [int(g) for g in got] != dst_rows:
-                raise MismatchError("%s: received rows %s, expected %s" % (what, list(got), dst_rows), "count")
-        _copy(out, call, what)
-    else:
-        raise ShmCommError("%s: unknown collective kind %d" % (what, kind))
+    in_place = kind in ("allreduce", "broadcast")
+    dst = _view(call.dst, call.dst_bytes, call.dtype, dims) if in_place else None
+    if kind == "allreduce" and world.crossing_allreduce:  # NotImplemented: nothing was sent, the Request decides
+        got = world.crossing_allreduce(src, dst, call.op, call.prescale, call.postscale)
+        if got is not NotImplemented:
+            if type(got) is not np.ndarray:
+                world.comm.quick_allreduce_failed(got, src, call.op, call.prescale, call.postscale, what)
+            return
+    rows = [int(call.rows[r]) for r in range(call.nranks)] if call.rows != ffi.NULL else None
+    sends = [int(call.sends[r]) for r in range(call.nranks)] if kind == "alltoall" else None
+    # Equal blocks travel as one row per rank: the agreement then also checks that every rank has the rows this
+    # rank's executable expects.
+    blocks = kind == "allgather" and len(set(rows)) == 1 or kind == "alltoall" and len(set(sends)) == 1 and \
+        sends == rows
+    tensor = src.reshape(comm.size if kind == "alltoall" else 1, -1) if blocks else src
+    result = run(Request(kind, what, tensor, comm, 0, output=dst, op=ReduceOp(call.op) if kind in _REDUCTIONS else None,
+                         prescale=call.prescale, postscale=call.postscale, root=call.root,
+                         splits=([1] * comm.size if blocks else sends) if kind == "alltoall" else None))
+    if kind == "alltoall":
+        result, got = result
+        if not blocks and [int(g) for g in got] != rows:
+            raise MismatchError("%s: received rows %s, expected %s" % (what, list(got), rows), "count")
+    if not in_place:
+        _copy(result, call, what)
 
 
 def _copy(out, call, what):

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The agreement's rounds across hosts in C (csrc/mpi/crossing.c), built on first use with the MPI wheel's mpicc.
+"""The agreement's rounds across hosts: the core's (csrc/coll/agreement.c), over MPI's exchanges in C
+(csrc/mpi/crossing.c, built on first use with the MPI wheel's mpicc) or a Python transport's.
 
-A small cross-host collective is one MPI exchange per round, and the Python and mpi4py layers around each exchange
-cost about as much as the exchange itself. So the module calls MPI directly on the communicator mpi4py holds
-(mpi4py.MPI._addressof), and the core's smc_reduce by address; the core itself stays free of MPI. Where the module
-cannot be built or loaded (load()), or with SHMCOMM_MPI_CROSSING=0, the agreement runs its rounds in Python, with
-the same rules and the same deadline."""
+A small cross-host collective is one exchange per round, and the Python and mpi4py layers around each exchange cost
+about as much as MPI's exchange itself. So the compiled module calls MPI directly on the communicator mpi4py holds
+(mpi4py.MPI._addressof); the core itself stays free of MPI. Where the module cannot be built or loaded (load()), with
+SHMCOMM_MPI_CROSSING=0, or over TCP, the rounds call the transport's exchange in Python instead."""
 import hashlib
 import logging
 import os
@@ -16,13 +16,15 @@ import sysconfig
 from pathlib import Path
 
 from shmcomm._native import lib as core_lib
-from shmcomm.transport import build_cache
+from shmcomm.transport import build_cache, memory
 from shmcomm import env
 
 log = logging.getLogger("shmcomm.transport")
 
 _MODULE = "_shmcomm_crossing"
-REDUCE_FAILED = core_lib.SMC_CROSSING_REDUCE_FAILED
+REDUCE_FAILED, EXCHANGE_LATE, EXCHANGE_RAISED = (core_lib.SMC_CROSSING_REDUCE_FAILED, core_lib.SMC_EXCHANGE_LATE,
+                                                 core_lib.SMC_EXCHANGE_RAISED)
+TAG = 0x5AC  # the agreement's messages, apart from the ring's on the same communicator (crossing.c uses it too)
 # What a round does with its peer.
 HAND_OVER, TAKE, SWAP, GIVE_BACK = (core_lib.SMC_ROUND_HAND_OVER, core_lib.SMC_ROUND_TAKE, core_lib.SMC_ROUND_SWAP,
                                     core_lib.SMC_ROUND_GIVE_BACK)
@@ -100,7 +102,7 @@ def _load():
 
 def load():
     """(ffi, lib) of the compiled module, built first if needed; None where it cannot be had (said once, at debug
-    level: the Python rounds are the fallback, not an error): no mpicc beside the interpreter or on PATH, no C
+    level: the transport's exchange in Python is the fallback, not an error): no mpicc beside the interpreter or on PATH, no C
     compiler, or a module built for another MPI than the one mpi4py loaded. It is built like shmcomm.jax's handler,
     once per machine into a cache directory (SHMCOMM_BUILD_DIR/crossing, default ~/.cache/shmcomm/crossing), keyed by
     its sources and the compiler."""
@@ -111,8 +113,8 @@ def load():
         else:
             try:
                 _loaded = _load()
-            except Exception as error:  # any reason at all: the Python rounds do the same work
-                log.debug("cross-host rounds stay in Python: %s", error)
+            except Exception as error:  # any reason at all: the exchanges in Python do the same work
+                log.debug("cross-host exchanges stay in Python: %s", error)
                 _loaded = False
     return _loaded or None
 
@@ -126,62 +128,94 @@ def plan(fold_into, fold_from, partners):
 
 
 class Rounds:
-    """The compiled rounds for one agreement over the MPI transport `transport` (transport.mpi.Mpi)."""
+    """The agreement's rounds (the core's smc_agreement_rounds, csrc/coll/agreement.c) for one agreement over
+    `transport`: each exchange in C over MPI (smc_crossing_exchange) where the transport is MPI and the compiled module
+    can be had (load()), else the transport's own exchange (PointToPoint.exchange), called back in Python.
+    `message` and `incoming`: the agreement's buffers (a header, then `capacity` bytes); late(peer): the error of a
+    peer that did not come in time."""
 
-    def __init__(self, transport, rounds, message, incoming, capacity):
-        from mpi4py import MPI
+    def __init__(self, transport, rounds, message, incoming, capacity, late):
+        from shmcomm._native import ffi as core_ffi
+        from shmcomm.transport.mpi import Mpi
 
-        from shmcomm._native import ffi as core_ffi, lib as core_lib
-
-        self.ffi, self.lib = load()
-        self.rounds = rounds
-        self._comm = MPI._addressof(transport.comm)
-        self._peers = self.ffi.new("int[]", [peer for peer, _ in rounds] or [0])
-        self._kinds = self.ffi.new("int[]", [kind for _, kind in rounds] or [0])
+        self.rounds, self.late = rounds, late
+        self._peers = core_ffi.new("int[]", [peer for peer, _ in rounds] or [0])
+        self._kinds = core_ffi.new("int[]", [kind for _, kind in rounds] or [0])
         self._message, self._incoming, self._capacity = message, incoming, capacity
-        self._reduce = int(core_ffi.cast("uintptr_t", core_ffi.addressof(core_lib, "smc_reduce")))
-        self._late = self.ffi.new("int *")
+        self._late = core_ffi.new("int *")
         self._rank = transport.rank
         self._transport = transport
+        self.raised = None  # what the transport's exchange raised, for rounds that returned EXCHANGE_RAISED
+        self.module = load() if isinstance(transport, Mpi) else None
+        if self.module is not None:
+            from mpi4py import MPI
 
-    def quick_call(self, world_size, min_bytes, max_bytes, usable):
-        """These rounds as csrc/py/quick_crossing.h describes them, for the quick allreduce across hosts: a cffi
-        smc_crossing_call_t of the core's, which keeps what it points to alive (its row fields are the caller's to
-        fill). `usable`: the int flags of the transports that must not be broken (transport/mpi.py)."""
-        from shmcomm._native import ffi as core_ffi
+            ffi, lib = self.module
+            self._exchange = core_ffi.cast("smc_exchange_fn", int(ffi.cast("uintptr_t", ffi.addressof(
+                lib, "smc_crossing_exchange"))))
+            self._context = core_ffi.cast("void *", MPI._addressof(transport.comm))
+        else:
+            self._exchange = core_lib.smc_python_exchange
+            self._context = self._handle = core_ffi.new_handle(self)
 
-        def address(pointer):
-            return int(self.ffi.cast("uintptr_t", pointer))
+    def run(self, nbytes, count, code, op):
+        """(0, None), or the failure: (EXCHANGE_LATE, peer) after a wait ran out, (EXCHANGE_RAISED, peer) when the
+        transport raised (`raised`), (REDUCE_FAILED - core code, peer), or (MPI's error, peer)."""
+        self.raised = None
+        rc = core_lib.smc_agreement_rounds(self._exchange, self._context, self._peers, self._kinds, len(self.rounds),
+                                           self._rank, self._message, self._incoming, self._capacity, nbytes, count,
+                                           code, op, self._transport.timeout_s, self._late)
+        return (0, None) if rc == 0 else (rc, self.rounds[self._late[0]][0])
+
+    def exchange(self, peer, into, into_len, out, out_len, deadline):
+        """One round's exchange through the transport (PointToPoint.exchange), for the core's rounds."""
+        send = memory.view(out, out_len) if out_len >= 0 else None
+        receive = memory.view(into, into_len) if into != memory.NULL else None
+        self._transport.exchange(peer, send, max(out_len, 0), receive, deadline, TAG, lambda: self.late(peer))
+
+    def quick_call(self, world_size, usable, row, world_rank):
+        """(call, allreduce): these rounds as csrc/py/quick_crossing.h describes them, a cffi smc_crossing_call_t of
+        the core's that keeps what it points to alive, and the quick allreduce across hosts bound to it,
+        allreduce(x, out, op, prescale, postscale), or None where this build has none. Only rounds over the compiled
+        module have one. `usable`: the int flags of the transports that must not be broken (transport/mpi.py); `row`:
+        the host's SharedMemory transport. The sizes it takes (min_bytes, max_bytes) are 0 until the caller sets
+        them."""
+        from shmcomm._native import ffi as core_ffi, quick_function
+
+        if self.module is None:
+            return None
         call = core_ffi.new("smc_crossing_call_t *")
-        call.rounds = address(self.ffi.addressof(self.lib, "smc_crossing_rounds"))
-        call.mpi_comm = self._comm
-        call.peers = core_ffi.cast("int *", address(self._peers))
-        call.kinds = core_ffi.cast("int *", address(self._kinds))
+        call.exchange = int(core_ffi.cast("uintptr_t", self._exchange))
+        call.context = int(core_ffi.cast("uintptr_t", self._context))
+        call.peers, call.kinds = self._peers, self._kinds
         call.count, call.rank = len(self.rounds), self._rank
         call.message, call.incoming, call.capacity = self._message, self._incoming, self._capacity
         call.timeout_s = self._transport.timeout_s
-        call.world_size, call.min_bytes, call.max_bytes = world_size, min_bytes, max_bytes
+        call.world_size, call.min_bytes, call.max_bytes = world_size, 0, 0
         call.usable = list(usable)
-        self._quick_call = call  # with the arrays it points to, as long as these rounds live
-        return call
+        call.row, call.row_rank, call.row_size, call.world_rank = row.address, row.rank, row.size, world_rank
+        self._quick_call = call  # as long as these rounds live
+        return call, quick_function(5, [int(core_ffi.cast("uintptr_t", call))])
 
     def late_peer(self, call):
         """The peer of the round that failed in a quick call (call.late_round)."""
         return self.rounds[call.late_round][0]
 
-    def run(self, nbytes, count, code, op):
-        """(0, None), or the failure: (-1, peer) after a wait ran out, (REDUCE_FAILED - core code, peer), or (MPI
-        error, peer)."""
-        rc = self.lib.smc_crossing_rounds(self._comm, self._peers, self._kinds, len(self.rounds), self._rank,
-                                          self._message, self._incoming, self._capacity, nbytes, count, code, op,
-                                          self._reduce, self._transport.timeout_s, self._late)
-        return (0, None) if rc == 0 else (rc, self.rounds[self._late[0]][0])
+
+def _python_exchange():
+    """The core's callback for rounds whose exchanges Python's transports make (Rounds.exchange): an exception stops
+    the rounds, and Rounds keeps it for the caller to raise."""
+    from shmcomm._native import ffi as core_ffi
+
+    @core_ffi.def_extern(name="smc_python_exchange", error=EXCHANGE_RAISED)
+    def exchange(context, peer, into, into_len, out, out_len, deadline):
+        rounds = core_ffi.from_handle(context)
+        try:
+            rounds.exchange(peer, into, into_len, out, out_len, deadline)
+        except BaseException as error:  # a timeout, a lost peer, MPI's error, or Ctrl-C: raised after the rounds
+            rounds.raised = error
+            return EXCHANGE_RAISED
+        return 0
 
 
-def rounds_for(transport, fold_into, fold_from, partners, message, incoming, capacity):
-    """A Rounds for an agreement over `transport`, or None: not the MPI transport, or no compiled module."""
-    from shmcomm.transport.mpi import Mpi
-
-    if not isinstance(transport, Mpi) or transport.size <= 1 or load() is None:
-        return None
-    return Rounds(transport, plan(fold_into, fold_from, partners), message, incoming, capacity)
+_python_exchange()

@@ -12,16 +12,27 @@ def itemsize(dtype):
     return int(lib.smc_dtype_size(dtype))
 
 
-def reduce_pair(dst, first, second, count, dtype, op, what, pair=None):
+def pair():
+    """The argument reduce_pair fills in, for callers on a latency path to allocate once."""
+    return ffi.new("void *[2]")
+
+
+def reduce_pair(dst, first, second, count, dtype, op, what, sources=None):
     """dst = op(first, second), element-wise over `count` elements; dst may be either source. Every rank that
-    reduces the same pair in the same order gets the same bits. `pair`: a reusable ffi "void *[2]" (latency paths
-    allocate it once)."""
-    if pair is None:
-        pair = ffi.new("void *[2]")
+    reduces the same pair in the same order gets the same bits. `sources`: a reusable pair()."""
+    pair = ffi.new("void *[2]") if sources is None else sources
     pair[0], pair[1] = first, second
     rc = lib.smc_reduce(dst, pair, 2, count, dtype, op, 1.0, 1.0, 1)
     if rc != 0:
         raise error_for(rc, what)
+
+
+def combine_headers(headers):
+    """Combines the agreement's headers (a uint64 array of rows of four words: signature, status, culprit, data
+    bytes) into the first row, by the rules of its rounds (the core's smc_agreement_combine)."""
+    rows = ffi.from_buffer("uint64_t[]", headers)
+    for r in range(1, len(headers)):
+        lib.smc_agreement_combine(rows, rows + 4 * r)
 
 
 def scale(ptr, count, dtype, factor, divisor=1):

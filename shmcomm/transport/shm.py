@@ -10,9 +10,6 @@ from shmcomm.startup.log import logger as log
 from shmcomm.vocabulary.exceptions import RankFailure
 from shmcomm.transport import Transport, allgather_bytes_over
 
-# csrc/py/quick_calls.c
-_QUICK_ALLREDUCE, _QUICK_BROADCAST, _QUICK_ALLGATHER, _QUICK_ALLTOALL, _QUICK_REDUCESCATTER = (
-    quick_function(k) for k in range(5))
 REASON_BYTES = lib.SMC_REASON_MAX - 1  # what peers read of a refusal's reason, less the NUL
 
 
@@ -53,6 +50,20 @@ class AbandonWord:
 
     def set(self, abandoned):
         self.cdata[0] = 1 if abandoned else 0
+
+
+class QuickCalls:
+    """A numpy array's common case of each collective in one C call, arrays and all (csrc/py/quick_calls.c), bound to
+    one communicator: allreduce(x, out, op, prescale, postscale), broadcast(x, out, root), allgather(x, out),
+    alltoall(x, out, splits), reducescatter(x, out, op, prescale, postscale); `op` is Horovod's number. Each returns
+    the result, NotImplemented where the full path must decide (nothing was done), or a failed step's code; allgather
+    and alltoall return None where `out` turned out not to fit. Each is None where this build has none."""
+
+    __slots__ = ("allreduce", "broadcast", "allgather", "alltoall", "reducescatter")
+
+    def __init__(self, bound):
+        for which, name in enumerate(self.__slots__):
+            setattr(self, name, quick_function(which, bound))
 
 
 class SharedMemory(Transport):
@@ -102,7 +113,16 @@ class SharedMemory(Transport):
         out = ffi.new("smc_comm_t **")
         _check(lib.smc_comm_create(cfg, out), "init")
         self.handle = out[0]
-        self.address = int(ffi.cast("uintptr_t", self.handle))  # for quick_allreduce and quick_broadcast; 0 once closed
+        self.address = int(ffi.cast("uintptr_t", self.handle))  # for compiled callers (the quick calls); 0 once closed
+        # The counts allgather, alltoall and reducescatter work out, reused by every call: one communicator runs one
+        # collective at a time, and a fresh array per call is a measurable share of a small one.
+        self.every = ffi.new("uint64_t[]", self.size)  # allgather's rows per rank
+        self.sends = ffi.new("uint64_t[]", self.size)  # alltoall's rows this rank sends each rank
+        self.matrix = ffi.new("uint64_t[]", self.size * self.size)  # [j * size + i]: rows rank j sends rank i
+        self.counts = ffi.new("uint64_t[]", self.size)  # reducescatter's elements of each rank's share
+        self._bound = [self.address, self.size, self.rank] + [
+            int(ffi.cast("uintptr_t", a)) for a in (self.every, self.sends, self.matrix, self.counts)] + [np.empty]
+        self.quick = QuickCalls(self._bound)
         # Single copy is a speed path with a silent fallback: say which one this machine took.
         if lib.smc_comm_single_copy(self.handle):
             log.debug("shared memory of %d ranks: pieces from %d bytes (broadcasts from %d) move by single copy "
@@ -159,24 +179,6 @@ class SharedMemory(Transport):
     def allreduce(self, src, dst, count, dtype, op, prescale, postscale, divisor, tag, what):
         _check(lib.smc_allreduce(self.handle, src, dst, count, dtype, op, prescale, postscale, divisor, tag), what)
 
-    # A numpy array's common case in one C call, arrays and all (csrc/py/quick_calls.c): the result, or NotImplemented
-    # where the caller's full path must look closer (also where this build has no such function).
-    def quick_allreduce(self, x, out, op, prescale, postscale, what):
-        if _QUICK_ALLREDUCE is None:
-            return NotImplemented
-        got = _QUICK_ALLREDUCE(self.address, self.size, x, out, op, prescale, postscale)
-        if type(got) is int:
-            raise _error(got, what)
-        return got
-
-    def quick_broadcast(self, x, out, root, what):
-        if _QUICK_BROADCAST is None:
-            return NotImplemented
-        got = _QUICK_BROADCAST(self.address, x, out, root)
-        if type(got) is int:
-            raise _error(got, what)
-        return got
-
     # Each checks its return code inline: a helper call costs a measurable share of a small step.
     def reducescatter(self, src, dst, counts, dtype, op, prescale, postscale, divisor, tag, what):
         """`counts`: elements per rank, a sequence or a uint64_t[] the caller keeps for calls of the same split."""
@@ -208,37 +210,6 @@ class SharedMemory(Transport):
 
     def alltoall_finish(self, src, dst, row_bytes, matrix, what):
         _check(lib.smc_alltoall_finish(self.handle, src, dst, row_bytes, matrix), what)
-
-    # The same in one C call for a numpy array (csrc/py/quick_calls.c), which works out the tag, the counts and the
-    # result's shape itself: the result (alltoall: with the rows received from each rank, a tuple); None where `out`
-    # turned out not to have the rows the ranks sent (this rank took part and kept nothing: the caller raises the
-    # output's error); or NotImplemented, nothing begun. `every`, `sends`, `matrix` and `counts` are addresses of the
-    # caller's uint64 arrays (rows per rank, rows this rank sends, every rank's sends, elements per rank's share).
-    def quick_allgather(self, x, out, every, what):
-        if _QUICK_ALLGATHER is None:
-            return NotImplemented
-        got = _QUICK_ALLGATHER(self.address, self.size, x, out, every, np.empty)
-        if type(got) is int:
-            raise _error(got, what)
-        return got
-
-    def quick_alltoall(self, x, out, splits, sends, matrix, what):
-        if _QUICK_ALLTOALL is None:
-            return NotImplemented
-        got = _QUICK_ALLTOALL(self.address, self.size, self.rank, x, out, splits, sends, matrix, np.empty)
-        if type(got) is int:
-            raise _error(got, what)
-        return got
-
-    def quick_reducescatter(self, x, out, op, prescale, postscale, counts, what):
-        """Only ever the result or NotImplemented: its shape is known before the step. `op`: Horovod's number."""
-        if _QUICK_REDUCESCATTER is None:
-            return NotImplemented
-        got = _QUICK_REDUCESCATTER(self.address, self.size, self.rank, x, out, op, prescale, postscale, counts,
-                                   np.empty)
-        if type(got) is int:
-            raise _error(got, what)
-        return got
 
     def barrier(self, what="barrier"):
         _check(lib.smc_barrier(self.handle), what)
@@ -285,6 +256,6 @@ class SharedMemory(Transport):
 
     def close(self):
         if self.handle != ffi.NULL:
-            self.address = 0
+            self.address = self._bound[0] = 0  # the quick calls answer NotImplemented from now on
             lib.smc_comm_destroy(self.handle)
             self.handle = ffi.NULL  # calls after close are refused by the core (a NULL communicator)

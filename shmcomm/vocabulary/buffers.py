@@ -9,11 +9,11 @@ import sys
 import numpy as np
 
 from shmcomm.vocabulary import dtypes
-from shmcomm._native import ffi
+from shmcomm.transport import memory
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 
-_EMPTY = ffi.new("char[1]")  # the address of empty tensors
+_EMPTY = memory.scratch(1)  # the address of empty tensors
 
 
 class Buffer:
@@ -65,7 +65,7 @@ def wrap(x, what, writable=False):
         try:
             # from_buffer is the cheapest way to a pointer (a fifth of x.ctypes.data), and it refuses what the core
             # must not get: non-contiguous arrays. (Its require_writable flag costs more than reading the flag.)
-            ptr = ffi.from_buffer(x)
+            ptr = memory.address(x)
             if writable and not x.flags.writeable:
                 raise BufferError
         except (BufferError, TypeError, ValueError):
@@ -74,7 +74,7 @@ def wrap(x, what, writable=False):
                 raise error from None
             if x.dtype.fields is not None:
                 raise InvalidArgumentError("%s: structured dtype %s is not supported" % (what, x.dtype)) from None
-            ptr = ffi.cast("void *", x.ctypes.data)  # a dtype numpy cannot describe as a buffer (ml_dtypes)
+            ptr = memory.at(x.ctypes.data)  # a dtype numpy cannot describe as a buffer (ml_dtypes)
         dtype = x.dtype
         return Buffer(x, ptr, x.size, dtypes.numpy_code(dtype), dtype.itemsize, x.shape, False)
     if is_torch(x):
@@ -87,7 +87,7 @@ def wrap(x, what, writable=False):
             raise InvalidArgumentError("%s: sparse and quantized tensors are not supported" % what)
         # An empty tensor's data pointer is NULL, which the core refuses for any buffer it may touch; numpy gives
         # empty arrays a real address, and so does this (nothing is read or written through it).
-        ptr = ffi.cast("void *", x.data_ptr()) if x.numel() else _EMPTY
+        ptr = memory.at(x.data_ptr()) if x.numel() else _EMPTY
         return Buffer(x, ptr, x.numel(), dtypes.torch_codes().get(x.dtype), x.element_size(), tuple(x.shape), True)
     raise InvalidArgumentError("%s: expected a numpy array or a torch tensor, got %s" % (what, type(x).__name__))
 
