@@ -102,3 +102,29 @@ def test_the_check_finds_a_copy_and_passes_a_read():
     assert [(name, constant) for _, name, constant in copies(c, python)] == [
         ("OK", "SMC_AGREEMENT_OK"), ("MISMATCH", "SMC_AGREEMENT_MISMATCH"), ("HALVING_BYTES", "SMC_HALVING_BYTES"),
         ("SUFFIX", "SMC_SUFFIX"), ("LIMIT", "SMC_REASON_MAX")]
+
+
+def test_the_digests_ranks_compare_are_the_cores():
+    """A step's tag and the agreement's signature are computed by the core (csrc/core/digest.c), which the quick calls
+    in C and description.py both call: neither hashes a layout of its own, which would then be written twice."""
+    hashing = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*.[ch]")
+                     if "PyObject_Hash" in p.read_text())
+    assert hashing == []
+    source = (ROOT / "shmcomm" / "vocabulary" / "description.py").read_text()
+    calls = [n.lineno for n in ast.walk(ast.parse(source))
+             if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "hash"]
+    assert calls == []
+
+
+def test_the_digests_tell_descriptions_apart():
+    from shmcomm._native import lib
+    from shmcomm.vocabulary import description
+
+    tags = {description.tag(lib.SMC_FLOAT32, shape) for shape in [(6,), (2, 3), (3, 2), (6, 1), (), (0,)]}
+    assert len(tags) == 6 and description.tag(lib.SMC_INT32, (6,)) not in tags
+    base = description.describe("allreduce", lib.SMC_FLOAT32, (4,), 1, 1.0, 1.0)
+    others = [base._replace(kind="reducescatter"), base._replace(op=3), base._replace(prescale=2.0),
+              base._replace(postscale=0.5), base._replace(shape=(2, 2)), base._replace(root=0)]
+    signatures = {c.signature(4, 1) for c in [base] + others} | {base.signature(4, 2), base.signature(4, 1, 1)}
+    assert len(signatures) == len(others) + 3
+    assert base._replace(prescale=-0.0).signature() == base._replace(prescale=0.0).signature()

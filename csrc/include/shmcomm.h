@@ -302,6 +302,13 @@ int smc_box_server_port(const smc_box_server_t* server);
  * 0 if some had not by then (they are left to finish; the server's memory stays theirs). */
 int smc_box_server_stop(smc_box_server_t* server, double timeout_s);
 
+/* ---- digests (csrc/core/digest.c): equal on every rank for equal calls ----
+ * A step's tag: the dtype key and the dimensions. The agreement's signature: the whole description (kind code, dtype
+ * key, dimensions, op, scale factors, root) and `nextra` more numbers (counts, the path). */
+uint64_t smc_shape_tag(int64_t dtype, const int64_t* dims, int ndim);
+uint64_t smc_signature(int kind, int64_t dtype, const int64_t* dims, int ndim, int64_t op, double prescale,
+                       double postscale, int64_t root, const int64_t* extra, int nextra);
+
 /* ---- the agreement across hosts (shmcomm/algorithms/agreement.py; its rounds: csrc/coll/agreement.c) ----
  * A message is a header of SMC_AGREEMENT_HEADER_BYTES (uint64 words: signature, status, lowest failed rank + 1, 0 for
  * none, and the bytes of data that follow), then the data. Statuses, the worse the higher: REFUSED is a call that
@@ -309,24 +316,18 @@ int smc_box_server_stop(smc_box_server_t* server, double timeout_s);
  * (after the fold) is reduced by halving and gathered by doubling. */
 enum { SMC_AGREEMENT_OK = 0, SMC_AGREEMENT_MISMATCH = 1, SMC_AGREEMENT_REFUSED = 2, SMC_AGREEMENT_FAILED = 3 };
 enum { SMC_AGREEMENT_HEADER_BYTES = 32, SMC_AGREEMENT_HALVING_BYTES = 65536 };
-/* What a round does with its peer (the agreement's plan, in order). */
-enum {
-  SMC_ROUND_HAND_OVER = 0, /* send everything, receive the verdict and adopt it (a folded rank) */
-  SMC_ROUND_TAKE = 1,      /* receive a folded rank's message and merge it */
-  SMC_ROUND_SWAP = 2,      /* send and receive at once, merge (recursive doubling) */
-  SMC_ROUND_GIVE_BACK = 3  /* send the verdict back to a folded rank */
-};
+/* What a round does with its peer: a folded rank hands over everything and adopts the verdict; its partner takes it
+ * in, and gives the verdict back last; the others swap (recursive doubling). */
+enum { SMC_ROUND_HAND_OVER = 0, SMC_ROUND_TAKE = 1, SMC_ROUND_SWAP = 2, SMC_ROUND_GIVE_BACK = 3 };
 /* The rounds return this less the core's code when a reduction failed; an exchange SMC_EXCHANGE_LATE after its
  * deadline, SMC_EXCHANGE_RAISED when the Python transport it called raised (Python holds why). */
 enum { SMC_CROSSING_REDUCE_FAILED = -1000, SMC_EXCHANGE_LATE = -1, SMC_EXCHANGE_RAISED = -2 };
-
 /* One exchange of the rounds with `peer` (its index in the rounds' communicator): receive into `into` (up to
  * `into_len` bytes; NULL for none) and send the `out_len` bytes at `out` (out_len < 0: none), both by `deadline`
  * (monotonic seconds, the clock of Python's time.monotonic). Returns 0, SMC_EXCHANGE_LATE (a late receive
  * cancelled, a late send left pending), or another nonzero code of its own (MPI's error). */
 typedef int (*smc_exchange_fn)(void* context, int peer, void* into, int into_len, const void* out, int out_len,
                                double deadline);
-
 /* The rounds of the plan peers[k], kinds[k] over `exchange`. `message` and `incoming` are a header then room for
  * `capacity` bytes of data; `message` holds this rank's header and data, and the combined verdict and data
  * afterwards. `nbytes` of data (`count` elements of the core's type `code`) are reduced with `op`. Every wait ends
@@ -335,7 +336,6 @@ typedef int (*smc_exchange_fn)(void* context, int peer, void* into, int into_len
 int smc_agreement_rounds(smc_exchange_fn exchange, void* context, const int* peers, const int* kinds, int rounds,
                          int my_rank, void* message, void* incoming, uint64_t capacity, uint64_t nbytes,
                          uint64_t count, int code, int op, double timeout_s, int* late_round);
-
 /* Combines header `theirs` into `mine` (csrc/coll/agreement.c's rules); returns whether both were OK and alike. */
 int smc_agreement_combine(uint64_t* mine, const uint64_t* theirs);
 

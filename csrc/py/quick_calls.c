@@ -45,31 +45,15 @@ static int quick_dtype(const Py_buffer* view) {
   }
 }
 
-/* The hash of key, which it releases: *ok 1, or 0 with Python's error set. */
-static uint64_t hash_and_release(PyObject* key, int* ok) {
-  Py_hash_t h = PyObject_Hash(key);
-  Py_DECREF(key);
-  *ok = !(h == -1 && PyErr_Occurred());
-  return *ok ? (uint64_t)h : 0;
-}
-
-/* description.tag in C: hash((dtype,) + shape[from:]) of Python's own tuple hash, so that a rank on this path and one
- * on the full path agree (from 1: the collectives whose first dimension may differ between ranks). 0 with *ok = 0 if
- * Python could not build the tuple. */
+/* description.tag in C: smc_shape_tag of the dtype and shape[from:] (from 1: the collectives whose first dimension
+ * may differ between ranks). *ok = 0 for more dimensions than a buffer may have. */
 static uint64_t quick_tag(int dtype, const Py_buffer* view, int from, int* ok) {
-  PyObject* key = PyTuple_New(1 + view->ndim - from);
-  *ok = 0;
-  if (key == NULL) return 0;
-  PyObject* item = PyLong_FromLong(dtype);
-  if (item == NULL || PyTuple_SetItem(key, 0, item) != 0) goto fail;
-  for (int d = from; d < view->ndim; d++) {
-    item = PyLong_FromSsize_t(view->shape[d]);
-    if (item == NULL || PyTuple_SetItem(key, 1 + d - from, item) != 0) goto fail;
-  }
-  return hash_and_release(key, ok);
-fail:
-  Py_DECREF(key);
-  return 0;
+  int64_t dims[PyBUF_MAX_NDIM];
+  const int ndim = view->ndim - from;
+  *ok = ndim >= 0 && ndim <= PyBUF_MAX_NDIM;
+  if (!*ok) return 0;
+  for (int d = 0; d < ndim; d++) dims[d] = (int64_t)view->shape[from + d];
+  return smc_shape_tag(dtype, dims, ndim);
 }
 
 static int same_layout(const Py_buffer* a, const Py_buffer* b) {

@@ -7,39 +7,20 @@
  * verdict and result. Its steps are all in C (the core, and csrc/mpi/crossing.c's exchanges); the Python from the
  * public call to them and back cost as much as MPI's whole allreduce of 2 KiB between two hosts
  * (benchmarks/RESULTS.md). This takes that path for a numpy array, with the same signature
- * (description.Collective.signature, hashed as Python hashes it), the same kernels in the same order, and so the same
+ * (description.Collective.signature, the core's smc_signature), the same kernels in the same order, and so the same
  * bits and verdicts as the full path, which ranks may take for any call. Where a step fails, it stops where the full
  * path would raise or turn to other steps, and says where (WorldComm.quick_allreduce_failed goes on from there). */
 #include "py/quick_crossing.h"
 
-/* Collective.signature(count, divisor, True) of describe("allreduce", dtype, shape, op, prescale, postscale): the
- * hash of (kind, dtype, shape, op, prescale, postscale, root -1, count, divisor, True). 0 with *ok = 0 where Python
- * could not build it. */
+/* Collective.signature(count, divisor, True) of describe("allreduce", dtype, shape, op, prescale, postscale). *ok =
+ * 0 for more dimensions than a buffer may have. */
 static uint64_t crossing_signature(int dtype, const Py_buffer* view, long op, double prescale, double postscale,
                                    uint64_t count, long divisor, int* ok) {
-  PyObject* shape = PyTuple_New(view->ndim);
-  PyObject* key = PyTuple_New(10);
-  *ok = 0;
-  if (shape == NULL || key == NULL) goto fail;
-  for (int d = 0; d < view->ndim; d++) {
-    PyObject* n = PyLong_FromSsize_t(view->shape[d]);
-    if (n == NULL || PyTuple_SetItem(shape, d, n) != 0) goto fail;
-  }
-  PyObject* items[10] = {PyLong_FromLong(SMC_COLL_ALLREDUCE), PyLong_FromLong(dtype), shape, PyLong_FromLong(op),
-                         PyFloat_FromDouble(prescale), PyFloat_FromDouble(postscale), PyLong_FromLong(-1),
-                         PyLong_FromUnsignedLongLong(count), PyLong_FromLong(divisor), PyBool_FromLong(1)};
-  shape = NULL; /* the key owns it from here */
-  int built = 1;
-  for (int i = 0; i < 10; i++) { /* SetItem steals each reference, also a NULL's place, so all go in */
-    built &= items[i] != NULL;
-    if (items[i] != NULL && PyTuple_SetItem(key, i, items[i]) != 0) built = 0;
-  }
-  if (!built) goto fail;
-  return hash_and_release(key, ok);
-fail:
-  Py_XDECREF(shape);
-  Py_XDECREF(key);
-  return 0;
+  int64_t dims[PyBUF_MAX_NDIM], extra[3] = {(int64_t)count, divisor, 1};
+  *ok = view->ndim >= 0 && view->ndim <= PyBUF_MAX_NDIM;
+  if (!*ok) return 0;
+  for (int d = 0; d < view->ndim; d++) dims[d] = (int64_t)view->shape[d];
+  return smc_signature(SMC_COLL_ALLREDUCE, dtype, dims, view->ndim, op, prescale, postscale, -1, extra, 3);
 }
 
 /* The torus's small path (Torus._small) after the caller's checks, the interpreter lock released: the row's step into

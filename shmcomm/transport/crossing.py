@@ -102,10 +102,10 @@ def _load():
 
 def load():
     """(ffi, lib) of the compiled module, built first if needed; None where it cannot be had (said once, at debug
-    level: the transport's exchange in Python is the fallback, not an error): no mpicc beside the interpreter or on PATH, no C
-    compiler, or a module built for another MPI than the one mpi4py loaded. It is built like shmcomm.jax's handler,
-    once per machine into a cache directory (SHMCOMM_BUILD_DIR/crossing, default ~/.cache/shmcomm/crossing), keyed by
-    its sources and the compiler."""
+    level: the transport's exchange in Python is the fallback, not an error): no mpicc beside the interpreter or on
+    PATH, no C compiler, or a module built for another MPI than the one mpi4py loaded. It is built like shmcomm.jax's
+    handler, once per machine into a cache directory (SHMCOMM_BUILD_DIR/crossing, default ~/.cache/shmcomm/crossing),
+    keyed by its sources and the compiler."""
     global _loaded
     if _loaded is None:
         if not env.mpi_crossing():

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The core's reduction kernels on this process's own memory (csrc/reduce/): what a transport that moves bytes only
-(MPI) needs to reduce what it received, with the same rules and the same bits as the shared-memory steps."""
+"""The core's computations on this process's own memory: its reduction kernels (csrc/reduce/), which a transport that
+moves bytes only (MPI) needs to reduce what it received with the same rules and bits as the shared-memory steps; and
+the digests ranks compare (csrc/core/digest.c), which the quick calls in C compute alike."""
 import numpy as np
 
 from shmcomm._native import error_for, ffi, lib
@@ -25,6 +26,17 @@ def reduce_pair(dst, first, second, count, dtype, op, what, sources=None):
     rc = lib.smc_reduce(dst, pair, 2, count, dtype, op, 1.0, 1.0, 1)
     if rc != 0:
         raise error_for(rc, what)
+
+
+def shape_tag(dtype, shape):
+    """The core's tag of a dtype key and a shape (smc_shape_tag)."""
+    return int(lib.smc_shape_tag(dtype, ffi.new("int64_t[]", shape), len(shape)))
+
+
+def signature(kind, dtype, shape, op, prescale, postscale, root, extra):
+    """The core's signature of a whole description and `extra` numbers (smc_signature)."""
+    return int(lib.smc_signature(kind, dtype, ffi.new("int64_t[]", shape), len(shape), op, prescale, postscale, root,
+                                 ffi.new("int64_t[]", [int(e) for e in extra]), len(extra)))
 
 
 def combine_headers(headers):

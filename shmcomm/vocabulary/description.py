@@ -14,6 +14,7 @@ import numpy as np
 
 from shmcomm.vocabulary import dtypes
 from shmcomm._native import lib
+from shmcomm.transport import kernels
 from shmcomm.vocabulary.ops import ReduceOp
 
 MASK = (1 << 64) - 1
@@ -43,10 +44,9 @@ class Collective(NamedTuple):
     root: int = -1
 
     def signature(self, *extra):
-        """A 64-bit hash of the whole description (and `extra` numbers, such as the path taken), equal on every rank
-        for equal descriptions. Numbers only: str hashes differ between processes."""
-        return hash((KIND[self.kind], self.dtype, self.shape, self.op, self.prescale, self.postscale, self.root)
-                    + extra) & MASK
+        """A 64-bit digest of the whole description (and `extra` numbers, such as the path taken), equal on every
+        rank for equal descriptions: the core's smc_signature, which the quick allreduce across hosts computes alike."""
+        return _signature(self, extra)
 
     def summary(self):
         """The whole call in words: 'allreduce float32[2, 3] op Sum', 'broadcast float32[4] root 1'."""
@@ -94,10 +94,18 @@ class Collective(NamedTuple):
         return text
 
 
+@functools.lru_cache(maxsize=4096)  # a training loop passes the same shapes every step
 def tag(dtype, shape):
     """The C core's tag: what its own descriptor (kind, dtype, count, op, root, scales) does not hold, the shape
-    (a tuple). A function of its own because the smallest allreduce computes it without building a Collective."""
-    return hash((dtype,) + shape) & MASK
+    (a tuple), digested by the core's smc_shape_tag as the quick calls in C digest it. A function of its own because
+    the smallest allreduce computes it without building a Collective."""
+    return kernels.shape_tag(dtype, shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(collective, extra):
+    c = collective
+    return kernels.signature(KIND[c.kind], c.dtype, c.shape, c.op, c.prescale, c.postscale, c.root, extra)
 
 
 def dtype_name(key, names=None):
