@@ -185,3 +185,14 @@ def test_the_docstring_check_finds_what_is_left_out():
         "lacking: Args leaves out root_rank", "lacking: Args names what is no parameter: rot_rank",
         "lacking: no Returns section",
         "lacking: a Raises entry that names no exception (the site would drop it): As broadcast()."]
+
+
+def test_the_architecture_follows_one_call_from_each_api_in_ten_lines():
+    """docs/architecture.md walks one call from each API down to the wire, each in at most 10 lines."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        text = f.read()
+    section = text.split("## One call from each API", 1)[1].split("\n## ", 1)[0]
+    walks = {m.group(1): m.group(2).strip().splitlines() for m in
+             re.finditer(r"\*\*([^*]+)\*\*(.*?)(?=\n\*\*|\Z)", section, re.S)}
+    assert sorted(walks) == ["JAX", "Soft Memory Box", "numpy", "torch (DDP)", "torch (Horovod's API)"]
+    assert {api: len(lines) for api, lines in walks.items() if len(lines) > 10} == {}

@@ -146,7 +146,7 @@ class Rounds:
         self._rank = transport.rank
         self._transport = transport
         self.raised = None  # what the transport's exchange raised, for rounds that returned EXCHANGE_RAISED
-        self.module = load() if isinstance(transport, Mpi) else None
+        self.module = load() if isinstance(transport, Mpi) and transport.size > 1 else None
         if self.module is not None:
             from mpi4py import MPI
 

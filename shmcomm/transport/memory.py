@@ -18,11 +18,6 @@ copy = ffi.memmove  # copy(dst, src, nbytes): addresses or buffers
 at = functools.partial(ffi.cast, "void *")
 
 
-def integer(addr):
-    """`addr` as an integer, for C functions that take addresses as Python integers (the quick calls)."""
-    return int(ffi.cast("uintptr_t", addr))
-
-
 def view(addr, nbytes):
     """The `nbytes` bytes at `addr` as a uint8 numpy array, without a copy."""
     return np.frombuffer(ffi.buffer(addr, nbytes), dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
@@ -36,7 +31,3 @@ def counts(values):
 def scratch(nbytes):
     """`nbytes` bytes of fresh memory, freed with the returned value."""
     return ffi.new("char[]", nbytes)
-
-
-def is_address(value):
-    return isinstance(value, ffi.CData)
