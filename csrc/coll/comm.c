@@ -148,10 +148,15 @@ static smc_result_t check_attached_peers(void* arg) {
   int left = -1;
   for (int r = 0; r < c->size; r++) {
     if (r == c->rank || c->ctl[r].pid == 0) continue;
-    if (!atomic_load(&c->ctl[r].departed))
-      SMC_CHECK(smc_peer_check(c, r, "init")); /* a death is named first */
-    else if (left < 0)
-      left = r;
+    if (!atomic_load(&c->ctl[r].departed)) {
+      smc_result_t rc = smc_peer_check(c, r, "init"); /* a death is named first */
+      /* A rank that departs between the two looks gave up as surely as one found departed: name the missing. */
+      if (rc == SMC_SUCCESS || !atomic_load(&c->ctl[r].departed)) {
+        SMC_CHECK(rc);
+        continue;
+      }
+    }
+    if (left < 0) left = r;
   }
   if (left < 0) return SMC_SUCCESS;
   char why[96];
