@@ -315,7 +315,7 @@ uint64_t smc_signature(int kind, int64_t dtype, const int64_t* dims, int ndim, i
  * failed a rank's own checks, FAILED a failed step. Data of SMC_AGREEMENT_HALVING_BYTES or more among 4 or more ranks
  * (after the fold) is reduced by halving and gathered by doubling. */
 enum { SMC_AGREEMENT_OK = 0, SMC_AGREEMENT_MISMATCH = 1, SMC_AGREEMENT_REFUSED = 2, SMC_AGREEMENT_FAILED = 3 };
-enum { SMC_AGREEMENT_HEADER_BYTES = 32, SMC_AGREEMENT_HALVING_BYTES = 65536 };
+enum { SMC_AGREEMENT_HEADER_BYTES = 32, SMC_AGREEMENT_HALVING_BYTES = 65536, SMC_AGREEMENT_TAG = 0x5AC /* MPI */ };
 /* What a round does with its peer: a folded rank hands over everything and adopts the verdict; its partner takes it
  * in, and gives the verdict back last; the others swap (recursive doubling). */
 enum { SMC_ROUND_HAND_OVER = 0, SMC_ROUND_TAKE = 1, SMC_ROUND_SWAP = 2, SMC_ROUND_GIVE_BACK = 3 };

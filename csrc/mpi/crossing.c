@@ -46,8 +46,9 @@ int smc_crossing_exchange(void* context, int peer, void* into, int into_len, con
   MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   int rc = MPI_SUCCESS;
   if (into != NULL) /* the receive first: a peer doing the same never waits for buffer space */
-    rc = MPI_Irecv(into, into_len, MPI_BYTE, peer, 0x5AC, comm, &requests[0]);
-  if (rc == MPI_SUCCESS && out_len >= 0) rc = MPI_Isend((void*)out, out_len, MPI_BYTE, peer, 0x5AC, comm, &requests[1]);
+    rc = MPI_Irecv(into, into_len, MPI_BYTE, peer, SMC_AGREEMENT_TAG, comm, &requests[0]);
+  if (rc == MPI_SUCCESS && out_len >= 0)
+    rc = MPI_Isend((void*)out, out_len, MPI_BYTE, peer, SMC_AGREEMENT_TAG, comm, &requests[1]);
   if (rc == MPI_SUCCESS) rc = wait_both(requests, deadline);
   if (rc == SMC_EXCHANGE_LATE && requests[0] != MPI_REQUEST_NULL) { /* cancel the late receive */
     MPI_Cancel(&requests[0]);

@@ -24,7 +24,7 @@ log = logging.getLogger("shmcomm.transport")
 _MODULE = "_shmcomm_crossing"
 REDUCE_FAILED, EXCHANGE_LATE, EXCHANGE_RAISED = (core_lib.SMC_CROSSING_REDUCE_FAILED, core_lib.SMC_EXCHANGE_LATE,
                                                  core_lib.SMC_EXCHANGE_RAISED)
-TAG = 0x5AC  # the agreement's messages, apart from the ring's on the same communicator (crossing.c uses it too)
+TAG = core_lib.SMC_AGREEMENT_TAG  # the agreement's messages, apart from the ring's on the same communicator
 # What a round does with its peer.
 HAND_OVER, TAKE, SWAP, GIVE_BACK = (core_lib.SMC_ROUND_HAND_OVER, core_lib.SMC_ROUND_TAKE, core_lib.SMC_ROUND_SWAP,
                                     core_lib.SMC_ROUND_GIVE_BACK)
