@@ -88,9 +88,8 @@ class Agreement:
         self._send = np.zeros(HEADER_BYTES + capacity, dtype=np.uint8)
         self._recv = np.zeros(HEADER_BYTES + capacity, dtype=np.uint8)
         self._send_words = self._send[:HEADER_BYTES].view(np.uint64)
-        self._recv_words = self._recv[:HEADER_BYTES].view(np.uint64)
         self._send_ptr, self._recv_ptr = memory.address(self._send), memory.address(self._recv)
-        self._send_data, self._recv_data = self._send_ptr + HEADER_BYTES, self._recv_ptr + HEADER_BYTES
+        self._send_data = self._send_ptr + HEADER_BYTES
         self._rounds = crossing.Rounds(transport, crossing.plan(self.fold_into, self.fold_from, self.partners),
                                        self._send_ptr, self._recv_ptr, capacity, self._late)
 

@@ -191,7 +191,6 @@ def _view(ptr, nbytes, code, dims):
     return raw.view(dtypes.numpy_dtype(code)).reshape(dims)
 
 
-_KINDS = {code: kind for kind, code in description.KIND.items()}
 _REDUCTIONS = ("allreduce", "reducescatter")
 
 
@@ -200,7 +199,7 @@ def _execute(call):
     broadcast write into XLA's result buffer; the others' results are copied there (their shapes were fixed at
     compile time, and a mismatch raises)."""
     comm = session.state.comm
-    what, kind = _name(call), _KINDS.get(call.kind)
+    what, kind = _name(call), description.KIND_NAME.get(call.kind)
     if comm is None:
         raise NotInitializedError("%s: shmcomm is not initialized (shmcomm.jax.init())" % what)
     if kind is None:

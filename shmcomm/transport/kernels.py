@@ -13,15 +13,12 @@ def itemsize(dtype):
     return int(lib.smc_dtype_size(dtype))
 
 
-def pair():
-    """The argument reduce_pair fills in, for callers on a latency path to allocate once."""
-    return ffi.new("void *[2]")
-
-
-def reduce_pair(dst, first, second, count, dtype, op, what, sources=None):
+def reduce_pair(dst, first, second, count, dtype, op, what, pair=None):
     """dst = op(first, second), element-wise over `count` elements; dst may be either source. Every rank that
-    reduces the same pair in the same order gets the same bits. `sources`: a reusable pair()."""
-    pair = ffi.new("void *[2]") if sources is None else sources
+    reduces the same pair in the same order gets the same bits. `pair`: a reusable ffi "void *[2]" (a caller that
+    reduces many pairs allocates it once)."""
+    if pair is None:
+        pair = ffi.new("void *[2]")
     pair[0], pair[1] = first, second
     rc = lib.smc_reduce(dst, pair, 2, count, dtype, op, 1.0, 1.0, 1)
     if rc != 0:
