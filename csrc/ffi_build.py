@@ -79,12 +79,14 @@ ffibuilder = FFI()
 ffibuilder.cdef(_cdef_text())
 ffibuilder.cdef("void* smc_quick_method(int which);")  # csrc/py/quick_calls.c: a PyMethodDef, or NULL
 ffibuilder.cdef(_cdef_text(os.path.join(HERE, "py", "quick_crossing.h")))  # what its cross-host allreduce reads
+ffibuilder.cdef(_cdef_text(os.path.join(HERE, "net", "handshake.h")))  # for shmcomm/transport/handshake.py
 # The agreement's exchange through a Python transport (shmcomm/transport/crossing.py), an smc_exchange_fn.
 ffibuilder.cdef('extern "Python" int smc_python_exchange(void* context, int peer, void* into, int into_len, '
                 'const void* out, int out_len, double deadline);')
 ffibuilder.set_source(
     "shmcomm._C",
-    '#include <string.h>\n#include "shmcomm.h"\n#include "py/quick_crossing.h"\n#include "py/quick_calls.c"',
+    '#include <string.h>\n#include "shmcomm.h"\n#include "net/handshake.h"\n#include "py/quick_crossing.h"\n'
+    '#include "py/quick_calls.c"',
     sources=_sources(),
     depends=_depends(),
     define_macros=_limited_api(),

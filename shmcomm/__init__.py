@@ -27,7 +27,7 @@ _EXPORTS = {
     "shmcomm.vocabulary.exceptions": ["ShmCommError", "NotInitializedError", "InvalidArgumentError", "MismatchError",
                            "TimeoutError", "RankFailure", "HostFailure", "BrokenCommunicatorError",
                            "OutOfMemoryError", "BoxExistsError", "BoxNotFoundError", "PeerArgumentError",
-                           "NotSupportedError", "AbandonedError"],
+                           "NotSupportedError", "AbandonedError", "AuthenticationError"],
     "shmcomm.torch.optimizer": ["DistributedOptimizer"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -209,8 +209,8 @@ def test_the_folders_show_the_layers():
     assert folders == ["algorithms", "engine", "env", "jax", "runner", "sim", "smb", "startup", "testing", "torch",
                        "transport", "vocabulary"]
     transports = sorted(p.stem for p in (PACKAGE / "transport").glob("*.py"))
-    assert transports == ["__init__", "build_cache", "crossing", "cuda_kernels", "deadline", "kernels", "memory", "mpi",
-                          "nccl", "nccl_library", "shm", "tcp"]
+    assert transports == ["__init__", "build_cache", "crossing", "cuda_kernels", "deadline", "handshake", "kernels",
+                          "memory", "mpi", "nccl", "nccl_library", "shm", "tcp"]
 
 
 def test_no_regular_expression_reads_an_error_message():
@@ -280,14 +280,15 @@ def test_only_the_settings_read_the_environment():
     assert outside == []
 
 
-def test_the_environment_changes_only_for_mpich():
+def test_the_environment_changes_only_for_mpich_and_the_secret():
     """Nothing changes the environment of the whole process, but for MPICH's network module before MPI starts (MPICH
-    reads its settings there only)."""
+    reads its settings there only) and the job's secret, which leaves it when first read (no child inherits it)."""
     changes = []
     for path in sorted(SETTINGS.glob("*.py")):
         source = path.read_text()
         tree = ast.parse(source)
-        allowed = {n for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "prefer_mpich_network"
+        allowed = {n for f in ast.walk(tree)
+                   if isinstance(f, ast.FunctionDef) and f.name in ("prefer_mpich_network", "job_secret")
                    for n in range(f.lineno, f.end_lineno + 1)}
         changes += ["%s:%d" % (path.name, line) for line, kind in _environment_uses(source)
                     if kind == "change" and line not in allowed]

@@ -20,6 +20,9 @@ def _until(predicate, timeout=10.0):
     return predicate()
 
 
+SECRET = bytes(range(32))  # the job's
+
+
 def _closed_port():
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
@@ -29,11 +32,12 @@ def _closed_port():
 
 
 def test_a_rank_hears_every_notice_at_the_first_address_that_answers():
-    server = NoticeServer()
+    server = NoticeServer(SECRET)
     try:
         server.publish(2, "hostb", "is stopped (SIGSTOP, or a debugger)", stopped=True)
         heard = []
-        notices = LauncherNotices(",".join([_closed_port()] + server.addresses), lambda *cause: heard.append(cause))
+        notices = LauncherNotices(",".join([_closed_port()] + server.addresses), lambda *cause: heard.append(cause),
+                                  SECRET)
         try:
             assert _until(lambda: notices.stopped is not None)
             assert notices.stopped == (2, "rank 2 on hostb is stopped (SIGSTOP, or a debugger)")
@@ -55,10 +59,10 @@ def test_a_rank_hears_every_notice_at_the_first_address_that_answers():
 
 
 def test_without_a_launcher_nothing_is_heard():
-    notices = LauncherNotices(None, on_cause=print)
+    notices = LauncherNotices(None, on_cause=print, secret=SECRET)
     assert notices.failed is None and notices.stopped is None and not notices.listening
     notices.close()
-    unreachable = LauncherNotices(_closed_port(), on_cause=print)
+    unreachable = LauncherNotices(_closed_port(), on_cause=print, secret=SECRET)
     time.sleep(0.2)
     assert unreachable.failed is None and not unreachable.listening
     unreachable.close()

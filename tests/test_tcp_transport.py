@@ -11,7 +11,10 @@ import pytest
 from shmcomm.vocabulary import dtypes
 from shmcomm._native import ffi, lib
 from shmcomm.vocabulary.exceptions import BrokenCommunicatorError, RankFailure, TimeoutError
+from shmcomm.transport import handshake
 from shmcomm.transport.tcp import Tcp, connect_mesh
+
+SECRET = bytes(range(32))  # the job's secret, as shmcommrun would hand it to the ranks
 
 
 def _listeners(n):
@@ -31,7 +34,7 @@ def _on_every_rank(n, job, timeout_s=20.0, token="t1"):
 
     def rank_main(r):
         try:
-            transport = Tcp(connect_mesh(listeners[r], addresses, r, token, timeout_s), r, range(n),
+            transport = Tcp(connect_mesh(listeners[r], addresses, r, token, SECRET, timeout_s), r, range(n),
                             ["host%d" % i for i in range(n)], timeout_s)
             try:
                 results[r] = job(transport)
@@ -143,12 +146,14 @@ def test_a_late_peer_times_out_and_the_transport_refuses_afterwards():
 
 def test_a_connection_of_an_older_world_is_turned_away():
     listeners, addresses = _listeners(2)
-    stale = socket.create_connection(("127.0.0.1", listeners[0].getsockname()[1]))
-    stale.sendall(b"old-token".ljust(64, b"\0") + (1).to_bytes(8, "little"))
     result = {}
-    thread = threading.Thread(target=lambda: result.update(r0=connect_mesh(listeners[0], addresses, 0, "new", 10)))
+    thread = threading.Thread(target=lambda: result.update(r0=connect_mesh(listeners[0], addresses, 0, "new", SECRET,
+                                                                           10)))
     thread.start()
-    fresh = connect_mesh(listeners[1], addresses, 1, "new", 10)
+    stale = socket.create_connection(("127.0.0.1", listeners[0].getsockname()[1]))
+    handshake.prove(stale, SECRET, "rank 0")  # a rank of this job, still in its older world
+    stale.sendall(b"old-token".ljust(64, b"\0") + (1).to_bytes(8, "little"))
+    fresh = connect_mesh(listeners[1], addresses, 1, "new", SECRET, 10)
     thread.join(20)
     mine, theirs = fresh[0], result["r0"][1]
     mine.setblocking(True)

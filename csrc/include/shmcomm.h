@@ -25,9 +25,8 @@ typedef enum {
   SMC_ERR_EXISTS = 7,      /* a box of that name exists already */
   SMC_ERR_NOT_FOUND = 8,   /* no box of that name */
   SMC_ERR_BROKEN = 9,      /* an earlier failure left the communicator unusable */
-  SMC_ERR_REFUSED = 10,    /* a peer's call of the same collective failed its own checks (smc_coll_refuse); every
-                            * other rank gets it at once, naming that rank and its error; the communicator stays
-                            * usable */
+  SMC_ERR_REFUSED = 10,    /* a peer's call of the same collective failed its own checks (smc_coll_refuse): every
+                            * other rank gets it at once, naming that rank and its error; the communicator lives */
   SMC_ERR_ABANDONED = 11   /* init gave up because the caller set its abandon word (smc_config_t.abandon) */
 } smc_result_t;
 
@@ -294,8 +293,10 @@ smc_result_t smc_box_wait_version(smc_box_t* box, uint64_t min_version, double t
 
 /* ---- box server (csrc/net/box_server.c): this host's boxes served to the other hosts, without Python ---- */
 typedef struct smc_box_server smc_box_server_t;
-/* Listens on every interface, on a port the system picks, and serves each connection in a thread of its own. */
-smc_result_t smc_box_server_start(smc_comm_t* comm, smc_box_server_t** server);
+/* Listens on `address` (IPv4; "0.0.0.0": every interface) on a port the system picks, and serves each connection
+ * that proves it holds `key`, the job's secret (16 to 64 bytes; csrc/net/handshake.h), in a thread of its own. */
+smc_result_t smc_box_server_start(smc_comm_t* comm, const char* address, const uint8_t* key, size_t key_len,
+                                  smc_box_server_t** server);
 int smc_box_server_port(const smc_box_server_t* server);
 /* Stops accepting, ends every connection (releasing the box locks they held) and joins their threads, each by
  * timeout_s (a thread in a lock or version wait leaves when that wait ends). Returns 1 when every thread has left;
@@ -390,8 +391,7 @@ int smc_box_exchange_streamed(int fd, const void* head, size_t head_len, void* x
 
 /* ---- kernels (csrc/reduce/), exposed for tests and benchmarks ---- */
 size_t smc_dtype_size(smc_datatype_t dtype);
-/* dst[i] = postscale * op_k(prescale * srcs[k][i]) / divisor, accumulated in float for 16-bit floats. dst may be
- * one of the srcs. */
+/* dst[i] = postscale * op_k(prescale * srcs[k][i]) / divisor (16-bit floats summed in float); dst may be a src. */
 smc_result_t smc_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_datatype_t dtype,
                         smc_redop_t op, double prescale, double postscale, int64_t divisor);
 /* dst[i] = beta*dst[i] + alpha*src[i]; integers wrap on exact 1/1 sums and truncate otherwise. */

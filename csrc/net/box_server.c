@@ -5,10 +5,12 @@
  * busy home rank would wait on it (benchmarks/RESULTS.md). These threads only sleep in the kernel on their sockets
  * and in the box's own waits.
  *
- * Here: one thread accepts, and each connection gets a thread of its own, which serves its requests
- * (net/box_session.c: one request, one reply, in the messages of net/wire.c and shmcomm/smb/wire.py) and
- * releases what the connection held when it ends, however it ends. The box lock is a robust recursive mutex owned by
- * the thread that took it: the connection's thread takes and releases it, so it is the right owner. */
+ * Here: one thread accepts, and each connection gets a thread of its own, which first takes the client's proof that
+ * it holds the job's secret (net/handshake.c; there, not in the accepting thread, so that a client that stays silent
+ * holds up no one else), then serves its requests (net/box_session.c: one request, one reply, in the messages of
+ * net/wire.c and shmcomm/smb/wire.py) and releases what the connection held when it ends, however it ends. The box
+ * lock is a robust recursive mutex owned by the thread that took it: the connection's thread takes and releases it,
+ * so it is the right owner. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -16,15 +18,20 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "core/clock.h"
+#include "coll/comm.h"
 #include "core/error.h"
 #include "net/box_session.h"
+#include "net/handshake.h"
 #include "shmcomm.h"
+
+enum { MAX_KEY_BYTES = 64 };
 
 typedef struct connection {
   struct connection* next;
@@ -44,11 +51,41 @@ struct smc_box_server {
   pthread_mutex_t mutex;          /* guards connections and closed */
   connection_t* connections;
   int closed;
+  size_t key_len;
+  uint8_t key[MAX_KEY_BYTES];  /* the job's secret: only who proves it holds it is served */
 };
+
+/* How long a client has to prove itself: it answers from C, whatever its process is busy with. */
+enum { HANDSHAKE_TIMEOUT_S = 10 };
+
+static const char* refusal(int outcome) {
+  switch (outcome) {
+    case SMC_HANDSHAKE_WRONG: return "its proof of the job's secret is wrong (another secret, or a replay)";
+    case SMC_HANDSHAKE_FOREIGN: return "it does not speak the job's handshake";
+    case SMC_HANDSHAKE_TIMEOUT: return "it did not prove it holds the job's secret in time";
+    default: return "it left before proving it holds the job's secret";
+  }
+}
+
+/* One line on stderr per refused connection, naming the peer: the only trace an outsider leaves. */
+static void log_refusal(const smc_box_server_t* s, int fd, int outcome) {
+  struct sockaddr_in peer;
+  socklen_t len = sizeof(peer);
+  char address[INET_ADDRSTRLEN] = "?";
+  memset(&peer, 0, sizeof(peer));
+  if (getpeername(fd, (struct sockaddr*)&peer, &len) == 0) inet_ntop(AF_INET, &peer.sin_addr, address, sizeof(address));
+  dprintf(2, "shmcomm: rank %d's box server refused a connection from %s:%d: %s\n",
+          s->comm->job_ranks[s->comm->rank], address, ntohs(peer.sin_port), refusal(outcome));
+}
 
 static void* serve(void* arg) {
   connection_t* c = (connection_t*)arg;
-  smc_box_session_serve(c->server->comm, c->fd);
+  smc_box_server_t* s = c->server;
+  int outcome = smc_handshake_admit(c->fd, s->key, s->key_len, HANDSHAKE_TIMEOUT_S);
+  if (outcome == SMC_HANDSHAKE_PROVEN)
+    smc_box_session_serve(s->comm, c->fd);
+  else if (!s->closed)  /* read without the mutex: at worst one line more while the server stops */
+    log_refusal(s, c->fd, outcome);
   pthread_mutex_lock(&c->server->mutex);
   shutdown(c->fd, SHUT_RDWR);
   c->done = 1;
@@ -124,22 +161,29 @@ static void* accept_loop(void* arg) {
   }
 }
 
-smc_result_t smc_box_server_start(smc_comm_t* comm, smc_box_server_t** out) {
-  if (comm == NULL || out == NULL) return smc_set_error(SMC_ERR_INVALID, "box server: NULL argument");
+smc_result_t smc_box_server_start(smc_comm_t* comm, const char* address, const uint8_t* key, size_t key_len,
+                                   smc_box_server_t** out) {
+  if (comm == NULL || address == NULL || key == NULL || out == NULL)
+    return smc_set_error(SMC_ERR_INVALID, "box server: NULL argument");
+  if (key_len < SMC_HANDSHAKE_MIN_KEY_BYTES || key_len > MAX_KEY_BYTES)
+    return smc_set_error(SMC_ERR_INVALID, "box server: the job's secret must have %d to %d bytes",
+                         SMC_HANDSHAKE_MIN_KEY_BYTES, MAX_KEY_BYTES);
+  struct sockaddr_in addr;
+  memset(&addr, 0, sizeof(addr));
+  addr.sin_family = AF_INET;
+  if (inet_pton(AF_INET, address, &addr.sin_addr) != 1)
+    return smc_set_error(SMC_ERR_INVALID, "box server: '%.64s' is not an IPv4 address", address);
   smc_box_server_t* s = (smc_box_server_t*)calloc(1, sizeof(*s));
   if (s == NULL) return smc_set_error(SMC_ERR_NOMEM, "box server: out of memory");
   s->comm = comm;
   s->pid = getpid();
+  memcpy(s->key, key, key_len);
+  s->key_len = key_len;
   s->listener = s->wake[0] = s->wake[1] = -1;
   pthread_mutex_init(&s->mutex, NULL);
   smc_result_t rc = SMC_SUCCESS;
   int one = 1;
-  struct sockaddr_in addr;
   socklen_t len = sizeof(addr);
-  memset(&addr, 0, sizeof(addr));
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = 0;
   SYS_CHECK_GOTO(s->listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), "box server: socket", rc, fail);
   SYS_CHECK_GOTO(setsockopt(s->listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)), "box server: setsockopt", rc,
                  fail);
@@ -159,6 +203,7 @@ fail:
   if (s->wake[0] >= 0) close(s->wake[0]);
   if (s->wake[1] >= 0) close(s->wake[1]);
   pthread_mutex_destroy(&s->mutex);
+  explicit_bzero(s->key, sizeof(s->key));
   free(s);
   return rc;
 }
@@ -221,6 +266,7 @@ int smc_box_server_stop(smc_box_server_t* s, double timeout_s) {
   close(s->wake[1]);
   if (all) {
     pthread_mutex_destroy(&s->mutex);
+    explicit_bzero(s->key, sizeof(s->key));
     free(s);
   }
   return all;

@@ -92,6 +92,33 @@ def job_token():
     return _get("JOB_TOKEN")
 
 
+SECRET = "SHMCOMM_SECRET"  # shmcommrun's per-job secret, as hex: how the launcher hands it to its ranks
+_secret = []  # the secret once read: it leaves the environment then
+
+
+def new_secret():
+    """A fresh secret for a job: 256 random bits, as SHMCOMM_SECRET holds them."""
+    return secrets.token_hex(32)
+
+
+def job_secret():
+    """The job's secret (bytes) from SHMCOMM_SECRET, or None without one. The first read takes it out of this
+    process's environment, so that no child process, nor a dump of the environment, shows it. A value that is not
+    32 to 128 hex digits raises ValueError, which does not repeat it."""
+    if not _secret:
+        text = os.environ.pop(SECRET, None)
+        if text is None:
+            return None
+        try:
+            value = bytes.fromhex(text)
+        except ValueError:
+            value = b""
+        if not 16 <= len(value) <= 64:
+            raise ValueError("%s must hold 32 to 128 hex digits (shmcommrun sets it); this one does not" % SECRET)
+        _secret.append(value)
+    return _secret[0]
+
+
 def adopt_identity(identity):
     """Takes a re-formed elastic world's place ({"RANK": 2, ...}) for this process's launch variables: read from here
     on instead of the environment's, which keeps what the worker was started with (startup/membership.py)."""

@@ -115,34 +115,39 @@ def free_port(address="127.0.0.1"):
         return probe.getsockname()[1]
 
 
-def rank_environments(num_proc, token, hostname, base_env, flag_env):
+def rank_environments(num_proc, token, hostname, base_env, flag_env, secret=None):
     """The full environment of each rank: the launcher's, then the flags', then the rank's identity, also under
-    torchrun's names, so that a torch.distributed script runs unchanged."""
+    torchrun's names, so that a torch.distributed script runs unchanged, and the job's secret (a fresh one unless
+    given)."""
+    secret = secret or env.new_secret()
     environments = []
     master_port = str(free_port())
     for rank in range(num_proc):
-        env = dict(base_env)
-        env.update(flag_env)
+        environ = dict(base_env)
+        environ.update(flag_env)
         identity = {"RANK": rank, "SIZE": num_proc, "LOCAL_RANK": rank, "LOCAL_SIZE": num_proc,
                     "CROSS_RANK": 0, "CROSS_SIZE": 1, "HOSTNAME": hostname}
         for key, value in identity.items():
-            env[f"SHMCOMM_{key}"] = str(value)
-            env[f"HOROVOD_{key}"] = str(value)
-        env.update(RANK=str(rank), WORLD_SIZE=str(num_proc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(num_proc),
-                   GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port)
-        env["SHMCOMM_JOB_TOKEN"] = token
-        env["PYTHONUNBUFFERED"] = "1"  # Python ranks would otherwise hold their output back until exit
+            environ[f"SHMCOMM_{key}"] = str(value)
+            environ[f"HOROVOD_{key}"] = str(value)
+        environ.update(RANK=str(rank), WORLD_SIZE=str(num_proc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(num_proc),
+                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port)
+        environ["SHMCOMM_JOB_TOKEN"] = token
+        environ[env.SECRET] = secret
+        environ["PYTHONUNBUFFERED"] = "1"  # Python ranks would otherwise hold their output back until exit
         if "OMP_NUM_THREADS" not in base_env:
             # Each rank's math library would start a thread per core and spin; N ranks would then fight over the
             # cores, which slows training badly. Share the cores out, as torchrun does; set it to override.
-            env["OMP_NUM_THREADS"] = str(max(1, _cores() // num_proc))
-        environments.append(env)
+            environ["OMP_NUM_THREADS"] = str(max(1, _cores() // num_proc))
+        environments.append(environ)
     return environments
 
 
 def describe_plan(command, environments, base_env):
     """The launch plan for --verbose: what every rank gets on top of the launcher's environment."""
-    added = [{k: v for k, v in env.items() if base_env.get(k) != v} for env in environments]
+    # Never the job's secret: the ranks' proof that a connection is the job's.
+    added = [{k: v for k, v in environ.items() if base_env.get(k) != v and k != env.SECRET}
+             for environ in environments]
     common = {k: v for k, v in added[0].items() if all(extra.get(k) == v for extra in added)}
     lines = [f"launching {len(environments)} rank(s) of: {shlex.join(command)}",
              "environment of every rank, on top of the launcher's:"]
@@ -276,11 +281,12 @@ def launch_across_hosts(parser, args, command, hosts):
         parser.exit(1, f"{PROG}: error: cannot reach host {unreachable[0]}: {unreachable[1]}\n")
 
     token = secrets.token_hex(16)
+    secret = env.new_secret()
     base_env = env.environment()
     ranks_per_host = min(args.num_proc, max(count for _, count in hosts))
     job_env = mpi_launch.job_environment(token, env_from_flags(args), base_env, ranks_per_host, _cores(),
                                          args.tcp_flag)
-    notices = NoticeServer(interfaces)  # tells ranks still in MPI's start which rank failed
+    notices = NoticeServer(bytes.fromhex(secret), interfaces)  # tells ranks still in MPI's start which rank failed
     job_env["SHMCOMM_LAUNCHER_NOTICES"] = ",".join(notices.addresses)
     # torch.distributed's store on the first host; the port is free here, which is all this host can know of it.
     first = socket.gethostname() if hosts[0][0] in _LOCAL_HOST_NAMES else hosts[0][0]
@@ -293,7 +299,7 @@ def launch_across_hosts(parser, args, command, hosts):
         say(f"{plural(args.num_proc, 'rank')} on {plural(used, 'host')}, job {token[:8]}")
     if args.verbose:
         say(f"launching {args.num_proc} rank(s) on {', '.join(f'{h}:{n}' for h, n in hosts)} with mpiexec")
-    launcher_env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file)
+    launcher_env = mpi_launch.launcher_environment(base_env, args.ssh_port, args.ssh_identity_file, secret)
     try:
         output_files = open_output_files(args.output_filename, args.num_proc) if args.output_filename else None
     except OSError as error:

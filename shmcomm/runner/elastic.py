@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+from shmcomm import env as env_settings
+
 from .cleanup import remove_job_segments
 from .elastic_server import MembershipServer
 from .console import forward_output
@@ -58,10 +60,12 @@ def discover(script, default_slots=1, timeout_s=10.0):
 
 def remote_command(env, command, cwd):
     """The shell command that starts a worker on another host: this directory, the job's environment (less what
-    describes this session), the command."""
+    describes this session), the command. The job's secret is not in it (a command line is public on both hosts):
+    the remote shell reads it from its standard input, one line, which the launcher writes (Driver.spawn)."""
     exports = [shlex.quote("%s=%s" % (k, v)) for k, v in sorted(env.items())
-               if k not in _LOCAL_ONLY and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
-    return "cd %s && exec env %s %s" % (shlex.quote(cwd), " ".join(exports), shlex.join(command))
+               if k not in _LOCAL_ONLY and k != env_settings.SECRET and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+    return "IFS= read -r %s && export %s && cd %s && exec env %s %s </dev/null" % (
+        env_settings.SECRET, env_settings.SECRET, shlex.quote(cwd), " ".join(exports), shlex.join(command))
 
 
 class Driver:
@@ -83,7 +87,9 @@ class Driver:
         self.min_np, self.max_np, self.initial, self.script = min_np, max_np, initial, script
         self.elastic_timeout, self.grace_s = elastic_timeout, grace_s
         self.is_this_host, self.agent, self.default_slots = is_this_host, agent, default_slots
-        self.server = MembershipServer(interfaces)
+        self.secret = env_settings.new_secret()
+        # Without a discovery script every worker runs on this host: the launcher listens on loopback only.
+        self.server = MembershipServer(bytes.fromhex(self.secret), interfaces, local_only=script is None)
         self.token = secrets.token_hex(16)
         self.generation = 0
         self.members = []      # worker ids in the job (published in rank order)
@@ -101,12 +107,20 @@ class Driver:
             wid = len(self.workers)
             env = dict(self.env, SHMCOMM_ELASTIC_DRIVER=",".join(self.server.addresses),
                        SHMCOMM_ELASTIC_WORKER=str(wid), SHMCOMM_ELASTIC_TIMEOUT=str(self.elastic_timeout))
-            if self.is_this_host(host):
+            env[env_settings.SECRET] = self.secret
+            local = self.is_this_host(host)
+            if local:
                 argv, process_env = self.command, env
             else:  # the environment travels in the command: ssh passes on none of it
                 argv, process_env = self.agent + [host, remote_command(env, self.command, os.getcwd())], None
-            process = subprocess.Popen(argv, env=process_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, start_new_session=True)
+            process = subprocess.Popen(argv, env=process_env, stdin=subprocess.DEVNULL if local else subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            if not local:
+                try:
+                    process.stdin.write((self.secret + "\n").encode())
+                    process.stdin.close()
+                except OSError:  # the agent failed at once: its exit is reported like any worker's
+                    pass
             self.workers[wid], self.host_of[wid] = process, host
             self.pending.append(wid)
             for pipe, stream, label in ((process.stdout, sys.stdout, "stdout"), (process.stderr, sys.stderr,

@@ -6,11 +6,13 @@ A worker's first line says who it is and where its peers reach it; from then on 
 put it in the next membership. The launcher sends every membership record to every connected worker (and the newest
 one to a worker that connects later). A worker whose connection closes is gone, whatever its launcher-side process
 (ssh, a launcher agent) says."""
+import errno
 import json
 import socket
 import threading
 
 from shmcomm.startup.addresses import interface_addresses
+from shmcomm.transport import handshake
 
 
 def local_addresses(interfaces=None):
@@ -20,27 +22,52 @@ def local_addresses(interfaces=None):
     return found if interfaces or "127.0.0.1" in found else found + ["127.0.0.1"]
 
 
-def open_listener(interfaces=None):
-    """(a TCP listener on every interface, its addresses "ip:port" in the order clients should try them)."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("", 0))
-    listener.listen(1024)
-    port = listener.getsockname()[1]
-    return listener, ["%s:%d" % (a, port) for a in local_addresses(interfaces)]
+def open_listener(interfaces=None, local_only=False):
+    """(TCP listeners, one port, and their addresses "ip:port" in the order clients should try them): on loopback
+    when the whole job is on this host (local_only), on the addresses of the named `interfaces`, else on every
+    interface (the hosts may be names that only ssh resolves: which interface reaches them is not known here)."""
+    if local_only:
+        listeners, port = _bind_all(["127.0.0.1"])
+        return listeners, ["127.0.0.1:%d" % port]
+    listeners, port = _bind_all(local_addresses(interfaces) if interfaces else [""])
+    return listeners, ["%s:%d" % (a, port) for a in local_addresses(interfaces)]
 
 
-def accept_until_closed(listener, serve, name):
-    """Accepts connections on `listener` in a thread until it is closed; each is served by serve(sock), in a thread
-    of its own."""
-    def accept():
+def _bind_all(addresses, tries=20):
+    """(listening sockets on `addresses`, their one port: the one the system picks for the first)."""
+    for _ in range(tries):
+        listeners = []
+        try:
+            for address in addresses:
+                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                listeners.append(listener)
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind((address, listeners[0].getsockname()[1] if len(listeners) > 1 else 0))
+                listener.listen(1024)
+            return listeners, listeners[0].getsockname()[1]
+        except OSError as error:
+            hang_up(listeners)
+            if error.errno != errno.EADDRINUSE:  # the port the first got is taken on another address: try again
+                raise
+    raise OSError(errno.EADDRINUSE, "no port free on every one of %s" % ", ".join(addresses))
+
+
+def accept_until_closed(listeners, serve, secret, name):
+    """Accepts connections on `listeners` in a thread each until they are closed; each connection that proves it
+    holds `secret` (transport/handshake.py) is served by serve(sock), in a thread of its own."""
+    def admit_and_serve(sock):
+        if handshake.admit(sock, secret, "the launcher's %s server" % name):
+            serve(sock)
+
+    def accept(listener):
         while True:
             try:
                 sock, _ = listener.accept()
             except OSError:  # closed
                 return
-            threading.Thread(target=serve, args=(sock,), name=name, daemon=True).start()
-    threading.Thread(target=accept, name=name + "-accept", daemon=True).start()
+            threading.Thread(target=admit_and_serve, args=(sock,), name=name, daemon=True).start()
+    for listener in listeners:
+        threading.Thread(target=accept, args=(listener,), name=name + "-accept", daemon=True).start()
 
 
 def hang_up(sockets):
@@ -53,15 +80,17 @@ def hang_up(sockets):
 
 
 class MembershipServer:
-    def __init__(self, interfaces=None):
-        self.listener, self.addresses = open_listener(interfaces)
+    """Serves the workers that prove they hold `secret`, the job's, on `interfaces` (open_listener)."""
+
+    def __init__(self, secret, interfaces=None, local_only=False):
+        self.listeners, self.addresses = open_listener(interfaces, local_only)
         self.lock = threading.Lock()
         self.workers = {}  # worker id -> {"address", "host", "pid"} once it said hello
         self.connections = {}  # worker id -> socket
         self.gone = set()  # workers whose connection closed
         self.record = None
         self.closed = False
-        accept_until_closed(self.listener, self._serve, "elastic-worker")
+        accept_until_closed(self.listeners, self._serve, secret, "membership")
 
     def _serve(self, sock):
         """Reads the worker's hello, then waits for its connection to close."""
@@ -112,7 +141,7 @@ class MembershipServer:
 
     def close(self):
         self.closed = True
-        self.listener.close()
+        hang_up(self.listeners)
         with self.lock:
             hang_up(self.connections.values())
             self.connections = {}

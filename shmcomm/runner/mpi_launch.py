@@ -22,6 +22,7 @@ import time
 from collections import deque
 
 from shmcomm.startup import failure_reports
+from shmcomm import env as env_settings
 from shmcomm.env import ERROR_REPORT_DIR
 
 from .cleanup import remove_job_segments, remove_orphaned_mpi_segments
@@ -101,6 +102,8 @@ def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=N
     args += interface_settings(list(interfaces))
     for name, value in job_env.items():
         args += ["-genv", name, value]
+    # The job's secret goes from mpiexec's environment (launcher_environment), by name: never on a command line.
+    args += ["-genvlist", env_settings.SECRET]
     firsts = ",".join(map(str, first_ranks(hosts, num_proc)))
     return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD, "%g" % grace_s, "%g" % stopped_limit_s,
                                     firsts] + list(command)
@@ -133,9 +136,10 @@ def job_environment(token, flag_env, base_env, ranks_per_host, cores, tcp_only=F
     return env
 
 
-def launcher_environment(base_env, ssh_port=None, ssh_identity_file=None):
+def launcher_environment(base_env, ssh_port=None, ssh_identity_file=None, secret=None):
     """mpiexec's own environment: the launcher's without any rank identity of an enclosing job (the ranks take
-    theirs from MPI), and the ssh port and key for hydra's launcher."""
+    theirs from MPI), the ssh port and key for hydra's launcher, and the job's secret, which hydra passes on to
+    the ranks (mpiexec_command's -genvlist)."""
     env = {name: value for name, value in base_env.items()
            if not any(name in (f"SHMCOMM_{key}", f"HOROVOD_{key}") for key in _IDENTITY)}
     # Hydra adds HYDRA_LAUNCHER_EXTRA_ARGS to every launcher call: `ssh -x -p PORT -i KEY HOST COMMAND`.
@@ -146,6 +150,8 @@ def launcher_environment(base_env, ssh_port=None, ssh_identity_file=None):
         extra.append(f"-i {shlex.quote(ssh_identity_file)}")
     if len(extra) > 1:
         env["HYDRA_LAUNCHER_EXTRA_ARGS"] = " ".join(filter(None, extra))
+    if secret is not None:
+        env[env_settings.SECRET] = secret
     return env
 
 

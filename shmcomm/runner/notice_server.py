@@ -22,13 +22,13 @@ class NoticeServer:
     "cause": "ValueError: ..."}, goes out the same way for the errors of the others, whose hosts may not see its saved
     report. Ranks say nothing; a connection that closes is forgotten."""
 
-    def __init__(self, interfaces=None):
-        self.listener, self.addresses = open_listener(interfaces)
+    def __init__(self, secret, interfaces=None):
+        self.listeners, self.addresses = open_listener(interfaces)
         self.lock = threading.Lock()
         self.notices = []  # every line sent so far, for ranks that connect later
         self.connections = set()
         self.closed = False
-        accept_until_closed(self.listener, self._serve, "notice-rank")
+        accept_until_closed(self.listeners, self._serve, secret, "notice")
 
     def _serve(self, sock):
         """Sends the notices so far, then the new ones (publish), until the connection closes."""
@@ -76,5 +76,5 @@ class NoticeServer:
         with self.lock:
             self.closed = True
             connections, self.connections = self.connections, set()
-        self.listener.close()
+        hang_up(self.listeners)
         hang_up(connections)

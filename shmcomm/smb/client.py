@@ -13,7 +13,7 @@ import time
 from shmcomm._native import ffi, lib
 from shmcomm.vocabulary.exceptions import HostFailure, InvalidArgumentError
 from shmcomm.smb import wire
-from shmcomm.transport import kernels
+from shmcomm.transport import handshake, kernels
 from shmcomm.smb.rollcall import name_silent_ranks
 
 _CONNECT_TIMEOUT_S = 5.0  # per address tried; a host has few
@@ -25,10 +25,12 @@ STREAM_BYTES = 64 << 10
 class BoxNetwork:
     """`servers[h]`: the (addresses, port) of each rank's box server on host h, in local rank order; `host_names[h]`
     and `host_ranks[h]`: what errors say of host h; `host`: this process's host; `local_rank`: which of a host's
-    servers this process talks to (its own local rank, wrapped), so that a host's ranks share the serving."""
+    servers this process talks to (its own local rank, wrapped), so that a host's ranks share the serving;
+    `secret`: the job's, which every connection proves."""
 
-    def __init__(self, server, host, local_rank, servers, host_names, host_ranks, timeout_s):
+    def __init__(self, server, host, local_rank, servers, host_names, host_ranks, timeout_s, secret):
         self.server = server
+        self.secret = secret
         self.host = host
         self.hosts = len(servers)
         self.local_rank = local_rank
@@ -43,15 +45,19 @@ class BoxNetwork:
         return "host %d (%s, ranks %s)" % (host, self.host_names[host], ", ".join(str(r) for r in ranks))
 
     def connect(self, host, what):
-        """A connection to one of `host`'s box servers, or HostFailure naming the host."""
+        """A connection to one of `host`'s box servers, both ends proven to be the job's (AuthenticationError
+        otherwise), or HostFailure naming the host."""
         addresses, port = self.servers[host][self.local_rank % len(self.servers[host])]
         failures = []
         for address in addresses:
             try:
-                sock = socket.create_connection((address, port), timeout=min(_CONNECT_TIMEOUT_S, self.timeout_s))
-                return wire.tuned(sock)
+                sock = wire.tuned(socket.create_connection((address, port),
+                                                           timeout=min(_CONNECT_TIMEOUT_S, self.timeout_s)))
             except OSError as error:
                 failures.append("%s:%d: %s" % (address, port, error))
+                continue
+            handshake.prove(sock, self.secret, "%s: the box server of its home %s" % (what, self.describe(host)))
+            return sock
         raise HostFailure("%s: cannot reach its home %s (%s)" % (what, self.describe(host), "; ".join(failures)
                                                                   or "it has no address"), host=self.host_names[host])
 

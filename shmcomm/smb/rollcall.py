@@ -10,12 +10,14 @@ found ranks stopped exits with code 1 without MPI_Finalize, where MPICH would wa
 import atexit
 import errno
 import os
-import selectors
 import socket
 import sys
+import threading
 import time
 
 from shmcomm.smb import wire
+from shmcomm.transport import handshake
+from shmcomm.vocabulary.exceptions import AuthenticationError, TimeoutError
 
 _GRACE_S = 1.0  # how long a roll call waits for answers; a server thread answers within milliseconds
 SILENT, GONE = "does not answer", "is gone"
@@ -26,6 +28,7 @@ class RollCall:
 
     def __init__(self, network, rank):
         self.rank = rank
+        self.secret = network.secret
         self.servers = {}  # job rank: (addresses, port)
         for host, ranks in enumerate(network.host_ranks):
             for local, job_rank in enumerate(ranks):
@@ -34,55 +37,48 @@ class RollCall:
 
     def check(self, grace_s=_GRACE_S):
         """{rank: SILENT or GONE} for the other ranks that do not answer within grace_s. A rank hung in its own code
-        still answers (its server's threads never need the interpreter): the ranks that wait for it name it."""
+        still answers (its server's threads never need the interpreter): the ranks that wait for it name it. Each
+        rank is asked in a thread of its own, through the job's handshake, so all are asked at once."""
         deadline = time.monotonic() + grace_s
-        selector = selectors.DefaultSelector()
-        failed = {}
-        ping = wire.REQUEST.pack(wire.PING, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0)
+        answers = {}
+        askers = []
         for rank, (addresses, port) in self.servers.items():
             if rank == self.rank:
                 continue
             if not addresses:
-                failed[rank] = GONE
+                answers[rank] = GONE
                 continue
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            code = sock.connect_ex((addresses[0], port))
-            if code not in (0, errno.EINPROGRESS):
-                sock.close()
-                failed[rank] = GONE
-                continue
-            selector.register(sock, selectors.EVENT_WRITE, [rank, b""])
-        try:
-            while selector.get_map() and time.monotonic() < deadline:
-                for key, events in selector.select(max(0.0, deadline - time.monotonic())):
-                    rank, got = key.data
-                    sock = key.fileobj
-                    try:
-                        if events & selectors.EVENT_WRITE:  # connected (or refused): send the ping
-                            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                            if error:
-                                raise OSError(error, os.strerror(error))
-                            sock.send(ping)  # a few bytes into an empty buffer: all of them go
-                            selector.modify(sock, selectors.EVENT_READ, key.data)
-                            continue
-                        data = sock.recv(wire.REPLY.size - len(got))
-                        if not data:
-                            raise OSError(errno.ECONNRESET, "closed")
-                        key.data[1] = got + data
-                        if len(key.data[1]) < wire.REPLY.size:
-                            continue
-                    except OSError:
-                        failed[rank] = GONE
-                    selector.unregister(sock)
-                    sock.close()
-            for key in list(selector.get_map().values()):
-                failed[key.data[0]] = SILENT
-                key.fileobj.close()
-        finally:
-            selector.close()
+            asker = threading.Thread(target=self._ask, args=(rank, addresses[0], port, deadline, answers),
+                                     name="shmcomm-roll-call", daemon=True)
+            asker.start()
+            askers.append((rank, asker))
+        for rank, asker in askers:
+            asker.join(max(0.0, deadline - time.monotonic()) + 0.1)
+        states = {rank: answers.get(rank, SILENT) for rank in self.servers if rank != self.rank}  # SILENT: no word
+        failed = {rank: state for rank, state in states.items() if state is not None}
         self.silent = sorted(set(self.silent) | {r for r, state in failed.items() if state == SILENT})
         return dict(sorted(failed.items()))
+
+    def _ask(self, rank, address, port, deadline, answers):
+        """answers[rank]: None once rank's server answered a ping, GONE if it refused or closed, SILENT if it did
+        not answer by `deadline`."""
+        try:
+            with socket.create_connection((address, port), timeout=max(0.01, deadline - time.monotonic())) as sock:
+                handshake.prove(sock, self.secret, "rank %d's box server" % rank,
+                                max(0.01, deadline - time.monotonic()))
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                sock.sendall(wire.REQUEST.pack(wire.PING, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0))
+                got = b""
+                while len(got) < wire.REPLY.size:
+                    data = sock.recv(wire.REPLY.size - len(got))
+                    if not data:
+                        raise OSError(errno.ECONNRESET, "closed")
+                    got += data
+            answers[rank] = None
+        except (socket.timeout, TimeoutError):
+            answers[rank] = SILENT
+        except (OSError, AuthenticationError):
+            answers[rank] = GONE
 
     def why_not_finalize(self):
         """Why this process must not call MPI_Finalize (a roll call found ranks stopped or hung: MPICH's finalize

@@ -8,11 +8,12 @@ box's lock, and progress waits for the target to call MPI, while a thread asleep
 and costs no core. In C: a Python server thread would wait for the interpreter lock, which a home rank computing in
 Python gives up only every switch interval; the C threads serve alike whatever the home rank does."""
 from shmcomm._native import check, ffi, lib
-from shmcomm.startup.addresses import interface_addresses
 
 
 class BoxServer:
-    """Listens on every interface; `address` is (addresses, port) for the other hosts.
+    """Listens on `listen` (an IPv4 address of this host; "0.0.0.0": every interface) and serves only clients that
+    prove they hold `secret`, the job's (transport/handshake.py); `address` is (addresses, port) for the other hosts,
+    `reachable` the addresses they may try when it listens on every interface.
 
     A box's lock is a robust, recursive pthread mutex owned by the thread that took it: a remote lock is taken and
     released by the connection's thread, so a client that dies holding it (its connection closed by its kernel) has
@@ -20,13 +21,12 @@ class BoxServer:
     vanished closes nothing; the server's TCP keepalive finds it gone within about 7 s of silence, with the same
     result."""
 
-    def __init__(self, shm, timeout_s):
+    def __init__(self, shm, timeout_s, secret, listen, reachable):
         self._timeout_s = timeout_s
         out = ffi.new("smc_box_server_t **")
-        check(lib.smc_box_server_start(shm.handle, out))
+        check(lib.smc_box_server_start(shm.handle, listen.encode(), secret, len(secret), out))
         self._server = out[0]
-        reachable = [a for a in interface_addresses() if not a.startswith("127.")]
-        self.address = (reachable, int(lib.smc_box_server_port(self._server)))
+        self.address = (reachable if listen == "0.0.0.0" else [listen], int(lib.smc_box_server_port(self._server)))
 
     def close(self):
         """Stops accepting and ends every connection; waits (up to the timeout) for their threads to leave the arena,

@@ -14,6 +14,7 @@ from shmcomm import _native, env
 from shmcomm.startup import failure_reports, membership, topology
 from shmcomm.algorithms.host import HostComm
 from shmcomm.vocabulary.exceptions import RankFailure, TimeoutError
+from shmcomm.startup.addresses import interface_addresses, listen_address
 from shmcomm.startup.notices import LauncherNotices
 from shmcomm.smb.rollcall import exit_without_finalize
 from shmcomm.transport.shm import SharedMemory
@@ -23,6 +24,7 @@ _native.explain_rank_failure = failure_reports.with_cause
 
 
 def build_world(generation):
+    env.job_secret()  # out of the environment, whichever path needs it: no child process inherits it
     if env.launched_by_mpi():
         return _across_hosts(generation)
     if membership.spans_hosts():
@@ -76,7 +78,7 @@ def _across_hosts(generation):
 
     choose_thread_level(env.mpi_threads_disabled())
     # Which rank failed, while MPI cannot say; later, why a rank failed, where its saved report is on another host.
-    notices = LauncherNotices(env.launcher_notices(), failure_reports.heard)
+    notices = LauncherNotices(env.launcher_notices(), failure_reports.heard, env.job_secret())
     try:
         topo, ctx = _within(env.tuning(1).start_timeout_s, "MPI's start across hosts", notices, _start_mpi)
         tuning = env.tuning(topo.local_size)
@@ -121,7 +123,7 @@ def _elastic_across_hosts(generation):
     mesh = None
     try:
         sockets = connect_mesh(membership.listener(), record["addresses"], topo.rank, record["token"],
-                               tuning.start_timeout_s, membership.superseded)
+                               env.job_secret(), tuning.start_timeout_s, membership.superseded)
         mesh = Tcp(sockets, topo.rank, range(topo.size), hosts, tuning.timeout_s)
         world = WorldComm(topo, tuning, HostComm(shm), None, paths, across=mesh, host_groups=groups)
     except BaseException:
@@ -209,14 +211,19 @@ def _held_up(what, waited_s, notices):
 
 
 def _box_network(ctx, topo, tuning, shm):
-    """Every rank serves its host's boxes to the other hosts (smb/server.py); where each server listens is
-    exchanged here, once, over MPI."""
+    """Every rank serves its host's boxes to the other hosts (smb/server.py), on the address of its host that
+    routes to them, to the ranks that prove they hold the job's secret; where each server listens is exchanged here,
+    once, over MPI."""
     import socket
 
     from shmcomm.smb.client import BoxNetwork
     from shmcomm.smb.server import BoxServer
 
-    server = BoxServer(shm, tuning.timeout_s)
+    reachable = [a for a in interface_addresses() if not a.startswith("127.")]
+    every = ctx.world.allgather((ctx.host_index, reachable, env.job_secret() is not None))
+    others = {host: addresses for host, addresses, _ in every if host != ctx.host_index}
+    secret = _agreed_secret(ctx.world, [rank for rank, e in enumerate(every) if e[2]])
+    server = BoxServer(shm, tuning.timeout_s, secret, listen_address(list(others.values())), reachable)
     try:
         every = ctx.world.allgather((ctx.host_index, topo.local_rank, server.address, socket.gethostname()))
     except BaseException:
@@ -228,7 +235,24 @@ def _box_network(ctx, topo, tuning, shm):
         servers[host][local_rank] = address
         names[host] = name
         ranks[host].append(rank)
-    return BoxNetwork(server, ctx.host_index, topo.local_rank, servers, names, ranks, tuning.timeout_s)
+    return BoxNetwork(server, ctx.host_index, topo.local_rank, servers, names, ranks, tuning.timeout_s, secret)
+
+
+def _agreed_secret(world, holding):
+    """The job's secret: every rank's SHMCOMM_SECRET (shmcommrun's), or, where no rank has one (mpiexec run by
+    hand), one that rank 0 makes and sends over MPI. `holding`: the ranks that have one; some but not all is a
+    mismatch every rank raises alike."""
+    if len(holding) == world.size:
+        return env.job_secret()
+    if holding:
+        missing = sorted(set(range(world.size)) - set(holding))
+        raise ValueError("%s is set on rank(s) %s but not on rank(s) %s: every rank of a job needs the same one "
+                         "(shmcommrun sets it), or none" % (env.SECRET, _listed(holding), _listed(missing)))
+    return bytes.fromhex(world.bcast(env.new_secret() if world.rank == 0 else None, root=0))
+
+
+def _listed(ranks):
+    return ", ".join(map(str, ranks))
 
 
 def _require_same_settings(mpi):

@@ -17,8 +17,9 @@ import threading
 import time
 
 from shmcomm import env
+from shmcomm.transport import handshake
 from shmcomm.transport.shm import AbandonWord
-from shmcomm.vocabulary.exceptions import ShmCommError
+from shmcomm.vocabulary.exceptions import AuthenticationError, ShmCommError
 
 log = logging.getLogger("shmcomm.elastic")
 _CONNECT_TIMEOUT_S = 5.0
@@ -96,18 +97,27 @@ def spans_hosts():
 
 
 def _connect():
+    """Connects to the launcher (proving both ends hold the job's secret), and opens this worker's listener for its
+    peers on the address of this host that reaches the launcher: the one the other hosts reach it on too."""
+    secret = env.job_secret()
+    if secret is None:
+        raise MembershipError("elastic worker %d has no job secret (%s): elastic workers are started by shmcommrun"
+                              % (env.elastic_worker(), env.SECRET))
     addresses = (env.elastic_driver() or "").split(",")
     errors = []
     for address in addresses:
         host, _, port = address.rpartition(":")
         try:
             sock = socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S)
+            handshake.prove(sock, secret, "elastic worker %d: the launcher" % env.elastic_worker())
+        except AuthenticationError as error:
+            raise MembershipError(str(error)) from None
         except (OSError, ValueError) as error:
             errors.append("%s: %s" % (address, error))
             continue
         sock.settimeout(None)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("", 0))
+        listener.bind((sock.getsockname()[0], 0))
         listener.listen(256)
         _Link.sock, _Link.listener = sock, listener
         _Link.address = "%s:%d" % (sock.getsockname()[0], listener.getsockname()[1])

@@ -8,32 +8,40 @@ to shutdown, in a thread of its own, which tries the launcher's addresses in tur
 its host can route to. Without the launcher (mpiexec started by hand, srun) nothing is heard and init says what it
 can without."""
 import json
+import logging
 import socket
 import threading
+
+from shmcomm.transport import handshake
+from shmcomm.vocabulary.exceptions import AuthenticationError
 
 _CONNECT_TIMEOUT_S = 2.0
 
 
 class LauncherNotices:
-    """Listens to the launcher at `addresses` ("ip:port,..." or None) until close(); passes each rank's cause of
-    failure to on_cause(rank, cause)."""
+    """Listens to the launcher at `addresses` ("ip:port,..." or None) until close(), once both ends proved they hold
+    `secret`, the job's; passes each rank's cause of failure to on_cause(rank, cause)."""
 
-    def __init__(self, addresses, on_cause):
+    def __init__(self, addresses, on_cause, secret):
         self._on_cause = on_cause
         self.failed = None  # the first notice of a rank that died or exited
         self.stopped = None  # the first notice of a stopped rank
         self._sock = None
         self._closed = False
         self._lock = threading.Lock()
-        if addresses:
-            threading.Thread(target=self._listen, args=(addresses.split(","),), name="shmcomm-notices",
+        if addresses and secret is not None:
+            threading.Thread(target=self._listen, args=(addresses.split(","), secret), name="shmcomm-notices",
                              daemon=True).start()
 
-    def _listen(self, addresses):
+    def _listen(self, addresses, secret):
         for address in addresses:
             host, _, port = address.rpartition(":")
             try:
                 sock = socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S)
+                handshake.prove(sock, secret, "the launcher's notice server")
+            except AuthenticationError as error:  # init goes on without notices, and says why
+                logging.getLogger("shmcomm").warning("%s", error)
+                return
             except (OSError, ValueError):
                 continue
             with self._lock:

@@ -10,6 +10,7 @@ remains the path for fixed worlds."""
 import selectors
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from shmcomm.vocabulary import description
 from shmcomm._native import ffi, lib
 from shmcomm.vocabulary.exceptions import AbandonedError, RankFailure, ShmCommError, TimeoutError
-from shmcomm.transport import PointToPoint, kernels
+from shmcomm.transport import PointToPoint, handshake, kernels
 from shmcomm.smb.wire import tuned  # small messages at once, big buffers for megabytes
 
 _LENGTH = struct.Struct("<Q")
@@ -28,60 +29,76 @@ def _bytes(ptr, nbytes):
     return np.frombuffer(ffi.buffer(ptr, nbytes), dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
 
 
-def connect_mesh(listener, addresses, rank, token, timeout_s, superseded=lambda: None):
+def connect_mesh(listener, addresses, rank, token, secret, timeout_s, superseded=lambda: None):
     """The sockets to every other rank of a world ({rank: socket}): this rank connects to the lower ranks and
-    accepts the higher ones on `listener` (its own, whose address is addresses[rank]). A connection from an older
-    world (another token) is closed. Raises TimeoutError naming the ranks that did not connect in time, or
-    AbandonedError as soon as superseded() says why this world will not form (a newer membership came)."""
+    accepts the higher ones on `listener` (its own, whose address is addresses[rank]), in a thread that admits them
+    from the start, so that no rank's handshake waits for its peer to finish connecting. Every connection first
+    proves both ends hold `secret`, the job's (handshake.py); one from an older world (another token) is then
+    closed. Raises TimeoutError naming the ranks that did not connect in time, or AbandonedError as soon as
+    superseded() says why this world will not form (a newer membership came)."""
     deadline = time.monotonic() + timeout_s
-    hello = _HELLO.pack(token.encode(), rank)
-    sockets = {}
+    sockets, accepted, stop = {}, {}, threading.Event()
+    acceptor = threading.Thread(target=_accept_higher, args=(listener, rank, len(addresses), token, secret, deadline,
+                                                             accepted, stop), name="shmcomm-mesh", daemon=True)
+    acceptor.start()
     try:
         for peer in range(rank):
-            host, port = addresses[peer].rsplit(":", 1)
-            while True:
-                try:
-                    sock = socket.create_connection((host, int(port)), timeout=_step(deadline))
-                    break
-                except OSError as error:  # the peer is not listening yet
-                    _check_superseded(superseded)
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("rank %d could not connect to rank %d at %s within %.0f s: %s"
-                                           % (rank, peer, addresses[peer], timeout_s, error)) from None
-                    time.sleep(0.05)
-            sockets[peer] = tuned(sock)
-            sock.sendall(hello)
-        while len(sockets) < len(addresses) - 1:
-            listener.settimeout(min(0.5, max(0.01, deadline - time.monotonic())))
-            try:
-                sock, _ = listener.accept()
-            except socket.timeout:
-                _check_superseded(superseded)
-                if time.monotonic() < deadline:
-                    continue
-                missing = [r for r in range(len(addresses)) if r != rank and r not in sockets]
-                raise TimeoutError("rank %d: ranks %s did not connect within %.0f s" % (rank, missing, timeout_s)) \
-                    from None
-            sock.settimeout(_step(deadline))
-            try:
-                got = _recv_exactly(sock, _HELLO.size)
-            except OSError:
-                got = None
-            if got is None:
-                sock.close()
-                continue
-            their_token, peer = _HELLO.unpack(got)
-            if their_token.rstrip(b"\0") != token.encode() or not rank < peer < len(addresses) or peer in sockets:
-                sock.close()  # a straggler of an older world
-                continue
-            sockets[peer] = tuned(sock)
+            sockets[peer] = _connect_lower(addresses, rank, peer, token, secret, deadline, timeout_s, superseded)
+        while acceptor.is_alive():
+            acceptor.join(min(0.5, max(0.01, deadline - time.monotonic())))
+            _check_superseded(superseded)
+        sockets.update(accepted)
+        if len(sockets) < len(addresses) - 1:
+            missing = [r for r in range(len(addresses)) if r != rank and r not in sockets]
+            raise TimeoutError("rank %d: ranks %s did not connect within %.0f s" % (rank, missing, timeout_s))
     except BaseException:
-        for sock in sockets.values():
+        stop.set()
+        acceptor.join()  # it wakes within its accept's timeout or its handshake's: the listener is then free
+        for sock in list(sockets.values()) + list(accepted.values()):
             sock.close()
         raise
     for sock in sockets.values():
         sock.setblocking(False)
     return sockets
+
+
+def _connect_lower(addresses, rank, peer, token, secret, deadline, timeout_s, superseded):
+    host, port = addresses[peer].rsplit(":", 1)
+    while True:
+        try:
+            sock = tuned(socket.create_connection((host, int(port)), timeout=_step(deadline)))
+            handshake.prove(sock, secret, "rank %d (for rank %d)" % (peer, rank), _step(deadline))
+            sock.sendall(_HELLO.pack(token.encode(), rank))
+            return sock
+        except (OSError, TimeoutError) as error:  # the peer is not listening yet, or too busy to answer
+            _check_superseded(superseded)
+            if time.monotonic() > deadline:
+                raise TimeoutError("rank %d could not connect to rank %d at %s within %.0f s: %s"
+                                   % (rank, peer, addresses[peer], timeout_s, error)) from None
+            time.sleep(0.05)
+
+
+def _accept_higher(listener, rank, size, token, secret, deadline, accepted, stop):
+    """Admits the ranks above `rank` into `accepted` ({rank: socket}) until all came, `stop` is set or the deadline
+    passed."""
+    while len(accepted) < size - 1 - rank and not stop.is_set() and time.monotonic() < deadline:
+        listener.settimeout(min(0.5, max(0.01, deadline - time.monotonic())))
+        try:
+            sock, _ = listener.accept()
+        except OSError:  # no one in this slice (or the listener closed: the deadline ends the loop)
+            continue
+        if not handshake.admit(tuned(sock), secret, "rank %d's listener for its peers" % rank, _step(deadline)):
+            continue
+        sock.settimeout(_step(deadline))
+        try:
+            got = _recv_exactly(sock, _HELLO.size)
+        except OSError:
+            got = None
+        peer = _HELLO.unpack(got)[1] if got is not None else -1
+        if got is None or got[:64].rstrip(b"\0") != token.encode() or not rank < peer < size or peer in accepted:
+            sock.close()  # a straggler of an older world
+            continue
+        accepted[peer] = sock
 
 
 def _step(deadline):

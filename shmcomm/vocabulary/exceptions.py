@@ -108,6 +108,12 @@ class HostFailure(RankFailure):
         return (type(self), (self.args[0], self.host))
 
 
+class AuthenticationError(ShmCommError):
+    """A TCP connection of the job failed its handshake: this process, or the one it reached, does not hold the
+    job's secret (SHMCOMM_SECRET). The message names the other end's address.
+    """
+
+
 class AbandonedError(ShmCommError):
     """init() gave up forming a world that will not be: in an elastic job, a newer membership replaced
     it. init() itself joins the newer one; a caller sees this error only from lower layers.

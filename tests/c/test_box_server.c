@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The box server (csrc/net/box_server.c) through its wire, as a client on another host sees it: every operation, the
- * typed errors, the stream staying in step after a refused request, a lock lost with its connection (closed, or gone
- * without a word), and a stop that ends every connection. Built with the sanitizers too (tests/test_c_core.py). */
+/* The box server (csrc/net/box_server.c) through its wire, as a client on another host sees it: the handshake that
+ * admits only a client holding the job's secret, every operation, the typed errors, the stream staying in step
+ * after a refused request, a lock lost with its connection (closed, or gone without a word), and a stop that ends
+ * every connection. Built with the sanitizers too (tests/test_c_core.py). */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -12,6 +13,9 @@
 
 #include "core/clock.h"
 #include "harness.h"
+#include "net/handshake.h"
+
+static const uint8_t KEY[32] = "the job's secret, 32 bytes long";
 
 enum { CREATE = 1, ATTACH, READ, WRITE, ACCUMULATE, LOCK, UNLOCK, WAIT, VERSION, DESTROY, CLOSE, TOUCH, PING,
        EXCHANGE };
@@ -23,7 +27,7 @@ typedef struct {
   char text[512];
 } reply_t;
 
-static int connect_to(int port) {
+static int connect_raw(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in addr;
   memset(&addr, 0, sizeof(addr));
@@ -31,6 +35,16 @@ static int connect_to(int port) {
   addr.sin_port = htons((uint16_t)port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (connect(fd, (struct sockaddr*)&addr, sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/* A connection that proved itself: what every client of the job opens. */
+static int connect_to(int port) {
+  int fd = connect_raw(port);
+  if (fd >= 0 && smc_handshake_prove(fd, KEY, sizeof(KEY), 5.0) != SMC_HANDSHAKE_PROVEN) {
     close(fd);
     return -1;
   }
@@ -228,10 +242,25 @@ int main(void) {
     return 1;
   }
   smc_box_server_t* server = NULL;
-  EXPECT(smc_box_server_start(comm, &server) == SMC_SUCCESS, "start: %s", smc_last_error());
+  EXPECT(smc_box_server_start(comm, "0.0.0.0", KEY, 8, &server) == SMC_ERR_INVALID, "a short secret is refused");
+  EXPECT(smc_box_server_start(comm, "localhost", KEY, sizeof(KEY), &server) == SMC_ERR_INVALID, "not an address");
+  EXPECT(smc_box_server_start(comm, "127.0.0.1", KEY, sizeof(KEY), &server) == SMC_SUCCESS, "start: %s",
+         smc_last_error());
   int port = smc_box_server_port(server);
   EXPECT(port > 0, "a port: %d", port);
   reply_t r;
+
+  /* Without the handshake, a request gets nothing back: the server closes the connection. */
+  int outsider = connect_raw(port);
+  EXPECT(!call(outsider, PING, 0, "", 0, 0, 0, 0, 0, 0, NULL, 0, NULL, 0, &r), "an unproven ping is not answered");
+  close(outsider);
+  /* Another secret: refused after its proof, and the server's proof never comes. */
+  uint8_t other[32];
+  memcpy(other, KEY, sizeof(other));
+  other[5] ^= 1;
+  outsider = connect_raw(port);
+  EXPECT(smc_handshake_prove(outsider, other, sizeof(other), 5.0) == SMC_HANDSHAKE_CLOSED, "another secret is refused");
+  close(outsider);
 
   /* A ping is answered, then the server ends the connection (the roll call's use). */
   int fd = connect_to(port);
