@@ -12,7 +12,6 @@ import socket
 import threading
 
 from shmcomm.startup.addresses import interface_addresses
-from shmcomm.transport import handshake
 
 
 def local_addresses(interfaces=None):
@@ -55,6 +54,8 @@ def _bind_all(addresses, tries=20):
 def accept_until_closed(listeners, serve, secret, name):
     """Accepts connections on `listeners` in a thread each until they are closed; each connection that proves it
     holds `secret` (transport/handshake.py) is served by serve(sock), in a thread of its own."""
+    from shmcomm.transport import handshake  # here: the launcher's report of a build without the C core imports this
+
     def admit_and_serve(sock):
         if handshake.admit(sock, secret, "the launcher's %s server" % name):
             serve(sock)
