@@ -131,6 +131,16 @@ def test_kernel_copy_reports_both_kinds_of_pages():
     assert "no whole huge page inside" in proc.stdout.splitlines()[2], proc.stdout  # 64 KiB holds none
 
 
+def test_tcp_mesh_reports_set_up_and_every_size():
+    proc = run_module("benchmarks.tcp_mesh", ["-np", "3", "-b", "4K", "-e", "16K", "-f", "4", "-n", "2",
+                                              "--rounds", "1"], 120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.strip("|").split("|") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0][0].strip() == "mesh set-up ms" and float(rows[0][1]) > 0, proc.stdout
+    assert [int(row[0]) for row in rows[2:]] == [4096, 16384], proc.stdout
+    assert all(0 < float(row[1]) <= float(row[2]) for row in rows[2:]), proc.stdout
+
+
 # The default run compares with MPICH; the second tier with every backend (Open MPI and torch's gloo too).
 @pytest.mark.parametrize("names", [("shmcomm", "mpi", "memcpy"), pytest.param(backends.NAMES, marks=pytest.mark.long)],
                          ids=["mpich", "every-backend"])
