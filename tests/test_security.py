@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from shmcomm.runner.elastic_server import MembershipServer
+from shmcomm.runner.elastic_server import MembershipServer, reaching
 from shmcomm.runner.notice_server import NoticeServer
 from shmcomm.smb import wire
 from shmcomm.transport import handshake
@@ -200,6 +200,22 @@ def test_the_membership_server_tells_and_registers_only_proven_workers(caplog):
         assert server.workers == {}  # no outsider, nor the replay, was registered
         assert _until(lambda: len([r for r in caplog.records if "membership server refused" in r.getMessage()])
                       == 4)
+    finally:
+        server.close()
+
+
+def test_the_launcher_listens_where_the_hosts_reach_it():
+    assert reaching(["127.0.0.1", "localhost"]) == ["127.0.0.1"]
+    assert reaching(["no-such-host.invalid"]) is None  # listens on every interface then
+    server = NoticeServer(SECRET, hosts=["127.0.0.1"])
+    try:
+        assert [s.getsockname()[0] for s in server.listeners] == ["127.0.0.1"]
+        assert [a.rsplit(":", 1)[0] for a in server.addresses] == ["127.0.0.1"]
+    finally:
+        server.close()
+    server = NoticeServer(SECRET, hosts=["no-such-host.invalid"])
+    try:
+        assert [s.getsockname()[0] for s in server.listeners] == ["0.0.0.0"]
     finally:
         server.close()
 

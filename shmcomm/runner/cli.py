@@ -275,8 +275,8 @@ def launch_across_hosts(parser, args, command, hosts):
     if problem:
         parser.exit(127, f"{PROG}: error: {problem}\n")
     interfaces = args.network_interfaces or []
-    unreachable = reach.unreachable_host(sorted({h for h, _ in hosts if not is_this_host(h)}), agent,
-                                              args.ssh_port, args.ssh_identity_file)
+    remote = sorted({h for h, _ in hosts if not is_this_host(h)})
+    unreachable = reach.unreachable_host(remote, agent, args.ssh_port, args.ssh_identity_file)
     if unreachable:
         parser.exit(1, f"{PROG}: error: cannot reach host {unreachable[0]}: {unreachable[1]}\n")
 
@@ -286,7 +286,8 @@ def launch_across_hosts(parser, args, command, hosts):
     ranks_per_host = min(args.num_proc, max(count for _, count in hosts))
     job_env = mpi_launch.job_environment(token, env_from_flags(args), base_env, ranks_per_host, _cores(),
                                          args.tcp_flag)
-    notices = NoticeServer(bytes.fromhex(secret), interfaces)  # tells ranks still in MPI's start which rank failed
+    # Tells ranks still in MPI's start which rank failed; listens where the other hosts reach this one.
+    notices = NoticeServer(bytes.fromhex(secret), interfaces, remote)
     job_env["SHMCOMM_LAUNCHER_NOTICES"] = ",".join(notices.addresses)
     # torch.distributed's store on the first host; the port is free here, which is all this host can know of it.
     first = socket.gethostname() if hosts[0][0] in _LOCAL_HOST_NAMES else hosts[0][0]

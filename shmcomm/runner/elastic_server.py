@@ -11,7 +11,7 @@ import json
 import socket
 import threading
 
-from shmcomm.startup.addresses import interface_addresses
+from shmcomm.startup.addresses import interface_addresses, source_address
 
 
 def local_addresses(interfaces=None):
@@ -21,15 +21,28 @@ def local_addresses(interfaces=None):
     return found if interfaces or "127.0.0.1" in found else found + ["127.0.0.1"]
 
 
-def open_listener(interfaces=None, local_only=False):
+def reaching(hosts):
+    """The addresses of this machine that route to `hosts` (names or addresses), or None when one of them does not
+    resolve here (a name only ssh knows, say)."""
+    found = set()
+    for host in hosts:
+        try:
+            source = source_address(socket.gethostbyname(host))
+        except OSError:
+            return None
+        if source is None:
+            return None
+        found.add(source)
+    return sorted(found)
+
+
+def open_listener(interfaces=None, local_only=False, hosts=()):
     """(TCP listeners, one port, and their addresses "ip:port" in the order clients should try them): on loopback
-    when the whole job is on this host (local_only), on the addresses of the named `interfaces`, else on every
-    interface (the hosts may be names that only ssh resolves: which interface reaches them is not known here)."""
-    if local_only:
-        listeners, port = _bind_all(["127.0.0.1"])
-        return listeners, ["127.0.0.1:%d" % port]
-    listeners, port = _bind_all(local_addresses(interfaces) if interfaces else [""])
-    return listeners, ["%s:%d" % (a, port) for a in local_addresses(interfaces)]
+    when the whole job is on this host (local_only), on the addresses of the named `interfaces`, else on the
+    addresses that reach the other `hosts`, else, where one of them does not resolve here, on every interface."""
+    where = ["127.0.0.1"] if local_only else local_addresses(interfaces) if interfaces else reaching(hosts)
+    listeners, port = _bind_all(where or [""])
+    return listeners, ["%s:%d" % (a, port) for a in where or local_addresses()]
 
 
 def _bind_all(addresses, tries=20):

@@ -22,8 +22,8 @@ class NoticeServer:
     "cause": "ValueError: ..."}, goes out the same way for the errors of the others, whose hosts may not see its saved
     report. Ranks say nothing; a connection that closes is forgotten."""
 
-    def __init__(self, secret, interfaces=None):
-        self.listeners, self.addresses = open_listener(interfaces)
+    def __init__(self, secret, interfaces=None, hosts=()):
+        self.listeners, self.addresses = open_listener(interfaces, hosts=hosts)
         self.lock = threading.Lock()
         self.notices = []  # every line sent so far, for ranks that connect later
         self.connections = set()
