@@ -55,18 +55,6 @@ struct smc_box_server {
   uint8_t key[MAX_KEY_BYTES];  /* the job's secret: only who proves it holds it is served */
 };
 
-/* How long a client has to prove itself: it answers from C, whatever its process is busy with. */
-enum { HANDSHAKE_TIMEOUT_S = 10 };
-
-static const char* refusal(int outcome) {
-  switch (outcome) {
-    case SMC_HANDSHAKE_WRONG: return "its proof of the job's secret is wrong (another secret, or a replay)";
-    case SMC_HANDSHAKE_FOREIGN: return "it does not speak the job's handshake";
-    case SMC_HANDSHAKE_TIMEOUT: return "it did not prove it holds the job's secret in time";
-    default: return "it left before proving it holds the job's secret";
-  }
-}
-
 /* One line on stderr per refused connection, naming the peer: the only trace an outsider leaves. */
 static void log_refusal(const smc_box_server_t* s, int fd, int outcome) {
   struct sockaddr_in peer;
@@ -75,13 +63,13 @@ static void log_refusal(const smc_box_server_t* s, int fd, int outcome) {
   memset(&peer, 0, sizeof(peer));
   if (getpeername(fd, (struct sockaddr*)&peer, &len) == 0) inet_ntop(AF_INET, &peer.sin_addr, address, sizeof(address));
   dprintf(2, "shmcomm: rank %d's box server refused a connection from %s:%d: %s\n",
-          s->comm->job_ranks[s->comm->rank], address, ntohs(peer.sin_port), refusal(outcome));
+          s->comm->job_ranks[s->comm->rank], address, ntohs(peer.sin_port), smc_handshake_refusal(outcome));
 }
 
 static void* serve(void* arg) {
   connection_t* c = (connection_t*)arg;
   smc_box_server_t* s = c->server;
-  int outcome = smc_handshake_admit(c->fd, s->key, s->key_len, HANDSHAKE_TIMEOUT_S);
+  int outcome = smc_handshake_admit(c->fd, s->key, s->key_len, SMC_HANDSHAKE_TIMEOUT_S);
   if (outcome == SMC_HANDSHAKE_PROVEN)
     smc_box_session_serve(s->comm, c->fd);
   else if (!s->closed)  /* read without the mutex: at worst one line more while the server stops */

@@ -102,6 +102,16 @@ int smc_handshake_admit(int fd, const uint8_t* key, size_t key_len, double timeo
   return smc_wire_send(fd, out, sizeof(out), NULL, 0) ? SMC_HANDSHAKE_PROVEN : SMC_HANDSHAKE_CLOSED;
 }
 
+const char* smc_handshake_refusal(int outcome) {
+  switch (outcome) {
+    case SMC_HANDSHAKE_WRONG: return "its proof of the job's secret is wrong (another secret, or a replayed handshake)";
+    case SMC_HANDSHAKE_FOREIGN: return "it does not speak the job's handshake";
+    case SMC_HANDSHAKE_TIMEOUT: return "it did not answer the handshake in time";
+    case SMC_HANDSHAKE_NO_RANDOM: return "this host has no random numbers for a nonce";
+    default: return "it closed the connection before proving it holds the job's secret";
+  }
+}
+
 void smc_handshake_hmac(const uint8_t* key, size_t key_len, const uint8_t* message, size_t len, uint8_t* out) {
   const uint8_t* parts[1] = {message};
   smc_hmac_sha256(key, key_len, parts, &len, 1, out);

@@ -17,12 +17,15 @@ enum {
   SMC_HANDSHAKE_WRONG = 4,    /* a proof made with another secret, or for other nonces (a replay) */
   SMC_HANDSHAKE_NO_RANDOM = 5
 };
-enum { SMC_HANDSHAKE_MIN_KEY_BYTES = 16 };
+/* How long the other end has to answer: both ends answer from C, whatever their process is busy with. */
+enum { SMC_HANDSHAKE_MIN_KEY_BYTES = 16, SMC_HANDSHAKE_TIMEOUT_S = 10 };
 
 /* The connecting end: returns one of the outcomes above within about 2 * timeout_s. */
 int smc_handshake_prove(int fd, const uint8_t* key, size_t key_len, double timeout_s);
 /* The accepting end: the client proves itself first, so an unproven one learns nothing but a random nonce. */
 int smc_handshake_admit(int fd, const uint8_t* key, size_t key_len, double timeout_s);
+/* Why a server refused a client, for its log line: outcome is one of the refusals above. */
+const char* smc_handshake_refusal(int outcome);
 /* HMAC-SHA256 of one message, for the tests that hold it to the standard's vectors. */
 void smc_handshake_hmac(const uint8_t* key, size_t key_len, const uint8_t* message, size_t len, uint8_t* out);
 

@@ -6,20 +6,15 @@ reads or sends anything else, so an outsider gets a random nonce back and change
 before its first word, and hears nothing from a server that cannot prove itself in turn."""
 import logging
 
-from shmcomm._native import lib
+from shmcomm._native import ffi, lib
 from shmcomm.vocabulary.exceptions import AuthenticationError, TimeoutError
 
 log = logging.getLogger("shmcomm.security")
-# How long the other end has to answer: both ends answer from C, whatever their process is busy with.
-TIMEOUT_S = 10.0
+TIMEOUT_S = float(lib.SMC_HANDSHAKE_TIMEOUT_S)
 
-_WHY = {
-    lib.SMC_HANDSHAKE_CLOSED: "it closed the connection before proving it holds the job's secret",
-    lib.SMC_HANDSHAKE_TIMEOUT: "it did not answer the handshake in time",
-    lib.SMC_HANDSHAKE_FOREIGN: "it does not speak the job's handshake",
-    lib.SMC_HANDSHAKE_WRONG: "its proof of the job's secret is wrong (another secret, or a replayed handshake)",
-    lib.SMC_HANDSHAKE_NO_RANDOM: "this host has no random numbers for a nonce",
-}
+
+def _why(outcome):
+    return ffi.string(lib.smc_handshake_refusal(outcome)).decode()
 
 
 def _peer(sock):
@@ -44,7 +39,7 @@ def prove(sock, secret, whom, timeout_s=TIMEOUT_S):
     elif outcome == lib.SMC_HANDSHAKE_WRONG:
         why = "it did not prove it holds the job's secret: it is not a process of this job"
     else:
-        why = _WHY[outcome]
+        why = _why(outcome)
     error = TimeoutError if outcome == lib.SMC_HANDSHAKE_TIMEOUT else AuthenticationError
     raise error("%s at %s: %s" % (whom, peer, why))
 
@@ -56,6 +51,6 @@ def admit(sock, secret, where, timeout_s=TIMEOUT_S):
     outcome = lib.smc_handshake_admit(sock.fileno(), secret, len(secret), timeout_s)
     if outcome == lib.SMC_HANDSHAKE_PROVEN:
         return True
-    log.warning("%s refused a connection from %s: %s", where, _peer(sock), _WHY[outcome])
+    log.warning("%s refused a connection from %s: %s", where, _peer(sock), _why(outcome))
     sock.close()
     return False
