@@ -333,6 +333,17 @@ def test_an_outsider_gets_nothing_from_a_box_server_and_changes_nothing(tmp_path
     assert err.count("rank 0's box server refused a connection from 127.0.0.1:") == 4, err
 
 
+def test_mpiexec_gets_the_secret_by_name_only():
+    from shmcomm.runner import mpi_launch
+
+    command = mpi_launch.mpiexec_command("mpiexec", 2, [("a", 1), ("b", 1)], {"X": "1"}, ["prog"])
+    assert command.count("-genvlist") == 1 and command[command.index("-genvlist") + 1] == "SHMCOMM_SECRET"
+    mine = mpi_launch.mpiexec_command("mpiexec", 2, [("a", 1), ("b", 1)], {}, ["prog"], mpi_args=["-genvlist", "FOO"])
+    assert mine.count("-genvlist") == 1 and mine[mine.index("-genvlist") + 1] == "FOO,SHMCOMM_SECRET"
+    hydra = mpi_launch.launcher_environment({}, secret="ab" * 32)
+    assert hydra["SHMCOMM_SECRET"] == "ab" * 32  # in mpiexec's environment, which -genvlist passes on
+
+
 SECRET_PROGRAM = """
 import os, pathlib, sys
 secret = os.environ["SHMCOMM_SECRET"]

@@ -103,9 +103,15 @@ def mpiexec_command(mpiexec, num_proc, hosts, job_env, command, launcher_agent=N
     for name, value in job_env.items():
         args += ["-genv", name, value]
     # The job's secret goes from mpiexec's environment (launcher_environment), by name: never on a command line.
-    args += ["-genvlist", env_settings.SECRET]
+    # Hydra takes one -genvlist: a user's, in --mpi-args, gets the name added.
+    mpi_args = list(mpi_args)
+    if "-genvlist" in mpi_args[:-1]:
+        where = mpi_args.index("-genvlist") + 1
+        mpi_args[where] += "," + env_settings.SECRET
+    else:
+        args += ["-genvlist", env_settings.SECRET]
     firsts = ",".join(map(str, first_ranks(hosts, num_proc)))
-    return args + list(mpi_args) + [sys.executable, "-c", RANK_GUARD, "%g" % grace_s, "%g" % stopped_limit_s,
+    return args + mpi_args + [sys.executable, "-c", RANK_GUARD, "%g" % grace_s, "%g" % stopped_limit_s,
                                     firsts] + list(command)
 
 
