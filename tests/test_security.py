@@ -26,7 +26,7 @@ from shmcomm.transport.tcp import connect_mesh
 from shmcomm.vocabulary.exceptions import AuthenticationError, TimeoutError
 from shmcomm._native import ffi, lib
 
-from test_runner import REPO, launch, launcher_env, rank_lines, rank_program
+from test_runner import REPO, launch, launcher_args, launcher_env, rank_program
 from test_simhosts import MPIEXEC, job_env
 
 SECRET = bytes(range(32))
@@ -331,6 +331,51 @@ def test_an_outsider_gets_nothing_from_a_box_server_and_changes_nothing(tmp_path
     for rank in range(2):
         assert "rank %d box [0.0, 1.0, 2.0, 3.0] version 1" % rank in out, out + err
     assert err.count("rank 0's box server refused a connection from 127.0.0.1:") == 4, err
+
+
+# The issue's own example: an elastic job of 2 workers on one host (-np 2 --min-np 1 --max-np 3). Each says where
+# the launcher and its own listener are, waits while the test probes them, then allreduces.
+ELASTIC = """
+import os, pathlib, sys, time
+import numpy as np
+import shmcomm as hvd
+from shmcomm.startup import membership
+folder = pathlib.Path(sys.argv[1])
+driver = os.environ["SHMCOMM_ELASTIC_DRIVER"]
+hvd.init()
+mine = "none" if membership.listener() is None else "%s:%d" % membership.listener().getsockname()
+(folder / ("worker%d" % hvd.rank())).write_text(driver + " " + mine)
+deadline = time.monotonic() + 60
+while not (folder / "probed").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+total = hvd.allreduce(np.full(3, hvd.rank() + 1.0), op=hvd.Sum, name="x")
+os.write(1, ("size %d sum %s generation %d\\n" % (hvd.size(), total.tolist(), membership.current_generation())).encode())
+"""
+
+
+def test_an_outsider_changes_nothing_in_an_elastic_job(tmp_path):
+    job = subprocess.Popen(launcher_args("-np", "2", "--min-np", "1", "--max-np", "3", sys.executable, "-c", ELASTIC,
+                                         tmp_path), cwd=REPO, env=launcher_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        ready = lambda: all((tmp_path / ("worker%d" % r)).exists() for r in range(2))  # noqa: E731
+        assert _until(lambda: ready() or job.poll() is not None, 120)
+        assert ready(), job.communicate(timeout=60)
+        answers = []
+        for r in range(2):
+            driver, mine = (tmp_path / ("worker%d" % r)).read_text().split()
+            assert all(a.startswith("127.0.0.1:") for a in driver.split(","))  # loopback only
+            assert mine == "none"  # all on one host: no worker listens for peers
+            hello = (json.dumps({"worker": 7, "address": "127.0.0.1:9", "host": "x", "pid": 1}) + "\n").encode()
+            answers += _outsiders(driver.split(",")[0], [hello])
+        _assert_nothing_names_the_job(answers, b"token", b"generation", b"members")
+    finally:
+        (tmp_path / "probed").write_text("")
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, out + err
+    # The same world of 2, its first generation, and the sum of its two workers only.
+    assert out.count("size 2 sum [3.0, 3.0, 3.0] generation 1") == 2, out + err
+    assert err.count("the launcher's membership server refused a connection from 127.0.0.1") == 4, err
 
 
 def test_mpiexec_gets_the_secret_by_name_only():

@@ -73,7 +73,7 @@ def joined():
 
 
 def listener():
-    """The socket this process's peers connect to (transport/tcp.py's connect_mesh)."""
+    """The socket this process's peers connect to (transport/tcp.py's connect_mesh); None on a one-host job."""
     return _Link.listener
 
 
@@ -98,7 +98,8 @@ def spans_hosts():
 
 def _connect():
     """Connects to the launcher (proving both ends hold the job's secret), and opens this worker's listener for its
-    peers on the address of this host that reaches the launcher: the one the other hosts reach it on too."""
+    peers on the address of this host that reaches the launcher: the one the other hosts reach it on too. A launcher
+    on loopback runs every worker on its own host (no discovery script): no world spans hosts, none listens."""
     secret = env.job_secret()
     if secret is None:
         raise MembershipError("elastic worker %d has no job secret (%s): elastic workers are started by shmcommrun"
@@ -116,11 +117,13 @@ def _connect():
             errors.append("%s: %s" % (address, error))
             continue
         sock.settimeout(None)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((sock.getsockname()[0], 0))
-        listener.listen(256)
+        listener = None
+        if not sock.getpeername()[0].startswith("127."):
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind((sock.getsockname()[0], 0))
+            listener.listen(256)
         _Link.sock, _Link.listener = sock, listener
-        _Link.address = "%s:%d" % (sock.getsockname()[0], listener.getsockname()[1])
+        _Link.address = listener and "%s:%d" % (sock.getsockname()[0], listener.getsockname()[1])
         hello = {"worker": env.elastic_worker(), "address": _Link.address, "host": socket.gethostname(),
                  "pid": os.getpid()}
         sock.sendall((json.dumps(hello) + "\n").encode())
