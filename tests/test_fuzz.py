@@ -98,14 +98,15 @@ def test_good_settings_pass_and_horovod_spellings_are_checked_too(monkeypatch):
         env.validate()
 
 
-def test_waiters_yield_only_with_more_ranks_than_cores(monkeypatch):
-    """SHMCOMM_YIELD_US's default: 0 while every rank has a core, then 1000 us per rank sharing one."""
+def test_waiters_yield_a_slice_per_rank_sharing_a_core(monkeypatch):
+    """SHMCOMM_YIELD_US's default: 1000 us while every rank has a core (another process may share it), then 1000 us
+    per rank sharing one."""
     from shmcomm import env
 
     for variable in [v for v in os.environ if v.startswith(("SHMCOMM_", "HOROVOD_"))]:
         monkeypatch.delenv(variable)
     cores = len(os.sched_getaffinity(0))
-    assert env.tuning(1).yield_us == 0 and env.tuning(cores).yield_us == 0
+    assert env.tuning(1).yield_us == 1000 and env.tuning(cores).yield_us == 1000
     assert env.tuning(cores + 1).yield_us == 2000
     assert env.tuning(4 * cores).yield_us == 4000 and env.tuning(4 * cores + 1).yield_us == 5000
     monkeypatch.setenv("SHMCOMM_YIELD_US", "7")

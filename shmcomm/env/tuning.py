@@ -41,13 +41,15 @@ def timeout_s(environ=None):
 def tuning(local_size):
     # With more ranks than cores, a spinning waiter steals the core its peer needs: sleep almost at once.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    # With a core each, polling for up to a millisecond rides out the scheduling hiccups of a shared machine, which
-    # would otherwise turn a small allreduce into a chain of futex wake-ups.
+    # Where the waits poll without yielding (SHMCOMM_YIELD_US=0) and the ranks have a core each, polling for up to a
+    # millisecond rides out the scheduling hiccups that would otherwise make a small allreduce a chain of wake-ups.
     default_spin_us = 1000 if local_size <= cores else 2
-    # More ranks than cores: a waiter yields its core to the ranks queued on it before sleeping, for about a
-    # scheduler slice per rank sharing a core, so that the peer it waits for runs first; for small messages that
-    # beats both shorter yields and sleeping at once (csrc/shm/wait.c; figures in benchmarks/RESULTS.md).
-    default_yield_us = 0 if local_size <= cores else 1000 * -(-local_size // cores)
+    # A waiter yields its core to whatever is queued on it before sleeping, for about a scheduler slice per rank
+    # sharing a core: the peer it waits for then runs first. Not only with more ranks than cores: any other busy
+    # process (a data loader, another job) can put a rank's peer behind it on one core at any moment, where a
+    # waiter that polls keeps the peer off the core for its whole budget; on an idle core a yield costs one system
+    # call per look (csrc/shm/wait.c; figures in benchmarks/RESULTS.md).
+    default_yield_us = 1000 * -(-local_size // cores)
     l2_bytes = machine.cache_bytes(2) or (1 << 20)
     # Single copy costs a system call per peer and saves a copy: it pays from pieces of about 16 KiB, where one copy
     # in cache takes as long as the call, and with more ranks than cores from pieces as many times larger as ranks
