@@ -21,6 +21,8 @@ ends with a shutdown.
 --setting VAR=v1,v2,... compares settings of shmcomm's in the same way: each round re-initialises shmcomm once per
 value (`unset` leaves VAR out) and times every op and size with it, MPI once per round; the table then has a column
 per value, each with its own ratio to MPI's time of the same round. That is how a change of a default is measured.
+--cpu-load N times it all beside N CPU-bound processes (rank 0 starts and stops them), as on a training machine,
+which is never idle.
 
 Each call is timed alone, after an MPI barrier: the time a rank waits for the others in every call counts, which for a
 collective that checks every rank's arguments before it returns (every shmcomm collective, so that a mismatch raises on
@@ -40,6 +42,8 @@ import sys
 import time
 
 import numpy as np
+
+from shmcomm.testing import cpu_load
 
 OPS = ("allreduce", "allgather", "alltoall", "reducescatter", "broadcast")  # the default
 EXTRA_OPS = ("fused",)
@@ -140,6 +144,8 @@ def main(argv=None):
                         help="allreduce in place, shmcomm's on a shmcomm.shared_empty array; reducescatter's and "
                              "alltoall's inputs, allgather's output and broadcast's buffer in one too")
     parser.add_argument("--setting", help="VAR=v1,v2,...: time shmcomm with each value of VAR (unset: without it)")
+    parser.add_argument("--cpu-load", type=int, default=0, metavar="N",
+                        help="N CPU-bound processes beside the job (started by rank 0) while it times")
     parser.add_argument("--loop", action="store_true",
                         help="time --iters calls back to back after one barrier (as nccl-tests and OSU do), not each "
                              "call after a barrier of its own")
@@ -169,7 +175,19 @@ def main(argv=None):
     if not -comm.size <= options.root < comm.size:
         parser.error("--root %d: the job has %d ranks" % (options.root, comm.size))
     root = options.root % comm.size
+    if options.cpu_load < 0:
+        parser.error("--cpu-load must be at least 0")
     cases = [(op, nbytes) for op in ops for nbytes in sizes]
+    with cpu_load.spinning(options.cpu_load if comm.rank == 0 else 0):
+        times = _rounds(options, comm, shmcomm, MPI, cases, variable, values, root)
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, MPI.MAX)
+    if comm.rank == 0:
+        _report(options, argv, comm, MPI, cases, variable, values, slowest)
+
+
+def _rounds(options, comm, shmcomm, MPI, cases, variable, values, root):
+    """Seconds per call: [round, case, each value of the setting, then MPI]."""
     times = np.zeros((options.rounds, len(cases), len(values) + 1))  # shmcomm with each value, then MPI
     for r in range(options.rounds):
         for v, value in enumerate(values):
@@ -190,32 +208,33 @@ def main(argv=None):
                 times[r, i, v] = timed(ours, comm, options.iters, options.loop)
                 if v == 0:
                     times[r, i, -1] = timed(theirs, comm, options.iters, options.loop)
-            if variable is not None or r == options.rounds - 1 or "fused" in ops:
+            if variable is not None or r == options.rounds - 1 or any(op == "fused" for op, _ in cases):
                 shmcomm.shutdown()
-    slowest = np.empty_like(times)
-    comm.Allreduce(times, slowest, MPI.MAX)
-    if comm.rank == 0:
-        library = MPI.Get_library_version().splitlines()[0].strip()
-        print("# mpiexec -n %d python -m benchmarks.interleaved %s | %s UTC | %s" % (
-            comm.size, " ".join(sys.argv[1:] if argv is None else argv),
-            time.strftime("%Y-%m-%d %H:%M", time.gmtime()), library))
-        print("# slowest rank's %s per round; MPI/shmcomm above 1: shmcomm is faster. Median of the rounds." % (
-            "mean of --iters calls back to back" if options.loop else "median of calls each after a barrier"))
+    return times
+
+
+def _report(options, argv, comm, MPI, cases, variable, values, slowest):
+    library = MPI.Get_library_version().splitlines()[0].strip()
+    print("# mpiexec -n %d python -m benchmarks.interleaved %s | %s UTC | %s" % (
+        comm.size, " ".join(sys.argv[1:] if argv is None else argv),
+        time.strftime("%Y-%m-%d %H:%M", time.gmtime()), library))
+    print("# slowest rank's %s per round; MPI/shmcomm above 1: shmcomm is faster. Median of the rounds." % (
+        "mean of --iters calls back to back" if options.loop else "median of calls each after a barrier"))
+    if variable is None:
+        print("#  op                 bytes  shmcomm us      MPI us  MPI/shmcomm  per round")
+    else:
+        print("# %s = %s: shmcomm us and MPI/shmcomm for each, then MPI us" % (variable, ", ".join(values)))
+    for i, (op, nbytes) in enumerate(cases):
+        mpi = slowest[:, i, -1]
         if variable is None:
-            print("#  op                 bytes  shmcomm us      MPI us  MPI/shmcomm  per round")
+            ratios = mpi / slowest[:, i, 0]
+            print("   %-13s %12d %11.1f %11.1f %12.2f  %s" % (
+                op, nbytes, np.median(slowest[:, i, 0]) * 1e6, np.median(mpi) * 1e6,
+                np.median(ratios), " ".join("%.2f" % v for v in ratios)))
         else:
-            print("# %s = %s: shmcomm us and MPI/shmcomm for each, then MPI us" % (variable, ", ".join(values)))
-        for i, (op, nbytes) in enumerate(cases):
-            mpi = slowest[:, i, -1]
-            if variable is None:
-                ratios = mpi / slowest[:, i, 0]
-                print("   %-13s %12d %11.1f %11.1f %12.2f  %s" % (
-                    op, nbytes, np.median(slowest[:, i, 0]) * 1e6, np.median(mpi) * 1e6,
-                    np.median(ratios), " ".join("%.2f" % v for v in ratios)))
-            else:
-                print("   %-13s %12d  %s  MPI %.1f" % (op, nbytes, "  ".join(
-                    "%s: %.1f %.2fx" % (value, np.median(slowest[:, i, v]) * 1e6, np.median(mpi / slowest[:, i, v]))
-                    for v, value in enumerate(values)), np.median(mpi) * 1e6))
+            print("   %-13s %12d  %s  MPI %.1f" % (op, nbytes, "  ".join(
+                "%s: %.1f %.2fx" % (value, np.median(slowest[:, i, v]) * 1e6, np.median(mpi / slowest[:, i, v]))
+                for v, value in enumerate(values)), np.median(mpi) * 1e6))
 
 
 def _configure(variable, value):

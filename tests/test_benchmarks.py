@@ -73,7 +73,8 @@ def test_interleaved_loop_times_calls_back_to_back():
     if not os.path.exists(mpiexec):
         pytest.skip("no mpiexec beside this interpreter")
     proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.interleaved", "--bytes", "8,4K",
-                           "--ops", "broadcast,allreduce", "--rounds", "2", "--iters", "20", "--loop"], cwd=str(REPO),
+                           "--ops", "broadcast,allreduce", "--rounds", "2", "--iters", "20", "--loop",
+                           "--cpu-load", "1"], cwd=str(REPO),
                           env=backends.job_environment(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "mean of --iters calls back to back" in proc.stdout, proc.stdout
