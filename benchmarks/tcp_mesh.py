@@ -12,11 +12,12 @@ import time
 
 import numpy as np
 
-from benchmarks.collectives import parse_size
+from benchmarks.collectives import parse_size, sweep
 from shmcomm.transport.tcp import Tcp, connect_mesh
 from shmcomm.transport import memory
 from shmcomm.vocabulary import dtypes
 from shmcomm._native import lib
+from shmcomm.testing import cpu_load
 
 _SECRET = bytes(range(32))
 
@@ -40,11 +41,6 @@ def _rank(rank, listeners, addresses, sizes, iterations, out):
     mesh.close()
     if rank == 0:
         out.put((formed, times))
-
-
-def _busy():
-    while True:
-        pass
 
 
 def one_round(ranks, sizes, iterations):
@@ -75,18 +71,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpu-load", type=int, default=0)
     args = parser.parse_args()
-    sizes, size = [], parse_size(args.b)
-    while size <= parse_size(args.e):
-        sizes.append(size)
-        size *= args.f
-    busy = [multiprocessing.get_context("fork").Process(target=_busy, daemon=True) for _ in range(args.cpu_load)]
-    for p in busy:
-        p.start()
-    try:
+    sizes = sweep(parse_size(args.b), parse_size(args.e), args.f)
+    with cpu_load.spinning(args.cpu_load):
         rounds = [one_round(args.np, sizes, args.n) for _ in range(args.rounds)]
-    finally:
-        for p in busy:
-            p.terminate()
     print("| mesh set-up ms | %.2f |" % (1e3 * np.median([formed for formed, _ in rounds])))
     print("| bytes | allreduce median us | p90 us |\n|---|---|---|")
     for nbytes in sizes:

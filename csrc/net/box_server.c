@@ -70,10 +70,14 @@ static void* serve(void* arg) {
   connection_t* c = (connection_t*)arg;
   smc_box_server_t* s = c->server;
   int outcome = smc_handshake_admit(c->fd, s->key, s->key_len, SMC_HANDSHAKE_TIMEOUT_S);
-  if (outcome == SMC_HANDSHAKE_PROVEN)
+  if (outcome == SMC_HANDSHAKE_PROVEN) {
     smc_box_session_serve(s->comm, c->fd);
-  else if (!s->closed)  /* read without the mutex: at worst one line more while the server stops */
-    log_refusal(s, c->fd, outcome);
+  } else {
+    pthread_mutex_lock(&s->mutex);
+    int stopping = s->closed;  /* a connection the stop shut down was not refused */
+    pthread_mutex_unlock(&s->mutex);
+    if (!stopping) log_refusal(s, c->fd, outcome);
+  }
   pthread_mutex_lock(&c->server->mutex);
   shutdown(c->fd, SHUT_RDWR);
   c->done = 1;
