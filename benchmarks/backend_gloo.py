@@ -21,13 +21,14 @@ def _newest(*names):
 
 class GlooBackend:
     name = "gloo"
+    process_group = "gloo"  # init_process_group's backend (benchmarks/backend_torch_shmcomm.py runs "shmcomm")
     # Older torch releases lack some collectives in gloo and say so only when called.
     call_errors = (RuntimeError, NotImplementedError, ValueError)
 
     def __init__(self, port, **_options):
         self.rank = int(os.environ["SHMCOMM_RANK"])
         self.size = int(os.environ["SHMCOMM_SIZE"])
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=self.rank,
+        dist.init_process_group(self.process_group, init_method="tcp://127.0.0.1:%d" % port, rank=self.rank,
                                 world_size=self.size)
         self.library = "torch %s gloo" % torch.__version__
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NAMES = ("shmcomm", "mpi", "openmpi", "gloo", "memcpy")
+NAMES = ("shmcomm", "mpi", "openmpi", "gloo", "torch_shmcomm", "memcpy")
 MPI_NAMES = ("mpi", "openmpi")  # "mpi" is the MPICH wheel that mpi4py loads by default; benchmarks/openmpi.py
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOP_GRACE_S = 10  # after SIGTERM, how long a timed-out job gets to stop its ranks before SIGKILL
@@ -67,7 +67,7 @@ def unavailable(name):
     if name == "openmpi":
         from benchmarks import openmpi
         return openmpi.missing()
-    if name == "gloo" and importlib.util.find_spec("torch") is None:
+    if name in ("gloo", "torch_shmcomm") and importlib.util.find_spec("torch") is None:
         return "torch is not installed"
     return None
 
@@ -143,6 +143,7 @@ _CLASSES = {
     "mpi": ("benchmarks.backend_mpi", "MpiBackend"),
     "openmpi": ("benchmarks.backend_mpi", "MpiBackend"),
     "gloo": ("benchmarks.backend_gloo", "GlooBackend"),
+    "torch_shmcomm": ("benchmarks.backend_torch_shmcomm", "TorchShmcommBackend"),
     "memcpy": ("benchmarks.backend_memcpy", "MemcpyBackend"),
 }
 

@@ -259,9 +259,10 @@ def default_timeout(options):
 def run_backend(options, name, workdir, reference_only=False):
     """Runs one backend's job; returns its result dict. Exits the driver when the job fails."""
     result_path = os.path.join(workdir, name + ".json")
-    port = backends.free_loopback_port() if name == "gloo" else 0
+    port = backends.free_loopback_port() if name in ("gloo", "torch_shmcomm") else 0
     args = worker_args(options, name, result_path, port) + (["--reference-only"] if reference_only else [])
-    launcher = {"shmcomm": "shmcomm", "gloo": "shmcomm", "mpi": "mpi", "openmpi": "openmpi"}.get(name, "single")
+    launcher = {"shmcomm": "shmcomm", "gloo": "shmcomm", "torch_shmcomm": "shmcomm", "mpi": "mpi",
+                "openmpi": "openmpi"}.get(name, "single")
     nranks = 1 if launcher == "single" else options.nranks
     command = backends.launch_command(launcher, nranks, "benchmarks.collectives", args)
     extra = None

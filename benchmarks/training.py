@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""End-to-end training speed: the synthetic benchmark single-process, under shmcomm, and under DDP with gloo, in one
-run, one math thread per rank; then the engine's steady-state overhead with 100 small gradients per step.
+"""End-to-end training speed: the synthetic benchmark single-process, under shmcomm's DistributedOptimizer, under DDP
+(over gloo, with shmcomm's hook, and on torch.distributed's "shmcomm" backend) and under FSDP2 (over gloo and on the
+"shmcomm" backend), in one run, one math thread per rank; then the engine's steady-state overhead with 100 small
+gradients per step.
 
     python -m benchmarks.training -np 2
     python -m benchmarks.training -np 2 --model resnet18 --image-size 64 --num-iters 10
@@ -49,7 +51,8 @@ def synthetic(args):
               str(args.image_size), "--num-warmup-batches", str(args.num_warmup_batches), "--num-batches-per-iter",
               str(args.num_batches_per_iter), "--num-iters", str(args.num_iters)]
     runs = [("single process", 1, "shmcomm"), ("shmcomm", args.np, "shmcomm"), ("DDP + gloo", args.np, "ddp-gloo"),
-            ("DDP + shmcomm hook", args.np, "ddp-shmcomm")]
+            ("DDP + shmcomm hook", args.np, "ddp-shmcomm"), ("DDP on shmcomm", args.np, "ddp-backend"),
+            ("FSDP2 + gloo", args.np, "fsdp-gloo"), ("FSDP2 on shmcomm", args.np, "fsdp-backend")]
     measured = {label: [] for label, _, _ in runs}
     for round_ in range(args.rounds):
         shift = round_ % len(runs)
@@ -62,11 +65,13 @@ def synthetic(args):
               % (label, np_, per_rank, per_rank * np_, " ".join("%.1f" % v for v in measured[label])), flush=True)
     single = rows["single process"]
     print("scaling efficiency at np=%d (total / (np x single)):" % args.np)
-    for label in ("shmcomm", "DDP + gloo", "DDP + shmcomm hook"):
+    for label, _, _ in runs[1:]:
         print("  %-20s %.3f" % (label, rows[label] / single))
-    ratios = [a / b for a, b in zip(measured["shmcomm"], measured["DDP + gloo"])]
-    print("shmcomm / DDP+gloo throughput, median of the rounds: %.3f   (rounds: %s)"
-          % (_median(ratios), " ".join("%.3f" % r for r in ratios)))
+    for mine, theirs in (("shmcomm", "DDP + gloo"), ("DDP on shmcomm", "DDP + gloo"),
+                         ("DDP on shmcomm", "DDP + shmcomm hook"), ("FSDP2 on shmcomm", "FSDP2 + gloo")):
+        ratios = [a / b for a, b in zip(measured[mine], measured[theirs])]
+        print("%s / %s throughput, median of the rounds: %.3f   (rounds: %s)"
+              % (mine, theirs, _median(ratios), " ".join("%.3f" % r for r in ratios)))
     return rows
 
 

@@ -4,8 +4,9 @@
     shmcommrun -np 2 python examples/torch_synthetic_benchmark.py --model resnet18 --image-size 64
 
 The model is a ResNet built here from torch.nn (no torchvision needed); the data is random. --backend picks how
-gradients travel: shmcomm's DistributedOptimizer (default), or DistributedDataParallel over gloo, or DDP with
-shmcomm's communication hook. Under shmcommrun every rank is one CPU process."""
+gradients travel: shmcomm's DistributedOptimizer (default); DistributedDataParallel over gloo, with shmcomm's
+communication hook, or on torch.distributed's "shmcomm" backend; or FSDP2 (fully_shard, one shard per top-level block)
+over gloo or the "shmcomm" backend. Under shmcommrun every rank is one CPU process."""
 import argparse
 import os
 import tempfile
@@ -98,8 +99,10 @@ def parse_args():
                         help="combine updates with Adasum instead of averaging gradients")
     parser.add_argument("--autotune", action="store_true",
                         help="tune fusion, cycle time and bucket size while training (as shmcommrun --autotune)")
-    parser.add_argument("--backend", default="shmcomm", choices=["shmcomm", "ddp-gloo", "ddp-shmcomm"],
-                        help="how gradients are averaged")
+    parser.add_argument("--backend", default="shmcomm",
+                        choices=["shmcomm", "ddp-gloo", "ddp-shmcomm", "ddp-backend", "fsdp-gloo", "fsdp-backend"],
+                        help="how gradients are averaged: DistributedOptimizer; DDP over gloo, with shmcomm's hook, "
+                             "or on the shmcomm backend; FSDP2 over gloo or on the shmcomm backend")
     return parser.parse_args()
 
 
@@ -116,7 +119,19 @@ def wrap_for_backend(args, model, optimizer):
 
     # A file rendezvous named after the job token: no port to agree on, nothing on the network.
     path = os.path.join(tempfile.gettempdir(), "shmcomm_ddp_%s" % os.environ.get("SHMCOMM_JOB_TOKEN", "solo"))
-    dist.init_process_group("gloo", init_method="file://" + path, rank=hvd.rank(), world_size=hvd.size())
+    backend = "shmcomm" if args.backend.endswith("-backend") else "gloo"
+    dist.init_process_group(backend, init_method="file://" + path, rank=hvd.rank(), world_size=hvd.size())
+    if args.backend.startswith("fsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (hvd.size(),))
+        for block in model.children():
+            if any(True for _ in block.parameters()):
+                fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        # the parameters are now sharded tensors: the optimizer takes them in place of the originals
+        return model, type(optimizer)(model.parameters(), **optimizer.defaults)
     ddp = nn.parallel.DistributedDataParallel(model)
     if args.backend == "ddp-shmcomm":
         ddp.register_comm_hook(None, hvd.allreduce_hook)

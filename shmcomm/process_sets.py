@@ -4,13 +4,15 @@
 add_process_set is called by every rank, in the same order on all of them, so every rank numbers the sets alike;
 the members then meet in a segment of their own. Non-members keep the id but hold no communicator."""
 import threading
+import zlib
 
 from shmcomm.startup import bootstrap, session
-from shmcomm.vocabulary.exceptions import InvalidArgumentError
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
 
 _lock = threading.Lock()
 _registry = {}  # id -> ProcessSet
 _next_id = [1]
+_MEMBERS_ONLY_IDS = 1 << 30  # members_only's ids lie in [2**30, 2**31)
 
 
 class ProcessSet:
@@ -111,6 +113,48 @@ def add_process_set(process_set):
         _registry[ps.process_set_id] = ps
     if comm.topology.rank in ps.ranks:
         ps._comm = bootstrap.process_set(comm, ps.ranks, ps.process_set_id, session.generation())
+    return ps
+
+
+def members_only(ranks, key):
+    """A set that only its members create, in any order among sets (torch.distributed's groups: non-members never
+    hear of them). Its id comes from `key`, a text every member derives alike, in a range add_process_set() never
+    reaches, so that the members' segment names agree without the other ranks.
+
+    Args:
+        ranks: the set's global ranks; this rank must be one of them.
+        key: the same text on every member, naming this set among the job's members-only sets.
+
+    Returns:
+        The registered ProcessSet, with this rank's communicator.
+
+    Raises:
+        InvalidArgumentError: the ranks are out of range or do not include this rank, or the key names a set of other
+            ranks already.
+        NotSupportedError: the ranks are on more than one host.
+    """
+    ps = ProcessSet(ranks)
+    comm = session.communicator()
+    if not ps.ranks or any(r < 0 or r >= comm.size for r in ps.ranks) or comm.topology.rank not in ps.ranks:
+        raise InvalidArgumentError("a members-only process set %s must hold rank %d, within 0..%d"
+                                   % (ps.ranks, comm.topology.rank, comm.size - 1))
+    host = next((group for group in comm.host_groups if comm.topology.rank in group), comm.ranks)
+    if not set(ps.ranks) <= set(host):
+        raise NotSupportedError("process set %s spans hosts; a members-only set lives in one host's shared memory "
+                                "(this host has ranks %s)" % (ps.ranks, sorted(host)))
+    ps.process_set_id = _MEMBERS_ONLY_IDS + zlib.crc32(key.encode()) % _MEMBERS_ONLY_IDS
+    with _lock:
+        other = _registry.get(ps.process_set_id)
+        if other is not None:
+            raise InvalidArgumentError("process set key %r names set %d of ranks %s already"
+                                       % (key, ps.process_set_id, other.ranks))
+        _registry[ps.process_set_id] = ps
+    try:
+        ps._comm = bootstrap.process_set(comm, ps.ranks, ps.process_set_id, session.generation())
+    except BaseException:
+        with _lock:
+            _registry.pop(ps.process_set_id, None)
+        raise
     return ps
 
 

@@ -161,7 +161,7 @@ def test_collectives_every_backend_and_op(tmp_path, names):
     document = json.loads(out.read_text())
     results = document["results"]
     expected = ["shmcomm"]
-    for name in [name for name in ("mpi", "openmpi", "gloo") if name in names]:
+    for name in [name for name in ("mpi", "openmpi", "gloo", "torch_shmcomm") if name in names]:
         why = backends.unavailable(name)
         if why:  # said on the console, and the rest must still run
             assert "%s skipped" % name in proc.stdout

@@ -87,6 +87,17 @@ def test_ddp_with_the_shmcomm_hook():
     assert accuracy > 90
 
 
+@pytest.mark.long  # FSDP2 on the backend: test_torch_distributed.py checks it against one process in the default run
+def test_fsdp_on_the_shmcomm_backend():
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    run = _launch("-np", "2", sys.executable, "examples/torch_fsdp.py", "--epochs", "6")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "13061 parameters held here of 26122" in run.stdout  # a shard each
+    accuracy = float(run.stdout.split("test accuracy ")[1].split("%")[0])
+    assert accuracy > 90
+
+
 def test_readme_commands_are_what_ci_runs():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read().replace(" \\\n  ", " ")  # a command continued on the next line is one line

@@ -312,6 +312,61 @@ def test_a_plain_torch_distributed_script_runs_across_hosts(two_hosts):
                                  "MASTER_ADDR": report["env"]["MASTER_ADDR"]}
 
 
+SHMCOMM_BACKEND = """
+    import json, torch, torch.distributed as dist
+    import shmcomm, shmcomm.torch
+    torch.set_num_threads(1)
+    dist.init_process_group("shmcomm")
+    me, n = dist.get_rank(), dist.get_world_size()
+    x = torch.full((3,), float(me)); dist.all_reduce(x)
+    whole = torch.empty(2 * n); dist.all_gather_into_tensor(whole, torch.full((2,), float(me)))
+    share = torch.empty(2); dist.reduce_scatter_tensor(share, torch.arange(2.0 * n))
+    got = torch.empty(n); dist.all_to_all_single(got, torch.arange(float(n)) + 10 * me)
+    b = torch.full((2,), float(me)); dist.broadcast(b, src=3)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2).double()
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    g = torch.Generator().manual_seed(1)
+    data = torch.randn(4 * n, 4, generator=g, dtype=torch.float64)
+    model(data[4 * me:4 * me + 4]).pow(2).mean().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+    reference = torch.nn.Linear(4, 2).double(); reference.load_state_dict(net.state_dict())
+    reference(data).pow(2).mean().backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    on_this_host = dist.new_group([0, 1]), dist.new_group([2, 3])
+    local = on_this_host[me // 2]
+    y = torch.ones(1); dist.all_reduce(y, group=local)
+    errors = []
+    try:
+        dist.new_group([1, 2])
+    except shmcomm.NotSupportedError as e:
+        errors.append("spans hosts" in str(e))
+    if me in (0, 1):  # point to point on one host
+        t = torch.full((2,), 5.0) if me == 0 else torch.empty(2)
+        (dist.send if me == 0 else dist.recv)(t, 1 - me)
+        errors.append(t.tolist() == [5.0, 5.0])
+    print(json.dumps({"sum": x.tolist(), "whole": whole.tolist(), "share": share.tolist(), "got": got.tolist(),
+                      "b": b.tolist(), "ddp": torch.allclose(grads, expected, rtol=1e-12, atol=1e-14),
+                      "local": y.item(), "errors": errors}), flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def test_the_shmcomm_backend_across_hosts(two_hosts):
+    pytest.importorskip("torch")
+    result = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(SHMCOMM_BACKEND)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = {rank: json.loads(lines[-1]) for rank, lines in rank_lines(result.stdout).items()}
+    assert sorted(reports) == [0, 1, 2, 3]
+    for me, report in reports.items():
+        assert report["sum"] == [6.0] * 3 and report["whole"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+        assert report["share"] == [8.0 * me, 8.0 * me + 4] and report["b"] == [3.0, 3.0]
+        assert report["got"] == [10.0 * r + me for r in range(4)]
+        assert report["ddp"] and report["local"] == 2.0
+        # ranks 1 and 2 were refused a group across the hosts; ranks 0 and 1 sent and received on their host
+        assert report["errors"] == [True] * {0: 1, 1: 2, 2: 1, 3: 0}[me]
+
+
 def _blamed_across_hosts(sim, api, runs, first=0):
     """Rank 1 (on the second host) raises at its fourth step: the launcher's last line names it and its exception,
     and so does rank 0's error where rank 0 raised before the job was stopped. Every other run, counting from

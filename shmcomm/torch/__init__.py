@@ -35,6 +35,9 @@ from shmcomm.vocabulary.exceptions import PeerArgumentError  # noqa: F401
 from shmcomm.torch.averaging import ElasticAveragingOptimizer  # noqa: F401
 from shmcomm.torch.optimizer import DistributedOptimizer  # noqa: F401
 from shmcomm.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
+from shmcomm.torch import process_group as _process_group
+
+_process_group.register()  # torch.distributed.init_process_group("shmcomm")
 
 
 def init(comm=None, process_sets=None):

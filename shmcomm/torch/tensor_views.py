@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""torch.distributed's reduction ops and tensors as shmcomm's collectives take them: which shmcomm op (and prescale)
+a torch ReduceOp means for a dtype, and flat, contiguous views that any dtype's bytes travel in."""
+import functools
+
+import torch
+import torch.distributed as dist
+
+from shmcomm.vocabulary import ops
+from shmcomm.vocabulary.dtypes import torch_codes
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
+
+_NUMPY_KNOWN = {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
+                torch.int64}  # dtypes numpy and the core share
+_RED = dist.ReduceOp.RedOpType
+_ELEMENTWISE = {_RED.SUM: ops.Sum, _RED.AVG: ops.Average, _RED.PRODUCT: ops.Product, _RED.MIN: ops.Min,
+                _RED.MAX: ops.Max, _RED.PREMUL_SUM: ops.Sum}
+# A bool tensor reduces as bytes of 0 and 1: a sum or maximum is a logical or, a product or minimum a logical and.
+_BOOL = {_RED.SUM: ops.Max, _RED.MAX: ops.Max, _RED.BOR: ops.Max, _RED.PRODUCT: ops.Min, _RED.MIN: ops.Min,
+         _RED.BAND: ops.Min}
+BITWISE = {_RED.BAND: torch.bitwise_and, _RED.BOR: torch.bitwise_or, _RED.BXOR: torch.bitwise_xor}
+
+
+def op_type(op):
+    """The RedOpType of a torch ReduceOp (or of a RedOpType)."""
+    return op.op if isinstance(op, dist.ReduceOp) else _RED(op)
+
+
+def prescale(op):
+    """PREMUL_SUM's factor (a number or a one-element tensor), else 1."""
+    if op_type(op) != _RED.PREMUL_SUM:
+        return 1.0
+    factor = op.factor
+    return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+
+
+def reduction(tensor, op, what):
+    """How shmcomm reduces `tensor` under torch's `op`: (what the collectives take for it, as data() gives, shmcomm's
+    op), or (tensor, None) for the bitwise ops, which the caller reduces itself from gathered copies.
+
+    Raises:
+        NotSupportedError: the op is not defined for the dtype, as in torch (bitwise ops on floating point, ordering
+            ops on complex numbers) or shmcomm has no arithmetic for the dtype.
+    """
+    kind = op_type(op)
+    dtype = tensor.dtype
+    if dtype in _NUMPY_KNOWN and kind in _ELEMENTWISE:
+        return data(tensor, what), _ELEMENTWISE[kind]
+    if dtype == torch.bool:
+        if kind == _RED.BXOR:
+            return tensor, None
+        if kind not in _BOOL:
+            raise NotSupportedError("%s: %s is not defined for bool tensors" % (what, kind.name))
+        return data(tensor, what), _BOOL[kind]
+    if kind in BITWISE:
+        if dtype.is_floating_point or dtype.is_complex:
+            raise NotSupportedError("%s: %s needs an integer or bool tensor, not %s" % (what, kind.name, dtype))
+        return tensor, None
+    if dtype.is_complex:
+        if kind not in (_RED.SUM, _RED.AVG, _RED.PREMUL_SUM):
+            raise NotSupportedError("%s: %s is not defined for complex tensors (SUM, AVG and PREMUL_SUM are)"
+                                    % (what, kind.name))
+        return data(torch.view_as_real(flat(tensor)), what), _ELEMENTWISE[kind]
+    if dtype not in torch_codes():
+        raise NotSupportedError("%s: shmcomm cannot reduce %s tensors" % (what, dtype))
+    return data(tensor, what), _ELEMENTWISE[kind]
+
+
+def bitwise(stacked, op):
+    """The bitwise reduction of a stack of every rank's copy (first dimension: ranks; bool tensors as bytes of 0
+    and 1)."""
+    return functools.reduce(BITWISE[op_type(op)], stacked.unbind(0))
+
+
+def flat(tensor):
+    """`tensor` as one dimension, sharing its memory."""
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError("tensors must be contiguous, as for gloo and NCCL")
+    return tensor.reshape(-1)
+
+
+def movable(tensor):
+    """`tensor` flat, as shmcomm moves it: in its own dtype where shmcomm knows it, otherwise as its bytes (bool,
+    complex, unsigned and float8 kinds), sharing its memory either way."""
+    t = flat(tensor)
+    return t if t.dtype in torch_codes() else t.view(torch.uint8)
+
+
+def data(tensor, what):
+    """What the collectives take for `tensor`: movable(tensor), as a numpy array sharing its memory where numpy has
+    its dtype (the core's quickest calls take numpy arrays), else (bfloat16) the tensor.
+
+    Raises:
+        NotSupportedError: a tensor that is not on the CPU.
+        InvalidArgumentError: a tensor that is not contiguous.
+    """
+    if not tensor.is_cpu:
+        raise NotSupportedError("%s: the shmcomm backend serves CPU tensors; %s is on %s"
+                                % (what, tuple(tensor.shape), tensor.device))
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dtype in _NUMPY_KNOWN:
+        if not tensor.is_contiguous():
+            raise InvalidArgumentError("%s: tensors must be contiguous, as for gloo and NCCL" % what)
+        return tensor.numpy().reshape(-1)
+    moved = movable(tensor)
+    return moved if moved.dtype == torch.bfloat16 else moved.numpy()
+
+
+def rows(flat_data, count):
+    """A flat array or tensor as `count` equal rows."""
+    return flat_data.reshape(count, len(flat_data) // count)

@@ -1,0 +1,389 @@
+# SPDX-License-Identifier: Apache-2.0
+"""torch.distributed on the "shmcomm" backend: every operation against its definition (the cases of torch's c10d and
+distributed tests that apply to a CPU backend), subgroups, asynchronous work, point to point, errors, and DDP without a
+hook against one process on the whole batch."""
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import multiproc  # noqa: E402
+
+torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # imports torch._dynamo once, before the forks
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(port, seconds=60):
+    import datetime
+
+    import torch.distributed as dist
+
+    import shmcomm.torch  # noqa: F401  (registers the backend)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("shmcomm", init_method="tcp://127.0.0.1:%d" % port, rank=int(os.environ["SHMCOMM_RANK"]),
+                            world_size=int(os.environ["SHMCOMM_SIZE"]), timeout=datetime.timedelta(seconds=seconds))
+    assert dist.get_backend() == "shmcomm"
+    return dist, dist.get_rank(), dist.get_world_size()
+
+
+def _on_ranks(n, fn, *args, timeout=90):
+    assert multiproc.run(n, fn, _free_port(), *args, timeout=timeout) == [True] * n
+
+
+def _value(r, shape, dtype):
+    """Rank r's tensor: small integers, exact in every dtype and in their sums."""
+    base = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int64).reshape(shape) % 7 + r + 1
+    if dtype == torch.bool:
+        return (base + r) % 2 == 0
+    if dtype.is_complex:
+        return torch.complex(base.double(), -base.double()).to(dtype)
+    return base.to(dtype)
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool, torch.complex64]
+
+
+def _reductions(port):
+    dist, me, n = _join(port)
+    R = dist.ReduceOp
+    every = lambda dtype, shape=(5, 3): [_value(r, shape, dtype) for r in range(n)]  # noqa: E731
+    for dtype in DTYPES:
+        values = every(dtype)
+        cases = {R.SUM: sum(v.double() if not dtype.is_complex else v for v in values)} if dtype != torch.bool else {}
+        if dtype.is_floating_point:
+            cases[R.AVG] = cases[R.SUM] / n
+        if not dtype.is_complex and dtype != torch.bool:
+            cases[R.MIN] = torch.stack(values).min(0).values
+            cases[R.MAX] = torch.stack(values).max(0).values
+            cases[R.PRODUCT] = torch.stack(values).double().prod(0)
+        if dtype == torch.bool:
+            cases = {R.SUM: torch.stack(values).any(0), R.BOR: torch.stack(values).any(0),
+                     R.MIN: torch.stack(values).all(0), R.BAND: torch.stack(values).all(0),
+                     R.BXOR: torch.stack(values).sum(0) % 2 == 1}
+        if not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool:
+            import functools
+            for op, f in ((R.BAND, torch.bitwise_and), (R.BOR, torch.bitwise_or), (R.BXOR, torch.bitwise_xor)):
+                cases[op] = functools.reduce(f, values)
+        for op, want in cases.items():
+            if dtype == torch.uint8 and op == R.PRODUCT or dtype == torch.int8 and op == R.PRODUCT:
+                continue  # wraps around differently in double
+            t = values[me].clone()
+            dist.all_reduce(t, op=op)
+            assert torch.equal(t, want.to(dtype)), (dtype, op, t, want)
+            root = n - 1
+            t = values[me].clone()
+            dist.reduce(t, dst=root, op=op)
+            assert torch.equal(t, want.to(dtype) if me == root else values[me]), ("reduce", dtype, op)
+        if dtype in (torch.float32, torch.int64, torch.bfloat16):
+            share = torch.empty(2, 3, dtype=dtype)  # reduce_scatter_tensor, equal shares of 2 rows
+            whole = torch.cat([_value(r, (2 * n, 3), dtype) for r in range(n)]).view(n, 2 * n, 3)
+            dist.reduce_scatter_tensor(share, _value(me, (2 * n, 3), dtype))
+            assert torch.equal(share, whole.sum(0)[2 * me:2 * me + 2].to(dtype))
+            parts = [_value(me, (4,), dtype) * (k + 1) for k in range(n)]  # reduce_scatter of lists
+            out = torch.empty(4, dtype=dtype)
+            dist.reduce_scatter(out, parts, op=R.MAX)
+            assert torch.equal(out, (_value(n - 1, (4,), dtype) * (me + 1)).to(dtype))
+    t = torch.full((3,), 2.0)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))  # PREMUL_SUM, as FSDP uses it
+    assert torch.equal(t, torch.full((3,), float(n)))
+    group = [torch.full((k + 1,), float(me + k)) for k in range(3)] + [torch.tensor([me], dtype=torch.int64)]
+    dist.all_reduce_coalesced(group[:3])
+    with dist._coalescing_manager(async_ops=False):
+        dist.all_reduce(group[3])
+    assert [g.tolist() for g in group] == [[n * (n - 1) / 2 + n * k] * (k + 1) for k in range(3)] + [[n * (n - 1) // 2]]
+    dist.destroy_process_group()
+    return True
+
+
+def test_reductions_on_every_dtype_and_op():
+    _on_ranks(3, _reductions)
+
+
+def _data_movement(port):
+    dist, me, n = _join(port)
+    for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.complex64, torch.uint16, torch.int64):
+        mine = _value(me, (2, 3), dtype)
+        everyone = [_value(r, (2, 3), dtype) for r in range(n)]
+        for root in range(n):
+            t = mine.clone()
+            dist.broadcast(t, src=root)
+            assert torch.equal(t, everyone[root])
+        out = [torch.empty(2, 3, dtype=dtype) for _ in range(n)]
+        dist.all_gather(out, mine)
+        assert all(torch.equal(o, e) for o, e in zip(out, everyone))
+        whole = torch.empty(2 * n, 3, dtype=dtype)
+        dist.all_gather_into_tensor(whole, mine)
+        assert torch.equal(whole, torch.cat(everyone))
+        gathered = [torch.empty(2, 3, dtype=dtype) for _ in range(n)] if me == 1 else None
+        dist.gather(mine, gathered, dst=1)
+        assert me != 1 or all(torch.equal(o, e) for o, e in zip(gathered, everyone))
+        got = torch.empty(2, 3, dtype=dtype)
+        dist.scatter(got, [e.clone() for e in everyone] if me == 0 else None, src=0)
+        assert torch.equal(got, everyone[me])
+    # all_gather with a different size on each rank, as NCCL allows
+    out = [torch.empty(r + 1) for r in range(n)]
+    dist.all_gather(out, torch.full((me + 1,), float(me)))
+    assert [o.tolist() for o in out] == [[float(r)] * (r + 1) for r in range(n)]
+    # all_to_all_single: equal parts, then uneven splits (rank r sends k+r+1... rows to rank k), rows of 2
+    sent = torch.arange(n * 2.0) + 100 * me
+    received = torch.empty(n * 2)
+    dist.all_to_all_single(received, sent)
+    assert received.tolist() == [100.0 * r + 2 * me + i for r in range(n) for i in range(2)]
+    counts = lambda src, dst: (src + 2 * dst) % 3  # noqa: E731  (some are zero)
+    in_splits = [counts(me, k) for k in range(n)]
+    out_splits = [counts(r, me) for r in range(n)]
+    sent = torch.stack([torch.tensor([float(me), float(k)]) for k in range(n) for _ in range(counts(me, k))]
+                       or [torch.zeros(2)])[:sum(in_splits)]
+    received = torch.empty(sum(out_splits), 2)
+    dist.all_to_all_single(received, sent, out_splits, in_splits)
+    assert received.tolist() == [[float(r), float(me)] for r in range(n) for _ in range(counts(r, me))]
+    # all_to_all of lists, each pair its own size
+    outs = [torch.empty(r + me + 1, dtype=torch.int64) for r in range(n)]
+    dist.all_to_all(outs, [torch.full((me + k + 1,), me * 10 + k) for k in range(n)])
+    assert [o.tolist() for o in outs] == [[r * 10 + me] * (r + me + 1) for r in range(n)]
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
+
+
+def test_data_movement_on_every_dtype():
+    _on_ranks(3, _data_movement)
+
+
+def _subgroups_and_point_to_point(port):
+    dist, me, n = _join(port)
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+    mine = evens if me % 2 == 0 else odds
+    assert dist.get_rank(mine) == me // 2 and dist.get_world_size(mine) == 2
+    t = torch.tensor([float(me)])
+    dist.all_reduce(t, group=mine)
+    assert t.item() == (2.0 if me % 2 == 0 else 4.0)
+    t = torch.tensor([float(me)])
+    dist.broadcast(t, src=me % 2 + 2, group=mine)  # a global rank, as torch takes it
+    assert t.item() == me % 2 + 2
+    first_three = dist.new_group([0, 1, 2])
+    if me < 3:
+        whole = torch.empty(3)
+        dist.all_gather_into_tensor(whole, torch.tensor([float(me)]), group=first_three)
+        assert whole.tolist() == [0.0, 1.0, 2.0]
+    else:
+        assert first_three == dist.GroupMember.NON_GROUP_MEMBER
+    # blocking send and recv, then a ring of isend/irecv (every rank sends first), then batch_isend_irecv
+    if me == 0:
+        dist.send(torch.tensor([7.0, 8.0]), dst=3, tag=5)
+    elif me == 3:
+        got = torch.empty(2)
+        dist.recv(got, src=0, tag=5)
+        assert got.tolist() == [7.0, 8.0]
+    for rounds in range(3):
+        outgoing = torch.full((1000,), float(me * 10 + rounds))
+        incoming = torch.empty(1000)
+        works = [dist.isend(outgoing, (me + 1) % n), dist.irecv(incoming, (me - 1) % n)]
+        for w in works:
+            w.wait()
+        assert torch.equal(incoming, torch.full((1000,), float((me - 1) % n * 10 + rounds)))
+    incoming = torch.empty(3, dtype=torch.int64)
+    ops = [dist.P2POp(dist.isend, torch.full((3,), me), (me + 1) % n),
+           dist.P2POp(dist.irecv, incoming, (me - 1) % n)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert incoming.tolist() == [(me - 1) % n] * 3
+    if me % 2 == 0:  # point to point inside a subgroup: its group ranks
+        dist.send(torch.tensor([float(me)]), group_dst=1 - me // 2, group=evens) if me == 0 else None
+        if me == 2:
+            got = torch.empty(1)
+            dist.recv(got, group_src=0, group=evens)
+            assert got.item() == 0.0
+    dist.destroy_process_group()
+    return True
+
+
+def test_subgroups_and_point_to_point():
+    _on_ranks(4, _subgroups_and_point_to_point)
+
+
+def _asynchronous_work(port):
+    dist, me, n = _join(port)
+    t = torch.ones(4)
+    work = dist.all_reduce(t, async_op=True)
+    chained = work.get_future().then(lambda f: f.value()[0] * 10)  # as DDP's hooks chain futures
+    assert work.wait() and work.is_completed()
+    assert torch.equal(chained.wait(), torch.full((4,), 10.0 * n))
+    works = [dist.broadcast(torch.full((2,), float(me)), src=r, async_op=True) for r in range(n)]
+    assert all(w.wait() for w in works)
+    whole = torch.empty(2 * n)
+    dist.all_gather_into_tensor(whole, torch.full((2,), float(me)), async_op=True).wait()
+    assert whole.tolist() == [float(r) for r in range(n) for _ in range(2)]
+    dist.destroy_process_group()
+    return True
+
+
+def test_asynchronous_work_and_futures():
+    _on_ranks(2, _asynchronous_work)
+
+
+def _errors(port):
+    from shmcomm import InvalidArgumentError, MismatchError, NotSupportedError
+
+    dist, me, n = _join(port)
+    with pytest.raises(MismatchError):  # every rank raises, and the job goes on
+        dist.all_reduce(torch.ones(3 + me))
+    with pytest.raises(NotSupportedError, match="integer or bool"):
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BXOR)
+    with pytest.raises(NotSupportedError, match="cannot reduce"):
+        dist.all_reduce(torch.ones(2, dtype=torch.uint32))
+    with pytest.raises(InvalidArgumentError, match="contiguous"):
+        dist.all_reduce(torch.ones(4, 4).t())
+    with pytest.raises(InvalidArgumentError, match="output must hold"):
+        dist.all_gather_into_tensor(torch.empty(3), torch.ones(2))
+    with pytest.raises(InvalidArgumentError, match="cannot send to itself"):  # torch's own check comes first
+        dist.group.WORLD.send([torch.ones(1)], me, 0)
+    if me == 0:  # a receiver expecting another size: both sides hear of it
+        with pytest.raises(MismatchError):
+            dist.send(torch.ones(2), dst=1)
+    else:
+        with pytest.raises(MismatchError):
+            dist.recv(torch.empty(3), src=0)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [float(n)] * 2
+    dist.destroy_process_group()
+    return True
+
+
+def test_errors_raise_on_every_rank_and_the_job_goes_on():
+    _on_ranks(2, _errors)
+
+
+def _killed(port):
+    import time
+
+    from shmcomm import RankFailure
+
+    dist, me, n = _join(port)
+    dist.barrier()
+    if me == 1:
+        os._exit(3)
+    began = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1") as failure:
+        dist.all_reduce(torch.ones(1024))
+    assert failure.value.rank == 1 and time.monotonic() - began < 20
+    return True
+
+
+def test_a_killed_rank_is_named():
+    results = multiproc.run(2, _killed, _free_port(), timeout=90, check=False)
+    assert results[0] == ("ok", True), results
+    assert results[1][0] == "died"
+
+
+def _stuck(port, released):
+    import time
+
+    import shmcomm
+
+    dist, me, n = _join(port, seconds=2)  # the group's timeout bounds shmcomm's waits
+    dist.barrier()
+    if me == 1:
+        released.wait(60)  # never comes to the collective
+        return True
+    began = time.monotonic()
+    with pytest.raises(shmcomm.TimeoutError, match="rank 1"):
+        dist.all_reduce(torch.ones(8))
+    waited = time.monotonic() - began
+    released.set()
+    assert 1.5 < waited < 15, waited
+    return True
+
+
+def test_the_groups_timeout_bounds_every_wait():
+    released = multiproc.Event()
+    assert multiproc.run(2, _stuck, _free_port(), released, timeout=90) == [True, True]
+
+
+def _ddp(port):
+    dist, me, n = _join(port)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    alone = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).double()
+    alone.load_state_dict(net.state_dict())
+    if me == 1:
+        with torch.no_grad():  # DDP's start broadcasts rank 0's parameters
+            for p in net.parameters():
+                p.add_(1.0)
+    model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.0005)  # several buckets
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_alone = torch.optim.SGD(alone.parameters(), lr=0.05)
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4 * n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (4 * n,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[4 * me:4 * me + 4]), y[4 * me:4 * me + 4]).backward()
+        opt.step()
+        opt_alone.zero_grad()
+        torch.nn.functional.cross_entropy(alone(x), y).backward()  # the mean over the whole batch
+        opt_alone.step()
+    for mine, reference in zip(net.parameters(), alone.parameters()):
+        assert torch.allclose(mine, reference, rtol=1e-12, atol=1e-12), (mine - reference).abs().max()
+    dist.destroy_process_group()
+    return True
+
+
+def test_ddp_without_a_hook_matches_one_process_on_the_whole_batch():
+    _on_ranks(2, _ddp)
+
+
+def _fsdp2_and_dtensor(port):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist, me, n = _join(port)
+    mesh = init_device_mesh("cpu", (n,))
+    full = torch.arange(6.0 * 5).reshape(6, 5)
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    assert torch.equal(sharded.to_local(), full[6 // n * me:6 // n * (me + 1)])
+    replicated = sharded.redistribute(mesh, [Replicate()])
+    assert torch.equal(replicated.to_local(), full)
+    assert torch.equal(replicated.redistribute(mesh, [Shard(1)]).full_tensor(), full)
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(8, 24), torch.nn.ReLU(), torch.nn.Linear(24, 4)).double()
+
+    torch.manual_seed(0)
+    model, alone = make(), make()
+    alone.load_state_dict(model.state_dict())
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, opt_alone = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(alone.parameters(), lr=0.1)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4 * n, 8, generator=g, dtype=torch.float64)
+        y = torch.randn(4 * n, 4, generator=g, dtype=torch.float64)
+        loss = ((model(x[4 * me:4 * me + 4]) - y[4 * me:4 * me + 4]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        reference = ((alone(x) - y) ** 2).mean()
+        reference.backward()
+        opt_alone.step()
+        opt_alone.zero_grad()
+        assert abs(loss.item() - reference.item()) <= 1e-12 * abs(reference.item()), (step, loss, reference)
+    dist.destroy_process_group()
+    return True
+
+
+def test_fsdp2_and_dtensor_match_one_process():
+    _on_ranks(2, _fsdp2_and_dtensor, timeout=120)
