@@ -132,6 +132,23 @@ def test_kernel_copy_reports_both_kinds_of_pages():
     assert "no whole huge page inside" in proc.stdout.splitlines()[2], proc.stdout  # 64 KiB holds none
 
 
+def test_torch_distributed_against_gloo_and_the_numpy_api():
+    pytest.importorskip("torch")
+    proc = run_module("shmcomm.runner", ["-np", "2", sys.executable, "-m", "benchmarks.torch_distributed", "--bytes",
+                                         "4K,64K", "--rounds", "2", "--iters", "2", "--ops",
+                                         "all_reduce,all_to_all_single"], 180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("[0]<stdout>: | all")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("all_reduce", "4 KiB"), ("all_reduce", "64 KiB"),
+                                                            ("all_to_all_single", "4 KiB"),
+                                                            ("all_to_all_single", "64 KiB")], proc.stdout
+    for row in rows:
+        for cell in row[2:5]:  # median (p90), both positive, the median no later than the p90
+            median, p90 = (float(x) for x in cell.strip().rstrip(")").split(" ("))
+            assert 0 < median <= p90, row
+        assert float(row[5].strip().rstrip("x")) > 0 and float(row[6]) > 0, row
+
+
 def test_tcp_mesh_reports_set_up_and_every_size():
     proc = run_module("benchmarks.tcp_mesh", ["-np", "3", "-b", "4K", "-e", "16K", "-f", "4", "-n", "2",
                                               "--rounds", "1"], 120)

@@ -3,6 +3,7 @@
 distributed tests that apply to a CPU backend), subgroups, asynchronous work, point to point, errors, and DDP without a
 hook against one process on the whole batch."""
 import os
+import re
 import socket
 
 import pytest
@@ -387,3 +388,48 @@ def _fsdp2_and_dtensor(port):
 
 def test_fsdp2_and_dtensor_match_one_process():
     _on_ranks(2, _fsdp2_and_dtensor, timeout=120)
+
+
+LAUNCHED = """
+import os, sys
+import torch, torch.distributed as dist
+import shmcomm, shmcomm.torch
+if "PMI_RANK" in os.environ:  # mpiexec: torch's rendezvous from MPI's numbers, as for gloo
+    dist.init_process_group("shmcomm", init_method="tcp://127.0.0.1:" + sys.argv[1],
+                            rank=int(os.environ["PMI_RANK"]), world_size=int(os.environ["PMI_SIZE"]))
+else:  # torchrun: env://
+    dist.init_process_group("shmcomm")
+me, n = dist.get_rank(), dist.get_world_size()
+t = torch.full((3,), float(me))
+dist.all_reduce(t)
+got = torch.empty(n)
+dist.all_to_all_single(got, torch.arange(float(n)) + 10 * me)
+print("rank %d of %d: %s %s shmcomm %d of %d on %d local" % (me, n, t.tolist(), got.tolist(), shmcomm.rank(),
+                                                           shmcomm.size(), shmcomm.local_size()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_torchrun_and_mpiexec_start_the_backend(tmp_path, launcher):
+    import subprocess
+    import sys
+
+    from benchmarks import backends
+
+    script = tmp_path / "job.py"
+    script.write_text(LAUNCHED)
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+                   str(_free_port()), str(script)]
+    else:
+        mpiexec = backends.find_mpiexec()
+        if mpiexec is None:
+            pytest.skip("no mpiexec beside the interpreter or on PATH")
+        command = [mpiexec, "-n", "3", sys.executable, str(script), str(_free_port())]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHMCOMM_", "HOROVOD_"))}
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = sorted(re.findall(r"rank \d of 3: .*? on 3 local", run.stdout))  # the ranks share one stdout
+    assert lines == ["rank %d of 3: [3.0, 3.0, 3.0] %s shmcomm %d of 3 on 3 local"
+                     % (r, [10.0 * k + r for k in range(3)], r) for r in range(3)], run.stdout + run.stderr

@@ -5,6 +5,8 @@ runs DDP, FSDP, DTensor and plain torch.distributed calls on shmcomm's collectiv
 Each operation hands its tensors, as views, to the numpy-level API of shmcomm/collectives.py on the group's process
 set and returns a finished Work; send and recv run on channels of their own (torch/point_to_point.py)."""
 import math
+import secrets
+import socket
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
 
     def __init__(self, rank, ranks, process_set, key):
         super().__init__(rank, len(ranks))
+        self._me, self._n = rank, len(ranks)  # torch's rank() and size() cost a microsecond a call
         self._ranks = ranks
         self._set = process_set
         self._channels = Channels(key, ranks)
@@ -69,7 +72,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
 
     def _reduce(self, tensor, op, what, into=None):
         """Reduces `tensor` over the group into `into` (default: in place)."""
-        source, shmcomm_op = views.reduction(tensor, op, what)
+        source, shmcomm_op, factor = views.reduction(tensor, op, what)
         target = tensor if into is None else into
         if shmcomm_op is None:
             gathered = collectives.allgather(views.data(tensor, what).reshape(1, -1), name=what,
@@ -77,7 +80,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             target.copy_(views.bitwise(torch.as_tensor(gathered), op).view(tensor.shape))
             return
         out = source if into is None else views.reduction(into, op, what)[0]
-        collectives.allreduce(source, op=shmcomm_op, prescale_factor=views.prescale(op), name=what, output=out,
+        collectives.allreduce(source, op=shmcomm_op, prescale_factor=factor, name=what, output=out,
                               process_set=self._set)
 
     def allreduce(self, tensors, opts=AllreduceOptions()):
@@ -105,26 +108,27 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         """dist.reduce: the reduction lands in the root's tensor; the others' tensors are left as they were."""
         root = self._root(opts.rootRank, "reduce")
         for tensor in tensors:
-            mine = root == self._ranks[self.rank()]
+            mine = root == self._ranks[self._me]
             self._reduce(tensor, opts.reduceOp, "reduce", into=None if mine else torch.empty_like(tensor))
         return finished(tensors)
 
     def reduce_scatter_single(self, output, input, opts=ReduceScatterOptions()):
         """dist.reduce_scatter_tensor: this rank's equal share of the reduction of `input`."""
-        n = self.size()
+        n = self._n
         what = "reduce_scatter_tensor"
         if input.numel() != n * output.numel() or input.dtype != output.dtype:
             raise InvalidArgumentError("%s: the input must hold %d times the output's %d elements of %s, got %d of %s"
                                        % (what, n, output.numel(), output.dtype, input.numel(), input.dtype))
-        source, shmcomm_op = views.reduction(input, opts.reduceOp, what)
+        source, shmcomm_op, factor = views.reduction(input, opts.reduceOp, what)
         if shmcomm_op is None:
             whole = input.clone()
             self._reduce(whole, opts.reduceOp, what)
-            output.copy_(views.rows(views.flat(whole), n)[self.rank()].view(output.shape))
+            output.copy_(views.rows(views.flat(whole), n)[self._me].view(output.shape))
         else:
-            share = views.reduction(output, opts.reduceOp, what)[0]
+            share = views.data(output, what) if output.dtype in views.NUMPY_KNOWN else \
+                views.reduction(output, opts.reduceOp, what)[0]
             collectives.reducescatter(views.rows(source, n), op=shmcomm_op,
-                                      prescale_factor=views.prescale(opts.reduceOp), name=what,
+                                      prescale_factor=factor, name=what,
                                       process_set=self._set, output=views.rows(share, 1))
         return finished([output])
 
@@ -153,9 +157,9 @@ class ShmcommProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=AllgatherOptions()):
         """dist.all_gather_into_tensor: every rank's `input`, in rank order, in `output`."""
         what = "all_gather_into_tensor"
-        if output.numel() != self.size() * input.numel() or input.dtype != output.dtype:
+        if output.numel() != self._n * input.numel() or input.dtype != output.dtype:
             raise InvalidArgumentError("%s: the output must hold %d times the input's %d elements of %s, got %d of %s"
-                                       % (what, self.size(), input.numel(), input.dtype, output.numel(), output.dtype))
+                                       % (what, self._n, input.numel(), input.dtype, output.numel(), output.dtype))
         data = views.data(input, what)
         collectives.allgather(data, name=what, process_set=self._set, output=views.data(output, what))
         return finished([output])
@@ -163,9 +167,9 @@ class ShmcommProcessGroup(dist.ProcessGroup):
     def allgather(self, outputs, inputs, opts=AllgatherOptions()):
         """dist.all_gather: every rank's tensor, in rank order, in the list of outputs (sizes may differ by rank)."""
         for output_list, tensor in zip(outputs, inputs):
-            if len(output_list) != self.size():
+            if len(output_list) != self._n:
                 raise InvalidArgumentError("all_gather: %d output tensors for a group of %d"
-                                           % (len(output_list), self.size()))
+                                           % (len(output_list), self._n))
             data = views.data(tensor, "all_gather")
             got = collectives.allgather(data, name="all_gather", process_set=self._set)
             _scatter_into(output_list, got, tensor.dtype, "all_gather")
@@ -187,7 +191,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         """dist.all_to_all_single: rows of `input` to each rank by `input_splits` (equal parts when empty), the
         rows received in `output`, by `output_splits`."""
         what = "all_to_all_single"
-        n = self.size()
+        n = self._n
         rows = input.shape[0] if input.dim() else 1
         if not input_splits and rows % n:
             raise InvalidArgumentError("%s: %d rows do not split evenly over %d ranks; pass input_split_sizes"
@@ -210,9 +214,9 @@ class ShmcommProcessGroup(dist.ProcessGroup):
     def alltoall(self, outputs, inputs, opts=AllToAllOptions()):
         """dist.all_to_all: inputs[j] to rank j, outputs[j] from rank j (any sizes that agree pairwise)."""
         what = "all_to_all"
-        if len(inputs) != self.size() or len(outputs) != self.size():
+        if len(inputs) != self._n or len(outputs) != self._n:
             raise InvalidArgumentError("%s: %d inputs and %d outputs for a group of %d"
-                                       % (what, len(inputs), len(outputs), self.size()))
+                                       % (what, len(inputs), len(outputs), self._n))
         pieces = [views.movable(t) for t in inputs]
         received, _ = collectives.alltoall(views.data(torch.cat(pieces), what), splits=[len(p) for p in pieces],
                                            name=what, process_set=self._set)
@@ -237,7 +241,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             pieces = [views.movable(t) for t in inputs[0]]
             sent, splits = views.data(torch.cat(pieces), "scatter"), [len(p) for p in pieces]
         else:
-            sent, splits = views.data(output, "scatter")[:0], [0] * self.size()
+            sent, splits = views.data(output, "scatter")[:0], [0] * self._n
         received, _ = collectives.alltoall(sent, splits=splits, name="scatter", process_set=self._set)
         _scatter_into([output], received, output.dtype, "scatter")
         return finished(outputs)
@@ -251,11 +255,11 @@ class ShmcommProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors, dst, tag):
         """dist.send and isend: the tensor to group rank `dst`; the Work completes once it has gone."""
-        return Work(self._channels.transfer(tensors[0], self.rank(), dst, tag, "send"))
+        return Work(self._channels.transfer(tensors[0], self._me, dst, tag, "send"))
 
     def recv(self, tensors, src, tag):
         """dist.recv and irecv: the tensor from group rank `src`; the Work completes once it has arrived."""
-        return Work(self._channels.transfer(tensors[0], src, self.rank(), tag, "recv"))
+        return Work(self._channels.transfer(tensors[0], src, self._me, tag, "recv"))
 
     def recv_anysource(self, tensors, tag):
         """dist.recv without a source: refused; name the sender."""
@@ -295,6 +299,8 @@ def create(options, backend_options=None):
     """
     if not basics.is_initialized():
         env.bound_timeout(options.timeout.total_seconds())
+        if env.job_token() is None and not env.launched_by_mpi() and not options.global_ranks_in_group:
+            _take_place_from_store(options.store, options.group_rank, options.group_size)
     basics.init()
     world = basics.size()
     ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
@@ -307,6 +313,20 @@ def create(options, backend_options=None):
         return ShmcommProcessGroup(options.group_rank, ranks, None, "world")
     process_set = process_sets.members_only(ranks, "torch/%s" % options.group_id)
     return ShmcommProcessGroup(options.group_rank, ranks, process_set, "torch/%s" % options.group_id)
+
+
+def _take_place_from_store(store, rank, size):
+    """Under torchrun (or any env:// start without shmcommrun): shmcomm's place in the job from torch's rendezvous
+    store. Rank 0 draws the job token; every rank names its host, and the ranks must share one."""
+    store.set("shmcomm/host/%d" % rank, socket.gethostname())
+    if rank == 0:
+        store.set("shmcomm/token", secrets.token_hex(16))
+    hosts = [store.get("shmcomm/host/%d" % r).decode() for r in range(size)]
+    if len(set(hosts)) > 1:
+        raise NotSupportedError("init_process_group('shmcomm') across hosts %s without shmcommrun: start the job with "
+                                "shmcommrun -H (or inside mpiexec), which connects the hosts" % sorted(set(hosts)))
+    env.adopt_identity({"RANK": rank, "SIZE": size, "LOCAL_RANK": rank, "LOCAL_SIZE": size, "CROSS_RANK": 0,
+                        "CROSS_SIZE": 1, "JOB_TOKEN": store.get("shmcomm/token").decode()})
 
 
 def register():

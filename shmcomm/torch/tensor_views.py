@@ -10,66 +10,64 @@ from shmcomm.vocabulary import ops
 from shmcomm.vocabulary.dtypes import torch_codes
 from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
 
-_NUMPY_KNOWN = {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
+NUMPY_KNOWN = {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
                 torch.int64}  # dtypes numpy and the core share
 _RED = dist.ReduceOp.RedOpType
-_ELEMENTWISE = {_RED.SUM: ops.Sum, _RED.AVG: ops.Average, _RED.PRODUCT: ops.Product, _RED.MIN: ops.Min,
-                _RED.MAX: ops.Max, _RED.PREMUL_SUM: ops.Sum}
+# torch's ops by their numbers: its enum's own hashing and comparisons cost a microsecond each, per call.
+_SUM, _AVG, _PRODUCT, _MIN, _MAX, _BAND, _BOR, _BXOR, _PREMUL_SUM = (
+    _RED.SUM.value, _RED.AVG.value, _RED.PRODUCT.value, _RED.MIN.value, _RED.MAX.value, _RED.BAND.value,
+    _RED.BOR.value, _RED.BXOR.value, _RED.PREMUL_SUM.value)
+_NAMES = {kind.value: name for name, kind in _RED.__members__.items()}
+_ELEMENTWISE = {_SUM: ops.Sum, _AVG: ops.Average, _PRODUCT: ops.Product, _MIN: ops.Min, _MAX: ops.Max,
+                _PREMUL_SUM: ops.Sum}
 # A bool tensor reduces as bytes of 0 and 1: a sum or maximum is a logical or, a product or minimum a logical and.
-_BOOL = {_RED.SUM: ops.Max, _RED.MAX: ops.Max, _RED.BOR: ops.Max, _RED.PRODUCT: ops.Min, _RED.MIN: ops.Min,
-         _RED.BAND: ops.Min}
-BITWISE = {_RED.BAND: torch.bitwise_and, _RED.BOR: torch.bitwise_or, _RED.BXOR: torch.bitwise_xor}
-
-
-def op_type(op):
-    """The RedOpType of a torch ReduceOp (or of a RedOpType)."""
-    return op.op if isinstance(op, dist.ReduceOp) else _RED(op)
-
-
-def prescale(op):
-    """PREMUL_SUM's factor (a number or a one-element tensor), else 1."""
-    if op_type(op) != _RED.PREMUL_SUM:
-        return 1.0
-    factor = op.factor
-    return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+_BOOL = {_SUM: ops.Max, _MAX: ops.Max, _BOR: ops.Max, _PRODUCT: ops.Min, _MIN: ops.Min, _BAND: ops.Min}
+_BITWISE = {_BAND: torch.bitwise_and, _BOR: torch.bitwise_or, _BXOR: torch.bitwise_xor}
 
 
 def reduction(tensor, op, what):
-    """How shmcomm reduces `tensor` under torch's `op`: (what the collectives take for it, as data() gives, shmcomm's
-    op), or (tensor, None) for the bitwise ops, which the caller reduces itself from gathered copies.
+    """How shmcomm reduces `tensor` under torch's `op` (a ReduceOp or a RedOpType): (what the collectives take for
+    it, as data() gives, shmcomm's op, the prescale factor: PREMUL_SUM's, else 1), or (tensor, None, 1) for the
+    bitwise ops, which the caller reduces itself from gathered copies.
 
     Raises:
         NotSupportedError: the op is not defined for the dtype, as in torch (bitwise ops on floating point, ordering
             ops on complex numbers) or shmcomm has no arithmetic for the dtype.
     """
-    kind = op_type(op)
+    kind = (op.op if isinstance(op, dist.ReduceOp) else op).value
+    factor = 1.0 if kind != _PREMUL_SUM else _factor(op)
     dtype = tensor.dtype
-    if dtype in _NUMPY_KNOWN and kind in _ELEMENTWISE:
-        return data(tensor, what), _ELEMENTWISE[kind]
+    if dtype in NUMPY_KNOWN and kind in _ELEMENTWISE:
+        return data(tensor, what), _ELEMENTWISE[kind], factor
     if dtype == torch.bool:
-        if kind == _RED.BXOR:
-            return tensor, None
+        if kind == _BXOR:
+            return tensor, None, 1.0
         if kind not in _BOOL:
-            raise NotSupportedError("%s: %s is not defined for bool tensors" % (what, kind.name))
-        return data(tensor, what), _BOOL[kind]
-    if kind in BITWISE:
+            raise NotSupportedError("%s: %s is not defined for bool tensors" % (what, _NAMES[kind]))
+        return data(tensor, what), _BOOL[kind], factor
+    if kind in _BITWISE:
         if dtype.is_floating_point or dtype.is_complex:
-            raise NotSupportedError("%s: %s needs an integer or bool tensor, not %s" % (what, kind.name, dtype))
-        return tensor, None
+            raise NotSupportedError("%s: %s needs an integer or bool tensor, not %s" % (what, _NAMES[kind], dtype))
+        return tensor, None, 1.0
     if dtype.is_complex:
-        if kind not in (_RED.SUM, _RED.AVG, _RED.PREMUL_SUM):
+        if kind not in (_SUM, _AVG, _PREMUL_SUM):
             raise NotSupportedError("%s: %s is not defined for complex tensors (SUM, AVG and PREMUL_SUM are)"
-                                    % (what, kind.name))
-        return data(torch.view_as_real(flat(tensor)), what), _ELEMENTWISE[kind]
+                                    % (what, _NAMES[kind]))
+        return data(torch.view_as_real(flat(tensor)), what), _ELEMENTWISE[kind], factor
     if dtype not in torch_codes():
         raise NotSupportedError("%s: shmcomm cannot reduce %s tensors" % (what, dtype))
-    return data(tensor, what), _ELEMENTWISE[kind]
+    return data(tensor, what), _ELEMENTWISE[kind], factor
+
+
+def _factor(op):
+    factor = op.factor  # a number or a one-element tensor
+    return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
 
 
 def bitwise(stacked, op):
     """The bitwise reduction of a stack of every rank's copy (first dimension: ranks; bool tensors as bytes of 0
     and 1)."""
-    return functools.reduce(BITWISE[op_type(op)], stacked.unbind(0))
+    return functools.reduce(_BITWISE[(op.op if isinstance(op, dist.ReduceOp) else op).value], stacked.unbind(0))
 
 
 def flat(tensor):
@@ -99,10 +97,11 @@ def data(tensor, what):
                                 % (what, tuple(tensor.shape), tensor.device))
     if tensor.requires_grad:
         tensor = tensor.detach()
-    if tensor.dtype in _NUMPY_KNOWN:
+    if tensor.dtype in NUMPY_KNOWN:
         if not tensor.is_contiguous():
             raise InvalidArgumentError("%s: tensors must be contiguous, as for gloo and NCCL" % what)
-        return tensor.numpy().reshape(-1)
+        array = tensor.numpy()
+        return array if array.ndim == 1 else array.reshape(-1)
     moved = movable(tensor)
     return moved if moved.dtype == torch.bfloat16 else moved.numpy()
 

@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+"""torch.distributed on the "shmcomm" backend against gloo and against shmcomm's own numpy-level API, in one job:
+
+    shmcommrun -np 2 python -m benchmarks.torch_distributed [--bytes 4K,64K,1M,16M,64M] [--rounds 5] [--cpu-load N]
+
+The job's default group runs on the shmcomm backend and a second group of every rank on gloo; the numpy-level calls
+work on numpy views of the same tensors. Each round times every op and size twice: the backend and the numpy API
+taking turns call by call, then the backend and gloo the same way; each call alone after a barrier. The table gives
+the median over rounds of the slowest rank's median and 90th percentile of --iters calls (the backend's from the
+first pair), and each ratio as the median of the rounds' ratios within its pair, so both sides of a ratio saw the
+same machine. Sizes follow nccl-tests: the buffer of all_reduce, broadcast and all_to_all_single, the output of
+all_gather_into_tensor and the input of reduce_scatter_tensor. --cpu-load N runs it all beside N CPU-bound
+processes (rank 0 starts and stops them)."""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import shmcomm
+import shmcomm.torch  # noqa: F401  (registers the backend)
+from benchmarks.collectives import parse_size
+from shmcomm.testing import cpu_load
+
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast")
+
+
+def _cases(op, nbytes, n, gloo):
+    """{library: a function that runs `op` once} on float32 buffers of `nbytes` (rounded to n elements)."""
+    count = max(n, nbytes // 4 // n * n)
+    whole = torch.ones(count)
+    part = torch.ones(count // n)
+    a_whole, a_part = whole.numpy(), part.numpy()
+    out = torch.empty(count)
+    a_out = out.numpy()
+    if op == "all_reduce":
+        return {"gloo": lambda: dist.all_reduce(whole, group=gloo), "backend": lambda: dist.all_reduce(whole),
+                "numpy API": lambda: shmcomm.allreduce_(a_whole, op=shmcomm.Sum)}
+    if op == "all_gather_into_tensor":
+        return {"gloo": lambda: dist.all_gather_into_tensor(out, part, group=gloo),
+                "backend": lambda: dist.all_gather_into_tensor(out, part),
+                "numpy API": lambda: shmcomm.allgather(a_part, output=a_out)}
+    if op == "reduce_scatter_tensor":
+        return {"gloo": lambda: dist.reduce_scatter_tensor(part, whole, group=gloo),
+                "backend": lambda: dist.reduce_scatter_tensor(part, whole),
+                "numpy API": lambda: shmcomm.reducescatter(a_whole.reshape(n, -1), op=shmcomm.Sum,
+                                                           output=a_part.reshape(1, -1))}
+    if op == "all_to_all_single":
+        return {"gloo": lambda: dist.all_to_all_single(out, whole, group=gloo),
+                "backend": lambda: dist.all_to_all_single(out, whole),
+                "numpy API": lambda: shmcomm.alltoall(a_whole, output=a_out)}
+    return {"gloo": lambda: dist.broadcast(whole, 0, group=gloo), "backend": lambda: dist.broadcast(whole, 0),
+            "numpy API": lambda: shmcomm.broadcast_(a_whole, 0)}
+
+
+def _alternating(calls, iters):
+    """{library: seconds of each of `iters` calls}, the libraries' calls taking turns (each after a barrier, the order
+    reversed every other turn), so that whatever the machine does meets them alike; two calls each first, untimed."""
+    for call in calls.values():
+        call()
+        call()
+    libraries = list(calls)
+    times = {library: [] for library in libraries}
+    for i in range(iters):
+        for library in libraries if i % 2 == 0 else libraries[::-1]:
+            shmcomm.barrier()
+            start = time.perf_counter()
+            calls[library]()
+            times[library].append(time.perf_counter() - start)
+    return times
+
+
+def _slowest(times):
+    """The slowest rank's median and 90th percentile of these times."""
+    return shmcomm.allgather(np.array([[np.median(times), np.percentile(times, 90)]])).max(axis=0)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bytes", default="4K,64K,1M,16M,64M", help="comma-separated sizes, K/M/G suffixes allowed")
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per library, op, size and round")
+    parser.add_argument("--cpu-load", type=int, default=0, help="CPU-bound processes beside the job")
+    options = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in options.bytes.split(",")]
+    ops = options.ops.split(",")
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        parser.error("unknown ops %s; choose from %s" % (unknown, ",".join(OPS)))
+    torch.set_num_threads(1)
+    dist.init_process_group("shmcomm")
+    gloo = dist.new_group(backend="gloo")
+    n, me = dist.get_world_size(), dist.get_rank()
+    rows = {}  # (op, size) -> {library: [(median, p90) per round]}; "backend beside gloo" for the ratio to gloo
+    with cpu_load.spinning(options.cpu_load if me == 0 else 0):
+        for _ in range(options.rounds):
+            for op in ops:
+                for nbytes in sizes:
+                    calls = _cases(op, nbytes, n, gloo)
+                    row = rows.setdefault((op, nbytes), {})
+                    # each ratio from calls that took turns with each other
+                    mine = _alternating({"backend": calls["backend"], "numpy API": calls["numpy API"]}, options.iters)
+                    theirs = _alternating({"backend beside gloo": calls["backend"], "gloo": calls["gloo"]},
+                                          options.iters)
+                    for library, times in list(mine.items()) + list(theirs.items()):
+                        row.setdefault(library, []).append(_slowest(times))
+    if me == 0:
+        _report(rows, options, n, argv)
+    dist.destroy_process_group()
+
+
+def _report(rows, options, n, argv):
+    print("# python -m benchmarks.torch_distributed %s | np=%d%s | medians over %d rounds of the slowest rank's "
+          "median and p90 of %d calls" % (" ".join(sys.argv[1:] if argv is None else argv), n,
+                                          " beside %d CPU-bound processes" % options.cpu_load if options.cpu_load
+                                          else "", options.rounds, options.iters))
+    print("| op | size | gloo us (p90) | backend us (p90) | numpy API us (p90) | backend speed / gloo's "
+          "| backend time / numpy API's |")
+    print("|---|---|---|---|---|---|---|")
+    for (op, nbytes), by_library in rows.items():
+        cells = ["%.1f (%.1f)" % tuple(1e6 * np.median(np.array(by_library[lib]), axis=0))
+                 for lib in ("gloo", "backend", "numpy API")]
+        over_gloo = np.median([g[0] / b[0] for g, b in zip(by_library["gloo"], by_library["backend beside gloo"])])
+        over_numpy = np.median([b[0] / a[0] for b, a in zip(by_library["backend"], by_library["numpy API"])])
+        print("| %s | %s | %s | %.2fx | %.2f |" % (op, _size(nbytes), " | ".join(cells), over_gloo, over_numpy),
+              flush=True)
+
+
+def _size(nbytes):
+    for unit, shift in (("M", 20), ("K", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return "%d %siB" % (nbytes >> shift, unit)
+    return "%d B" % nbytes
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    main()
