@@ -410,6 +410,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.long  # torchrun and mpiexec start slowly; the default run starts the backend under shmcommrun
 @pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
 def test_torchrun_and_mpiexec_start_the_backend(tmp_path, launcher):
     import subprocess
