@@ -129,11 +129,46 @@ def check_dead_rank():
         raise SystemExit(3)
 
 
-CHECKS = {"collectives": check_collectives, "optimizer": check_optimizer, "dead_rank": check_dead_rank}
+def check_backend():
+    """torch.distributed on the "shmcomm" backend with CUDA tensors: the world group's collectives give what every
+    rank contributes, and DDP's gradients equal one process's on the whole batch."""
+    import torch.distributed as dist
+
+    me, n, dev = hvd.rank(), hvd.size(), device()
+    dist.init_process_group("shmcomm")  # shmcommrun gives torch its rendezvous
+    x = arange(1000, me, torch.float32).to(dev)
+    dist.all_reduce(x)
+    assert torch.equal(x.cpu(), sum(arange(1000, r, torch.float32) for r in range(n)))
+    whole = torch.empty(2 * n, device=dev)
+    dist.all_gather_into_tensor(whole, torch.full((2,), float(me), device=dev))
+    assert whole.tolist() == [float(r) for r in range(n) for _ in range(2)]
+    share = torch.empty(3, device=dev)
+    dist.reduce_scatter_tensor(share, torch.arange(3.0 * n, device=dev))
+    assert share.tolist() == [float(n * (3 * me + i)) for i in range(3)]
+    got = torch.empty(n, device=dev)
+    dist.all_to_all_single(got, torch.arange(float(n), device=dev) + 10 * me)
+    assert got.tolist() == [10.0 * r + me for r in range(n)]
+    b = torch.full((4,), float(me), device=dev)
+    dist.broadcast(b, src=n - 1)
+    assert b.tolist() == [float(n - 1)] * 4
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 4).to(dev)
+    reference = copy.deepcopy(net)
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    data = torch.randn(4 * n, 8, generator=torch.Generator().manual_seed(2)).to(dev)
+    model(data[4 * me:4 * me + 4]).pow(2).mean().backward()
+    reference(data).pow(2).mean().backward()
+    for p, q in zip(net.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6), (p.grad - q.grad).abs().max().item()
+    dist.destroy_process_group()
+
+
+CHECKS = {"collectives": check_collectives, "optimizer": check_optimizer, "backend": check_backend,
+          "dead_rank": check_dead_rank}
 
 if __name__ == "__main__":
     hvd.init()
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-    for name in sys.argv[1:] or ["collectives", "optimizer"]:
+    for name in sys.argv[1:] or ["collectives", "optimizer", "backend"]:
         CHECKS[name]()
         print("ok", name, flush=True)

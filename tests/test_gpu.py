@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """CUDA tensors in shmcomm.torch, on a machine with a GPU: every check of tests/gpu_checks.py under the launcher at
 1 rank (NCCL), at 2 and 4 ranks sharing one GPU (the host path), at as many ranks as GPUs (NCCL, and the 2D torus on
-NCCL with 4), DistributedOptimizer equal to a single-process step, and a killed rank during an allreduce, named by
+NCCL with 4), DistributedOptimizer equal to a single-process step, torch.distributed's collectives and DDP on the
+"shmcomm" backend, and a killed rank during an allreduce, named by
 the others while the job stops. Skipped, with the reason, where torch sees no GPU (benchmarks/gpu_check.sh runs
 them on a GPU machine)."""
 import os
@@ -20,6 +21,7 @@ if not torch.cuda.is_available():
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = os.path.join(ROOT, "tests", "gpu_checks.py")
 GPUS = torch.cuda.device_count()
+EVERY = ["collectives", "optimizer", "backend"]  # the checks each launch runs
 
 
 def _launch(ranks, checks, timeout=300, **env):
@@ -38,7 +40,7 @@ def _assert_all_ok(run, ranks, checks):
 
 @pytest.mark.slow
 def test_one_rank_takes_nccl():
-    _assert_all_ok(_launch(1, ["collectives", "optimizer"], EXPECT_PATH="nccl"), 1, ["collectives", "optimizer"])
+    _assert_all_ok(_launch(1, EVERY, EXPECT_PATH="nccl"), 1, EVERY)
 
 
 @pytest.mark.slow
@@ -48,22 +50,22 @@ def test_ranks_sharing_a_gpu_go_through_host_memory(ranks):
         env = {"SHMCOMM_GPU_PATH": "host", "EXPECT_PATH": "host"}  # each rank has a GPU here: ask for the host path
     else:
         env = {"EXPECT_PATH": "host"}
-    _assert_all_ok(_launch(ranks, ["collectives", "optimizer"], **env), ranks, ["collectives", "optimizer"])
+    _assert_all_ok(_launch(ranks, EVERY, **env), ranks, EVERY)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(GPUS < 2, reason="NCCL across ranks needs a GPU per rank; this machine has %d" % GPUS)
 def test_a_gpu_per_rank_takes_nccl():
     ranks = min(GPUS, 4)
-    _assert_all_ok(_launch(ranks, ["collectives", "optimizer"], EXPECT_PATH="nccl"), ranks,
-                   ["collectives", "optimizer"])
+    _assert_all_ok(_launch(ranks, EVERY, EXPECT_PATH="nccl"), ranks,
+                   EVERY)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(GPUS < 4, reason="the 2D torus on NCCL needs 4 GPUs (a 2x2 grid); this machine has %d" % GPUS)
 def test_the_torus_on_nccl_communicators():
-    _assert_all_ok(_launch(4, ["collectives", "optimizer"], EXPECT_PATH="nccl", SHMCOMM_TORUS_GRID="2x2",
-                           SHMCOMM_ALLREDUCE_ALGO="torus", EXPECT_TORUS="2x2"), 4, ["collectives", "optimizer"])
+    _assert_all_ok(_launch(4, EVERY, EXPECT_PATH="nccl", SHMCOMM_TORUS_GRID="2x2",
+                           SHMCOMM_ALLREDUCE_ALGO="torus", EXPECT_TORUS="2x2"), 4, EVERY)
 
 
 def _assert_rank_1_named(run):

@@ -243,6 +243,8 @@ def _errors(port):
         dist.all_reduce(torch.ones(2, dtype=torch.uint32))
     with pytest.raises(InvalidArgumentError, match="contiguous"):
         dist.all_reduce(torch.ones(4, 4).t())
+    with pytest.raises(NotSupportedError, match="CPU and CUDA tensors"):
+        dist.group.WORLD.allreduce([torch.ones(2, device="meta")], dist.AllreduceOptions())
     with pytest.raises(InvalidArgumentError, match="output must hold"):
         dist.all_gather_into_tensor(torch.empty(3), torch.ones(2))
     with pytest.raises(InvalidArgumentError, match="cannot send to itself"):  # torch's own check comes first

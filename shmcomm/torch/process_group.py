@@ -330,7 +330,7 @@ def _take_place_from_store(store, rank, size):
 
 
 def register():
-    """Registers the backend under the name "shmcomm" for CPU tensors (idempotent)."""
+    """Registers the backend under the name "shmcomm" for CPU and CUDA tensors (idempotent)."""
     if "shmcomm" not in dist.Backend.backend_list:
-        dist.Backend.register_backend("shmcomm", create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend("shmcomm", create, extended_api=True, devices=["cpu", "cuda"])
 

@@ -86,14 +86,16 @@ def movable(tensor):
 
 def data(tensor, what):
     """What the collectives take for `tensor`: movable(tensor), as a numpy array sharing its memory where numpy has
-    its dtype (the core's quickest calls take numpy arrays), else (bfloat16) the tensor.
+    its dtype (the core's quickest calls take numpy arrays), else (bfloat16, CUDA tensors) the tensor.
 
     Raises:
-        NotSupportedError: a tensor that is not on the CPU.
+        NotSupportedError: a tensor on a device other than the CPU and CUDA.
         InvalidArgumentError: a tensor that is not contiguous.
     """
     if not tensor.is_cpu:
-        raise NotSupportedError("%s: the shmcomm backend serves CPU tensors; %s is on %s"
+        if tensor.is_cuda:  # the collectives hand it to the device communicator (algorithms/device.py)
+            return movable(tensor.detach())
+        raise NotSupportedError("%s: the shmcomm backend serves CPU and CUDA tensors; %s is on %s"
                                 % (what, tuple(tensor.shape), tensor.device))
     if tensor.requires_grad:
         tensor = tensor.detach()
