@@ -6,8 +6,8 @@
 Why a second benchmark beside benchmarks.collectives: there each backend runs in jobs of its own, one after the other,
 and on a shared machine separate jobs differ by up to 3x (benchmarks/RESULTS.md, "this machine's slow jobs": moving
 cache lines between the cores gets slower for a while, whoever runs). Here both libraries run in the same processes:
-each round times every op and size with shmcomm, then with MPI, a median of --iters calls each, the slowest rank's;
-the ratio is taken per round, so both sides of a ratio saw the same machine. Sizes follow nccl-tests: the buffer of
+each round times every op and size with shmcomm, then with MPI, a median and 90th percentile of --iters calls each,
+the slowest rank's; the ratio of medians is taken per round, so both sides of a ratio saw the same machine. Sizes follow nccl-tests: the buffer of
 allreduce, alltoall and broadcast (in place, from rank 0 or --root), allgather's output and reducescatter's input. Both
 libraries' results are checked against each other once per op and size. --inplace makes allreduce reduce its
 buffer in place (MPI_IN_PLACE), as a training step's fusion buffer is; --shared makes shmcomm's buffer a
@@ -111,8 +111,8 @@ def calls(op, nbytes, comm, shmcomm, MPI, inplace=False, shared=False, empty=Non
 
 
 def timed(fn, comm, iters, loop=False):
-    """Seconds per call: the median of `iters` calls each timed alone after a barrier, or with `loop` the mean of
-    `iters` calls back to back after one barrier."""
+    """Seconds per call, (median, 90th percentile) of `iters` calls each timed alone after a barrier, or with `loop`
+    the mean of `iters` calls back to back after one barrier (twice: a loop has no spread of its own)."""
     for _ in range(2):
         fn()
     if loop:
@@ -120,14 +120,15 @@ def timed(fn, comm, iters, loop=False):
         start = time.perf_counter()
         for _ in range(iters):
             fn()
-        return (time.perf_counter() - start) / iters
+        mean = (time.perf_counter() - start) / iters
+        return mean, mean
     times = []
     for _ in range(iters):
         comm.Barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median(times)), float(np.percentile(times, 90))
 
 
 def main(argv=None):
@@ -187,8 +188,8 @@ def main(argv=None):
 
 
 def _rounds(options, comm, shmcomm, MPI, cases, variable, values, root):
-    """Seconds per call: [round, case, each value of the setting, then MPI]."""
-    times = np.zeros((options.rounds, len(cases), len(values) + 1))  # shmcomm with each value, then MPI
+    """Seconds per call: [round, case, each value of the setting, then MPI, (median, p90)]."""
+    times = np.zeros((options.rounds, len(cases), len(values) + 1, 2))  # shmcomm with each value, then MPI
     for r in range(options.rounds):
         for v, value in enumerate(values):
             _configure(variable, value)
@@ -221,19 +222,20 @@ def _report(options, argv, comm, MPI, cases, variable, values, slowest):
     print("# slowest rank's %s per round; MPI/shmcomm above 1: shmcomm is faster. Median of the rounds." % (
         "mean of --iters calls back to back" if options.loop else "median of calls each after a barrier"))
     if variable is None:
-        print("#  op                 bytes  shmcomm us      MPI us  MPI/shmcomm  per round")
+        print("#  op                 bytes  shmcomm us   (p90)      MPI us   (p90)  MPI/shmcomm  per round")
     else:
         print("# %s = %s: shmcomm us and MPI/shmcomm for each, then MPI us" % (variable, ", ".join(values)))
+    medians, p90s = slowest[..., 0], slowest[..., 1]
     for i, (op, nbytes) in enumerate(cases):
-        mpi = slowest[:, i, -1]
+        mpi = medians[:, i, -1]
         if variable is None:
-            ratios = mpi / slowest[:, i, 0]
-            print("   %-13s %12d %11.1f %11.1f %12.2f  %s" % (
-                op, nbytes, np.median(slowest[:, i, 0]) * 1e6, np.median(mpi) * 1e6,
-                np.median(ratios), " ".join("%.2f" % v for v in ratios)))
+            ratios = mpi / medians[:, i, 0]
+            print("   %-13s %12d %11.1f %7.1f %11.1f %7.1f %12.2f  %s" % (
+                op, nbytes, np.median(medians[:, i, 0]) * 1e6, np.median(p90s[:, i, 0]) * 1e6, np.median(mpi) * 1e6,
+                np.median(p90s[:, i, -1]) * 1e6, np.median(ratios), " ".join("%.2f" % v for v in ratios)))
         else:
             print("   %-13s %12d  %s  MPI %.1f" % (op, nbytes, "  ".join(
-                "%s: %.1f %.2fx" % (value, np.median(slowest[:, i, v]) * 1e6, np.median(mpi / slowest[:, i, v]))
+                "%s: %.1f %.2fx" % (value, np.median(medians[:, i, v]) * 1e6, np.median(mpi / medians[:, i, v]))
                 for v, value in enumerate(values)), np.median(mpi) * 1e6))
 
 
