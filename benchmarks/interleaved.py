@@ -7,10 +7,10 @@ Why a second benchmark beside benchmarks.collectives: there each backend runs in
 and on a shared machine separate jobs differ by up to 3x (benchmarks/RESULTS.md, "this machine's slow jobs": moving
 cache lines between the cores gets slower for a while, whoever runs). Here both libraries run in the same processes:
 each round times every op and size with shmcomm, then with MPI, a median and 90th percentile of --iters calls each,
-the slowest rank's; the ratio of medians is taken per round, so both sides of a ratio saw the same machine. Sizes follow nccl-tests: the buffer of
-allreduce, alltoall and broadcast (in place, from rank 0 or --root), allgather's output and reducescatter's input. Both
-libraries' results are checked against each other once per op and size. --inplace makes allreduce reduce its
-buffer in place (MPI_IN_PLACE), as a training step's fusion buffer is; --shared makes shmcomm's buffer a
+the slowest rank's; the ratio of medians is taken per round, so both sides of a ratio saw the same machine. Sizes
+follow nccl-tests: the buffer of allreduce, alltoall and broadcast (in place, from rank 0 or --root), allgather's
+output and reducescatter's input. Both libraries' results are checked against each other once per op and size.
+--inplace makes allreduce reduce its buffer in place (MPI_IN_PLACE), as a training step's fusion buffer is; --shared makes shmcomm's buffer a
 shmcomm.shared_empty array, as the engine's fusion buffer is (MPI's stays an ordinary one, in place), and
 reducescatter's and alltoall's inputs, allgather's output and broadcast's buffer too. The op `fused`
 (not in the default list) is DistributedOptimizer's path: 8 tensors of the size in all, each allreduce_async_ in

@@ -56,7 +56,7 @@ def _cases(op, nbytes, n, gloo):
             "numpy API": lambda: shmcomm.broadcast_(a_whole, 0)}
 
 
-def _alternating(calls, iters):
+def alternating(calls, iters):
     """{library: seconds of each of `iters` calls}, the libraries' calls taking turns (each after a barrier, the order
     reversed every other turn), so that whatever the machine does meets them alike; two calls each first, untimed."""
     for call in calls.values():
@@ -73,24 +73,30 @@ def _alternating(calls, iters):
     return times
 
 
-def _slowest(times):
+def slowest_rank(times):
     """The slowest rank's median and 90th percentile of these times."""
     return shmcomm.allgather(np.array([[np.median(times), np.percentile(times, 90)]])).max(axis=0)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bytes", default="4K,64K,1M,16M,64M", help="comma-separated sizes, K/M/G suffixes allowed")
-    parser.add_argument("--ops", default=",".join(OPS))
+def parse_options(argv, doc, sizes, kinds, listed):
+    """The options of an interleaved torch benchmark: (options, sizes in bytes, the kinds asked for), where `kinds`
+    names what --`listed` chooses from (ops, dtypes)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--bytes", default=sizes, help="comma-separated sizes, K/M/G suffixes allowed")
+    parser.add_argument("--" + listed, default=",".join(kinds))
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per library, op, size and round")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per library, case and round")
     parser.add_argument("--cpu-load", type=int, default=0, help="CPU-bound processes beside the job")
     options = parser.parse_args(argv)
-    sizes = [parse_size(s) for s in options.bytes.split(",")]
-    ops = options.ops.split(",")
-    unknown = sorted(set(ops) - set(OPS))
+    chosen = getattr(options, listed).split(",")
+    unknown = sorted(set(chosen) - set(kinds))
     if unknown:
-        parser.error("unknown ops %s; choose from %s" % (unknown, ",".join(OPS)))
+        parser.error("unknown %s %s; choose from %s" % (listed, unknown, ",".join(kinds)))
+    return options, [parse_size(s) for s in options.bytes.split(",")], chosen
+
+
+def main(argv=None):
+    options, sizes, ops = parse_options(argv, __doc__, "4K,64K,1M,16M,64M", OPS, "ops")
     torch.set_num_threads(1)
     dist.init_process_group("shmcomm")
     gloo = dist.new_group(backend="gloo")
@@ -103,11 +109,11 @@ def main(argv=None):
                     calls = _cases(op, nbytes, n, gloo)
                     row = rows.setdefault((op, nbytes), {})
                     # each ratio from calls that took turns with each other
-                    mine = _alternating({"backend": calls["backend"], "numpy API": calls["numpy API"]}, options.iters)
-                    theirs = _alternating({"backend beside gloo": calls["backend"], "gloo": calls["gloo"]},
+                    mine = alternating({"backend": calls["backend"], "numpy API": calls["numpy API"]}, options.iters)
+                    theirs = alternating({"backend beside gloo": calls["backend"], "gloo": calls["gloo"]},
                                           options.iters)
                     for library, times in list(mine.items()) + list(theirs.items()):
-                        row.setdefault(library, []).append(_slowest(times))
+                        row.setdefault(library, []).append(slowest_rank(times))
     if me == 0:
         _report(rows, options, n, argv)
     dist.destroy_process_group()
@@ -126,11 +132,11 @@ def _report(rows, options, n, argv):
                  for lib in ("gloo", "backend", "numpy API")]
         over_gloo = np.median([g[0] / b[0] for g, b in zip(by_library["gloo"], by_library["backend beside gloo"])])
         over_numpy = np.median([b[0] / a[0] for b, a in zip(by_library["backend"], by_library["numpy API"])])
-        print("| %s | %s | %s | %.2fx | %.2f |" % (op, _size(nbytes), " | ".join(cells), over_gloo, over_numpy),
+        print("| %s | %s | %s | %.2fx | %.2f |" % (op, size_text(nbytes), " | ".join(cells), over_gloo, over_numpy),
               flush=True)
 
 
-def _size(nbytes):
+def size_text(nbytes):
     for unit, shift in (("M", 20), ("K", 10)):
         if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
             return "%d %siB" % (nbytes >> shift, unit)

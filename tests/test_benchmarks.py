@@ -151,6 +151,17 @@ def test_torch_distributed_against_gloo_and_the_numpy_api():
         assert float(row[5].strip().rstrip("x")) > 0 and float(row[6]) > 0, row
 
 
+@pytest.mark.long  # DeepSpeed is a peer, never a dependency: this runs where it is installed
+def test_deepspeed_allreduce_against_shmcomm():
+    pytest.importorskip("deepspeed")
+    proc = run_module("shmcomm.runner", ["-np", "2", sys.executable, "-m", "benchmarks.deepspeed", "--bytes", "8,64K",
+                                         "--rounds", "1", "--iters", "3"], 600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("[0]<stdout>: | float")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows][:2] == [("float32", "8 B"), ("float32", "64 KiB")], proc.stdout
+    assert all(float(r[4]) > 0 for r in rows), proc.stdout
+
+
 def test_tcp_mesh_reports_set_up_and_every_size():
     proc = run_module("benchmarks.tcp_mesh", ["-np", "3", "-b", "4K", "-e", "16K", "-f", "4", "-n", "2",
                                               "--rounds", "1"], 120)

@@ -127,6 +127,36 @@ def test_torch_cpu_tensors():
     assert multiproc.run(3, _torch_tensors, 3, timeout=120) == [True] * 3
 
 
+def _torch_allreduce_kinds():
+    import torch
+
+    import shmcomm
+
+    shmcomm.init()
+    me, n = shmcomm.rank(), shmcomm.size()
+    # the quick call through a numpy view (float32, a leaf that requires grad, an output given) and the full path
+    # (bfloat16, a Parameter) give the same sums; in place keeps the tensor; a view that is not contiguous is refused
+    plain = torch.full((5,), float(me))
+    assert shmcomm.allreduce_(plain, op=shmcomm.Sum) is plain and plain.tolist() == [float(sum(range(n)))] * 5
+    leaf = torch.full((3,), 1.0, requires_grad=True)
+    total = shmcomm.allreduce(leaf, op=shmcomm.Sum)
+    assert total.tolist() == [float(n)] * 3 and leaf.tolist() == [1.0] * 3
+    out = torch.empty(4, dtype=torch.int64)
+    assert shmcomm.allreduce(torch.full((4,), me), op=shmcomm.Max, output=out) is out and out.tolist() == [n - 1] * 4
+    for tensor in (torch.full((6,), 2.0, dtype=torch.bfloat16), torch.nn.Parameter(torch.full((2,), 2.0))):
+        assert shmcomm.allreduce(tensor, op=shmcomm.Sum).tolist() == [2.0 * n] * tensor.numel()
+    with pytest.raises(shmcomm.InvalidArgumentError, match="contiguous"):
+        shmcomm.allreduce(torch.full((4, 4), 2.0)[:, 1], op=shmcomm.Sum)
+    with pytest.raises(shmcomm.MismatchError):  # a failed quick call explains itself as the full path does
+        shmcomm.allreduce_(torch.ones(2 + me), op=shmcomm.Sum)
+    return True
+
+
+def test_torch_tensors_take_the_quick_allreduce_and_keep_their_semantics():
+    pytest.importorskip("torch")
+    assert multiproc.run(2, _torch_allreduce_kinds, timeout=120) == [True] * 2
+
+
 def _into_output():
     import shmcomm
 

@@ -51,6 +51,23 @@ def is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+_numpy_kinds = []  # the torch dtypes numpy shares, once torch is seen
+
+
+def host_view(x):
+    """A numpy array sharing the memory of `x` when `x` is a contiguous CPU torch tensor of a dtype numpy has, so
+    that it can take the core's quickest calls; otherwise None (the full path then moves it, or says what is wrong)."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or not x.is_cpu:
+        return None
+    if not _numpy_kinds:
+        _numpy_kinds.append({torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
+                             torch.int32, torch.int64})
+    if x.dtype not in _numpy_kinds[0] or not x.is_contiguous():
+        return None
+    return (x.detach() if x.requires_grad else x).numpy()
+
+
 def _numpy_failure(x, what, writable):
     """Why numpy refused to export `x` as a plain buffer, in the user's terms."""
     if not x.flags.c_contiguous:
