@@ -10,9 +10,9 @@ each round times every op and size with shmcomm, then with MPI, a median and 90t
 the slowest rank's; the ratio of medians is taken per round, so both sides of a ratio saw the same machine. Sizes
 follow nccl-tests: the buffer of allreduce, alltoall and broadcast (in place, from rank 0 or --root), allgather's
 output and reducescatter's input. Both libraries' results are checked against each other once per op and size.
---inplace makes allreduce reduce its buffer in place (MPI_IN_PLACE), as a training step's fusion buffer is; --shared makes shmcomm's buffer a
-shmcomm.shared_empty array, as the engine's fusion buffer is (MPI's stays an ordinary one, in place), and
-reducescatter's and alltoall's inputs, allgather's output and broadcast's buffer too. The op `fused`
+--inplace makes allreduce reduce its buffer in place (MPI_IN_PLACE), as a training step's fusion buffer is; --shared
+makes shmcomm's buffer a shmcomm.shared_empty array, as the engine's fusion buffer is (MPI's stays an ordinary one,
+in place), and reducescatter's and alltoall's inputs, allgather's output and broadcast's buffer too. The op `fused`
 (not in the default list) is DistributedOptimizer's path: 8 tensors of the size in all, each allreduce_async_ in
 the engine, which fuses them into one allreduce of its fusion buffer, and synchronize(); MPI allreduces the same bytes
 in place in one call, as if they were packed already. The engine starts with the first such call, so each round then
