@@ -352,6 +352,7 @@ SHMCOMM_BACKEND = """
 """
 
 
+@pytest.mark.long  # the backend's one-host tests run in the default run (test_torch_distributed.py)
 def test_the_shmcomm_backend_across_hosts(two_hosts):
     pytest.importorskip("torch")
     result = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(SHMCOMM_BACKEND)])
