@@ -105,7 +105,7 @@ def add_process_set(process_set):
                                                                                              comm.size - 1))
     with _lock:
         for other in _registry.values():
-            if other.ranks == ps.ranks:
+            if other.ranks == ps.ranks and other.process_set_id < _MEMBERS_ONLY_IDS:
                 raise InvalidArgumentError("a process set with ranks %s exists already (id %d)"
                                            % (ps.ranks, other.process_set_id))
         ps.process_set_id = _next_id[0]
@@ -186,9 +186,10 @@ def communicator_of(set_id):
 
 
 def registered():
-    """The registered sets other than the global one, in the order they were added."""
+    """The sets add_process_set() registered (not the global one, nor members-only sets), in the order they were
+    added."""
     with _lock:
-        return [_registry[i] for i in sorted(_registry)]
+        return [_registry[i] for i in sorted(_registry) if i < _MEMBERS_ONLY_IDS]
 
 
 def close_all():

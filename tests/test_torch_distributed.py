@@ -6,6 +6,7 @@ import os
 import re
 import socket
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -310,6 +311,99 @@ def _stuck(port, released):
 def test_the_groups_timeout_bounds_every_wait():
     released = multiproc.Event()
     assert multiproc.run(2, _stuck, _free_port(), released, timeout=90) == [True, True]
+
+
+def _silent_sender(port, released):
+    import time
+
+    import shmcomm
+
+    dist, me, n = _join(port, seconds=2)
+    if me == 0:
+        released.wait(60)  # never sends
+        return True
+    began = time.monotonic()
+    with pytest.raises(shmcomm.TimeoutError):  # the channel's start waits for the sender no longer than the group's
+        dist.recv(torch.empty(2), src=0)
+    waited = time.monotonic() - began
+    released.set()
+    assert 1.5 < waited < 15, waited
+    return True
+
+
+def test_a_receive_from_a_silent_sender_times_out_with_the_group():
+    released = multiproc.Event()
+    assert multiproc.run(2, _silent_sender, _free_port(), released, timeout=90) == [True, True]
+
+
+def _groups_meet_horovod_sets(port, again):
+    import shmcomm
+
+    dist, me, n = _join(port)
+    everyone = dist.new_group(list(range(n)))  # a second group of every rank: its own channels
+    for group in (None, everyone):
+        t = torch.full((2,), float(me))
+        if me == 0:
+            dist.send(t, 1, group=group)
+        elif me == 1:
+            dist.recv(t, 0, group=group)
+            assert t.tolist() == [0.0, 0.0]
+    first_two = dist.new_group([0, 1])
+    numbered = shmcomm.add_process_set([0, 1])  # Horovod's sets are numbered alike on every rank, groups or not
+    later = shmcomm.add_process_set([0, 2])
+    if me in (0, 2):
+        assert shmcomm.allreduce(np.ones(1), op=shmcomm.Sum, process_set=later).tolist() == [2.0]
+    assert numbered.process_set_id + 1 == later.process_set_id and first_two is not None
+    work = dist.isend(torch.ones(3), 1) if me == 0 else dist.irecv(torch.empty(3), 0) if me == 1 else None
+    dist.destroy_process_group()  # with a message under way: its channel closes once it has gone
+    if work is not None:
+        work.wait()
+    dist.init_process_group("shmcomm", init_method="tcp://127.0.0.1:%d" % again, rank=me, world_size=n)
+    t = torch.full((2,), 5.0) if me == 0 else torch.empty(2)
+    if me < 2:
+        (dist.send if me == 0 else dist.recv)(t, 1 - me)  # the same channel's name, opened again
+        assert t.tolist() == [5.0, 5.0]
+    dist.destroy_process_group()
+    return True
+
+
+def test_groups_channels_and_horovod_process_sets_live_side_by_side():
+    assert multiproc.run(3, _groups_meet_horovod_sets, _free_port(), _free_port(), timeout=90) == [True] * 3
+
+
+def _awkward_tensors(port):
+    dist, me, n = _join(port)
+    words = torch.tensor([0xF0F0 | me, 0xFFFF], dtype=torch.uint32)  # moved as bytes, reduced bitwise
+    dist.all_reduce(words, op=dist.ReduceOp.BAND)
+    assert words.tolist() == [0xF0F0, 0xFFFF]
+    params = [torch.nn.Parameter(torch.full((k + 1,), float(me))) for k in range(3)]  # written in place, as gloo
+    dist.all_reduce_coalesced(params)
+    assert [p.tolist() for p in params] == [[float(sum(range(n)))] * (k + 1) for k in range(3)]
+    outputs = [torch.zeros(2, requires_grad=True) for _ in range(n)]
+    dist.all_gather(outputs, torch.full((2,), float(me)))
+    assert [o.tolist() for o in outputs] == [[float(r)] * 2 for r in range(n)]
+    # all_to_all_single without output splits: equal parts out, whatever the input splits
+    sent = torch.tensor([[float(me)]] * 3)  # one row to rank 0, two to rank 1, from both
+    received = torch.empty(2 * (me + 1), 1)
+    dist.all_to_all_single(received, sent, None, [1, 2])
+    assert received.reshape(-1).tolist() == [0.0] * (me + 1) + [1.0] * (me + 1), received
+    dist.destroy_process_group()
+    return True
+
+
+def test_bytes_tensors_that_require_grad_and_equal_received_parts():
+    _on_ranks(2, _awkward_tensors)
+
+
+def test_views_refuse_what_they_cannot_carry():
+    from shmcomm import NotSupportedError
+    from shmcomm.torch import tensor_views
+    from shmcomm.vocabulary.buffers import host_view
+
+    with pytest.raises(NotSupportedError, match="complex factor"):
+        tensor_views.reduction(torch.ones(2), torch.distributed._make_nccl_premul_sum(torch.tensor([1 + 2j])),
+                                 "all_reduce")
+    assert host_view(torch.ones(2, 2).to_sparse()) is None and host_view(torch.ones(2)) is not None
 
 
 def _ddp(port):

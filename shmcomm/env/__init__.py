@@ -9,8 +9,8 @@ import secrets
 from dataclasses import dataclass
 
 # The performance settings, read as env.tuning() and so on like the others.
-from shmcomm.env.tuning import (AutotuneSettings, EngineSettings, Tuning, autotune, engine, thread_affinity, timeout_s,
-                                tuning)
+from shmcomm.env.tuning import (AutotuneSettings, EngineSettings, Tuning, autotune, engine, start_timeout_s,
+                                thread_affinity, timeout_s, tuning)
 from shmcomm.env.values import (MAX_BYTES, flag as _flag, get as _get, number as _number, reading_from,
                                 set_overrides as _set_overrides, switch)
 
@@ -126,10 +126,11 @@ def adopt_identity(identity):
 
 
 def bound_timeout(seconds):
-    """Lowers SHMCOMM_TIMEOUT for this process to `seconds` where it is longer: a torch process group's timeout then
-    bounds every wait of the worlds built from here on, as it bounds gloo's."""
-    if 0 < seconds < timeout_s():
-        _set_overrides({"TIMEOUT": repr(float(seconds))})
+    """Lowers SHMCOMM_TIMEOUT and SHMCOMM_START_TIMEOUT for this process to `seconds` where they are longer: a torch
+    process group's timeout then bounds every wait of the worlds and process sets built from here on (the start of
+    each included), as it bounds gloo's."""
+    current = {"TIMEOUT": timeout_s(), "START_TIMEOUT": start_timeout_s()}
+    _set_overrides({name: repr(float(seconds)) for name, now in current.items() if 0 < seconds < now})
 
 
 def environment():

@@ -38,6 +38,11 @@ def timeout_s(environ=None):
                    environ=environ, positive=True, high=MAX_SECONDS)
 
 
+def start_timeout_s():
+    """SHMCOMM_START_TIMEOUT, the bound of the waits for every rank to attach to a world or process set."""
+    return _number("START_TIMEOUT", 60.0, positive=True, high=MAX_SECONDS)
+
+
 def tuning(local_size):
     # With more ranks than cores, a spinning waiter steals the core its peer needs: sleep almost at once.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -59,7 +64,7 @@ def tuning(local_size):
     single_copy_bytes = _number("SINGLE_COPY_BYTES", (16 << 10) * -(-local_size // cores), int, low=0, high=MAX_BYTES)
     return Tuning(
         timeout_s=timeout_s(),
-        start_timeout_s=_number("START_TIMEOUT", 60.0, positive=True, high=MAX_SECONDS),
+        start_timeout_s=start_timeout_s(),
         liveness_s=_number("LIVENESS_INTERVAL", 0.1, positive=True, high=MAX_SECONDS),
         # More ranks than cores: every synchronisation costs context switches, so take fewer, larger steps. The
         # core needs two pages, and a cache line per rank in each half.

@@ -9,11 +9,12 @@ from torch.futures import Future
 
 from shmcomm import collectives, process_sets
 from shmcomm.torch.tensor_views import data
-from shmcomm.vocabulary.exceptions import InvalidArgumentError
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
 
 
 class Channels:
-    """The channels of one process group on this rank, opened on first use and closed with the group."""
+    """The channels of one process group on this rank, opened on first use and closed with the group: each holds a
+    thread and a two-rank segment until then, so a program that sends under many tags holds as many."""
 
     def __init__(self, group_key, ranks):
         self._key = group_key
@@ -26,6 +27,8 @@ class Channels:
         Future that completes with [tensor] once the message has gone or arrived, or with the error."""
         if sender == receiver:
             raise InvalidArgumentError("%s: rank %d cannot send to itself" % (what, sender))
+        if not tensor.is_cpu:
+            raise NotSupportedError("%s: point to point serves CPU tensors; this one is on %s" % (what, tensor.device))
         if not isinstance(tag, int) or tag < 0:
             raise InvalidArgumentError("%s: the tag must be a non-negative int, got %r" % (what, tag))
         key = (self._ranks[sender], self._ranks[receiver], tag)
@@ -50,7 +53,7 @@ class Channels:
         """Waits for the messages under way, then closes every channel."""
         with self._lock:
             entries, self._open = list(self._open.values()), {}
-        for executor, process_set in entries:
-            executor.shutdown(wait=True)
-            if process_set is not None:
-                process_sets.remove_process_set(process_set)
+        for entry in entries:
+            entry[0].shutdown(wait=True)  # first: a message under way may be opening its channel's set
+            if entry[1] is not None:
+                process_sets.remove_process_set(entry[1])

@@ -22,7 +22,8 @@ from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedErro
 
 
 class ShmcommProcessGroup(dist.ProcessGroup):
-    """A torch.distributed process group whose operations run on shmcomm (CPU tensors).
+    """A torch.distributed process group whose operations run on shmcomm (CPU tensors; CUDA tensors in the world
+    group's collectives).
 
     Made by `dist.init_process_group("shmcomm")` and `dist.new_group(..., backend="shmcomm")`, not directly.
 
@@ -77,7 +78,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         if shmcomm_op is None:
             gathered = collectives.allgather(views.data(tensor, what).reshape(1, -1), name=what,
                                              process_set=self._set)
-            target.copy_(views.bitwise(torch.as_tensor(gathered), op).view(tensor.shape))
+            views.movable(target).copy_(views.bitwise(torch.as_tensor(gathered), op))
             return
         out = source if into is None else views.reduction(into, op, what)[0]
         collectives.allreduce(source, op=shmcomm_op, prescale_factor=factor, name=what, output=out,
@@ -101,7 +102,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             joined = torch.cat([views.flat(t) for t in group])
             self._reduce(joined, opts.reduceOp, "all_reduce_coalesced")
             for tensor, part in zip(group, joined.split([t.numel() for t in group])):
-                tensor.copy_(part.view(tensor.shape))
+                views.movable(tensor).copy_(views.movable(part))
         return finished(tensors)
 
     def reduce(self, tensors, opts=ReduceOptions()):
@@ -123,7 +124,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         if shmcomm_op is None:
             whole = input.clone()
             self._reduce(whole, opts.reduceOp, what)
-            output.copy_(views.rows(views.flat(whole), n)[self._me].view(output.shape))
+            views.movable(output).copy_(views.rows(views.movable(whole), n)[self._me])
         else:
             share = views.data(output, what) if output.dtype in views.NUMPY_KNOWN else \
                 views.reduction(output, opts.reduceOp, what)[0]
@@ -198,7 +199,8 @@ class ShmcommProcessGroup(dist.ProcessGroup):
                                        % (what, rows, n))
         sent = views.data(input, what)
         width = math.prod(input.shape[1:]) * input.element_size() // sent.itemsize  # of a row, as moved
-        received = sum(output_splits) if output_splits else rows
+        received = sum(output_splits) if output_splits else output.shape[0] if output.dim() else 1
+        expected = list(output_splits) if output_splits else [received // n] * n  # equal parts without splits
         out = views.data(output, what)
         if len(out) != received * width or output.dtype != input.dtype:
             raise InvalidArgumentError("%s: the output must hold %d rows of %s like the input's, got %s of %s"
@@ -206,9 +208,9 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         splits = list(input_splits) if input_splits else [rows // n] * n
         _, counts = collectives.alltoall(sent.reshape(rows, width), splits=splits, name=what, process_set=self._set,
                                          output=out.reshape(received, width))
-        if output_splits and counts.tolist() != list(output_splits):
-            raise InvalidArgumentError("%s: output_split_sizes %s, but the ranks sent %s rows"
-                                       % (what, list(output_splits), counts.tolist()))
+        if counts.tolist() != expected:
+            raise InvalidArgumentError("%s: the output expects %s rows from the ranks, but they sent %s"
+                                       % (what, expected, counts.tolist()))
         return finished([output])
 
     def alltoall(self, outputs, inputs, opts=AllToAllOptions()):
@@ -309,10 +311,10 @@ def create(options, backend_options=None):
         raise ValueError("init_process_group('shmcomm') as rank %d of %d, but shmcomm's job has this process as rank "
                          "%d of %d: start the job with shmcommrun or mpiexec, and let torch read RANK and WORLD_SIZE "
                          "from them" % (options.group_rank, options.group_size, me, world))
+    key = "torch/%s" % options.group_id  # torch names every group alike on its members; its channels take the name
     if ranks == list(range(world)):
-        return ShmcommProcessGroup(options.group_rank, ranks, None, "world")
-    process_set = process_sets.members_only(ranks, "torch/%s" % options.group_id)
-    return ShmcommProcessGroup(options.group_rank, ranks, process_set, "torch/%s" % options.group_id)
+        return ShmcommProcessGroup(options.group_rank, ranks, None, key)
+    return ShmcommProcessGroup(options.group_rank, ranks, process_sets.members_only(ranks, key), key)
 
 
 def _take_place_from_store(store, rank, size):

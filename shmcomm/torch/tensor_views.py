@@ -61,7 +61,11 @@ def reduction(tensor, op, what):
 
 def _factor(op):
     factor = op.factor  # a number or a one-element tensor
-    return float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    factor = factor.item() if isinstance(factor, torch.Tensor) else factor
+    if isinstance(factor, complex):
+        raise NotSupportedError("PREMUL_SUM: a complex factor (%r) is not supported; shmcomm scales by a real one"
+                                % (factor,))
+    return float(factor)
 
 
 def bitwise(stacked, op):
@@ -80,7 +84,7 @@ def flat(tensor):
 def movable(tensor):
     """`tensor` flat, as shmcomm moves it: in its own dtype where shmcomm knows it, otherwise as its bytes (bool,
     complex, unsigned and float8 kinds), sharing its memory either way."""
-    t = flat(tensor)
+    t = flat(tensor.detach())  # written into in place, as gloo does, whether or not autograd tracks the tensor
     return t if t.dtype in torch_codes() else t.view(torch.uint8)
 
 

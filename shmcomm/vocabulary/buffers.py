@@ -58,7 +58,7 @@ def host_view(x):
     """A numpy array sharing the memory of `x` when `x` is a contiguous CPU torch tensor of a dtype numpy has, so
     that it can take the core's quickest calls; otherwise None (the full path then moves it, or says what is wrong)."""
     torch = sys.modules.get("torch")
-    if torch is None or type(x) is not torch.Tensor or not x.is_cpu:
+    if torch is None or type(x) is not torch.Tensor or not x.is_cpu or x.layout is not torch.strided:
         return None
     if not _numpy_kinds:
         _numpy_kinds.append({torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
