@@ -319,3 +319,21 @@ def barrier(process_set=None):
         session.communicator().barrier()
         return
     run(barrier_request(process_set))
+
+
+def refused(kind, error, name=None, process_set=None):
+    """Fails collective `kind` on every rank of `process_set` at once, for an API above this one that found `error`
+    in this rank's own arguments before it could call the collective: the other ranks' calls of `kind` raise
+    PeerArgumentError naming this rank, instead of waiting for it until SHMCOMM_TIMEOUT.
+
+    Args:
+        kind: "allreduce", "broadcast", "allgather", "reducescatter" or "alltoall": what the other ranks call.
+        error: this rank's InvalidArgumentError.
+        name, process_set: as the collective's.
+
+    Returns:
+        `error`, for the caller to raise.
+    """
+    comm = session.communicator() if process_set is None or process_set.process_set_id == 0 else \
+        process_set.communicator()
+    return comm.refused(kind, error, _what(kind, name))

@@ -233,7 +233,7 @@ def test_asynchronous_work_and_futures():
 
 
 def _errors(port):
-    from shmcomm import InvalidArgumentError, MismatchError, NotSupportedError
+    from shmcomm import InvalidArgumentError, MismatchError, NotSupportedError, PeerArgumentError
 
     dist, me, n = _join(port)
     with pytest.raises(MismatchError):  # every rank raises, and the job goes on
@@ -248,6 +248,11 @@ def _errors(port):
         dist.group.WORLD.allreduce([torch.ones(2, device="meta")], dist.AllreduceOptions())
     with pytest.raises(InvalidArgumentError, match="output must hold"):
         dist.all_gather_into_tensor(torch.empty(3), torch.ones(2))
+    # one rank's bad output fails the call on every rank at once, not at the timeout
+    with pytest.raises(InvalidArgumentError if me == 1 else PeerArgumentError, match="output must hold"):
+        dist.all_gather_into_tensor(torch.empty(2 * n + me), torch.ones(2))
+    with pytest.raises(InvalidArgumentError if me == 0 else PeerArgumentError, match="contiguous"):
+        dist.all_to_all_single(torch.empty(2 * n), torch.ones(2 * n, 2)[:, 0] if me == 0 else torch.ones(2 * n))
     with pytest.raises(InvalidArgumentError, match="cannot send to itself"):  # torch's own check comes first
         dist.group.WORLD.send([torch.ones(1)], me, 0)
     if me == 0:  # a receiver expecting another size: both sides hear of it

@@ -4,6 +4,7 @@ runs DDP, FSDP, DTensor and plain torch.distributed calls on shmcomm's collectiv
 
 Each operation hands its tensors, as views, to the numpy-level API of shmcomm/collectives.py on the group's process
 set and returns a finished Work; send and recv run on channels of their own (torch/point_to_point.py)."""
+import functools
 import math
 import secrets
 import socket
@@ -19,6 +20,20 @@ from shmcomm.torch import tensor_views as views
 from shmcomm.torch.point_to_point import Channels
 from shmcomm.torch.work import Work, finished
 from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
+
+
+def _refusing(kind):
+    """Makes an operation whose own checks fail on this rank fail collective `kind` (what the other ranks run for it)
+    on every rank at once, rather than leave them waiting for this one until the timeout."""
+    def wrap(method):
+        @functools.wraps(method)
+        def checked(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except InvalidArgumentError as error:
+                raise collectives.refused(kind, error, process_set=self._set) from None
+        return checked
+    return wrap
 
 
 class ShmcommProcessGroup(dist.ProcessGroup):
@@ -84,12 +99,14 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         collectives.allreduce(source, op=shmcomm_op, prescale_factor=factor, name=what, output=out,
                               process_set=self._set)
 
+    @_refusing("allreduce")
     def allreduce(self, tensors, opts=AllreduceOptions()):
         """dist.all_reduce: every tensor of the list reduced over the group, in place."""
         for tensor in tensors:
             self._reduce(tensor, opts.reduceOp, "all_reduce")
         return finished(tensors)
 
+    @_refusing("allreduce")
     def allreduce_coalesced(self, tensors, opts=AllreduceCoalescedOptions()):
         """dist.all_reduce_coalesced and the coalescing manager's all_reduce: one flat reduction per dtype."""
         by_dtype = {}
@@ -105,6 +122,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
                 views.movable(tensor).copy_(views.movable(part))
         return finished(tensors)
 
+    @_refusing("allreduce")
     def reduce(self, tensors, opts=ReduceOptions()):
         """dist.reduce: the reduction lands in the root's tensor; the others' tensors are left as they were."""
         root = self._root(opts.rootRank, "reduce")
@@ -113,6 +131,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             self._reduce(tensor, opts.reduceOp, "reduce", into=None if mine else torch.empty_like(tensor))
         return finished(tensors)
 
+    @_refusing("reducescatter")
     def reduce_scatter_single(self, output, input, opts=ReduceScatterOptions()):
         """dist.reduce_scatter_tensor: this rank's equal share of the reduction of `input`."""
         n = self._n
@@ -135,18 +154,16 @@ class ShmcommProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, inputs, opts=ReduceScatterOptions()):
         """dist.reduce_scatter: this rank's tensor of the reduction of every rank's list."""
-        for output, pieces in zip(outputs, inputs):
-            self.reduce_scatter_single(output, torch.cat([views.flat(p) for p in pieces]), opts)
-        return finished(outputs)
+        return _each(lambda output, pieces: self.reduce_scatter_single(
+            output, torch.cat([views.flat(p) for p in pieces]), opts), outputs, inputs)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=ReduceScatterOptions()):
         """The coalescing manager's reduce_scatter_tensor, one after the other."""
-        for output, tensor in zip(outputs, inputs):
-            self.reduce_scatter_single(output, tensor, opts)
-        return finished(outputs)
+        return _each(lambda output, tensor: self.reduce_scatter_single(output, tensor, opts), outputs, inputs)
 
     # ---- data movement ----
 
+    @_refusing("broadcast")
     def broadcast(self, tensors, opts=BroadcastOptions()):
         """dist.broadcast: the root's tensors on every rank."""
         root = self._root(opts.rootRank, "broadcast")
@@ -155,6 +172,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             collectives.broadcast_(data, root, name="broadcast", process_set=self._set)
         return finished(tensors)
 
+    @_refusing("allgather")
     def all_gather_single(self, output, input, opts=AllgatherOptions()):
         """dist.all_gather_into_tensor: every rank's `input`, in rank order, in `output`."""
         what = "all_gather_into_tensor"
@@ -165,6 +183,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         collectives.allgather(data, name=what, process_set=self._set, output=views.data(output, what))
         return finished([output])
 
+    @_refusing("allgather")
     def allgather(self, outputs, inputs, opts=AllgatherOptions()):
         """dist.all_gather: every rank's tensor, in rank order, in the list of outputs (sizes may differ by rank)."""
         for output_list, tensor in zip(outputs, inputs):
@@ -178,16 +197,13 @@ class ShmcommProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
         """dist.all_gather_coalesced: all_gather of each tensor of the list."""
-        for output_list, tensor in zip(outputs, inputs):
-            self.allgather([output_list], [tensor], opts)
-        return finished(outputs)
+        return _each(lambda output_list, tensor: self.allgather([output_list], [tensor], opts), outputs, inputs)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
         """The coalescing manager's all_gather_into_tensor, one after the other."""
-        for output, tensor in zip(outputs, inputs):
-            self.all_gather_single(output, tensor, opts)
-        return finished(outputs)
+        return _each(lambda output, tensor: self.all_gather_single(output, tensor, opts), outputs, inputs)
 
+    @_refusing("alltoall")
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=AllToAllOptions()):
         """dist.all_to_all_single: rows of `input` to each rank by `input_splits` (equal parts when empty), the
         rows received in `output`, by `output_splits`."""
@@ -213,6 +229,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
                                        % (what, expected, counts.tolist()))
         return finished([output])
 
+    @_refusing("alltoall")
     def alltoall(self, outputs, inputs, opts=AllToAllOptions()):
         """dist.all_to_all: inputs[j] to rank j, outputs[j] from rank j (any sizes that agree pairwise)."""
         what = "all_to_all"
@@ -225,6 +242,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         _scatter_into(outputs, received, outputs[0].dtype, what)
         return finished(outputs)
 
+    @_refusing("alltoall")
     def gather(self, outputs, inputs, opts=GatherOptions()):
         """dist.gather: every rank's tensor in the root's list."""
         root = self._root(opts.rootRank, "gather")
@@ -235,6 +253,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             _scatter_into(outputs[0], received, inputs[0].dtype, "gather")
         return finished(outputs)
 
+    @_refusing("alltoall")
     def scatter(self, outputs, inputs, opts=ScatterOptions()):
         """dist.scatter: the root's list, one tensor to each rank."""
         root = self._root(opts.rootRank, "scatter")
@@ -280,6 +299,13 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         if self._set is not None:
             process_sets.remove_process_set(self._set)
             self._set = None
+
+
+def _each(operation, outputs, inputs):
+    """Runs `operation(output, input)` on each pair, in order: the coalesced forms."""
+    for output, tensor in zip(outputs, inputs):
+        operation(output, tensor)
+    return finished(outputs)
 
 
 def _scatter_into(outputs, flat, dtype, what):
