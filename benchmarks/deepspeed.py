@@ -13,6 +13,7 @@ take turns call by call, each call after a barrier; the table gives, per dtype a
 the slowest rank's median and 90th percentile of --iters calls, and DeepSpeed's time over shmcomm's as the median of
 the rounds' ratios (above 1: shmcomm is faster). Both results are checked against the exact sum once per dtype and
 size."""
+import glob
 import os
 import sys
 
@@ -91,7 +92,18 @@ def main(argv=None):
             print("| %s | %s | %.1f (%.1f) | %.1f (%.1f) | %.2f |" % (
                 name, size_text(nbytes), *(1e6 * np.median(ours, axis=0)), *(1e6 * np.median(theirs, axis=0)), ratio),
                 flush=True)
+    shmcomm.barrier()
+    _remove_segments(me)
     shmcomm.shutdown()
+
+
+def _remove_segments(rank):
+    """DeepSpeed never removes its shared-memory segments (named after MASTER_ADDR, MASTER_PORT and the rank): once
+    every rank is done with them, each removes its own."""
+    pattern = "/dev/shm/deepspeed_*_%s_%s_%d" % (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
+                                                 rank)
+    for path in glob.glob(pattern):
+        os.unlink(path)
 
 
 if __name__ == "__main__":
