@@ -66,11 +66,12 @@ def test_torch_digits_two_ranks_match_one():
 
 
 @pytest.mark.long
-def test_torch_synthetic_benchmark_reports_throughput():
+@pytest.mark.parametrize("backend", ["shmcomm", "ddp-backend", "fsdp-backend"])
+def test_torch_synthetic_benchmark_reports_throughput(backend):
     pytest.importorskip("torch")
     run = _launch("-np", "2", sys.executable, "examples/torch_synthetic_benchmark.py", "--model", "resnet_tiny",
                   "--batch-size", "8", "--image-size", "16", "--num-warmup-batches", "1", "--num-batches-per-iter",
-                  "2", "--num-iters", "2")
+                  "2", "--num-iters", "2", "--backend", backend)
     assert run.returncode == 0, run.stdout + run.stderr
     for line in ("Model: resnet_tiny", "Batch size: 8", "Number of CPUs: 2", "Img/sec per CPU:",
                  "Total img/sec on 2 CPU(s):"):
