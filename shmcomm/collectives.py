@@ -11,7 +11,7 @@ from shmcomm.startup import session
 from shmcomm.engine import current as current_engine
 from shmcomm.engine.calls import (allgather_request, allreduce_request, alltoall_request, barrier_request,
                                   broadcast_request, is_cuda, received_splits, reducescatter_op, reducescatter_request,
-                                  root_index, rows_per_rank, run)
+                                  resolve_set, root_index, rows_per_rank, run)
 from shmcomm.quick_path import world
 from shmcomm.vocabulary.buffers import host_view
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
@@ -334,6 +334,4 @@ def refused(kind, error, name=None, process_set=None):
     Returns:
         `error`, for the caller to raise.
     """
-    comm = session.communicator() if process_set is None or process_set.process_set_id == 0 else \
-        process_set.communicator()
-    return comm.refused(kind, error, _what(kind, name))
+    return resolve_set(process_set)[0].refused(kind, error, _what(kind, name))

@@ -80,8 +80,8 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         return self._description
 
     def _root(self, root, what):
-        if not 0 <= root < len(self._ranks):
-            raise InvalidArgumentError("%s: root %r is not a rank of this group of %d" % (what, root, len(self._ranks)))
+        if not 0 <= root < self._n:
+            raise InvalidArgumentError("%s: root %r is not a rank of this group of %d" % (what, root, self._n))
         return self._ranks[root]
 
     # ---- reductions ----
@@ -145,8 +145,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             self._reduce(whole, opts.reduceOp, what)
             views.movable(output).copy_(views.rows(views.movable(whole), n)[self._me])
         else:
-            share = views.data(output, what) if output.dtype in views.NUMPY_KNOWN else \
-                views.reduction(output, opts.reduceOp, what)[0]
+            share = views.reduction(output, opts.reduceOp, what)[0]
             collectives.reducescatter(views.rows(source, n), op=shmcomm_op,
                                       prescale_factor=factor, name=what,
                                       process_set=self._set, output=views.rows(share, 1))
@@ -192,7 +191,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
                                            % (len(output_list), self._n))
             data = views.data(tensor, "all_gather")
             got = collectives.allgather(data, name="all_gather", process_set=self._set)
-            _scatter_into(output_list, got, tensor.dtype, "all_gather")
+            _scatter_into(output_list, got, "all_gather")
         return finished(outputs)
 
     def allgather_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
@@ -239,7 +238,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         pieces = [views.movable(t) for t in inputs]
         received, _ = collectives.alltoall(views.data(torch.cat(pieces), what), splits=[len(p) for p in pieces],
                                            name=what, process_set=self._set)
-        _scatter_into(outputs, received, outputs[0].dtype, what)
+        _scatter_into(outputs, received, what)
         return finished(outputs)
 
     @_refusing("alltoall")
@@ -250,7 +249,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         splits = [len(sent) if r == root else 0 for r in self._ranks]
         received, _ = collectives.alltoall(sent, splits=splits, name="gather", process_set=self._set)
         if outputs:
-            _scatter_into(outputs[0], received, inputs[0].dtype, "gather")
+            _scatter_into(outputs[0], received, "gather")
         return finished(outputs)
 
     @_refusing("alltoall")
@@ -264,7 +263,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         else:
             sent, splits = views.data(output, "scatter")[:0], [0] * self._n
         received, _ = collectives.alltoall(sent, splits=splits, name="scatter", process_set=self._set)
-        _scatter_into([output], received, output.dtype, "scatter")
+        _scatter_into([output], received, "scatter")
         return finished(outputs)
 
     def barrier(self, opts=BarrierOptions()):
@@ -308,7 +307,7 @@ def _each(operation, outputs, inputs):
     return finished(outputs)
 
 
-def _scatter_into(outputs, flat, dtype, what):
+def _scatter_into(outputs, flat, what):
     """Copies consecutive parts of `flat` (shmcomm's view of a concatenation) into the tensors of `outputs`."""
     sizes = [views.movable(t).numel() for t in outputs]
     flat = torch.as_tensor(flat).reshape(-1)

@@ -7,11 +7,10 @@ import torch
 import torch.distributed as dist
 
 from shmcomm.vocabulary import ops
+from shmcomm.vocabulary.buffers import host_view
 from shmcomm.vocabulary.dtypes import torch_codes
 from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
 
-NUMPY_KNOWN = {torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
-                torch.int64}  # dtypes numpy and the core share
 _RED = dist.ReduceOp.RedOpType
 # torch's ops by their numbers: its enum's own hashing and comparisons cost a microsecond each, per call.
 _SUM, _AVG, _PRODUCT, _MIN, _MAX, _BAND, _BOR, _BXOR, _PREMUL_SUM = (
@@ -37,8 +36,10 @@ def reduction(tensor, op, what):
     kind = (op.op if isinstance(op, dist.ReduceOp) else op).value
     factor = 1.0 if kind != _PREMUL_SUM else _factor(op)
     dtype = tensor.dtype
-    if dtype in NUMPY_KNOWN and kind in _ELEMENTWISE:
-        return data(tensor, what), _ELEMENTWISE[kind], factor
+    if kind in _ELEMENTWISE:
+        array = host_view(tensor)  # the common case: a plain tensor of a dtype numpy and the core share
+        if array is not None:
+            return (array if array.ndim == 1 else array.reshape(-1)), _ELEMENTWISE[kind], factor
     if dtype == torch.bool:
         if kind == _BXOR:
             return tensor, None, 1.0
@@ -53,7 +54,7 @@ def reduction(tensor, op, what):
         if kind not in (_SUM, _AVG, _PREMUL_SUM):
             raise NotSupportedError("%s: %s is not defined for complex tensors (SUM, AVG and PREMUL_SUM are)"
                                     % (what, _NAMES[kind]))
-        return data(torch.view_as_real(flat(tensor)), what), _ELEMENTWISE[kind], factor
+        return data(torch.view_as_real(flat(tensor, what)), what), _ELEMENTWISE[kind], factor
     if dtype not in torch_codes():
         raise NotSupportedError("%s: shmcomm cannot reduce %s tensors" % (what, dtype))
     return data(tensor, what), _ELEMENTWISE[kind], factor
@@ -74,17 +75,17 @@ def bitwise(stacked, op):
     return functools.reduce(_BITWISE[(op.op if isinstance(op, dist.ReduceOp) else op).value], stacked.unbind(0))
 
 
-def flat(tensor):
-    """`tensor` as one dimension, sharing its memory."""
+def flat(tensor, what="the shmcomm backend"):
+    """`tensor` as one dimension, sharing its memory (`what` names the operation in the error)."""
     if not tensor.is_contiguous():
-        raise InvalidArgumentError("tensors must be contiguous, as for gloo and NCCL")
+        raise InvalidArgumentError("%s: tensors must be contiguous, as for gloo and NCCL" % what)
     return tensor.reshape(-1)
 
 
-def movable(tensor):
+def movable(tensor, what="the shmcomm backend"):
     """`tensor` flat, as shmcomm moves it: in its own dtype where shmcomm knows it, otherwise as its bytes (bool,
     complex, unsigned and float8 kinds), sharing its memory either way."""
-    t = flat(tensor.detach())  # written into in place, as gloo does, whether or not autograd tracks the tensor
+    t = flat(tensor.detach(), what)  # written into in place, as gloo does, whether or not autograd tracks the tensor
     return t if t.dtype in torch_codes() else t.view(torch.uint8)
 
 
@@ -96,19 +97,15 @@ def data(tensor, what):
         NotSupportedError: a tensor on a device other than the CPU and CUDA.
         InvalidArgumentError: a tensor that is not contiguous.
     """
-    if not tensor.is_cpu:
-        if tensor.is_cuda:  # the collectives hand it to the device communicator (algorithms/device.py)
-            return movable(tensor.detach())
-        raise NotSupportedError("%s: the shmcomm backend serves CPU and CUDA tensors; %s is on %s"
-                                % (what, tuple(tensor.shape), tensor.device))
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if tensor.dtype in NUMPY_KNOWN:
-        if not tensor.is_contiguous():
-            raise InvalidArgumentError("%s: tensors must be contiguous, as for gloo and NCCL" % what)
-        array = tensor.numpy()
+    array = host_view(tensor)
+    if array is not None:
         return array if array.ndim == 1 else array.reshape(-1)
-    moved = movable(tensor)
+    if tensor.is_cuda:  # the collectives hand it to the device communicator (algorithms/device.py)
+        return movable(tensor)
+    if not tensor.is_cpu or tensor.layout is not torch.strided:
+        raise NotSupportedError("%s: the shmcomm backend serves dense CPU and CUDA tensors; %s is a %s tensor on %s"
+                                % (what, tuple(tensor.shape), tensor.layout, tensor.device))
+    moved = movable(tensor, what)
     return moved if moved.dtype == torch.bfloat16 else moved.numpy()
 
 
