@@ -1,17 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """shmcomm.jax against mpi4jax: a jit-compiled allreduce (float32, Sum) of each size, and the example's training step.
 
-    python -m benchmarks.jax -np 2 -b 4K -e 64M -f 4 --rounds 7
+    python -m benchmarks.jax -np 2 -b 4K -e 64M -f 4 --rounds 7 [--train] [--cpu-load N]
 
 One job of -np ranks started by the MPI wheel's mpiexec (both libraries then share MPICH, and shmcomm learns its
-places from MPI). Every rank compiles `jax.jit(lambda x: allreduce(x))` for each library and, per size, runs rounds
-in which each library makes the same number of calls, alternating which goes first; a call is timed until its result
-is ready, and a round's time per call is the slowest rank's. The table gives the median over rounds of each, the
-bus bandwidth (2(n-1)/n x bytes / time, as nccl-tests), the ratio, and the numpy API's shmcomm.allreduce of the same
-array for reference. Both libraries run in one process, so mpi4jax's results gain from the glibc thresholds that
+places from MPI). Every rank compiles `jax.jit(lambda x: allreduce(x))` for each library, and shmcomm's also with
+`shmcomm.jax.jit` (JAX's fast dispatch: "sealed"), and, per size, runs rounds in which each makes the same number of
+calls, alternating which goes first; a call is timed until its result
+is ready, and a round's time per call is the slowest rank's. The table gives the median (p90) over rounds of each,
+the bus bandwidth (2(n-1)/n x bytes / time, as nccl-tests), the ratios to mpi4jax, and the numpy API's
+shmcomm.allreduce of the same array for reference. Both libraries run in one process, so mpi4jax's results gain from the glibc thresholds that
 importing shmcomm.jax raises (jax/results_heap.py) as shmcomm's do; with SHMCOMM_JAX_HEAP_BYTES=0 both run on glibc's
 own, as an mpi4jax job does by default. --train adds the example's jitted step (examples/jax_digits.py's MLP, batch
-32 per rank): with DistributedOptimizer, without any collective, and the fused allreduce of its gradients alone.
+32 per rank): with DistributedOptimizer, without any collective, and the fused allreduce of its gradients alone, under
+jax.jit and shmcomm.jax.jit. --cpu-load N runs it all beside N CPU-bound processes (a training machine is never idle).
 mpi4jax must be installed (benchmarks/RESULTS.md says how it was built here).
 
 Across simulated hosts, where shmcomm's handler takes its Python path (the torus and MPI live in Python), the same
@@ -44,7 +46,7 @@ def _human(size):
 
 
 def _median_rounds(comm, calls, rounds, budget_s):
-    """{name: median seconds per call} over `rounds` rounds of the same number of calls to each of `calls`
+    """{name: (median, p90) seconds per call} over `rounds` rounds of the same number of calls to each of `calls`
     ({name: fn}), the order alternating between rounds; each round's time is the slowest rank's."""
     from mpi4py import MPI
 
@@ -63,7 +65,7 @@ def _median_rounds(comm, calls, rounds, budget_s):
                 calls[name]()
             elapsed = (time.perf_counter() - start) / per_round
             times[name].append(comm.allreduce(elapsed, op=MPI.MAX))
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return {name: (float(np.median(t)), float(np.percentile(t, 90))) for name, t in times.items()}
 
 
 def worker(args):
@@ -83,31 +85,37 @@ def worker(args):
     comm = MPI.COMM_WORLD
     n = comm.size
     ours = jax.jit(lambda x: sj.allreduce(x, op=sj.Sum))
+    sealed = sj.jit(lambda x: sj.allreduce(x, op=sj.Sum))
     theirs = jax.jit(lambda x: mpi4jax.allreduce(x, op=MPI.SUM)) if mpi4jax is not None else None
     rows = []
     for size in _sizes(args):
         x = jnp.ones(size // 4, jnp.float32)
         numpy_x = np.ones(size // 4, np.float32)
-        calls = {"shmcomm": lambda: ours(x).block_until_ready(),
+        calls = {"shmcomm": lambda: ours(x).block_until_ready(), "sealed": lambda: sealed(x).block_until_ready(),
                  "numpy": lambda: shmcomm.allreduce(numpy_x, op=shmcomm.Sum)}
         if theirs is not None:
             calls["mpi4jax"] = lambda: theirs(x).block_until_ready()
             assert float(theirs(x)[0]) == n
-        assert float(ours(x)[0]) == n
+        assert float(ours(x)[0]) == n and float(sealed(x)[0]) == n
         rows.append((size, _median_rounds(comm, calls, args.rounds, args.budget)))
     if comm.rank == 0:
         print("# jit allreduce, float32 Sum, %d ranks, %s; shmcomm handler path: %s" % (
             n, type(shmcomm.basics.communicator()).__name__, "C core" if context.direct() else "Python"))
-        print("# %8s %12s %12s %9s %9s %8s %14s" % ("size", "shmcomm us", "mpi4jax us", "shm GB/s", "m4j GB/s",
-                                                     "speedup", "numpy-API us"))
+        print("# us per call, median (p90); busbw of the medians; x: mpi4jax's median over shmcomm's. jit: under "
+              "jax.jit, sealed: under shmcomm.jax.jit")
+        print("# %8s %17s %17s %17s %8s %8s %8s %8s %17s" % (
+            "size", "jit", "sealed", "mpi4jax", "jit GB/s", "m4j GB/s", "x jit", "x sealed", "numpy API"))
         if theirs is None:
             print("# mpi4jax is not installed (%s): its columns are nan" % missing)
         factor = 2 * (n - 1) / n if n > 1 else 1.0
+        nan = (float("nan"), float("nan"))
         for size, t in rows:
-            mine, peer = t["shmcomm"], t.get("mpi4jax", float("nan"))
-            print("  %8s %12.1f %12.1f %9.2f %9.2f %7.2fx %14.1f" % (
-                _human(size), mine * 1e6, peer * 1e6, factor * size / mine / 1e9, factor * size / peer / 1e9,
-                peer / mine, t["numpy"] * 1e6), flush=True)
+            (mine, _), (peer, _) = t["shmcomm"], t.get("mpi4jax", nan)
+            cells = ["%7.1f (%7.1f)" % (t[k][0] * 1e6, t[k][1] * 1e6) for k in ("shmcomm", "sealed")]
+            print("  %8s %17s %17s %17s %8.2f %8.2f %7.2fx %7.2fx %17s" % (
+                _human(size), cells[0], cells[1], "%7.1f (%7.1f)" % tuple(v * 1e6 for v in t.get("mpi4jax", nan)),
+                factor * size / mine / 1e9, factor * size / peer / 1e9, peer / mine, peer / t["sealed"][0],
+                "%7.1f (%7.1f)" % (t["numpy"][0] * 1e6, t["numpy"][1] * 1e6)), flush=True)
     if args.train:
         _train(comm, args)
     sj.shutdown()
@@ -117,8 +125,8 @@ LOOP = 100
 
 
 def _train(comm, args):
-    """The example's step three ways; the last line says how far the distributed step is from the local step plus
-    the allreduce alone."""
+    """The example's step three ways, under jax.jit and shmcomm.jax.jit; the last lines say how far the distributed
+    step is from the local step plus the allreduce alone."""
     import jax
     import optax
 
@@ -131,12 +139,12 @@ def _train(comm, args):
     x = np.random.default_rng(comm.rank).random((32, 64), np.float32)
     y = np.random.default_rng(comm.rank).integers(0, 10, 32).astype(np.int32)
 
-    def stepper(tx):
-        @jax.jit
+    def stepper(tx, jit=jax.jit):
         def step(params, state):
             grads = jax.grad(jax_digits.loss_fn)(params, x, y)
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
+        step = jit(step)
         state = tx.init(params)
         return lambda: jax.block_until_ready(step(params, state))
 
@@ -152,18 +160,23 @@ def _train(comm, args):
         return lambda: jax.block_until_ready(steps(params, state))
 
     grads = jax.grad(jax_digits.loss_fn)(params, x, y)
-    reduce_only = jax.jit(fused_allreduce)
+    reduce_only, reduce_sealed = jax.jit(fused_allreduce), sj.jit(fused_allreduce)
     reduce_loop = jax.jit(lambda g: jax.lax.fori_loop(0, LOOP, lambda _, g: fused_allreduce(g), g))
     calls = {"distributed": stepper(sj.DistributedOptimizer(optax.sgd(0.01))), "local": stepper(optax.sgd(0.01)),
              "allreduce": lambda: jax.block_until_ready(reduce_only(grads)),
+             "distributed-sealed": stepper(sj.DistributedOptimizer(optax.sgd(0.01)), sj.jit),
+             "allreduce-sealed": lambda: jax.block_until_ready(reduce_sealed(grads)),
              "distributed-loop": looper(sj.DistributedOptimizer(optax.sgd(0.01))),
              "local-loop": looper(optax.sgd(0.01)), "allreduce-loop": lambda: jax.block_until_ready(reduce_loop(grads))}
     t = _median_rounds(comm, calls, args.rounds, args.budget)
     if comm.rank == 0:
         nbytes = sum(np.asarray(g).nbytes for g in jax.tree_util.tree_leaves(grads))
-        for what, scale in (("one step per jit call", 1), ("%d steps per jit call (fori_loop)" % LOOP, LOOP)):
-            suffix = "" if scale == 1 else "-loop"
-            d, lo, ar = (t[name + suffix] / scale * 1e6 for name in ("distributed", "local", "allreduce"))
+        for what, names, scale in (
+                ("one step per jax.jit call", ("distributed", "local", "allreduce"), 1),
+                ("one step per shmcomm.jax.jit call", ("distributed-sealed", "local", "allreduce-sealed"), 1),
+                ("%d steps per jax.jit call (fori_loop)" % LOOP, ("distributed-loop", "local-loop", "allreduce-loop"),
+                 LOOP)):
+            d, lo, ar = (t[name][0] / scale * 1e6 for name in names)
             print("# training step of examples/jax_digits.py (%d gradient bytes), %s, us per step: distributed %.1f, "
                   "local %.1f, allreduce alone %.1f; distributed / (local + allreduce) = %.3f" % (
                       nbytes, what, d, lo, ar, d / (lo + ar)), flush=True)
@@ -178,6 +191,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--budget", type=float, default=0.3, help="seconds of calls per round and library")
     parser.add_argument("--train", action="store_true")
+    parser.add_argument("--cpu-load", type=int, default=0, help="CPU-bound processes beside the job")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     # As a script of benchmarks.simhosts_bench: its sizes; its --iters are the rounds, and --warmup is not needed.
     parser.add_argument("--bytes", help=argparse.SUPPRESS)
@@ -198,7 +212,10 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     command = [mpiexec, "-n", str(args.np), sys.executable, "-m", "benchmarks.jax", "--worker"] + forwarded
     print("# %s" % " ".join(["python -m benchmarks.jax"] + sys.argv[1:]), flush=True)
-    return subprocess.run(command, env=env).returncode
+    from shmcomm.testing import cpu_load
+
+    with cpu_load.spinning(args.cpu_load):
+        return subprocess.run(command, env=env).returncode
 
 
 if __name__ == "__main__":

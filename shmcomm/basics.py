@@ -89,12 +89,13 @@ atexit.register(shutdown)
 
 is_initialized = session.is_initialized
 communicator = session.communicator
+current = session.current
 generation = session.generation
 
 
 def _topology_question(field, doc):
     def question():
-        return getattr(session.communicator().topology, field)
+        return getattr(session.current().topology, field)
     question.__name__ = question.__qualname__ = field
     question.__doc__ = doc + "\n\nReturns:\n    An int.\n\nRaises:\n    NotInitializedError: before init()."
     return question

@@ -21,14 +21,16 @@ class World:
     instead (WorldComm.quick_crossing): a small allreduce takes the torus's small path (the row's step, the
     agreement's compiled rounds, the row's broadcast) in one C call, and `comm` goes on as the full path would where
     that call stopped. It is None when closed: no compiled rounds, an engine running, or debug logging on (the full
-    path logs each call's choice)."""
-    __slots__ = ("comm", "size") + _ONE_HOST + ("crossing_allreduce",)
+    path logs each call's choice). Every quick call is closed too while shmcomm.jax's programs may be running
+    collectives (session.hold): the full path waits for them. `jitted_crossing` is the call across hosts for the
+    handler of those programs, which stays open then."""
+    __slots__ = ("comm", "size") + _ONE_HOST + ("crossing_allreduce", "jitted_crossing")
 
     def __init__(self):
         self.comm = None  # the world's HostComm, or the WorldComm of a quick call across hosts, or None
         self.size = 0
         self.allreduce = self.broadcast = self.allgather = self.alltoall = self.reducescatter = None
-        self.crossing_allreduce = None
+        self.crossing_allreduce = self.jitted_crossing = None
 
 
 world = World()
@@ -56,12 +58,15 @@ def _sync():
     comm = host_alone()
     across = _across_hosts() if comm is None else None
     world.comm = comm if comm is not None else across
-    world.crossing_allreduce = across.quick_crossing if across is not None else None
+    world.jitted_crossing = across.quick_crossing if across is not None else None
+    held = session.state.in_flight is not None
+    world.crossing_allreduce = None if held else world.jitted_crossing
     world.size = comm.size if comm is not None else 0
-    quick = comm.shm.quick if comm is not None else None
+    quick = comm.shm.quick if comm is not None and not held else None
     for name in _ONE_HOST:
         setattr(world, name, getattr(quick, name) if quick is not None else None)
 
 
 session.on_change(_sync)
+session.on_hold(_sync)
 _sync()

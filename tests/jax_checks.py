@@ -39,7 +39,7 @@ def same(got, want):
 
 
 def modes():
-    return (("eager", lambda f: f), ("jit", jax.jit))
+    return (("eager", lambda f: f), ("jit", jax.jit), ("sealed", sj.jit))
 
 
 def check_collectives(rank, size):
@@ -273,7 +273,7 @@ def check_mismatches(rank, size):
             except sj.MismatchError as error:
                 assert mode == "eager", (field, error)
             except jax.errors.JaxRuntimeError as error:
-                assert mode == "jit" and "MismatchError" in str(error), (field, error)
+                assert mode != "eager" and "MismatchError" in str(error), (field, error)
                 assert isinstance(sj.original(error), sj.MismatchError), (field, error)
             else:
                 raise AssertionError("%s %s mismatch did not raise" % (mode, field))
@@ -351,21 +351,101 @@ def check_large_results(rank, size):
 
 def check_with_engine(rank, size):
     """With the background engine running (asynchronous numpy collectives started it), jitted collectives go through
-    its queue: both kinds keep one order on every rank. Last: the engine runs until shutdown."""
+    its queue: both kinds keep one order on every rank; it starts after a sealed call in flight. Last: the engine runs
+    until shutdown."""
     import shmcomm
     from shmcomm.jax import context
 
     one_host = type(shmcomm.basics.communicator()).__name__ == "HostComm"
     assert context.direct() == one_host
+    # The engine starts right behind a shmcomm.jax.jit call still in flight: its first collective comes after it.
+    sealed = sj.jit(lambda a: sj.allreduce(a, op=sj.Sum))
+    late = sealed(np.full(2, rank + 1.0))
     handle = shmcomm.allreduce_async(np.full(3, rank + 1.0), op=shmcomm.Sum, name="numpy.before")
     assert not context.direct()
     got = jax.jit(lambda a: sj.allreduce(a, op=sj.Sum) * 2)(np.full(2, rank + 1.0))
     after = shmcomm.allreduce_async(np.full(1, rank + 1.0), op=shmcomm.Sum, name="numpy.after")
     tri = size * (size + 1) / 2
+    same(late, np.full(2, tri))
+    same(sealed(np.full(2, rank + 1.0)), np.full(2, tri))  # through the engine's queue now
     same(got, np.full(2, 2 * tri))
     same(shmcomm.synchronize(handle), np.full(3, tri))
     same(shmcomm.synchronize(after), np.full(1, tri))
     same(sj.allgather(np.full((1, 2), rank, np.int32)), np.repeat(np.arange(size, dtype=np.int32), 2).reshape(-1, 2))
+
+
+def _busy(x):
+    """Work that leaves x as it is (max(x, sin(x) - 10) is x here) and keeps a collective after it pending."""
+    return jax.lax.fori_loop(0, 400, lambda i, y: jnp.maximum(y, jnp.sin(y) - 10), x)
+
+
+def _python_frames(fn, *args):
+    """The names of the Python functions a call of fn runs (JAX's C++ dispatch runs none of its own)."""
+    names = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            names.append(frame.f_code.co_name)
+    sys.setprofile(profile)
+    try:
+        jax.block_until_ready(fn(*args))
+    finally:
+        sys.setprofile(None)
+    return names
+
+
+def check_sealed(rank, size):
+    """shmcomm.jax.jit: its calls skip JAX's Python dispatch (plain jit's do not); its collectives stay in order on
+    every rank through Python loops of calls never waited for, scan, fori_loop, both branches of cond, grad, remat,
+    unused results, nested calls and static arguments; the numpy API, called right after, comes after them on every
+    rank without any barrier (check_with_engine: the engine's start too)."""
+    import shmcomm
+
+    tri = size * (size + 1) / 2
+    mine = jnp.full(3, rank + 1.0)
+    step = sj.jit(lambda x: sj.allreduce(x, op=sj.Sum))
+    plain = jax.jit(lambda x: sj.allreduce(x, op=sj.Sum))
+    for fn in (step, plain):
+        fn(mine)
+    assert "cache_miss" in _python_frames(plain, mine)
+    assert "cache_miss" not in _python_frames(step, mine), "shmcomm.jax.jit took JAX's Python dispatch"
+    # 50 calls of alternating kinds and shapes, none waited for, the first slowed by work before its collective,
+    # then a numpy collective right away.
+    gather = sj.jit(lambda x: sj.allgather(x[:1] * (rank + 1)))
+    slow = sj.jit(lambda x: sj.allreduce(_busy(x), op=sj.Sum))
+    pending = [slow(np.full(1 << 16, rank + 1.0, np.float32))]
+    pending += [step(mine * k) if k % 2 else gather(jnp.full(k % 5 + 1, 1.0)) for k in range(1, 50)]
+    same(shmcomm.allreduce(np.full(2, rank + 1.0), op=shmcomm.Sum), np.full(2, tri))
+    same(pending[0], np.full(1 << 16, tri, np.float32))
+    for k, got in enumerate(pending[1:], 1):
+        same(got, np.full(3, k * tri) if k % 2 else np.arange(1.0, size + 1))
+    values = [r + 1.0 for r in range(size)]
+    for _ in range(4):
+        values = [c + sum(values) for c in values]
+
+    def loops(v):
+        carry, gathered = jax.lax.scan(lambda c, x: (c + sj.allreduce(x, op=sj.Sum), sj.allgather(x[:1])),
+                                       jnp.zeros(2), jnp.stack([v] * 3))
+        total = jax.lax.fori_loop(0, 4, lambda i, c: c + sj.allreduce(c, op=sj.Sum), v)
+        return carry, gathered, total
+    carry, gathered, total = sj.jit(loops)(jnp.full(2, rank + 1.0))
+    same(carry, np.full(2, 3 * tri))
+    same(gathered, np.tile(np.arange(1.0, size + 1), (3, 1)))
+    same(total, np.full(2, values[rank]))
+    branches = sj.jit(lambda pred, v: jax.lax.cond(pred, lambda a: sj.allreduce(a, op=sj.Sum) + sj.broadcast(a, 0),
+                                                   lambda a: sj.allgather(a)[:2] * sj.allreduce(a, op=sj.Max), v))
+    for pred in (True, False, False, True):
+        same(branches(pred, jnp.full(2, rank + 1.0)), np.full(2, tri + 1.0) if pred else np.full(2, 1.0 * size))
+    # grad through remat: the backward pass recomputes the allreduce, on every rank alike.
+    loss = lambda w: jnp.sum(jax.checkpoint(lambda u: sj.allreduce(u * u, op=sj.Sum))(w))  # noqa: E731
+    same(sj.jit(jax.grad(loss))(jnp.full(3, rank + 1.0)), np.full(3, 2.0 * size * (rank + 1)))
+    # Unused results, a function of barriers alone, nested calls (inline in the outer trace), static arguments.
+    sj.jit(lambda x: (sj.allreduce(x), sj.barrier(), x + 1)[2])(mine)
+    sj.jit(lambda: [sj.barrier() for _ in range(3)])()
+    nested = sj.jit(lambda x: step(x) + jax.jit(lambda y: step(2 * y))(x))
+    same(nested(mine), np.full(3, 3 * tri))
+    scaled = sj.jit(lambda x, k: sj.allreduce(x * k, op=sj.Sum), static_argnums=1)
+    same(scaled(mine, 3), np.full(3, 3 * tri))
 
 
 CHECKS = {name[len("check_"):]: fn for name, fn in dict(globals()).items() if name.startswith("check_")}
@@ -380,9 +460,10 @@ if __name__ == "__main__":
     # In a fresh world, without the engine that with_engine started: on one host the handler calls the core itself.
     sj.shutdown()
     sj.init()
-    # Work before the collective (values unchanged: max(x, sin(x) - 10) is x here) keeps it pending at shutdown.
-    busy = lambda x: jax.lax.fori_loop(0, 400, lambda i, y: jnp.maximum(y, jnp.sin(y) - 10), x)  # noqa: E731
-    pending = jax.jit(lambda a: sj.allreduce(busy(a), op=sj.Sum))(np.full(1 << 16, rank + 1.0, np.float32))
+    # Work before the collective keeps it pending at shutdown.
+    pending = jax.jit(lambda a: sj.allreduce(_busy(a), op=sj.Sum))(np.full(1 << 16, rank + 1.0, np.float32))
+    sealed = sj.jit(lambda a: sj.allreduce(_busy(a), op=sj.Sum))(np.full(1 << 16, rank + 2.0, np.float32))
     sj.shutdown()
     same(pending, np.full(1 << 16, size * (size + 1) / 2, np.float32))
+    same(sealed, np.full(1 << 16, size * (size + 3) / 2, np.float32))
     print("ok in_flight_at_shutdown", flush=True)

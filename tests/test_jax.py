@@ -24,7 +24,7 @@ for _module, _what in (("jax", "shmcomm.jax"), ("optax", "shmcomm.jax's optimize
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = os.path.join(ROOT, "tests", "jax_checks.py")
 ALL = ["collectives", "gradients", "large_results", "mismatches", "optimizer", "optimizer_eager", "ordered_hlo",
-       "ordering", "vmap", "with_engine"]
+       "ordering", "sealed", "vmap", "with_engine"]
 # The default run leaves out the eager optimizer: the eager collectives are checked, and eagerly the optimizer's step
 # compiles each of its primitives apart, on every rank, for no path of its own.
 DEFAULT = [name for name in ALL if name != "optimizer_eager"]
@@ -60,18 +60,19 @@ def test_every_check_on_one_host(ranks):
 def test_on_a_logical_grid_the_handler_goes_through_python():
     """SHMCOMM_TORUS_GRID makes the world a WorldComm on one host: every collective takes the Python path (the torus
     for allreduce), as across hosts. The default run takes that path across two simulated hosts (below)."""
-    checks = ["collectives", "mismatches", "ordering", "with_engine"]
+    checks = ["collectives", "mismatches", "ordering", "sealed", "with_engine"]
     _assert_all_ok(_launch(["-np", 4, sys.executable, CHECKS] + checks, SHMCOMM_TORUS_GRID="2x2"), 4, checks)
 
 
 # The second tier: the torus and MPI's own allreduce under jit across hosts take the handler's Python path, which the
-# 3-rank run on one host checks too; "torus+" adds the optimizer, the ordering, the gradients and the engine.
+# 3-rank run on one host checks too; "torus+" adds the optimizer, the ordering (also under shmcomm.jax.jit), the
+# gradients and the engine.
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.timeout(600)  # torus+ about a minute, slower beside other work
 @pytest.mark.parametrize("algo", ["torus", "mpi", "torus+"])
 def test_across_two_simulated_hosts(two_hosts, algo):  # noqa: F811 (the fixture)
-    checks = ["collectives", "mismatches"] + (["optimizer", "ordering", "gradients", "with_engine"]
+    checks = ["collectives", "mismatches"] + (["optimizer", "ordering", "sealed", "gradients", "with_engine"]
                                               if algo == "torus+" else [])
     algo = algo.rstrip("+")
     run = _launch([*two_hosts.shmcommrun_args(2), sys.executable, CHECKS] + checks, SHMCOMM_ALLREDUCE_ALGO=algo,
@@ -80,12 +81,12 @@ def test_across_two_simulated_hosts(two_hosts, algo):  # noqa: F811 (the fixture
 
 
 KILLED = textwrap.dedent("""
-    import os, signal, time
+    import os, signal, sys, time
     import jax, jax.numpy as jnp
     import shmcomm.jax as sj
 
     sj.init()
-    step = jax.jit(lambda x: sj.allreduce(x, op=sj.Sum) + 1)
+    step = (sj.jit if sys.argv[1] == "sealed" else jax.jit)(lambda x: sj.allreduce(x, op=sj.Sum) + 1)
     x = jnp.ones(1000)
     step(x).block_until_ready()
     if sj.rank() == 1:
@@ -105,7 +106,7 @@ KILLED = textwrap.dedent("""
 """)
 
 
-def _spawn_job(script, ranks):
+def _spawn_job(script, ranks, args=()):
     """The ranks as plain processes with the launcher's environment contract: unlike the launcher, nothing stops the
     survivors when one dies, so they can say what they saw."""
     token = secrets.token_hex(16)
@@ -114,7 +115,7 @@ def _spawn_job(script, ranks):
         env = job_env(SHMCOMM_RANK=str(rank), SHMCOMM_SIZE=str(ranks), SHMCOMM_LOCAL_RANK=str(rank),
                       SHMCOMM_LOCAL_SIZE=str(ranks), SHMCOMM_CROSS_RANK="0", SHMCOMM_CROSS_SIZE="1",
                       SHMCOMM_JOB_TOKEN=token, SHMCOMM_TIMEOUT="30")
-        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = []
     for proc in procs:
@@ -128,12 +129,13 @@ def _spawn_job(script, ranks):
 
 
 @pytest.mark.long
-def test_a_killed_rank_is_named_under_jit(tmp_path):
-    """The survivors' jitted allreduce raises, naming rank 1, within seconds; later calls say the same; under the
-    launcher the job stops with a non-zero exit naming it."""
+@pytest.mark.parametrize("jit", ["jit", "sealed"])
+def test_a_killed_rank_is_named_under_jit(tmp_path, jit):
+    """The survivors' jitted allreduce (jax.jit and shmcomm.jax.jit) raises, naming rank 1, within seconds; later
+    calls say the same; under the launcher the job stops with a non-zero exit naming it."""
     script = tmp_path / "killed.py"
     script.write_text(KILLED)
-    outputs = _spawn_job(script, 3)
+    outputs = _spawn_job(script, 3, [jit])
     assert outputs[1][0] == -signal.SIGKILL
     for r in (0, 2):
         code, out, err = outputs[r]
@@ -145,7 +147,7 @@ def test_a_killed_rank_is_named_under_jit(tmp_path):
         text = [line for line in lines if line.startswith("text")][0]
         assert "rank 1" in text and "RankFailure" in text, text
         assert "eager 1" in lines, lines
-    run = _launch(["-np", 3, sys.executable, script], timeout=120)
+    run = _launch(["-np", 3, sys.executable, script, jit], timeout=120)
     assert run.returncode != 0 and "rank 1" in run.stderr and "SIGKILL" in run.stderr, run.stderr
 
 
@@ -180,6 +182,29 @@ def test_without_jax_the_package_works_and_shmcomm_jax_says_what_is_missing():
     assert "ImportError: shmcomm.jax needs jax" in run.stdout, run.stdout
 
 
+def test_a_jax_without_the_internals_in_use_fails_at_import_naming_the_missing_part():
+    """shmcomm.jax/internals.py holds every private part of JAX in use: it imports on the jax installed, and a
+    release that lacks one (here deleted before the import) fails there, naming it and saying what to install."""
+    program = textwrap.dedent("""
+        import sys
+        import shmcomm.jax.internals
+        print("present")
+        del sys.modules["shmcomm.jax.internals"]
+        from jax._src.interpreters import mlir
+        del mlir.core_call_lowering
+        try:
+            import shmcomm.jax.internals
+        except ImportError as error:
+            print("ImportError:", error)
+    """)
+    run = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=job_env(), capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("present\nImportError: shmcomm.jax: jax "), run.stdout + \
+        run.stderr
+    assert "core_call_lowering" in run.stdout and "pip install 'shmcomm[jax]'" in run.stdout, run.stdout
+
+
+@pytest.mark.long
 def test_the_handler_is_built_once_into_the_build_directory(tmp_path):
     """A fresh build directory gets the compiled handler on first import; a second import loads it unchanged."""
     program = "import shmcomm.jax, shmcomm.jax.native as n; print(sorted(p.name for p in n.build_dir().iterdir()))"

@@ -10,18 +10,18 @@ that differ all raise MismatchError); eager calls exchange the counts first and 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core
 
 from shmcomm.engine import calls
 from shmcomm.vocabulary import description, ops
 from shmcomm.startup import session
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
 from shmcomm.jax import context
+from shmcomm.jax.internals import trace_state_clean
 from shmcomm.jax.primitive import bind
 
 
 def _world():
-    comm = session.communicator()
+    comm = session.current()  # read at trace time: a jitted program still running is no reason to wait
     return comm.size, comm.rank
 
 
@@ -29,8 +29,9 @@ def _tracing(x):
     return isinstance(x, jax.core.Tracer)
 
 
-def _eager(fn, *args, **kwargs):
-    """Runs a collective now and raises the shmcomm exception of a failure."""
+def waited(fn, *args, **kwargs):
+    """fn(*args, **kwargs) run to the end: its results ready, and a collective's failure raised as the shmcomm
+    exception itself (MismatchError, RankFailure...), as eager calls raise it."""
     try:
         return jax.block_until_ready(fn(*args, **kwargs))
     except jax.errors.JaxRuntimeError as error:
@@ -47,7 +48,7 @@ def _each(tree, one, what):
     for i, leaf in enumerate(leaves):
         name = what if len(leaves) == 1 else "%s.%d" % (what, i)
         leaf = jnp.asarray(leaf)
-        out.append(one(leaf, name) if _tracing(leaf) else _eager(one, leaf, name))
+        out.append(one(leaf, name) if _tracing(leaf) else waited(one, leaf, name))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -97,7 +98,7 @@ def broadcast(x, root_rank, name=None):
     """
     size, rank = _world()
     what = name or "broadcast"
-    root = calls.root_index(session.communicator(), root_rank, what)
+    root = calls.root_index(session.current(), root_rank, what)
     return _each(x, lambda leaf, w: bind(leaf, "broadcast", root=root, size=size, rank=rank, name=w), what)
 
 
@@ -203,7 +204,7 @@ def barrier():
     size, rank = _world()
     try:
         bind(None, "barrier", size=size, rank=rank, name="barrier")
-        if jax_core.trace_state_clean():  # eager: wait for it (it returns nothing that could be waited on)
+        if trace_state_clean():  # eager: wait for it (it returns nothing that could be waited on)
             jax.effects_barrier()
     except jax.errors.JaxRuntimeError as error:
         cause = context.original(error)

@@ -4,9 +4,9 @@ and what the handler asks of Python.
 
 The handler calls the C core itself only while the world communicator is one host's shared memory and no engine runs
 (direct()); otherwise it hands each call to Python, which runs it through engine.calls.run as the numpy API does, so
-that asynchronous numpy or torch collectives and the jitted ones keep one order on every rank. Jitted collectives are
-not ordered against the numpy API's blocking calls: a program that mixes them waits for the jitted ones first
-(jax.effects_barrier()), and so does one that starts the engine while a jitted collective is in flight."""
+that asynchronous numpy or torch collectives and the jitted ones keep one order on every rank. The numpy API's blocking
+calls wait for shmcomm.jax.jit's programs in flight themselves (sealed.py); after plain jax.jit's, a program that
+mixes them calls jax.effects_barrier() first."""
 import collections
 import itertools
 import math
@@ -154,6 +154,14 @@ def original(error):
 
 
 # ---- the handler's calls into Python ----
+_handling = threading.local()
+
+
+def in_handler():
+    """Whether this thread is XLA's, running the handler's Python path."""
+    return getattr(_handling, "active", False)
+
+
 @ffi.def_extern(name="smc_jax_python", error=1)
 def _from_handler(ctx, call):
     """Runs `call` (rc == 0) or explains the core's failure (rc != 0); returns 0 on success, else 1 with the text in
@@ -163,6 +171,7 @@ def _from_handler(ctx, call):
     with the engine running through the engine's queue. A small allreduce across hosts without the engine takes the
     numpy API's quick call (quick_path.world.crossing_allreduce: the torus's small path in one C call) before a
     Request would be built. A failed direct call comes here too, for the numpy API's explanation of the failure."""
+    _handling.active = True
     try:
         if call.rc:
             error = _explained(call)
@@ -173,6 +182,8 @@ def _from_handler(ctx, call):
         error = failure
     except Exception as failure:  # a bug here must still fail the collective, with its text
         error = ShmCommError("%s: %s: %s" % (_name(call), type(failure).__name__, failure))
+    finally:
+        _handling.active = False
     text = _recorded(error).encode("utf-8", "replace")[:ffi.sizeof(call.error) - 1]
     ffi.memmove(call.error, text + b"\0", len(text) + 1)
     return 1
@@ -211,8 +222,8 @@ def _execute(call):
     src = _view(call.src, call.src_bytes, call.dtype, dims)
     in_place = kind in ("allreduce", "broadcast")
     dst = _view(call.dst, call.dst_bytes, call.dtype, dims) if in_place else None
-    if kind == "allreduce" and world.crossing_allreduce:  # NotImplemented: nothing was sent, the Request decides
-        got = world.crossing_allreduce(src, dst, call.op, call.prescale, call.postscale)
+    if kind == "allreduce" and world.jitted_crossing:  # NotImplemented: nothing was sent, the Request decides
+        got = world.jitted_crossing(src, dst, call.op, call.prescale, call.postscale)
         if got is not NotImplemented:
             if type(got) is not np.ndarray:
                 world.comm.quick_allreduce_failed(got, src, call.op, call.prescale, call.postscale, what)

@@ -10,7 +10,9 @@ import optax
 
 from shmcomm.vocabulary import ops
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
-from shmcomm.jax.collectives import allreduce, broadcast
+from shmcomm.jax.collectives import allreduce, broadcast, waited
+from shmcomm.jax.internals import trace_state_clean
+from shmcomm.jax.sealed import jit
 
 
 class NoneCompressor:
@@ -52,10 +54,19 @@ def broadcast_parameters(params, root_rank=0):
         params: a pytree of arrays of the same structure, shapes and dtypes on every rank.
         root_rank: the rank whose values everyone takes.
 
+    Outside jit all leaves go in one shmcomm.jax.jit program, which this call waits for.
+
     Returns:
         The pytree with root_rank's values.
     """
-    return broadcast(params, root_rank, name="broadcast_parameters")
+    if not trace_state_clean():
+        return broadcast(params, root_rank, name="broadcast_parameters")
+    # Outside jit: every leaf in one program on JAX's fast dispatch, waited for as an eager call is.
+    return waited(_broadcast_program, params, root_rank)
+
+
+_broadcast_program = jit(lambda params, root_rank: broadcast(params, root_rank, name="broadcast_parameters"),
+                         static_argnums=1)
 
 
 def fused_allreduce(tree, op=ops.Average, compression=Compression.none, name="gradients"):
@@ -94,7 +105,8 @@ def DistributedOptimizer(tx, op=ops.Average, backward_passes_per_step=1, compres
 
     With backward_passes_per_step=k, each rank accumulates k gradients locally and the reduction and `tx`'s update
     happen on every k-th call, with the mean of the k gradients (as optax.MultiSteps); the calls in between return
-    zero updates. Every rank must make the same number of calls.
+    zero updates. Every rank must make the same number of calls. Called outside jit, `update` runs as one
+    shmcomm.jax.jit program and returns when it has finished.
 
     Args:
         tx: the optax GradientTransformation to hand the reduced gradients to.
@@ -131,7 +143,7 @@ def DistributedOptimizer(tx, op=ops.Average, backward_passes_per_step=1, compres
         reduced = fused_allreduce(grads, op, compression, name)
         return tx.update(reduced, inner, params)
 
-    def update(grads, state, params=None):
+    def update_traced(grads, state, params=None):
         if passes == 1:
             updates, inner = apply(grads, state.inner, params)
             return updates, state._replace(inner=inner)
@@ -149,5 +161,13 @@ def DistributedOptimizer(tx, op=ops.Average, backward_passes_per_step=1, compres
         # Every rank counts alike, so every rank takes the same branch: the collectives inside stay matched.
         updates, inner, accumulated, count = jax.lax.cond(count >= passes, step, wait, None)
         return updates, DistributedState(inner, accumulated, count)
+
+    update_program = jit(update_traced)
+
+    def update(grads, state, params=None):
+        if not trace_state_clean():
+            return update_traced(grads, state, params)
+        # Called eagerly: the whole update as one program on JAX's fast dispatch, waited for as an eager call is.
+        return waited(update_program, grads, state, params)
 
     return optax.GradientTransformation(init, update)

@@ -12,19 +12,17 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax._src import dispatch
-from jax._src import effects as jax_effects
-from jax._src.core import abstract_token
-from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from shmcomm.vocabulary import description, dtypes, ops
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
 from shmcomm.jax import context, native
+from shmcomm.jax.internals import (EFFECT_SETS, Effect, TokenSet, abstract_token, apply_primitive,
+                                   register_lowering)
 
 
-class CollectiveEffect(jax_effects.Effect):
+class CollectiveEffect(Effect):
     """The ordered effect of every shmcomm collective (one effect: one token chain for all of them).
 
     JAX threads a token through every operation with an ordered effect, inside a jit function and from one jit call
@@ -47,13 +45,12 @@ class CollectiveEffect(jax_effects.Effect):
 
 
 EFFECT = CollectiveEffect()
-for _allowed in (jax_effects.lowerable_effects, jax_effects.ordered_effects, jax_effects.control_flow_allowed_effects,
-                 jax_effects.custom_derivatives_allowed_effects):
+for _allowed in EFFECT_SETS:
     _allowed.add_type(CollectiveEffect)
 
 collective_p = Primitive("shmcomm_collective")
 collective_p.multiple_results = True
-collective_p.def_impl(functools.partial(dispatch.apply_primitive, collective_p))
+collective_p.def_impl(functools.partial(apply_primitive, collective_p))
 
 REDUCING = ("allreduce", "reducescatter")
 ROWS = ("allgather", "alltoall", "reducescatter")  # their shape's first dimension is rows, split between ranks
@@ -135,11 +132,11 @@ def _lowering(ctx, *operands, kind, op, prescale, postscale, root, rows, sends, 
     # operand would make XLA copy the operand first whenever it stays live (always for a jit argument that is not
     # donated): a second full pass over memory, into freshly faulted pages.
     results = list(jax.ffi.ffi_lowering(native.TARGET, has_side_effect=True)(with_token, *operands, token, **attrs))
-    ctx.set_tokens_out(mlir.TokenSet({EFFECT: results.pop()}))
+    ctx.set_tokens_out(TokenSet({EFFECT: results.pop()}))
     return results
 
 
-mlir.register_lowering(collective_p, _lowering, platform="cpu")
+register_lowering(collective_p, _lowering, platform="cpu")
 
 
 # ---- derivatives ----

@@ -15,6 +15,7 @@ class _State:
         self.lock = threading.Lock()
         self.comm = None
         self.generation = 0
+        self.in_flight = None  # while shmcomm.jax's programs may still run collectives: the function that waits
 
 
 state = _State()
@@ -42,13 +43,51 @@ def on_close(listener):
 
 
 def closing():
-    """Calls the on_close listeners: shutdown() does, before it closes anything."""
+    """Waits for the collectives running on another thread (hold()) and calls the on_close listeners: shutdown()
+    does, before it closes anything."""
+    if state.in_flight is not None:
+        state.in_flight()
     for listener in list(_closers):
         listener()
 
 
+_holders = []
+
+
+def on_hold(listener):
+    """Calls listener() after every hold() and release() (quick_path closes and opens its quick calls)."""
+    _holders.append(listener)
+
+
+def hold(wait):
+    """Marks collectives as running on another thread (a jitted program's, dispatched and not finished):
+    communicator() then calls wait() first, and the quick calls close (quick_path), so that the next collective of
+    this thread comes after them on every rank."""
+    state.in_flight = wait
+    for listener in list(_holders):
+        listener()
+
+
+def release():
+    """Ends hold(): nothing runs collectives on another thread any more."""
+    state.in_flight = None
+    for listener in list(_holders):
+        listener()
+
+
 def communicator():
-    """The world communicator (algorithms.host.HostComm or algorithms.world.WorldComm)."""
+    """The world communicator (algorithms.host.HostComm or algorithms.world.WorldComm), to run a collective on:
+    after the collectives still running on another thread (hold()) have finished."""
+    comm = state.comm
+    if comm is None:
+        raise NotInitializedError(_NOT_INITIALIZED)
+    if state.in_flight is not None:
+        state.in_flight()
+    return comm
+
+
+def current():
+    """The world communicator, to read who is where (its topology) without waiting for anything."""
     comm = state.comm
     if comm is None:
         raise NotInitializedError(_NOT_INITIALIZED)

@@ -155,7 +155,7 @@ def mpi_enabled():
     """
     if not _basics.is_initialized():
         return False
-    across = _basics.communicator().across
+    across = _basics.current().across
     return across is not None and across.carrier == "mpi"
 
 

@@ -27,7 +27,7 @@ def is_homogeneous():
     Returns:
         True when it does (always, on one host).
     """
-    return len({len(host) for host in basics.communicator().host_groups}) == 1
+    return len({len(host) for host in basics.current().host_groups}) == 1
 
 
 # ---- allreduce ----
