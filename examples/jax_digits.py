@@ -3,8 +3,9 @@
 
     shmcommrun -np 2 python examples/jax_digits.py
 
-Each rank trains on its shard of the training set. The whole step is one jax.jit function: the gradient, the
-DistributedOptimizer's allreduce of it (one fused collective, inside the compiled step) and the update. Rank 0's
+Each rank trains on its shard of the training set. The whole step is one shmcomm.jax.jit function (jax.jit on JAX's
+fast dispatch): the gradient, the DistributedOptimizer's allreduce of it (one fused collective, inside the compiled
+step) and the update. Rank 0's
 initial parameters are broadcast first, so every rank takes identical steps; the learning rate scales with the
 number of ranks (the global batch grows with it). At the end the ranks check they hold identical parameters and
 rank 0 reports test accuracy."""
@@ -67,7 +68,7 @@ def main():
                                  compression=sj.Compression.fp16 if args.fp16 else sj.Compression.none)
     state = tx.init(params)
 
-    @jax.jit
+    @sj.jit
     def train_step(params, state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         updates, state = tx.update(grads, state, params)
