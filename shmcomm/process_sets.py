@@ -39,7 +39,7 @@ class ProcessSet:
         Returns:
             An int: the set's ranks, or every rank for the global set.
         """
-        return len(self.ranks) if self.process_set_id != 0 else session.communicator().topology.size
+        return len(self.ranks) if self.process_set_id != 0 else session.current().topology.size
 
     def rank(self):
         """This rank's index within the set.
@@ -206,4 +206,4 @@ def close_all():
 
 
 def _my_rank():
-    return session.communicator().topology.rank
+    return session.current().topology.rank
