@@ -52,9 +52,8 @@ class InFlight:
             while markers and markers[0].is_ready():
                 markers.popleft()
             markers.append(marker)
-            held = session.state.in_flight is not None
-        if not held:
-            session.hold(self.wait)
+            if session.state.in_flight is None:  # under the lock: a wait() on another thread cannot release it now
+                session.hold(self.wait)
 
     def wait(self):
         """Waits for every program dispatched so far; a program's failure is left to the caller who uses its results
@@ -66,15 +65,14 @@ class InFlight:
                 markers = list(self._markers)
                 self._markers.clear()
                 if not markers:
-                    break
+                    if session.state.in_flight is not None:
+                        session.release()
+                    return
             for marker in markers:
                 try:
                     marker.block_until_ready()
                 except Exception:
                     pass
-        if session.state.in_flight is not None:
-            session.release()
-
 
 
 in_flight = InFlight()
