@@ -6,12 +6,12 @@
 One job of -np ranks started by the MPI wheel's mpiexec (both libraries then share MPICH, and shmcomm learns its
 places from MPI). Every rank compiles `jax.jit(lambda x: allreduce(x))` for each library, and shmcomm's also with
 `shmcomm.jax.jit` (JAX's fast dispatch: "sealed"), and, per size, runs rounds in which each makes the same number of
-calls, alternating which goes first; a call is timed until its result
-is ready, and a round's time per call is the slowest rank's. The table gives the median (p90) over rounds of each,
-the bus bandwidth (2(n-1)/n x bytes / time, as nccl-tests), the ratios to mpi4jax, and the numpy API's
-shmcomm.allreduce of the same array for reference. Both libraries run in one process, so mpi4jax's results gain from the glibc thresholds that
-importing shmcomm.jax raises (jax/results_heap.py) as shmcomm's do; with SHMCOMM_JAX_HEAP_BYTES=0 both run on glibc's
-own, as an mpi4jax job does by default. --train adds the example's jitted step (examples/jax_digits.py's MLP, batch
+calls, alternating which goes first; a call is timed until its result is ready, and a round's time per call is the
+slowest rank's. The table gives the median (p90) over rounds of each, the bus bandwidth (2(n-1)/n x bytes / time, as
+nccl-tests), the ratios to mpi4jax, and the numpy API's shmcomm.allreduce of the same array for reference. Both
+libraries run in one process, so mpi4jax's results gain from the glibc thresholds that importing shmcomm.jax raises
+(jax/results_heap.py) as shmcomm's do; with SHMCOMM_JAX_HEAP_BYTES=0 both run on glibc's own, as an mpi4jax job does
+by default. --train adds the example's jitted step (examples/jax_digits.py's MLP, batch
 32 per rank): with DistributedOptimizer, without any collective, and the fused allreduce of its gradients alone, under
 jax.jit and shmcomm.jax.jit. --cpu-load N runs it all beside N CPU-bound processes (a training machine is never idle).
 mpi4jax must be installed (benchmarks/RESULTS.md says how it was built here).
@@ -110,12 +110,13 @@ def worker(args):
         factor = 2 * (n - 1) / n if n > 1 else 1.0
         nan = (float("nan"), float("nan"))
         for size, t in rows:
-            (mine, _), (peer, _) = t["shmcomm"], t.get("mpi4jax", nan)
-            cells = ["%7.1f (%7.1f)" % (t[k][0] * 1e6, t[k][1] * 1e6) for k in ("shmcomm", "sealed")]
+            t.setdefault("mpi4jax", nan)
+            mine, peer = t["shmcomm"][0], t["mpi4jax"][0]
+            cells = ["%7.1f (%7.1f)" % (t[k][0] * 1e6, t[k][1] * 1e6)
+                     for k in ("shmcomm", "sealed", "mpi4jax", "numpy")]
             print("  %8s %17s %17s %17s %8.2f %8.2f %7.2fx %7.2fx %17s" % (
-                _human(size), cells[0], cells[1], "%7.1f (%7.1f)" % tuple(v * 1e6 for v in t.get("mpi4jax", nan)),
-                factor * size / mine / 1e9, factor * size / peer / 1e9, peer / mine, peer / t["sealed"][0],
-                "%7.1f (%7.1f)" % (t["numpy"][0] * 1e6, t["numpy"][1] * 1e6)), flush=True)
+                _human(size), *cells[:3], factor * size / mine / 1e9, factor * size / peer / 1e9, peer / mine,
+                peer / t["sealed"][0], cells[3]), flush=True)
     if args.train:
         _train(comm, args)
     sj.shutdown()

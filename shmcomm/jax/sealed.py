@@ -79,8 +79,8 @@ in_flight = InFlight()
 
 
 def _sealed(fun):
-    """The function jax.jit traces: `fun` as one sealed primitive; the arguments that are not traced (static ones,
-    Python scalars in a pytree) stay constants of the inner trace."""
+    """The function jax.jit traces: `fun` as one sealed primitive; the arguments jax.jit does not trace (the static
+    ones) stay constants of the inner trace."""
     @functools.wraps(fun)
     def program(*args, **kwargs):
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -139,5 +139,4 @@ def jit(fun, **jit_options):
         in_flight.add(marker)
         return results
 
-    call.lower = compiled.lower
     return call
