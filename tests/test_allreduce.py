@@ -67,12 +67,20 @@ def _pieces(size, largest, piece=None):
         got = shmcomm.reducescatter(x, op=shmcomm.Sum)
         full = sum(np.arange(count * size, dtype=np.float64) + r for r in range(size))
         np.testing.assert_array_equal(got, full[me * count:(me + 1) * count])
-    if piece is not None:  # the path taken: a step per piece of `piece` bytes, rounded down to whole cache lines
-        shm = basics.communicator().shm
-        before = shm.pieces()
-        shmcomm.reducescatter(np.ones(70_003 * size), op=shmcomm.Sum)
-        per_piece = int(piece) // 64 * 64 // 8
-        assert shm.pieces() - before == -(-70_003 // per_piece), (shm.pieces() - before, per_piece)
+    # The path taken: a step per piece of `piece` bytes, rounded down to whole cache lines; by default, pulled steps
+    # take the tuning's pieces and staged ones a half's share (a synchronisation each).
+    shm = basics.communicator().shm
+    share = shm.tuning.slot_bytes // 2 // size // 64 * 64
+    pulled = shm.pulled_calls()
+    before = shm.pieces()
+    shmcomm.reducescatter(np.ones(70_003 * size), op=shmcomm.Sum)
+    pulled = shm.pulled_calls() > pulled
+    if piece is not None:
+        section = int(piece) // 64 * 64
+    else:
+        section = min(shm.tuning.piece_bytes or share, share) // 64 * 64 if pulled else share
+    per_piece = section // 8
+    assert shm.pieces() - before == -(-70_003 // per_piece), (shm.pieces() - before, per_piece, pulled)
     return True
 
 

@@ -114,9 +114,10 @@ def test_waiters_yield_a_slice_per_rank_sharing_a_core(monkeypatch):
 
 
 def test_allreduce_pieces_follow_the_l2_only_while_every_rank_has_a_core(monkeypatch):
-    """SHMCOMM_PIECE_BYTES's default: an eighth of the L2 the machine reports, at least 128 KiB; 0 (a staging half's
-    share) with more ranks than cores, where each step costs context switches. Single copy from 16 KiB, or from the
-    L2's size with more ranks than cores for broadcast; the L2 sizes its chunks either way."""
+    """SHMCOMM_PIECE_BYTES's default: an eighth of the L2 the machine reports, at least 128 KiB, for pulled steps
+    only (piece_probed: staged ones take a half's share); 0 (a staging half's share) with more ranks than cores, where
+    each step costs context switches; set, it sizes both. Single copy from 16 KiB, or from the L2's size with more
+    ranks than cores for broadcast; the L2 sizes its chunks either way."""
     from shmcomm import env
     from shmcomm.env import machine
 
@@ -125,12 +126,13 @@ def test_allreduce_pieces_follow_the_l2_only_while_every_rank_has_a_core(monkeyp
     cores = len(os.sched_getaffinity(0))
     l2 = machine.cache_bytes(2) or (1 << 20)
     assert env.tuning(cores).piece_bytes == max(l2 // 8, 128 << 10) and env.tuning(cores).single_copy_bytes == 16 << 10
+    assert env.tuning(cores).piece_probed
     assert env.tuning(cores).broadcast_single_copy_bytes == 16 << 10
     assert env.tuning(cores + 1).piece_bytes == 0 and env.tuning(cores + 1).single_copy_bytes == 32 << 10
     assert env.tuning(cores + 1).broadcast_single_copy_bytes == max(32 << 10, l2)
     assert env.tuning(cores).cache_bytes == env.tuning(cores + 1).cache_bytes == l2
     monkeypatch.setenv("SHMCOMM_PIECE_BYTES", "4096")
-    assert env.tuning(cores + 1).piece_bytes == 4096
+    assert env.tuning(cores + 1).piece_bytes == 4096 and not env.tuning(cores).piece_probed
     # Allreduces and reduce-scatters pull from 128 KiB at two ranks with a core each, never otherwise unless set.
     assert env.tuning(2).pull_bytes == (128 << 10 if cores >= 2 else 0)
     assert env.tuning(1).pull_bytes == env.tuning(3).pull_bytes == env.tuning(cores + 1).pull_bytes == 0

@@ -20,8 +20,9 @@
  *   output (pulled), and one synchronisation after the last step says that every output is whole.
  * In place in shared buffers that every rank maps (coll/window.c), no step copies anything into a half: rank r
  * reduces range r of every rank's buffer into its own and copies the result into every peer's (in_windows).
- * Pieces are sized so that a step's working set stays in cache. Reduce-scatter is steps 1-3 with per-rank ranges
- * given by the caller, or pulls its ranges where allreduce would. */
+ * Pulled pieces and those in shared buffers are sized so that a step's working set stays in cache; a staged step
+ * moves as much as a half holds, since each synchronises. Reduce-scatter is steps 1-3 with per-rank ranges given by
+ * the caller, or pulls its ranges where allreduce would. */
 #include "coll/comm.h"
 #include "core/copy.h"
 #include "core/error.h"
@@ -201,6 +202,14 @@ static smc_result_t one_step(smc_comm_t* c, const plan_t* p, size_t count, smc_d
   return rc;
 }
 
+/* Bytes of each rank's range a step moves: a half's share, or `piece` where that is smaller; whole cache lines. */
+static size_t section_bytes(const smc_comm_t* c, size_t piece) {
+  size_t section = c->half_bytes / (size_t)c->size;
+  if (piece > 0 && piece < section) section = piece;
+  section = section / SMC_CACHE_LINE * SMC_CACHE_LINE;
+  return section < SMC_CACHE_LINE ? SMC_CACHE_LINE : section;
+}
+
 /* `w`: the shared buffer holding this rank's data (an in-place allreduce's, a reduce-scatter's input), or NULL. A
  * rank whose data is in one names it in its descriptor and takes no copy before the first synchronisation, as does
  * one that means to pull; if then not every rank named it (or meant to), those that did make that copy and every
@@ -210,14 +219,13 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   const void* srcs[SMC_MAX_RANKS];
   const int me = c->rank, n = c->size;
   const size_t es = p->esize;
-  /* A piece of each range per step, at most piece_bytes: smaller pieces take more synchronisations, but a step's
-   * copies then stay in the L2, where pulled steps' pieces also meet the kernel's copies; hence an eighth of the L2
-   * by default (shmcomm/env/tuning.py, benchmarks/RESULTS.md). */
-  size_t section = c->half_bytes / (size_t)n;
-  if (c->piece_bytes > 0 && c->piece_bytes < section) section = c->piece_bytes;
-  section = section / SMC_CACHE_LINE * SMC_CACHE_LINE;
-  if (section < SMC_CACHE_LINE) section = SMC_CACHE_LINE;
+  /* A piece of each range per step, at most piece_bytes where no step synchronises (pulled, or in shared buffers):
+   * its copies then stay in the L2, where a pulled piece meets the kernel's copies. Staged steps take a half's share
+   * unless piece_bytes was set (piece_probed): each costs a synchronisation, dear on a busy machine
+   * (shmcomm/env/tuning.py, benchmarks/RESULTS.md). Every rank takes the same sizes, whichever path it means. */
+  const size_t section = section_bytes(c, c->piece_probed ? 0 : c->piece_bytes);
   const size_t per_piece = section / es;
+  const size_t cached = section_bytes(c, c->piece_bytes);
   uint64_t longest = 0;
   for (int j = 0; j < n; j++) longest = p->len[j] > longest ? p->len[j] : longest;
   size_t steps = longest == 0 ? 1 : (size_t)((longest + per_piece - 1) / per_piece);
@@ -230,8 +238,8 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
       uint8_t* bufs[SMC_MAX_RANKS];
       uint64_t ins[SMC_MAX_RANKS], outs[SMC_MAX_RANKS];
       if (smc_windows_agreed(c, w, (p->start[n - 1] + p->len[n - 1]) * es, bufs))
-        return in_windows(c, p, bufs, per_piece, what);
-      if (pulling_agreed(c, p, ins, outs)) return pulled(c, p, ins, outs, section, per_piece, what);
+        return in_windows(c, p, bufs, cached / es, what);
+      if (pulling_agreed(c, p, ins, outs)) return pulled(c, p, ins, outs, cached, cached / es, what);
       if (someone_copies_late(c)) {
         if (desc->window != 0 || desc->own != 0) copy_in(c, p, 0, section, per_piece);
         SMC_CHECK(smc_sync(c, what));

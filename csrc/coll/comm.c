@@ -197,6 +197,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->cache_bytes = cfg->cache_bytes > 0 ? cfg->cache_bytes : (1u << 20);
   c->single_copy_probed = cfg->single_copy_probed;
   c->piece_bytes = cfg->piece_bytes;
+  c->piece_probed = cfg->piece_probed;
   c->pull_bytes = cfg->pull_bytes;
   c->pull_probed = cfg->pull_probed;
   c->race_pause_us = cfg->race_pause_us > 0 ? cfg->race_pause_us : 0;

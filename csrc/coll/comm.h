@@ -50,6 +50,7 @@ struct smc_comm {
   int single_copy_whole;      /* the kernel's copy proved slow at init: alltoall decides on its whole input, against
                                * this many times the threshold (smc_alltoall_single_copy); 0: on its parts */
   size_t piece_bytes;         /* allreduce's bytes per rank and step (coll/allreduce.c); 0: a half's share */
+  int piece_probed;           /* smc_config_t's */
   uint64_t pull_bytes;        /* allreduces and reduce-scatters of at least this size pull (coll/allreduce.c) */
   int pull_probed;            /* smc_config_t's */
   int race_pause_us;          /* smc_config_t's */

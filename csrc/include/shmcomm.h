@@ -100,8 +100,7 @@ typedef struct {
   int yield_us;           /* then microseconds a collective's waiter hands its core on (sched_yield) before it
                            * sleeps: with more ranks than cores, the rank it waits for is often queued behind it */
   size_t single_copy_bytes; /* allgather inputs and alltoall parts per peer (their mean) of at least this size move
-                             * by single copy (cross-memory attach) where every rank may reach its peers' memory;
-                             * 0: never */
+                             * by single copy (CMA) where every rank may reach its peers' memory; 0: never */
   size_t broadcast_single_copy_bytes; /* the same for broadcast buffers; 0: never */
   size_t cache_bytes;     /* one core's L2 cache: sizes single copy's chunks, and from which sizes its copies bypass
                            * the caches; 0: 1 MiB */
@@ -109,6 +108,7 @@ typedef struct {
                            * rises to twice cache_bytes at the least; 0: it stays as given */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
                            * so that a step's copies stay in the cache; 0: as many as a staging half holds */
+  int piece_probed;       /* 1: piece_bytes sizes pulled steps only, staged ones take a half's share; 0: both */
   size_t pull_bytes;      /* allreduces and reduce-scatters of at least this size read each rank's range of the
                            * peers' inputs (and allreduces write its reduced pieces straight into their outputs) by
                            * cross-memory attach where every rank's kernel copy proved fast at init, instead of

@@ -28,6 +28,7 @@ class Tuning:
     shared_from_bytes: int  # collectives on shared buffers from this size read and write the peers' directly
     huge_pages: bool       # buffers that peers reach by the kernel's copy are collapsed into huge pages when reused
     pull_probed: bool      # PULL_BYTES is its default: pull only where init found the kernel's copy fast
+    piece_probed: bool     # PIECE_BYTES is its default: it sizes pulled steps only, staged ones take a half's share
     race_pause_us: int     # tests only: a pause inside a box update's locked section, so that a lost lock shows
 
 
@@ -79,9 +80,10 @@ def tuning(local_size):
         # buffer then, which with the cores shared costs more than the copy saves below the L2's size.
         broadcast_single_copy_bytes=single_copy_bytes if local_size <= cores or is_set("SINGLE_COPY_BYTES") else max(
             single_copy_bytes, l2_bytes),
-        # An eighth of the L2 per step keeps a step's copies in it, with room: a rank writes its copy-in and its
-        # reduced piece and reads its peer's, or the kernel's copy of it. With more ranks than cores every step costs
-        # context switches instead, so take as much as a half holds.
+        # An eighth of the L2 per pulled step keeps its copies in it, with room: a rank reads its peer's piece by the
+        # kernel's copy, reduces it and writes it out. Staged steps take as much as a half holds unless this is set
+        # (piece_probed): each costs a synchronisation, which a busy machine makes dear, and their copies gained
+        # nothing from staying in the L2. With more ranks than cores every step costs context switches, so the same.
         piece_bytes=_number("PIECE_BYTES", max(l2_bytes // 8, 128 << 10) if local_size <= cores else 0, int, low=0,
                             high=MAX_BYTES),
         # Pulling (csrc/coll/allreduce.c): two kernel copies per element and no synchronisation between pieces, for
@@ -99,6 +101,7 @@ def tuning(local_size):
         huge_pages=_flag("HUGE_PAGES", True),  # why: csrc/coll/huge_pages.c
         # Set, the pull threshold holds whatever init's speed probe found: tests force the path so.
         pull_probed=not is_set("PULL_BYTES"),
+        piece_probed=not is_set("PIECE_BYTES"),
         race_pause_us=_number("TEST_RACE_PAUSE_US", 0, int, low=0, high=10 ** 6),
     )
 

@@ -100,6 +100,7 @@ class SharedMemory(Transport):
         cfg.single_copy_bytes = tuning.single_copy_bytes
         cfg.broadcast_single_copy_bytes = tuning.broadcast_single_copy_bytes
         cfg.piece_bytes = tuning.piece_bytes
+        cfg.piece_probed = tuning.piece_probed
         cfg.pull_bytes = tuning.pull_bytes
         cfg.shared_from_bytes = tuning.shared_from_bytes
         cfg.cache_bytes = tuning.cache_bytes
