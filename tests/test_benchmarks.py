@@ -533,3 +533,25 @@ def test_the_summary_puts_each_collective_of_every_run_in_one_table_and_one_plot
     assert "- busy: `python -m benchmarks.collectives -np 2`, 2026-12-06 03:00 UTC, machine: 2 cores; every job " \
            "ran beside 2 CPU-bound processes" in lines
     assert run_module("benchmarks.summary", [str(paths[0]), "--labels", "a,b"], 60).returncode == 2
+
+
+def test_spells_sorts_rounds_by_the_probe():
+    """benchmarks.spells: each value of --setting checked against MPI, then rounds until --seconds; every size gets a
+    row per kind of round that occurred, with a time and p90 for each value and for MPI."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec beside this interpreter")
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.spells", "--seconds", "1", "--bytes",
+                           "4K,1M", "--iters", "2", "--setting", "SHMCOMM_PIECE_BYTES=unset,131072"], cwd=str(REPO),
+                          env=backends.job_environment(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    rounds, in_spells = map(int, re.search(r"(\d+) rounds, (\d+) in spells", proc.stdout).groups())
+    kinds = [line for line in lines if line.startswith("  ") and "probe" in line]
+    assert len(kinds) == 1 + (0 < in_spells < rounds) and rounds >= 1, proc.stdout
+    rows = [line.split() for line in lines if line.startswith("    ")]
+    assert [int(row[0]) for row in rows] == [4096, 1 << 20] * len(kinds), proc.stdout
+    for row in rows:  # bytes, then VAR value us (p90) for each value, MPI us (p90)
+        assert row[1:3] + row[5:7] + row[9:10] == ["SHMCOMM_PIECE_BYTES", "unset", "SHMCOMM_PIECE_BYTES", "131072",
+                                                    "MPI"], proc.stdout
+        assert all(float(row[i].strip("()")) > 0 for i in (3, 4, 7, 8, 10, 11)), proc.stdout
