@@ -314,3 +314,34 @@ def _many_ranks(size):
 
 def test_eight_ranks_on_two_cores():
     assert multiproc.run(8, _many_ranks, 8, timeout=120) == [True] * 8
+
+
+def _paths_of_repeated_calls(size):
+    import shmcomm
+    from shmcomm import basics
+
+    shmcomm.init()
+    shm = basics.communicator().shm
+    me = shmcomm.rank()
+    x = np.arange(1 << 18, dtype=np.float32) % 251 + me  # 1 MiB: pulled or staged, never the one-step path
+    want = sum(np.arange(1 << 18, dtype=np.float32) % 251 + r for r in range(size))
+    paths = ""
+    for i in range(60):
+        before = shm.pulled_calls()
+        if i % 2:
+            y = x.copy()
+            shmcomm.allreduce_(y, op=shmcomm.Sum)
+        else:
+            y = shmcomm.allreduce(x, op=shmcomm.Sum)
+        np.testing.assert_array_equal(y, want)
+        paths += "P" if shm.pulled_calls() > before else "s"
+    return paths
+
+
+def test_where_the_kernels_copy_is_slow_each_rank_learns_whether_pulling_pays():
+    """csrc/coll/pull_choice.c through the core: with the defaults at two ranks, a size pulls from its first call
+    where init found the kernel's copy fast, and elsewhere takes each path in turn while it learns their costs, then
+    mostly the cheaper. Every call's result is exact, and both ranks always took the same path."""
+    paths = multiproc.run(2, _paths_of_repeated_calls, 2, timeout=120)
+    assert paths[0] == paths[1], paths
+    assert paths[0] == "P" * 60 or (paths[0][:4] == "PsPs" and set(paths[0][4:]) == {"P", "s"}), paths

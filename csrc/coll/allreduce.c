@@ -15,15 +15,17 @@
  *   3b. rank r copies its reduced piece into section r of its half;
  *   4. sync
  *   5. gather:   rank r copies section j of rank j's half into its output, for every j != r.
- *   Or, where the ranks pull (smc_pull: two ranks whose kernel copy is fast), no step synchronises: rank r reads
- *   piece k of range r straight out of every peer's input, reduces it and writes it straight into every peer's
- *   output (pulled), and one synchronisation after the last step says that every output is whole.
+ *   Or, where the ranks pull (two ranks whose kernel copy is fast, or where pulling proves the cheaper path:
+ *   coll/pull_choice.c), no step synchronises: rank r reads piece k of range r straight out of every peer's input,
+ *   reduces it and writes it straight into every peer's output (pulled), and one synchronisation after the last
+ *   step says that every output is whole.
  * In place in shared buffers that every rank maps (coll/window.c), no step copies anything into a half: rank r
  * reduces range r of every rank's buffer into its own and copies the result into every peer's (in_windows).
  * Pulled pieces and those in shared buffers are sized so that a step's working set stays in cache; a staged step
  * moves as much as a half holds, since each synchronises. Reduce-scatter is steps 1-3 with per-rank ranges given by
  * the caller, or pulls its ranges where allreduce would. */
 #include "coll/comm.h"
+#include "core/clock.h"
 #include "core/copy.h"
 #include "core/error.h"
 
@@ -270,6 +272,19 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   return SMC_SUCCESS;
 }
 
+/* pipelined, timed where this rank learns whether pulling pays (coll/pull_choice.c); shared buffers' calls teach
+ * nothing, as they neither stage nor pull. */
+static smc_result_t timed(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, const smc_window_t* w, uint64_t bytes,
+                          const char* what) {
+  if (!smc_pull_learned(c, bytes)) return pipelined(c, p, desc, w, what);
+  const uint64_t pulled = c->pulled_calls, shared = c->window_calls;
+  const double start = smc_now();
+  smc_result_t rc = pipelined(c, p, desc, w, what);
+  if (rc == SMC_SUCCESS && c->window_calls == shared)
+    smc_pull_learn(c, bytes, c->pulled_calls != pulled, smc_now() - start);
+  return rc;
+}
+
 smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t count, smc_datatype_t dtype,
                            smc_redop_t op, double prescale, double postscale, int64_t divisor, uint64_t tag) {
   SMC_CHECK(smc_refuse_here(c, SMC_COLL_ALLREDUCE,
@@ -296,7 +311,7 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   if (bytes <= c->small_bytes) return one_step(c, &p, count, &desc, w);
   /* pulled's ranges are one rank's alone only if input and output are the same buffer or apart */
   const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf;
-  if (smc_pull(c, bytes) && (in == out || in + bytes <= out || out + bytes <= in)) {
+  if (smc_pull_choose(c, bytes) && (in == out || in + bytes <= out || out + bytes <= in)) {
     desc.own = (uint64_t)in;
     desc.addr = (uint64_t)out;
     /* The peers read its input and write into its output by the kernel's copy (offered before the ranks agree to
@@ -304,7 +319,7 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
     smc_huge_pages_offer(c, sendbuf, bytes);
     if (out != in) smc_huge_pages_offer(c, recvbuf, bytes);
   }
-  return pipelined(c, &p, &desc, w, "allreduce");
+  return timed(c, &p, &desc, w, bytes, "allreduce");
 }
 
 smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf, const uint64_t* counts,
@@ -331,9 +346,9 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
   const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf, out_bytes = counts[c->rank] * p.esize;
   int apart = out + out_bytes <= in || out >= in + bytes;
   smc_window_t* w = apart ? smc_window_name(c, &desc, sendbuf, bytes) : NULL;
-  if (apart && smc_pull(c, bytes)) { /* pulled: the peers read their ranges of it */
+  if (apart && smc_pull_choose(c, bytes)) { /* pulled: the peers read their ranges of it */
     desc.own = (uint64_t)in;
     smc_huge_pages_offer(c, sendbuf, bytes);
   }
-  return pipelined(c, &p, &desc, w, "reducescatter");
+  return timed(c, &p, &desc, w, bytes, "reducescatter");
 }

@@ -326,7 +326,9 @@ uint64_t smc_comm_alltoall_single_copy_from(smc_comm_t* c) {
 
 uint64_t smc_comm_shared_calls(smc_comm_t* c) { return c != NULL ? c->window_calls : 0; }
 
-uint64_t smc_comm_pull_from(smc_comm_t* c) { return smc_pull(c, UINT64_MAX) ? c->pull_bytes : 0; }
+uint64_t smc_comm_pull_from(smc_comm_t* c) {
+  return smc_pull(c, UINT64_MAX) || smc_pull_learned(c, UINT64_MAX) ? c->pull_bytes : 0;
+}
 
 uint64_t smc_comm_pulled_calls(smc_comm_t* c) { return c != NULL ? c->pulled_calls : 0; }
 

@@ -18,6 +18,15 @@ typedef struct {
   uint32_t seen;       /* times offered; collapsed at the second */
 } smc_offered_range_t;
 
+#define SMC_PULL_CLASSES 24 /* sizes a communicator learns apart, a power of two each (coll/pull_choice.c) */
+
+typedef struct {
+  double cost[2];        /* seconds per byte of the staged [0] and pulled [1] path, as last learned; 0: untried */
+  uint32_t until_other;  /* calls until the path not taken is tried again */
+  uint32_t interval;     /* the last such wait: it doubles each time that path loses */
+  uint32_t warming;      /* calls taken to learn both paths' first costs (coll/pull_choice.c) */
+} smc_pull_class_t;
+
 struct smc_comm {
   int rank;
   int size;
@@ -70,6 +79,7 @@ struct smc_comm {
   smc_offered_range_t offered[SMC_OFFERED_RANGES];
   uint32_t offered_next;                  /* the slot the next new range takes */
   uint64_t huge_collapses;                /* ranges collapsed into huge pages */
+  smc_pull_class_t pull_classes[SMC_PULL_CLASSES]; /* what pulling cost, where it is learned (coll/pull_choice.c) */
 };
 
 /* How messages and failure data name rank r of this communicator. */
@@ -136,6 +146,15 @@ static inline int smc_broadcast_single_copy(const smc_comm_t* c, uint64_t bytes)
 static inline int smc_pull(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && (c->cma_fast || !c->pull_probed) && c->pull_bytes > 0 && bytes >= c->pull_bytes;
 }
+/* smc_pull_learned: where the kernel's copy proved slow, an allreduce or reduce-scatter of `bytes` may still pull:
+ * each rank learns which path costs less (coll/pull_choice.c). */
+static inline int smc_pull_learned(const smc_comm_t* c, uint64_t bytes) {
+  return c->cma && !c->cma_fast && c->pull_probed && c->pull_bytes > 0 && bytes >= c->pull_bytes;
+}
+/* smc_pull_choose: whether this rank offers to pull an allreduce or reduce-scatter of `bytes`; smc_pull_learn: what
+ * one cost (`pulled`: whether it pulled), after it succeeded. */
+int smc_pull_choose(smc_comm_t* c, uint64_t bytes);
+void smc_pull_learn(smc_comm_t* c, uint64_t bytes, int pulled, double seconds);
 smc_result_t smc_cma_read(smc_comm_t* c, int r, void* local, uint64_t remote, uint64_t bytes, const char* what);
 /* smc_cma_write: copies `bytes` from `local` into rank r's address `remote` (process_vm_writev). */
 smc_result_t smc_cma_write(smc_comm_t* c, int r, uint64_t remote, const void* local, uint64_t bytes,

@@ -176,7 +176,7 @@ uint64_t smc_comm_single_copy_from(smc_comm_t* comm, int broadcast);
  * into huge pages (smc_config_t.huge_pages); 0 where it decides on its parts' mean size, or nothing moves so. */
 uint64_t smc_comm_alltoall_single_copy_from(smc_comm_t* comm);
 /* The size from which allreduces and reduce-scatters read the peers' inputs (and allreduces write the reduced pieces
- * into the peers' outputs: smc_config_t.pull_bytes), after init's probe; 0 where none does. */
+ * into the peers' outputs: smc_config_t.pull_bytes), always or where it proves cheaper; 0 where none does. */
 uint64_t smc_comm_pull_from(smc_comm_t* comm);
 /* How many allreduces and reduce-scatters of this communicator did so; for logs and tests. */
 uint64_t smc_comm_pulled_calls(smc_comm_t* comm);

@@ -27,7 +27,7 @@ class Tuning:
     shared_buffers: bool   # the engine's fusion buffer and shmcomm.shared_empty are mapped by every rank of the host
     shared_from_bytes: int  # collectives on shared buffers from this size read and write the peers' directly
     huge_pages: bool       # buffers that peers reach by the kernel's copy are collapsed into huge pages when reused
-    pull_probed: bool      # PULL_BYTES is its default: pull only where init found the kernel's copy fast
+    pull_probed: bool      # PULL_BYTES is its default: pull where init found the kernel's copy fast, else learn
     piece_probed: bool     # PIECE_BYTES is its default: it sizes pulled steps only, staged ones take a half's share
     race_pause_us: int     # tests only: a pause inside a box update's locked section, so that a lost lock shows
 
@@ -88,8 +88,8 @@ def tuning(local_size):
                             high=MAX_BYTES),
         # Pulling (csrc/coll/allreduce.c): two kernel copies per element and no synchronisation between pieces, for
         # the staging steps' three copies and one per step. It pays at two ranks with a core each; with more ranks the
-        # kernel copies outnumber what they save (benchmarks/RESULTS.md). Only
-        # where every rank's kernel copy proved fast at init.
+        # kernel copies outnumber what they save (benchmarks/RESULTS.md). Always where every rank's kernel copy
+        # proved fast at init; elsewhere each rank learns whether it pays (csrc/coll/pull_choice.c).
         pull_bytes=_number("PULL_BYTES", 128 << 10 if local_size == 2 <= cores else 0, int, low=0, high=MAX_BYTES),
         cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
         single_copy_probed=not is_set("SINGLE_COPY_BYTES"),

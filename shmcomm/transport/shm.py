@@ -131,7 +131,8 @@ class SharedMemory(Transport):
                       lib.smc_comm_single_copy_from(self.handle, 0), lib.smc_comm_single_copy_from(self.handle, 1))
             pulling = lib.smc_comm_pull_from(self.handle)
             log.debug("allreduces %s" % ("from %d bytes read the peers' inputs and write the reduced pieces into "
-                                         "their outputs" % pulling if pulling else
+                                         "their outputs (where init found the kernel's copy slow: when that proves "
+                                         "cheaper than staging)" % pulling if pulling else
                                          "gather their reduced pieces through the staging halves"))
         else:
             log.debug("shared memory of %d ranks: every size moves through the staging halves (single copy is off "
