@@ -556,3 +556,28 @@ def test_a_jobs_mpi_segments_are_found_by_the_world_its_ranks_name(tmp_path):
     # Another world whose id starts with this one's is not this job's.
     assert mpi_segments.left(["9a3f"], str(shm)) == ["mpich_shm_9a3f_1", "mpich_vci_9a3f_0"]
     assert mpi_segments.left([], str(shm)) == []
+
+
+def test_a_failed_jobs_mpi_segment_is_removed_once_its_last_rank_lets_go(tmp_path):
+    """After a failed job its last ranks may still be exiting: a segment they still map is looked at again until
+    linger_s has passed, and removed once nothing maps it; without lingering it stays."""
+    import threading
+
+    from shmcomm.runner.cleanup import remove_orphaned_mpi_segments
+
+    shm, proc = tmp_path / "shm", tmp_path / "proc"
+    shm.mkdir()
+    (proc / "77").mkdir(parents=True)
+    since = time.time()
+    time.sleep(0.05)
+    segment = shm / "mpich_shm_exiting_0"
+    segment.write_bytes(b"x")
+    maps = proc / "77" / "maps"
+    maps.write_text("7f0000000000-7f0000001000 rw-s 00000000 00:1a 42    %s\n" % segment)
+    assert remove_orphaned_mpi_segments(since, str(shm), str(proc)) == [] and segment.exists()
+    exits = threading.Timer(0.3, maps.write_text, ("",))  # the rank lets go of it
+    exits.start()
+    started = time.monotonic()
+    assert remove_orphaned_mpi_segments(since, str(shm), str(proc), linger_s=10) == ["mpich_shm_exiting_0"]
+    assert not segment.exists() and time.monotonic() - started < 5
+    exits.join()

@@ -5,13 +5,15 @@
  * it lies. On a shared machine the first slows several times over for seconds at a time while the second holds
  * (benchmarks/RESULTS.md, "The machine's slow spells"), so no fixed choice is right there. Each rank keeps, per power
  * of two of the size, what each path cost per byte: the path it takes by a running mean, the other as last tried.
- * It offers the cheaper and now and then the other, half as often each time that one loses. The first call of each
- * path only warms it (its pages, its caches) and teaches nothing. The ranks choose apart:
- * they pull only where all offer to (coll/allreduce.c), and a call that did not pull teaches the staged cost. */
+ * It offers the cheaper and now and then the other, half as often each time that one loses, down to once in
+ * LAST_INTERVAL calls times how many times dearer it was, so that trying a far dearer path costs little on average.
+ * The first call of each path only warms it (its pages, its caches) and teaches nothing. The ranks choose apart: they
+ * pull only where all offer to (coll/allreduce.c), and a call that did not pull teaches the staged cost. */
 #include "coll/comm.h"
 
 #define FIRST_INTERVAL 8
 #define LAST_INTERVAL 64
+#define MOST_DEARER 64 /* times: a loser dearer than this is still tried once in this many LAST_INTERVALs */
 #define WARMING 4 /* calls, each path in turn: the first of each warms it, the second is learned */
 
 static smc_pull_class_t* class_of(smc_comm_t* c, uint64_t bytes) {
@@ -47,9 +49,13 @@ void smc_pull_learn(smc_comm_t* c, uint64_t bytes, int pulled, double seconds) {
     k->until_other--;
     return;
   }
-  if (pulling_cheaper(k) != was_cheaper)
+  if (pulling_cheaper(k) != was_cheaper) {
     k->interval = FIRST_INTERVAL; /* the other path won: try the loser soon */
-  else if (k->interval < LAST_INTERVAL)
-    k->interval *= 2;
+  } else {
+    const double dearer = pulled ? k->cost[1] / k->cost[0] : k->cost[0] / k->cost[1]; /* the loser's, >= 1 */
+    const uint32_t last = dearer >= MOST_DEARER ? MOST_DEARER * LAST_INTERVAL
+                                                : (uint32_t)((dearer > 1 ? dearer : 1) * LAST_INTERVAL);
+    k->interval = 2 * k->interval < last ? 2 * k->interval : last;
+  }
   k->until_other = k->interval;
 }

@@ -10,6 +10,7 @@ during the job and that no live process still maps.
 
 import os
 import re
+import time
 
 SHM_DIR = "/dev/shm"
 
@@ -78,10 +79,12 @@ def _mapped_paths(proc_dir="/proc"):
     return mapped
 
 
-def remove_orphaned_mpi_segments(since: float, shm_dir: str = SHM_DIR, proc_dir: str = "/proc") -> "list[str]":
+def remove_orphaned_mpi_segments(since: float, shm_dir: str = SHM_DIR, proc_dir: str = "/proc",
+                                  linger_s: float = 0.0) -> "list[str]":
     """Removes this user's `mpich_shm_*` and `mpich_vci_*` files created at or after `since` (a time.time()) that no
     live process maps, and returns their names. A segment of another job still running is mapped by its ranks and
-    stays."""
+    stays. One still mapped is looked at again until `linger_s` has passed: a failed job's last ranks may still be
+    exiting when the launcher gets here."""
     try:
         names = [n for n in os.listdir(shm_dir) if n.startswith(MPICH_PREFIXES)]
     except (FileNotFoundError, NotADirectoryError):
@@ -95,16 +98,21 @@ def remove_orphaned_mpi_segments(since: float, shm_dir: str = SHM_DIR, proc_dir:
             continue
         if info.st_uid == os.getuid() and info.st_ctime >= since:
             candidates.append(path)
-    if not candidates:
-        return []
-    mapped = _mapped_paths(proc_dir)
+    deadline = time.monotonic() + linger_s
     removed = []
-    for path in sorted(candidates):
-        if path in mapped:
-            continue
-        try:
-            os.unlink(path)
-        except OSError:
-            continue
-        removed.append(os.path.basename(path))
+    while candidates:
+        mapped = _mapped_paths(proc_dir)
+        for path in sorted(candidates):
+            if path in mapped:
+                continue
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            else:
+                removed.append(os.path.basename(path))
+        candidates = [path for path in candidates if path in mapped]
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     return removed

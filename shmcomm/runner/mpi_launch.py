@@ -36,6 +36,7 @@ _VERSION_TIMEOUT_S = 10
 _POLL_SECONDS = 0.1
 _TEARDOWN_S = 10.0  # once a rank failed, hydra's time to stop the job beyond the guard's grace
 _OUTPUT_DRAIN_S = 3.0
+_MPI_LINGER_S = 2.0  # after a failed job, how long its MPICH segments may stay mapped by ranks still exiting
 
 # What the launcher reads in the job's output to say, at the end, which rank failed first and which held it up.
 _GUARD_LINE = re.compile(r"^\[\d+\]<stderr>: shmcommrun: (rank \d+ on \S+ .*); stopping the job")
@@ -247,7 +248,8 @@ def _run_mpi_job(mpiexec_args, env, token, kill_grace_seconds, verbose, notices,
         # host's ranks unlink their own segments right after attaching; a crash before that leaves files there.
         if notices is not None:
             notices.close()
-        removed = remove_job_segments(token) + remove_orphaned_mpi_segments(started)
+        removed = remove_job_segments(token) + remove_orphaned_mpi_segments(
+            started, linger_s=_MPI_LINGER_S if received or process.returncode != 0 else 0.0)
         if verbose and removed:
             say(f"removed {len(removed)} shared-memory segment(s) the job left: {', '.join(removed)}")
     if received:

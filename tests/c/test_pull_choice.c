@@ -48,16 +48,24 @@ static void test_fixed_where_the_kernels_copy_is_fast_or_the_threshold_set(void)
 
 static void test_learns_the_cheaper_and_tries_the_other_less_often(void) {
   smc_comm_t* c = learning_comm();
-  char got[256];
+  char got[1024];
   calls(c, 1u << 20, 1.0, 2.0, 4, got);
   EXPECT(strcmp(got, "PsPs") == 0, "warming: each path twice, in turn: %s", got);
-  /* staged is cheaper: pulled again after 8, 16, 32, 64 and 64 staged calls */
-  calls(c, 1u << 20, 1.0, 2.0, 8 + 1 + 16 + 1 + 32 + 1 + 64 + 1 + 64 + 1, got);
-  int at = 0, tries[5], n = 0;
-  for (; got[at]; at++)
-    if (got[at] == 'P' && n < 5) tries[n++] = at;
-  EXPECT(n == 5 && tries[0] == 8 && tries[1] == 25 && tries[2] == 58 && tries[3] == 123 && tries[4] == 188,
-         "the loser is tried half as often each time it loses: %s", got);
+  /* staged is cheaper, pulling twice as dear: pulled again after 8, 16, 32, 64, 128 and 128 staged calls */
+  calls(c, 1u << 20, 1.0, 2.0, 8 + 1 + 16 + 1 + 32 + 1 + 64 + 1 + 128 + 1 + 128 + 1, got);
+  int tries[8], n = 0;
+  for (int at = 0; got[at]; at++)
+    if (got[at] == 'P' && n < 8) tries[n++] = at;
+  EXPECT(n == 6 && tries[0] == 8 && tries[1] == 25 && tries[2] == 58 && tries[3] == 123 && tries[4] == 252 &&
+             tries[5] == 381,
+         "the loser is tried half as often each time it loses, down to once per its dearness times 64 calls: %s", got);
+  free(c);
+  /* A path twenty times as dear is tried once in 1280 calls at most, once its waits have grown. */
+  c = learning_comm();
+  for (int i = 0; i < 4000; i++) call(c, 1u << 20, 1.0, 20.0);
+  int pulled = 0;
+  for (int i = 0; i < 2560; i++) pulled += call(c, 1u << 20, 1.0, 20.0);
+  EXPECT(pulled == 2, "a far dearer path is tried seldom: %d times in 2560 calls", pulled);
   free(c);
 }
 
@@ -65,10 +73,10 @@ static void test_a_slow_spell_turns_it_to_pulling_and_back(void) {
   smc_comm_t* c = learning_comm();
   char got[256];
   calls(c, 1u << 20, 1.0, 2.0, 200, got); /* learned: staged */
-  calls(c, 1u << 20, 4.0, 2.0, 80, got);  /* a spell: staged costs twice pulling */
-  EXPECT(strcmp(got + 70, "PPPPPPPPPP") == 0, "pulling within 64 calls of a spell: %s", got);
-  calls(c, 1u << 20, 1.0, 2.0, 80, got); /* the spell is over */
-  EXPECT(strcmp(got + 70, "ssssssssss") == 0, "staging again after it: %s", got);
+  calls(c, 1u << 20, 4.0, 2.0, 150, got); /* a spell: staged costs twice pulling */
+  EXPECT(strcmp(got + 140, "PPPPPPPPPP") == 0, "pulling within 140 calls of a spell: %s", got);
+  calls(c, 1u << 20, 1.0, 2.0, 150, got); /* the spell is over */
+  EXPECT(strcmp(got + 140, "ssssssssss") == 0, "staging again after it: %s", got);
   free(c);
 }
 
