@@ -11,6 +11,7 @@ once for the whole run, so that what it learns from its calls carries over from 
 job. The table gives, in and out of spells, the median and 90th percentile of the rounds' medians (the slowest
 rank's) of each library and size. Each value's results are checked against MPI's first, out of place."""
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -32,8 +33,8 @@ def main(argv=None):
     import shmcomm
     comm = MPI.COMM_WORLD
     sizes = [parse_size(s) for s in args.bytes.split(",")]
-    variable, values = (args.setting.split("=", 1)[0], args.setting.split("=", 1)[1].split(",")) if args.setting \
-        else (None, ["default"])
+    variable, _, listed = (args.setting or "").partition("=")
+    variable, values = (variable, listed.split(",")) if args.setting else (None, ["default"])
     slowest = lambda fn: comm.allreduce(timed(fn, comm, args.iters)[0], op=MPI.MAX)  # noqa: E731
     for value in values:
         _configure(variable, value)
@@ -44,6 +45,7 @@ def main(argv=None):
             np.testing.assert_array_equal(got, expected)
         shmcomm.shutdown()
     probe = calls("allreduce", 1 << 20, comm, None, MPI)[1]
+    timed_calls = [calls("allreduce", n, comm, shmcomm, MPI, inplace=args.inplace)[:2] for n in sizes]  # buffers kept
     once = len(values) == 1
     if once:
         _configure(variable, values[0])
@@ -55,10 +57,10 @@ def main(argv=None):
             if not once:
                 _configure(variable, value)
                 shmcomm.init()
-            row += [slowest(calls("allreduce", n, comm, shmcomm, MPI, inplace=args.inplace)[0]) for n in sizes]
+            row += [slowest(ours) for ours, _ in timed_calls]
             if not once:
                 shmcomm.shutdown()
-        row += [slowest(calls("allreduce", n, comm, shmcomm, MPI, inplace=args.inplace)[1]) for n in sizes]
+        row += [slowest(theirs) for _, theirs in timed_calls]
         rounds.append(row)
     if once:
         shmcomm.shutdown()
@@ -68,7 +70,7 @@ def main(argv=None):
     spell = times[:, 0] > 2 * times[:, 0].min()
     names = ["%s %s" % (variable, v) if variable else "shmcomm" for v in values] + ["MPI"]
     print("# mpiexec -n %d python -m benchmarks.spells %s | %s | %s" % (
-        comm.size, " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        comm.size, " ".join(argv if argv is not None else sys.argv[1:]),
         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), MPI.Get_library_version().splitlines()[0]))
     print("# allreduce%s, us: median (p90) of the rounds; %d rounds, %d in spells (MPI's 1 MiB probe over twice its "
           "fastest, %.0f us)" % (" in place" if args.inplace else "", len(times), spell.sum(), times[:, 0].min()))
