@@ -5,6 +5,7 @@ host. Skipped with the reason where this machine lacks what namespaces need (tes
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -345,7 +346,8 @@ SHMCOMM_BACKEND = """
         t = torch.full((2,), 5.0) if me == 0 else torch.empty(2)
         (dist.send if me == 0 else dist.recv)(t, 1 - me)
         errors.append(t.tolist() == [5.0, 5.0])
-    print(json.dumps({"sum": x.tolist(), "whole": whole.tolist(), "share": share.tolist(), "got": got.tolist(),
+    across = type(shmcomm.basics.communicator().across).__name__
+    print(json.dumps({"rank": me, "hosts": shmcomm.cross_size(), "across": across, "sum": x.tolist(), "whole": whole.tolist(), "share": share.tolist(), "got": got.tolist(),
                       "b": b.tolist(), "ddp": torch.allclose(grads, expected, rtol=1e-12, atol=1e-14),
                       "local": y.item(), "errors": errors}), flush=True)
     dist.destroy_process_group()
@@ -358,9 +360,82 @@ def test_the_shmcomm_backend_across_hosts(two_hosts):
     result = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(SHMCOMM_BACKEND)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = {rank: json.loads(lines[-1]) for rank, lines in rank_lines(result.stdout).items()}
+    _check_backend_reports(reports)
+    assert {report["across"] for report in reports.values()} == {"Mpi"}
+
+
+@pytest.mark.long
+def test_torchrun_starts_the_shmcomm_backend_across_hosts(two_hosts, tmp_path):
+    """One torchrun per simulated host (static rendezvous on the first host's address): the ranks meet through
+    torch's store, each host's ranks in shared memory and the hosts over the TCP mesh."""
+    pytest.importorskip("torch")
+    returncodes, outputs = _torchrun_on_each_host(two_hosts, tmp_path, SHMCOMM_BACKEND)
+    assert returncodes == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    # The ranks of a host share torchrun's stdout, whose lines may run together: each report read where it starts.
+    decoder = json.JSONDecoder()
+    reports = [decoder.raw_decode(out, m.start())[0] for out in outputs for m in re.finditer(r'\{"rank": ', out)]
+    _check_backend_reports({report["rank"]: report for report in reports})
+    assert {report["across"] for report in reports} == {"Tcp"}
+
+
+KILLED_UNDER_TORCHRUN = """
+    import datetime, os, sys, torch, torch.distributed as dist
+    import shmcomm.torch
+    dist.init_process_group("shmcomm", timeout=datetime.timedelta(seconds=60))
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    if dist.get_rank() == 3:
+        os._exit(9)
+    try:
+        while True:
+            dist.all_reduce(t)
+    except shmcomm.RankFailure as error:
+        print("rank %d: %s" % (dist.get_rank(), error), flush=True)
+        sys.exit(3)
+"""
+
+
+@pytest.mark.long
+def test_a_rank_killed_under_torchrun_is_named_across_hosts(two_hosts, tmp_path):
+    """Rank 3 (on the second host) dies: the ranks that see it first name it (torchrun stops its host's other rank,
+    whom the first host's ranks may hear of first), and both torchruns exit non-zero."""
+    pytest.importorskip("torch")
+    returncodes, outputs = _torchrun_on_each_host(two_hosts, tmp_path, KILLED_UNDER_TORCHRUN, timeout=120)
+    assert 0 not in returncodes
+    named = re.findall(r"rank \d: across hosts: rank (\d) on (\w+) closed its connection", "".join(outputs))
+    assert "3" in {rank for rank, _ in named} and {(rank, host) for rank, host in named} <= {
+        ("2", "simhost1"), ("3", "simhost1")}, "".join(o[-3000:] for o in outputs)
+
+
+def _torchrun_on_each_host(sim, tmp_path, program, timeout=240):
+    """Runs `program` under one torchrun of 2 ranks per simulated host (static rendezvous on the first host's
+    address): the return codes and outputs (stdout, then stderr) of the torchruns."""
+    import socket
+
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(program))
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = str(s.getsockname()[1])
+    runs = [subprocess.Popen([sim.agent, host, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                              "--node-rank", str(i), "--nproc-per-node", "2", "--master-addr", sim.addresses[0],
+                              "--master-port", port, str(script)],
+                             cwd=ROOT, env=job_env(OMP_NUM_THREADS="1"), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i, host in enumerate(sim.hosts)]
+    try:
+        outputs = ["\n".join(run.communicate(timeout=timeout)) for run in runs]
+    finally:
+        for run in runs:
+            run.kill()
+    return [run.returncode for run in runs], outputs
+
+
+def _check_backend_reports(reports):
+    """What every rank of SHMCOMM_BACKEND says, on 2 hosts of 2 ranks."""
     assert sorted(reports) == [0, 1, 2, 3]
     for me, report in reports.items():
-        assert report["sum"] == [6.0] * 3 and report["whole"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+        assert report["hosts"] == 2 and report["sum"] == [6.0] * 3 and report["whole"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
         assert report["share"] == [8.0 * me, 8.0 * me + 4] and report["b"] == [3.0, 3.0]
         assert report["got"] == [10.0 * r + me for r in range(4)]
         assert report["ddp"] and report["local"] == 2.0

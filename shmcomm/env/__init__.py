@@ -119,6 +119,13 @@ def job_secret():
     return _secret[0]
 
 
+def adopt_secret(text):
+    """Takes `text` (hex, as SHMCOMM_SECRET holds it) for the job's secret, where this process was started without
+    one: a job whose ranks agree on it through a store (startup/rendezvous.py)."""
+    if job_secret() is None:
+        _secret.append(bytes.fromhex(text))
+
+
 def adopt_identity(identity):
     """Takes a re-formed elastic world's place ({"RANK": 2, ...}) for this process's launch variables: read from here
     on instead of the environment's, which keeps what the worker was started with (startup/membership.py)."""

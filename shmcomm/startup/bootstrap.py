@@ -5,13 +5,13 @@
 - one host with SHMCOMM_TORUS_GRID=XxY: the torus's rows and columns both on shared memory, to exercise it on one host;
 - several hosts (launched by mpiexec, shmcommrun -H, srun): each host's shared memory for the rows, MPI for the
   columns and for the collectives that are not allreduce;
-- an elastic world that spans hosts (startup/membership.py): each host's shared memory under a TCP mesh between all
-  the ranks (transport/tcp.py), formed anew at every membership, since MPI cannot lose or gain a process."""
+- several hosts without MPI (an elastic membership, which MPI could not shrink or grow, or ranks met through torch's
+  store: startup/membership.py, rendezvous.py): each host's shared memory under a TCP mesh (transport/tcp.py)."""
 import threading
 import time
 
 from shmcomm import _native, env
-from shmcomm.startup import failure_reports, membership, topology
+from shmcomm.startup import failure_reports, membership, rendezvous, topology
 from shmcomm.algorithms.host import HostComm
 from shmcomm.vocabulary.exceptions import RankFailure, TimeoutError
 from shmcomm.startup.addresses import interface_addresses, listen_address
@@ -28,7 +28,9 @@ def build_world(generation):
     if env.launched_by_mpi():
         return _across_hosts(generation)
     if membership.spans_hosts():
-        return _elastic_across_hosts(generation)
+        return _mesh_across_hosts(generation, membership.joined(), membership.listener(), membership.superseded)
+    if rendezvous.spans_hosts():
+        return _mesh_across_hosts(generation, rendezvous.joined(), rendezvous.listener(), lambda: None)
     topo = env.topology()
     tuning = env.tuning(topo.local_size)
     if env.grid(topo.size) is None:  # the other path settings choose among cross-host paths: not read here
@@ -106,24 +108,26 @@ def _across_hosts(generation):
     return world
 
 
-def _elastic_across_hosts(generation):
-    """The world of an elastic membership spanning hosts: this host's ranks meet in shared memory, every rank
-    reaches every other over TCP (no torus: the cross-host collectives are the TCP transport's own)."""
+def _mesh_across_hosts(generation, record, listener, superseded):
+    """The world of ranks on several hosts that met without MPI (`record`: their hosts and listening addresses by
+    rank, and the world's token): this host's ranks meet in shared memory, every rank reaches every other over TCP
+    (no torus: the cross-host collectives are the TCP transport's own). `superseded()` says why the world will not
+    form, while it forms."""
     from shmcomm.algorithms.world import WorldComm
     from shmcomm.transport.tcp import Tcp, connect_mesh
 
-    record, topo = membership.joined(), env.topology()
+    topo = env.topology()
     tuning = env.tuning(topo.local_size)
     paths = env.paths(topo.size)
     if paths.grid is not None:
-        raise ValueError("SHMCOMM_TORUS_GRID=%s: an elastic job across hosts has no torus" % paths.grid_text)
+        raise ValueError("SHMCOMM_TORUS_GRID=%s: a job across hosts without MPI has no torus" % paths.grid_text)
     hosts = record["hosts"]
     groups = [[r for r in range(topo.size) if hosts[r] == h] for h in dict.fromkeys(hosts)]
     shm = _shm(topo, tuning, generation, ranks=groups[topo.cross_rank], suffix="_h%d" % topo.cross_rank, arena=True)
     mesh = None
     try:
-        sockets = connect_mesh(membership.listener(), record["addresses"], topo.rank, record["token"],
-                               env.job_secret(), tuning.start_timeout_s, membership.superseded)
+        sockets = connect_mesh(listener, record["addresses"], topo.rank, record["token"], env.job_secret(),
+                               tuning.start_timeout_s, superseded)
         mesh = Tcp(sockets, topo.rank, range(topo.size), hosts, tuning.timeout_s)
         world = WorldComm(topo, tuning, HostComm(shm), None, paths, across=mesh, host_groups=groups)
     except BaseException:

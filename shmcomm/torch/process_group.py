@@ -6,8 +6,6 @@ Each operation hands its tensors, as views, to the numpy-level API of shmcomm/co
 set and returns a finished Work; send and recv run on channels of their own (torch/point_to_point.py)."""
 import functools
 import math
-import secrets
-import socket
 
 import torch
 import torch.distributed as dist
@@ -16,6 +14,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
 from shmcomm import basics, collectives, env, process_sets
+from shmcomm.startup import rendezvous
 from shmcomm.torch import tensor_views as views
 from shmcomm.torch.point_to_point import Channels
 from shmcomm.torch.work import Work, finished
@@ -327,7 +326,7 @@ def create(options, backend_options=None):
     if not basics.is_initialized():
         env.bound_timeout(options.timeout.total_seconds())
         if env.job_token() is None and not env.launched_by_mpi() and not options.global_ranks_in_group:
-            _take_place_from_store(options.store, options.group_rank, options.group_size)
+            rendezvous.take_place(options.store, options.group_rank, options.group_size)
     basics.init()
     world = basics.size()
     ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
@@ -340,20 +339,6 @@ def create(options, backend_options=None):
     if ranks == list(range(world)):
         return ShmcommProcessGroup(options.group_rank, ranks, None, key)
     return ShmcommProcessGroup(options.group_rank, ranks, process_sets.members_only(ranks, key), key)
-
-
-def _take_place_from_store(store, rank, size):
-    """Under torchrun (or any env:// start without shmcommrun): shmcomm's place in the job from torch's rendezvous
-    store. Rank 0 draws the job token; every rank names its host, and the ranks must share one."""
-    store.set("shmcomm/host/%d" % rank, socket.gethostname())
-    if rank == 0:
-        store.set("shmcomm/token", secrets.token_hex(16))
-    hosts = [store.get("shmcomm/host/%d" % r).decode() for r in range(size)]
-    if len(set(hosts)) > 1:
-        raise NotSupportedError("init_process_group('shmcomm') across hosts %s without shmcommrun: start the job with "
-                                "shmcommrun -H (or inside mpiexec), which connects the hosts" % sorted(set(hosts)))
-    env.adopt_identity({"RANK": rank, "SIZE": size, "LOCAL_RANK": rank, "LOCAL_SIZE": size, "CROSS_RANK": 0,
-                        "CROSS_SIZE": 1, "JOB_TOKEN": store.get("shmcomm/token").decode()})
 
 
 def register():
