@@ -24,13 +24,13 @@ per value, each with its own ratio to MPI's time of the same round. That is how 
 --cpu-load N times it all beside N CPU-bound processes (rank 0 starts and stops them), as on a training machine,
 which is never idle.
 
-Each call is timed alone, after an MPI barrier: the time a rank waits for the others in every call counts, which for a
-collective that checks every rank's arguments before it returns (every shmcomm collective, so that a mismatch raises on
-every rank) is a barrier's worth more than for an MPI broadcast, whose root returns once it has posted. --loop times
---iters calls back to back after one barrier instead, as nccl-tests and the OSU benchmarks do: the rate of a loop of
-calls, where each call's wait overlaps the previous one's. Both MPIs' barriers let rank 0 out first (np=4: 1999 times
-of 2000, the last rank 2.7 us later under Open MPI, 11.8 us under MPICH), so an MPI broadcast from rank 0 finds its
-readers after the barrier with the data already posted; --root -1 broadcasts from the rank let out last instead.
+Each call is timed alone, after an MPI barrier: the time a rank waits for the others in every call counts (a
+collective that checks every rank's arguments before it returns waits a barrier's worth; a small broadcast, shmcomm's
+as MPI's, waits for its root alone). --loop times --iters calls back to back after one barrier instead, as nccl-tests
+and the OSU benchmarks do: the rate of a loop of calls, where each call's wait overlaps the previous one's. Both MPIs'
+barriers let rank 0 out first (np=4: 1999 times of 2000, the last rank 2.7 us later under Open MPI, 11.8 us under
+MPICH), so an MPI broadcast from rank 0 finds its readers after the barrier with the data already posted; --root -1
+broadcasts from the rank let out last instead.
 
 --torch-memory takes every buffer of both libraries from torch's allocator, as a training job's tensors are. numpy asks
 the kernel for transparent huge pages for arrays from 4 MiB and torch does not, and the kernel's copy (single copy, in

@@ -66,7 +66,9 @@ def error_for(rc, prefix=None):
     if cls is exc.PeerArgumentError:
         return exc.PeerArgumentError(text, failure.rank if failure.rank >= 0 else None)
     if cls is exc.MismatchError:
-        return exc.MismatchError(text, _FIELDS.get(failure.field))
+        error = exc.MismatchError(text, _FIELDS.get(failure.field))
+        error.earlier = bool(failure.earlier)  # a small broadcast's: not every rank fails this step with it
+        return error
     return cls(text)
 
 

@@ -30,6 +30,30 @@ def test_broadcast_every_root(size):
     assert multiproc.run(size, _broadcast, size, timeout=120) == [True] * size
 
 
+def _early_broadcasts(calls):
+    """Small broadcasts return early (the root once it has published, a receiver once it has read): back to back from
+    rotating roots, with other collectives between, no rank may overwrite a half another still reads."""
+    import shmcomm
+
+    shmcomm.init()
+    me, n = shmcomm.rank(), shmcomm.size()
+    rng = np.random.default_rng(7)  # the same sequence of calls on every rank
+    for i in range(calls):
+        root, count = int(rng.integers(n)), int(rng.choice([1, 3, 64, 1000, 4000]))
+        x = np.full(count, -1.0) if me != root else np.arange(count, dtype=np.float64) + 1_000_000 * i
+        np.testing.assert_array_equal(shmcomm.broadcast_(x, root), np.arange(count, dtype=np.float64) + 1_000_000 * i)
+        if i % 7 == 3:
+            assert shmcomm.allreduce(np.full(5, i), op=shmcomm.Sum).tolist() == [n * i] * 5
+        if i % 11 == 5:
+            assert shmcomm.allgather(np.full((1, 2), me + i)).tolist() == [[r + i] * 2 for r in range(n)]
+    return True
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_early_broadcasts_back_to_back_keep_every_value(size):
+    assert multiproc.run(size, _early_broadcasts, 3000, timeout=120) == [True] * size
+
+
 def _allgather(size):
     import shmcomm
 

@@ -160,8 +160,9 @@ def test_the_rank_that_raised_is_named_whichever_exits_first(api):
     _blamed_each_time(api, 2 if api == "numpy" else 1)  # the second tier repeats each
 
 
-# Rank 1's bad root is its own error; rank 0's PeerArgumentError, raised at once and uncaught, only reports it. Rank 1
-# leaves later, so a report counted as rank 0's own cause would come first and be blamed.
+# Rank 1's bad root is its own error; rank 0's PeerArgumentError, raised at its next collective (a broadcast's root
+# returns once it has published) and uncaught, only reports it. Rank 1 leaves later, so a report counted as rank 0's
+# own cause would come first and be blamed.
 BAD_ARGUMENT = """
     import signal, time, numpy as np, shmcomm
     shmcomm.init()
@@ -173,6 +174,7 @@ BAD_ARGUMENT = """
             time.sleep(1)
             raise
     shmcomm.broadcast(np.ones(3), root_rank=0)
+    shmcomm.barrier()
 """
 
 

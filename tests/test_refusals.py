@@ -41,12 +41,17 @@ REFUSALS = textwrap.dedent("""
             ("allgather", lambda bad: shmcomm.allgather(np.ones((3, 3))[:, 1] if bad else np.ones(3)), "contiguous"),
         ]
 
-    def check_refusals(cases, bad_ranks):
-        # Each case once per refusing rank; returns [(case, bad rank, what this rank raised)].
+    EARLY = ("bad root", "read-only output")  # the broadcasts, from rank 0
+
+    def check_refusals(cases, bad_ranks, early_broadcasts=False):
+        # Each case once per refusing rank; returns [(case, bad rank, what this rank raised)]. With early_broadcasts
+        # (one host, no engine) a small broadcast's root returns once it has published: a refusal by another rank
+        # reaches the root, and the ranks that agreed with it, at their next collective, which fails on every rank.
         me, n = shmcomm.rank(), shmcomm.size()
         seen = []
         for bad_rank in bad_ranks:
             for i, (name, call, text) in enumerate(cases):
+                later = early_broadcasts and name in EARLY and bad_rank != 0
                 try:
                     call(me == bad_rank)
                 except shmcomm.InvalidArgumentError as error:
@@ -58,9 +63,21 @@ REFUSALS = textwrap.dedent("""
                     message = str(error)
                     assert "rank %d's call failed its own checks" % bad_rank in message, (name, message)
                     assert "rank %d: " % bad_rank in message and text in message, (name, message)
+                    assert not later, (name, me, error)
                     seen.append((name, bad_rank, "peer"))
                 else:
-                    raise AssertionError("%s: no error on rank %d (rank %d refused)" % (name, me, bad_rank))
+                    if not later:
+                        raise AssertionError("%s: no error on rank %d (rank %d refused)" % (name, me, bad_rank))
+                    seen.append((name, bad_rank, "later"))
+                if later:
+                    try:
+                        shmcomm.allreduce(np.zeros(3))
+                    except shmcomm.PeerArgumentError as error:
+                        message = str(error)
+                        assert error.rank == bad_rank and text in message, (name, message)
+                        assert "the broadcast before this allreduce (which no rank ran)" in message, (name, message)
+                    else:
+                        raise AssertionError("%s: the call after a refused broadcast ran on rank %d" % (name, me))
                 # The job goes on.
                 got = shmcomm.allreduce(np.full(3, i, np.int64), op=shmcomm.Sum)
                 assert got.tolist() == [i * n] * 3, (name, got)
@@ -68,26 +85,34 @@ REFUSALS = textwrap.dedent("""
 """)
 
 
-def _numpy_refusals(bad_ranks):
+def _numpy_refusals(bad_ranks, early_broadcasts):
     namespace = {}
     exec(REFUSALS, namespace)
     namespace["shmcomm"].init()
-    return namespace["check_refusals"](namespace["numpy_cases"](namespace["shmcomm"].size()), bad_ranks)
+    return namespace["check_refusals"](namespace["numpy_cases"](namespace["shmcomm"].size()), bad_ranks,
+                                       early_broadcasts)
 
 
-def _expect(seen, bad_ranks):
-    """Every rank went through every case; the refusing rank raised its own error, the others PeerArgumentError."""
+def _expect(seen, bad_ranks, early_broadcasts):
+    """Every rank went through every case; the refusing rank raised its own error, the others PeerArgumentError
+    (or, after an early broadcast's, at their next collective)."""
+    def kind(rank, name, bad):
+        if rank == bad:
+            return "own"
+        return "later" if early_broadcasts and name in ("bad root", "read-only output") and bad != 0 else "peer"
+
     for rank, outcomes in enumerate(seen):
         assert sorted({bad for _, bad, _ in outcomes}) == sorted(bad_ranks)
-        assert all(kind == ("own" if rank == bad else "peer") for _, bad, kind in outcomes), (rank, outcomes)
+        assert all(got == kind(rank, name, bad) for name, bad, got in outcomes), (rank, outcomes)
 
 
 @pytest.mark.parametrize("engine", ["0", "1"])
 def test_a_bad_argument_on_one_rank_fails_every_rank_at_once(engine):
     """Blocking numpy collectives, straight on the communicator and through the engine."""
     bad_ranks = [1, 0, 2]
-    seen = multiproc.run(3, _numpy_refusals, bad_ranks, env=dict(SHORT, SHMCOMM_ENGINE=engine), timeout=120)
-    _expect(seen, bad_ranks)
+    early = engine == "0"  # the engine's negotiation fails a refused broadcast on every rank before it runs
+    seen = multiproc.run(3, _numpy_refusals, bad_ranks, early, env=dict(SHORT, SHMCOMM_ENGINE=engine), timeout=120)
+    _expect(seen, bad_ranks, early)
 
 
 def _two_ranks_refuse():
@@ -203,8 +228,8 @@ def test_a_bad_argument_fails_every_rank_across_pretend_hosts(tmp_path, algo, en
 
 
 def test_a_bad_argument_fails_every_rank_on_a_logical_grid():
-    seen = multiproc.run(4, _numpy_refusals, [3, 0], env=dict(SHORT, SHMCOMM_TORUS_GRID="2x2"), timeout=120)
-    _expect(seen, [3, 0])
+    seen = multiproc.run(4, _numpy_refusals, [3, 0], False, env=dict(SHORT, SHMCOMM_TORUS_GRID="2x2"), timeout=120)
+    _expect(seen, [3, 0], False)
 
 
 if __name__ == "__main__":

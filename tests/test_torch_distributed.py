@@ -255,12 +255,21 @@ def _errors(port):
         dist.all_to_all_single(torch.empty(2 * n), torch.ones(2 * n, 2)[:, 0] if me == 0 else torch.ones(2 * n))
     with pytest.raises(InvalidArgumentError, match="cannot send to itself"):  # torch's own check comes first
         dist.group.WORLD.send([torch.ones(1)], me, 0)
-    if me == 0:  # a receiver expecting another size: both sides hear of it
-        with pytest.raises(MismatchError):
+    # A receiver expecting another size raises; the sender, whose send returns once the message is out (as gloo's and
+    # MPI's do), hears of it at its next message on that channel, which fails on both sides.
+    if me == 0:
+        dist.send(torch.ones(2), dst=1)
+        with pytest.raises(MismatchError, match="the broadcast before this broadcast"):
             dist.send(torch.ones(2), dst=1)
+        dist.send(torch.ones(2), dst=1)
     else:
         with pytest.raises(MismatchError):
             dist.recv(torch.empty(3), src=0)
+        with pytest.raises(MismatchError, match="the broadcast before this broadcast"):
+            dist.recv(torch.empty(2), src=0)
+        got = torch.empty(2)
+        dist.recv(got, src=0)
+        assert got.tolist() == [1.0, 1.0]
     t = torch.ones(2)
     dist.all_reduce(t)
     assert t.tolist() == [float(n)] * 2

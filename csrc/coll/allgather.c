@@ -90,7 +90,7 @@ static smc_result_t refuse(smc_comm_t* c, const char* why) {
 }
 
 static smc_result_t check_args(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, const void* rows) {
-  SMC_CHECK(smc_comm_usable(c, "allgather"));
+  SMC_CHECK(smc_coll_enter(c, "allgather"));
   if (rows == NULL) return refuse(c, "the row counts are NULL");
   if (send_bytes > SMC_MAX_BYTES) return refuse(c, "too many bytes");
   if (send_bytes > 0 && sendbuf == NULL) return refuse(c, "NULL buffer");
@@ -115,7 +115,7 @@ smc_result_t smc_allgather_begin(smc_comm_t* c, const void* sendbuf, uint64_t se
 
 smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recvbuf, uint64_t row_bytes,
                                   const uint64_t* every_rows) {
-  SMC_CHECK(smc_comm_usable(c, "allgather"));
+  SMC_CHECK(smc_coll_enter(c, "allgather"));
   if (every_rows == NULL) return smc_set_error(SMC_ERR_INVALID, "allgather: the row counts are NULL");
   const int me = c->rank;
   uint64_t displ[SMC_MAX_RANKS], total = 0, longest = 0;

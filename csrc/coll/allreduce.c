@@ -44,7 +44,7 @@ typedef struct {
 
 static smc_result_t check_args(smc_comm_t* c, const void* send, const void* recv, size_t count, smc_datatype_t dtype,
                                smc_redop_t op, int64_t divisor, const char* what) {
-  SMC_CHECK(smc_comm_usable(c, what));
+  SMC_CHECK(smc_coll_enter(c, what));
   if ((unsigned)dtype >= SMC_NUM_DTYPES) return smc_set_error(SMC_ERR_INVALID, "%s: unknown dtype %d", what, dtype);
   if ((unsigned)op >= SMC_NUM_OPS) return smc_set_error(SMC_ERR_INVALID, "%s: unknown op %d", what, op);
   if (divisor < 1) return smc_set_error(SMC_ERR_INVALID, "%s: divisor %lld < 1", what, (long long)divisor);

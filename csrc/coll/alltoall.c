@@ -136,7 +136,7 @@ static smc_result_t staged(smc_comm_t* c, const uint8_t* sendbuf, uint8_t* out, 
 
 smc_result_t smc_alltoallv(smc_comm_t* c, const void* sendbuf, const uint64_t* send_bytes, void* recvbuf,
                            const uint64_t* recv_bytes, uint64_t tag) {
-  SMC_CHECK(smc_comm_usable(c, "alltoall"));
+  SMC_CHECK(smc_coll_enter(c, "alltoall"));
   if (send_bytes == NULL || recv_bytes == NULL)
     return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts"));
   const int n = c->size, me = c->rank;
@@ -197,7 +197,7 @@ out:
 
 smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64_t* send_rows, uint64_t row_bytes,
                                 uint64_t tag, uint64_t* matrix) {
-  SMC_CHECK(smc_comm_usable(c, "alltoall"));
+  SMC_CHECK(smc_coll_enter(c, "alltoall"));
   if (send_rows == NULL || matrix == NULL)
     return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts"));
   const int n = c->size;
@@ -241,7 +241,7 @@ smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64
 
 smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvbuf, uint64_t row_bytes,
                                  const uint64_t* matrix) {
-  SMC_CHECK(smc_comm_usable(c, "alltoall"));
+  SMC_CHECK(smc_coll_enter(c, "alltoall"));
   if (matrix == NULL) return smc_set_error(SMC_ERR_INVALID, "alltoall: NULL counts");
   const int n = c->size, me = c->rank;
   uint8_t* out = recvbuf; /* NULL: take part in every step, keep nothing */

@@ -8,7 +8,11 @@
  * parallel, instead of the others moving all of it while the root waits.
  *
  * Where every rank's buffer lies in a shared buffer that every rank maps (coll/window.c), the same split runs with
- * plain copies between the mappings: no staging half, no kernel copy (split). */
+ * plain copies between the mappings: no staging half, no kernel copy (split).
+ *
+ * A broadcast of one step waits for its root alone (smc_coll_begin_early): the root returns once its data is in its
+ * half, each receiver once it has copied it out. With more ranks than cores, or a busy core, a full synchronisation
+ * is what such a broadcast's time is made of; a mismatch still fails every rank, the root at its next collective. */
 #include "coll/comm.h"
 #include "core/copy.h"
 #include "core/error.h"
@@ -46,7 +50,7 @@ static smc_result_t split(smc_comm_t* c, const void* sendbuf, void* recvbuf, uin
 }
 
 smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, size_t bytes, int root, uint64_t tag) {
-  SMC_CHECK(smc_comm_usable(c, "broadcast"));
+  SMC_CHECK(smc_coll_enter(c, "broadcast"));
   if (root < 0 || root >= c->size)
     return smc_refuse_here(c, SMC_COLL_BROADCAST,
                            smc_set_error(SMC_ERR_INVALID, "broadcast: root %d is outside 0..%d", root, c->size - 1));
@@ -58,10 +62,17 @@ smc_result_t smc_broadcast(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .count = bytes, .tag = tag, .divisor = 1,
                      .addr = (uint64_t)(uintptr_t)(me == root ? sendbuf : recvbuf), .coll = SMC_COLL_BROADCAST,
                      .root = root};
-  /* Shared buffers' path synchronises twice, as single copy and a staging path of several steps do; a staging path
-   * of one step synchronises once, which is what a small broadcast's time is made of with more ranks than cores. */
+  /* Shared buffers' path synchronises twice, as single copy and a staging path of several steps do. */
   const int single = c->size > 1 && smc_broadcast_single_copy(c, bytes);
   c->single_copy_calls += (uint64_t)single;
+  if (c->size > 1 && !single && bytes <= c->half_bytes) {
+    if (me == root && bytes > 0) smc_copy(smc_half(c, me), sendbuf, bytes);
+    SMC_CHECK(smc_coll_begin_early(c, &desc, root, "broadcast"));
+    if (me != root && bytes > 0) smc_copy(recvbuf, smc_half(c, root), bytes);
+    if (me == root && bytes > 0 && sendbuf != recvbuf) smc_copy(recvbuf, sendbuf, bytes);
+    smc_flip(c);
+    return SMC_SUCCESS;
+  }
   smc_window_t* w = c->size > 1 && (single || bytes > c->half_bytes)
                         ? smc_window_name(c, &desc, me == root ? sendbuf : recvbuf, bytes)
                         : NULL;

@@ -41,6 +41,7 @@ struct smc_comm {
   size_t small_bytes;
   uint32_t seq;            /* the last value this rank posted */
   int parity;              /* the half the next step uses */
+  uint32_t unsettled;      /* the seq of a step that returned early, checked at the next collective (step.c); 0 */
   int holds_alive;         /* this rank holds ctl[rank].alive */
   int fd;                  /* the segment's file, kept open to reserve box memory (smc_segment_reserve) */
   double timeout_s;
@@ -104,11 +105,21 @@ void smc_comm_blame(smc_comm_t* c, int r);
  * smc_coll_begin: the sync of a collective's first step. Publishes `desc` and compares every rank's: a difference
  * fails the collective on every rank alike (SMC_ERR_MISMATCH, halves flipped) and leaves the communicator usable. */
 smc_result_t smc_coll_begin(smc_comm_t* c, smc_desc_t* desc, const char* what);
+/* smc_coll_begin_early: the first and only step of a collective in which every rank waits for `root` alone (a small
+ * broadcast: its root returns once it has published, as MPI's may, and no receiver waits for the others). A rank
+ * other than root checks root's descriptor against its own (a difference fails its call at once); the comparison of
+ * every rank's, and the wait for the ranks not waited for, come at the start of this rank's next collective
+ * (smc_coll_enter). Flips the halves on failure, as smc_coll_begin does. */
+smc_result_t smc_coll_begin_early(smc_comm_t* c, smc_desc_t* desc, int root, const char* what);
 smc_result_t smc_sync(smc_comm_t* c, const char* what);
 static inline void smc_flip(smc_comm_t* c) { c->parity ^= 1; }
 const smc_desc_t* smc_peer_desc(smc_comm_t* c, int r); /* valid between begin and the next step */
 /* Entry check of every public call: a broken communicator refuses work. */
 smc_result_t smc_comm_usable(smc_comm_t* c, const char* what);
+/* Entry of every collective: smc_comm_usable, then, after a step that returned early, the wait for every rank to have
+ * taken it and the comparison of their descriptors. Where that step failed on a rank that does not know it yet (its
+ * root, or a receiver that agreed with the root), this collective fails on every rank without a step, naming it. */
+smc_result_t smc_coll_enter(smc_comm_t* c, const char* what);
 /* A collective whose own argument check failed with rc (SMC_ERR_INVALID or SMC_ERR_NOMEM, this thread's error text
  * saying why) still takes its first step as a refusal (smc_coll_refuse), so that the peers fail at once instead of
  * waiting; returns rc with its text and failure data as they were. Other codes (a broken or NULL communicator) come

@@ -33,41 +33,45 @@ smc_result_t smc_comm_usable(smc_comm_t* c, const char* what) {
   return SMC_SUCCESS;
 }
 
+/* Waits for rank r to have posted `target`; a timeout names every rank that has not. */
+static smc_result_t wait_peer(smc_comm_t* c, int r, uint32_t target, const char* what) {
+  peer_ref_t ref = {c, r, what};
+  /* Yielding is on when ranks outnumber cores: then the yield loop polls, and spinning first only keeps the core
+   * from the rank that shares it, which is likely the one waited for. */
+  smc_wait_opts_t opts = {c->yield_us > 0 ? 0 : c->spin_us, c->timeout_s, c->liveness_s, check_peer, &ref,
+                          c->yield_now_us};
+  double waiting_since = c->yield_us > 0 ? smc_now() : 0;
+  smc_result_t rc = smc_wait_reach(&c->ctl[r].seq, &c->ctl[r].sleepers, target, &opts);
+  if (c->yield_us > 0) {
+    /* A wait that outlasted the whole yield slept in the end: the peer was computing, and yielding meanwhile took
+     * part of the core from whoever shares it. Each such wait halves the next yield; a wait short enough for the
+     * whole yield to catch it restores it. */
+    double waited_us = 1e6 * (smc_now() - waiting_since);
+    c->yield_now_us = waited_us > c->yield_us ? c->yield_now_us / 2 : c->yield_us;
+  }
+  if (rc == SMC_ERR_TIMEOUT) {
+    /* Every peer that has not arrived is named: the one waited for may itself wait for another that is stuck. */
+    char others[384] = "";
+    size_t used = 0;
+    for (int o = r + 1; o < c->size && used < sizeof(others) - 1; o++)
+      if (o != c->rank && (int32_t)(atomic_load(&c->ctl[o].seq) - target) < 0)
+        used += (size_t)snprintf(others + used, sizeof(others) - used, " and rank %d (pid %d)", smc_job_rank(c, o),
+                                 (int)c->ctl[o].pid);
+    smc_comm_blame(c, r);
+    rc = smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, r), SMC_FIELD_NONE,
+                            "%s: timed out after %.0f s waiting for rank %d (pid %d, alive)%s: it is stuck, or it "
+                            "called a different collective (SHMCOMM_TIMEOUT sets the limit)",
+                            what, c->timeout_s, smc_job_rank(c, r), (int)c->ctl[r].pid, others);
+  }
+  if (rc != SMC_SUCCESS) return mark_broken(c, rc);
+  return SMC_SUCCESS;
+}
+
 smc_result_t smc_sync(smc_comm_t* c, const char* what) {
   uint32_t target = ++c->seq;
   smc_post(&c->ctl[c->rank].seq, &c->ctl[c->rank].sleepers, target);
-  for (int r = 0; r < c->size; r++) {
-    if (r == c->rank) continue;
-    peer_ref_t ref = {c, r, what};
-    /* Yielding is on when ranks outnumber cores: then the yield loop polls, and spinning first only keeps the core
-     * from the rank that shares it, which is likely the one waited for. */
-    smc_wait_opts_t opts = {c->yield_us > 0 ? 0 : c->spin_us, c->timeout_s, c->liveness_s, check_peer, &ref,
-                            c->yield_now_us};
-    double waiting_since = c->yield_us > 0 ? smc_now() : 0;
-    smc_result_t rc = smc_wait_reach(&c->ctl[r].seq, &c->ctl[r].sleepers, target, &opts);
-    if (c->yield_us > 0) {
-      /* A wait that outlasted the whole yield slept in the end: the peer was computing, and yielding meanwhile took
-       * part of the core from whoever shares it. Each such wait halves the next yield; a wait short enough for the
-       * whole yield to catch it restores it. */
-      double waited_us = 1e6 * (smc_now() - waiting_since);
-      c->yield_now_us = waited_us > c->yield_us ? c->yield_now_us / 2 : c->yield_us;
-    }
-    if (rc == SMC_ERR_TIMEOUT) {
-      /* Every peer that has not arrived is named: the one waited for may itself wait for another that is stuck. */
-      char others[384] = "";
-      size_t used = 0;
-      for (int o = r + 1; o < c->size && used < sizeof(others) - 1; o++)
-        if (o != c->rank && (int32_t)(atomic_load(&c->ctl[o].seq) - target) < 0)
-          used += (size_t)snprintf(others + used, sizeof(others) - used, " and rank %d (pid %d)", smc_job_rank(c, o),
-                                   (int)c->ctl[o].pid);
-      smc_comm_blame(c, r);
-      rc = smc_set_peer_error(SMC_ERR_TIMEOUT, smc_job_rank(c, r), SMC_FIELD_NONE,
-                              "%s: timed out after %.0f s waiting for rank %d (pid %d, alive)%s: it is stuck, or it "
-                              "called a different collective (SHMCOMM_TIMEOUT sets the limit)",
-                              what, c->timeout_s, smc_job_rank(c, r), (int)c->ctl[r].pid, others);
-    }
-    if (rc != SMC_SUCCESS) return mark_broken(c, rc);
-  }
+  for (int r = 0; r < c->size; r++)
+    if (r != c->rank) SMC_CHECK(wait_peer(c, r, target, what));
   return SMC_SUCCESS;
 }
 
@@ -150,14 +154,10 @@ static smc_result_t refusals(smc_comm_t* c, const char* what) {
                             smc_job_rank(c, first), count > 1 ? " (and other ranks' too)" : "", msg);
 }
 
-smc_result_t smc_coll_begin(smc_comm_t* c, smc_desc_t* desc, const char* what) {
-  c->ctl[c->rank].desc[c->parity] = *desc;
-  SMC_CHECK(smc_sync(c, what));
+/* What the descriptors of the current step say: SMC_SUCCESS, the first refusal, or how ranks differ from rank 0. */
+static smc_result_t verdict(smc_comm_t* c, const char* what) {
   smc_result_t refused = refusals(c, what);
-  if (refused != SMC_SUCCESS) {
-    smc_flip(c);
-    return desc->refused ? SMC_SUCCESS : refused;
-  }
+  if (refused != SMC_SUCCESS) return refused;
   const smc_desc_t* first = smc_peer_desc(c, 0);
   char msg[768] = "";
   size_t used = 0;
@@ -175,8 +175,85 @@ smc_result_t smc_coll_begin(smc_comm_t* c, smc_desc_t* desc, const char* what) {
     used += (size_t)snprintf(msg + used, sizeof(msg) - used, "%s%s", used ? "; " : "", part);
   }
   if (culprit < 0) return SMC_SUCCESS;
-  smc_flip(c);
   return smc_set_peer_error(SMC_ERR_MISMATCH, culprit, field, "%s: ranks disagree: %s", what, msg);
+}
+
+smc_result_t smc_coll_begin(smc_comm_t* c, smc_desc_t* desc, const char* what) {
+  c->ctl[c->rank].desc[c->parity] = *desc;
+  SMC_CHECK(smc_sync(c, what));
+  smc_result_t rc = verdict(c, what);
+  if (rc == SMC_SUCCESS) return SMC_SUCCESS;
+  /* Ranks that took this step early may not have heard of its failure: the next collective checks it again. */
+  for (int r = 0; r < c->size; r++)
+    if (smc_peer_desc(c, r)->early) c->unsettled = c->seq;
+  smc_flip(c);
+  return rc == SMC_ERR_REFUSED && desc->refused ? SMC_SUCCESS : rc;
+}
+
+smc_result_t smc_coll_begin_early(smc_comm_t* c, smc_desc_t* desc, int root, const char* what) {
+  const int me = c->rank;
+  desc->early = 1;
+  c->ctl[me].desc[c->parity] = *desc;
+  const uint32_t target = ++c->seq;
+  smc_post(&c->ctl[me].seq, &c->ctl[me].sleepers, target);
+  c->unsettled = target;
+  if (me == root) return SMC_SUCCESS;
+  SMC_CHECK(wait_peer(c, root, target, what));
+  const smc_desc_t* theirs = smc_peer_desc(c, root);
+  char part[256];
+  smc_field_t differs = SMC_FIELD_NONE;
+  smc_result_t rc = SMC_SUCCESS;
+  if (theirs->refused) {
+    size_t room = c->half_bytes < SMC_REASON_MAX ? c->half_bytes : SMC_REASON_MAX;
+    rc = smc_set_peer_error(SMC_ERR_REFUSED, smc_job_rank(c, root), SMC_FIELD_NONE,
+                            "%s: rank %d's call failed its own checks, so no rank ran it; rank %d: %.*s", what,
+                            smc_job_rank(c, root), smc_job_rank(c, root),
+                            (int)strnlen((const char*)smc_half(c, root), room - 1), (const char*)smc_half(c, root));
+  } else if ((differs = describe_difference(part, sizeof(part), smc_job_rank(c, root), smc_job_rank(c, me), theirs,
+                                            desc)) != SMC_FIELD_NONE) {
+    rc = smc_set_peer_error(SMC_ERR_MISMATCH, smc_job_rank(c, me), differs, "%s: ranks disagree: %s", what, part);
+  }
+  if (rc != SMC_SUCCESS) {
+    smc_failure_mark_earlier();
+    smc_flip(c);
+  }
+  return rc;
+}
+
+/* Whether every rank already failed the early step whose descriptors are current: each rank that took it with a
+ * full synchronisation saw every descriptor; a root that returned early saw none; a receiver saw its root's. */
+static int every_rank_heard(smc_comm_t* c) {
+  char unused[256];
+  for (int r = 0; r < c->size; r++) {
+    const smc_desc_t* d = smc_peer_desc(c, r);
+    if (!d->early) continue;
+    if (d->root == r || d->root < 0 || d->root >= c->size) return 0;
+    const smc_desc_t* root = smc_peer_desc(c, d->root);
+    if (!root->refused && describe_difference(unused, sizeof(unused), 0, 0, root, d) == SMC_FIELD_NONE) return 0;
+  }
+  return 1;
+}
+
+smc_result_t smc_coll_enter(smc_comm_t* c, const char* what) {
+  SMC_CHECK(smc_comm_usable(c, what));
+  if (c->unsettled == 0) return SMC_SUCCESS;
+  const uint32_t target = c->unsettled;
+  c->unsettled = 0;
+  for (int r = 0; r < c->size; r++)
+    if (r != c->rank) SMC_CHECK(wait_peer(c, r, target, what));
+  /* Every rank has taken that step, and none can take another before this rank does: its descriptors stand. */
+  char earlier[160];
+  smc_flip(c);
+  int early = 0;
+  while (early < c->size - 1 && !smc_peer_desc(c, early)->early) early++;
+  snprintf(earlier, sizeof(earlier), "the %s before this %s (which no rank ran)",
+           coll_name(smc_peer_desc(c, early)->coll), what);
+  smc_result_t rc = verdict(c, earlier);
+  int heard = rc == SMC_SUCCESS || every_rank_heard(c);
+  smc_flip(c);
+  if (heard) return SMC_SUCCESS;
+  smc_failure_mark_earlier();
+  return rc;
 }
 
 const smc_desc_t* smc_peer_desc(smc_comm_t* c, int r) { return &c->ctl[r].desc[c->parity]; }
@@ -192,7 +269,7 @@ uint64_t smc_digest(const uint64_t* values, int n, uint64_t seed) {
 }
 
 smc_result_t smc_barrier(smc_comm_t* c) {
-  SMC_CHECK(smc_comm_usable(c, "barrier"));
+  SMC_CHECK(smc_coll_enter(c, "barrier"));
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .divisor = 1, .coll = SMC_COLL_BARRIER, .root = -1};
   SMC_CHECK(smc_coll_begin(c, &desc, "barrier"));
   smc_flip(c);
@@ -200,7 +277,7 @@ smc_result_t smc_barrier(smc_comm_t* c) {
 }
 
 smc_result_t smc_coll_refuse(smc_comm_t* c, smc_coll_kind_t kind, const char* reason) {
-  SMC_CHECK(smc_comm_usable(c, "refused collective"));
+  SMC_CHECK(smc_coll_enter(c, "refused collective"));
   if (c->size == 1) return SMC_SUCCESS;
   size_t room = c->half_bytes < SMC_REASON_MAX ? c->half_bytes : SMC_REASON_MAX;
   snprintf((char*)smc_half(c, c->rank), room, "%s", reason != NULL ? reason : "(no reason given)");

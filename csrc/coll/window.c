@@ -132,7 +132,7 @@ static int map_peer(smc_comm_t* c, smc_window_t* w, int r, int fd) {
 smc_result_t smc_window_create(smc_comm_t* c, uint64_t bytes, uint64_t tag, int share, smc_window_t** out) {
   if (out == NULL) return smc_set_error(SMC_ERR_INVALID, "shared buffer: NULL result");
   *out = NULL;
-  SMC_CHECK(smc_comm_usable(c, "shared buffer"));
+  SMC_CHECK(smc_coll_enter(c, "shared buffer"));
   const uint64_t serial = c->window_serial++; /* on every rank, whatever fails below, so that serials stay equal */
   if (bytes == 0 || bytes > SMC_MAX_BYTES)
     return smc_refuse_here(c, SMC_COLL_WINDOW,

@@ -19,6 +19,9 @@ smc_result_t smc_set_peer_error(smc_result_t rc, int rank, smc_field_t field, co
 smc_result_t smc_set_failure(smc_result_t rc, const smc_failure_t* failure, const char* fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* Marks this thread's failure as one of a step that returned early (smc_failure_t.earlier). */
+void smc_failure_mark_earlier(void);
+
 /* a + b, saturated at SMC_MAX_BYTES + 1, for summing per-rank sizes that are checked against SMC_MAX_BYTES. */
 static inline uint64_t smc_add_bytes(uint64_t a, uint64_t b) {
   return a > SMC_MAX_BYTES || b > SMC_MAX_BYTES || a + b > SMC_MAX_BYTES ? SMC_MAX_BYTES + 1 : a + b;

@@ -20,7 +20,7 @@ typedef enum {
   SMC_ERR_SYSTEM = 2,      /* a system call failed */
   SMC_ERR_TIMEOUT = 3,     /* a wait ran past its limit while every peer was alive */
   SMC_ERR_RANK_FAILED = 4, /* a peer died or left; the communicator is unusable from now on */
-  SMC_ERR_MISMATCH = 5,    /* ranks called different collectives or disagreed on arguments; every rank gets it */
+  SMC_ERR_MISMATCH = 5,    /* ranks called different collectives or disagreed on arguments; every rank hears */
   SMC_ERR_NOMEM = 6,       /* out of memory, or the box arena is full */
   SMC_ERR_EXISTS = 7,      /* a box of that name exists already */
   SMC_ERR_NOT_FOUND = 8,   /* no box of that name */
@@ -51,9 +51,8 @@ typedef enum {
   SMC_NUM_OPS = 4
 } smc_redop_t;
 
-/* What a collective is. These codes describe a collective everywhere: in the descriptor every rank publishes and
- * compares (csrc/coll/step.c), in the engine's negotiation and in the cross-host agreement. Python reads them as
- * lib.SMC_COLL_* instead of numbering collectives itself, so there is one numbering to keep. */
+/* What a collective is, everywhere: in the descriptor every rank publishes and compares (csrc/coll/step.c), the
+ * engine's negotiation and the cross-host agreement; Python reads lib.SMC_COLL_*, so there is one numbering. */
 typedef enum {
   SMC_COLL_BARRIER = 1,
   SMC_COLL_ALLREDUCE = 2,
@@ -82,6 +81,7 @@ typedef struct {
   int rank;          /* job rank of the peer that died, left or is late, or of the first rank whose call differs
                       * from the communicator's rank 0 (rank 1 when rank 0 is the odd one out); -1 if none */
   smc_field_t field; /* mismatches: the first field that differs; SMC_FIELD_NONE otherwise */
+  int earlier;       /* 1: a step that returned early failed (coll/step.c), which not every peer fails at once */
 } smc_failure_t;
 
 /* How a rank finds its peers and how it waits. Every rank of a job passes the same values except `rank`. */

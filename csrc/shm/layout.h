@@ -58,6 +58,7 @@ typedef struct {
   uint32_t op;
   int32_t root;
   int32_t refused; /* non-zero: this rank's call failed its own checks; its half holds the reason (smc_coll_refuse) */
+  int32_t early;   /* not compared: non-zero where this rank waits for the root alone (smc_coll_begin_early) */
 } smc_desc_t;
 
 typedef struct {

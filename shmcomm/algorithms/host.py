@@ -197,8 +197,9 @@ class HostComm(Communicator):
             raise self.explain_mismatch(error, what, src) from None
 
     def explain_mismatch(self, error, what, buf):
-        """A shape mismatch names every rank's tensor: every rank lands here together, so they swap descriptions."""
-        if error.field != "shape":
+        """A shape mismatch names every rank's tensor: every rank lands here together, so they swap descriptions;
+        except where a step that returned early failed (a small broadcast's), which not every rank fails at once."""
+        if error.field != "shape" or getattr(error, "earlier", False):
             return error
         mine = description.Collective("allreduce", buf.dtype_key(), tuple(buf.shape)).words()
         every = np.zeros((self.size, mine.size), dtype=np.int64)

@@ -76,8 +76,26 @@ static int mismatches(int rank, void* arg) {
   expect_mismatch(rc, 22, SMC_FIELD_COUNT, "rank 20 has count 4, rank 22 has 3", "count");
   rc = smc_allreduce(comm, in, out, 4, SMC_FLOAT64, odd ? SMC_MAX : SMC_SUM, 1, 1, 1, 0);
   expect_mismatch(rc, 22, SMC_FIELD_OP, "rank 20 has op sum, rank 22 has max", "op");
+  /* A small broadcast waits for its root alone: a receiver that disagrees with its root fails at once, naming itself;
+   * the root and the receivers that agreed hear of it at their next collective, which fails on every rank unrun. */
   rc = smc_broadcast(comm, in, out, sizeof(in), odd ? 1 : 0, 0);
-  expect_mismatch(rc, 22, SMC_FIELD_ROOT, "rank 20 has root 0, rank 22 has 1", "root");
+  if (odd)
+    expect_mismatch(rc, 22, SMC_FIELD_ROOT, "broadcast: ranks disagree: rank 21 has root 0, rank 22 has 1", "root");
+  else
+    EXPECT(rc == SMC_SUCCESS, "root: the root and rank 21 hear of it later: %s", smc_last_error());
+  expect_mismatch(smc_barrier(comm), 22, SMC_FIELD_ROOT,
+                  "the broadcast before this barrier (which no rank ran): ranks disagree: rank 20 has root 0, rank 22 "
+                  "has 1", "root, at the next collective");
+  /* Every rank its own root: each returns at once, and the next collective fails on every rank. */
+  EXPECT(smc_broadcast(comm, in, out, sizeof(in), rank, 0) == SMC_SUCCESS, "roots: %s", smc_last_error());
+  expect_mismatch(smc_barrier(comm), 21, SMC_FIELD_ROOT, "rank 20 has root 0, rank 21 has 1; rank 20 has root 0",
+                  "roots, at the next collective");
+  /* Where every rank heard of the failure at the broadcast itself (its root called something else), the next
+   * collective runs. */
+  rc = rank == 0 ? smc_allreduce(comm, in, out, 4, SMC_FLOAT64, SMC_SUM, 1, 1, 1, 0)
+                 : smc_broadcast(comm, in, out, 8, 0, 0);
+  EXPECT(rc == SMC_ERR_MISMATCH, "rank 20 called allreduce: %s", smc_last_error());
+  EXPECT(smc_barrier(comm) == SMC_SUCCESS, "all heard: %s", smc_last_error());
   rc = smc_allreduce(comm, in, out, 4, SMC_FLOAT64, SMC_SUM, odd ? 2 : 1, 1, 1, 0);
   expect_mismatch(rc, 22, SMC_FIELD_SCALE, "rank 22 by (pre 2", "scale");
   rc = smc_allreduce(comm, in, out, 4, SMC_FLOAT64, SMC_SUM, 1, 1, 1, odd ? 7 : 0);
