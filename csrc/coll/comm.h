@@ -41,7 +41,7 @@ struct smc_comm {
   size_t small_bytes;
   uint32_t seq;            /* the last value this rank posted */
   int parity;              /* the half the next step uses */
-  uint32_t unsettled;      /* the seq of a step that returned early, checked at the next collective (step.c); 0 */
+  int unsettled;           /* the last step (seq) returned early somewhere: the next collective checks it (step.c) */
   int holds_alive;         /* this rank holds ctl[rank].alive */
   int fd;                  /* the segment's file, kept open to reserve box memory (smc_segment_reserve) */
   double timeout_s;

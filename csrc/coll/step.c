@@ -185,7 +185,7 @@ smc_result_t smc_coll_begin(smc_comm_t* c, smc_desc_t* desc, const char* what) {
   if (rc == SMC_SUCCESS) return SMC_SUCCESS;
   /* Ranks that took this step early may not have heard of its failure: the next collective checks it again. */
   for (int r = 0; r < c->size; r++)
-    if (smc_peer_desc(c, r)->early) c->unsettled = c->seq;
+    if (smc_peer_desc(c, r)->early) c->unsettled = 1;
   smc_flip(c);
   return rc == SMC_ERR_REFUSED && desc->refused ? SMC_SUCCESS : rc;
 }
@@ -196,7 +196,7 @@ smc_result_t smc_coll_begin_early(smc_comm_t* c, smc_desc_t* desc, int root, con
   c->ctl[me].desc[c->parity] = *desc;
   const uint32_t target = ++c->seq;
   smc_post(&c->ctl[me].seq, &c->ctl[me].sleepers, target);
-  c->unsettled = target;
+  c->unsettled = 1;
   if (me == root) return SMC_SUCCESS;
   SMC_CHECK(wait_peer(c, root, target, what));
   const smc_desc_t* theirs = smc_peer_desc(c, root);
@@ -236,8 +236,8 @@ static int every_rank_heard(smc_comm_t* c) {
 
 smc_result_t smc_coll_enter(smc_comm_t* c, const char* what) {
   SMC_CHECK(smc_comm_usable(c, what));
-  if (c->unsettled == 0) return SMC_SUCCESS;
-  const uint32_t target = c->unsettled;
+  if (!c->unsettled) return SMC_SUCCESS;
+  const uint32_t target = c->seq; /* no step since that one */
   c->unsettled = 0;
   for (int r = 0; r < c->size; r++)
     if (r != c->rank) SMC_CHECK(wait_peer(c, r, target, what));
