@@ -97,12 +97,18 @@ def add_process_set(process_set):
 
     Raises:
         InvalidArgumentError: the ranks are empty or out of range, or a set of the same ranks exists already.
+        NotSupportedError: the ranks are on more than one host (every rank raises it alike).
     """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     comm = session.communicator()
     if not ps.ranks or any(r < 0 or r >= comm.size for r in ps.ranks):
         raise InvalidArgumentError("process set ranks %s must be a non-empty subset of 0..%d" % (ps.ranks,
                                                                                              comm.size - 1))
+    hosts = sorted({tuple(sorted(group)) for group in comm.host_groups})  # a WorldComm lists a host per rank
+    on_hosts = [sorted(set(group) & set(ps.ranks)) for group in hosts if set(group) & set(ps.ranks)]
+    if len(on_hosts) > 1:  # its members would wait in segments of their own hosts for ranks that never come
+        raise NotSupportedError("process set %s spans hosts (ranks %s): a process set holds ranks of one host, which "
+                                "meet in its shared memory" % (ps.ranks, " | ".join(map(str, on_hosts))))
     with _lock:
         for other in _registry.values():
             if other.ranks == ps.ranks and other.process_set_id < _MEMBERS_ONLY_IDS:

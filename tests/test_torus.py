@@ -202,6 +202,33 @@ def test_mismatches_across_pretend_hosts(tmp_path, algo):
     assert run.stdout.count("rank ok") == 4
 
 
+PROCESS_SETS_ACROSS_HOSTS = """
+import numpy as np, shmcomm
+shmcomm.init()
+me = shmcomm.rank()
+try:
+    shmcomm.add_process_set([1, 2])
+except shmcomm.NotSupportedError as error:
+    assert "spans hosts (ranks [1] | [2])" in str(error), error
+else:
+    raise AssertionError("a process set across hosts was taken")
+pair = shmcomm.add_process_set([2, 3])  # one host's: works, and so does the world
+if me in (2, 3):
+    assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum, process_set=pair).tolist() == [2.0, 2.0]
+assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum).tolist() == [4.0, 4.0]
+print("rank ok", flush=True)
+"""
+
+
+def test_a_process_set_across_hosts_is_refused_on_every_rank(tmp_path):
+    """Its members would each wait in their own host's shared memory for ranks that never come."""
+    script = tmp_path / "job.py"
+    script.write_text(PROCESS_SETS_ACROSS_HOSTS)
+    run = _mpiexec(script, 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT="20", SHMCOMM_START_TIMEOUT="20")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("rank ok") == 4
+
+
 def test_settings_that_choose_paths_must_agree_across_hosts(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
