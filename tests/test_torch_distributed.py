@@ -381,6 +381,49 @@ def _groups_meet_horovod_sets(port, again):
     return True
 
 
+def _through_the_store(port, hosts, secret_ranks):
+    """take_place on a real TCPStore, each rank standing on the host `hosts` names for it."""
+    import datetime
+    import time
+
+    from shmcomm import env
+    from shmcomm.startup import rendezvous
+
+    rank, size = int(os.environ["SHMCOMM_RANK"]), int(os.environ["SHMCOMM_SIZE"])
+    rendezvous.socket.gethostname = lambda: hosts[rank]
+    env._secret.clear()  # a secret the test process read before the fork is not this rank's
+    if rank in secret_ranks:
+        os.environ[env.SECRET] = "ab" * 32
+    store = torch.distributed.TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=30))
+    try:
+        rendezvous.take_place(store, rank, size)
+        outcome = None
+    except ValueError as error:
+        outcome = "refused: %s" % error
+    store.add("done", 1)
+    while rank == 0 and store.add("done", 0) < size:  # rank 0 holds the store until every rank has read it
+        time.sleep(0.01)
+    if outcome is not None:
+        return outcome
+    topo = env.topology()
+    record = rendezvous.joined()
+    return [topo.rank, topo.local_rank, topo.local_size, topo.cross_rank, topo.cross_size, topo.token,
+            env.job_secret().hex(), record["hosts"], record["addresses"]]
+
+
+def test_ranks_on_several_hosts_agree_their_places_through_torchs_store():
+    """torchrun across hosts: hosts, local and cross ranks, one token and one secret from rank 0, a listener per rank;
+    ranks of a host that are not consecutive, or a secret on some ranks only, are refused on every rank alike."""
+    got = multiproc.run(3, _through_the_store, _free_port(), ["a", "a", "b"], ())
+    assert [g[:5] for g in got] == [[0, 0, 2, 0, 2], [1, 1, 2, 0, 2], [2, 0, 1, 1, 2]]
+    assert len({g[5] for g in got}) == 1 and len({g[6] for g in got}) == 1 and len(got[0][6]) == 64
+    assert all(g[7] == ["a", "a", "b"] and g[8] == got[0][8] for g in got) and len(set(got[0][8])) == 3
+    for hosts, secret_ranks, text in [(["a", "b", "a"], (), "the ranks of each host must be consecutive"),
+                                      (["a", "a", "b"], (0,), "is set on rank(s) [0] but not on rank(s) [1, 2]")]:
+        got = multiproc.run(3, _through_the_store, _free_port(), hosts, secret_ranks)
+        assert all(g.startswith("refused: ") and text in g for g in got), got
+
+
 def test_groups_channels_and_horovod_process_sets_live_side_by_side():
     assert multiproc.run(3, _groups_meet_horovod_sets, _free_port(), _free_port(), timeout=90) == [True] * 3
 
