@@ -56,6 +56,8 @@ def take_place(store, rank, size):
                          "are %s" % hosts)
     if len(order) > 1:
         _join_mesh(store, rank, every, has_secret, token)
+    else:
+        _forget()
     env.adopt_identity({"RANK": rank, "SIZE": size, "LOCAL_RANK": local.index(rank), "LOCAL_SIZE": len(local),
                         "CROSS_RANK": order.index(hosts[rank]), "CROSS_SIZE": len(order), "JOB_TOKEN": token})
 
@@ -82,7 +84,13 @@ def _join_mesh(store, rank, every, has_secret, token):
     except BaseException:
         listener.close()
         raise
-    if _Joined.listener is not None:  # of a job this process was in before
-        _Joined.listener.close()
+    _forget()
     _Joined.listener = listener
     _Joined.record = {"hosts": [e["host"] for e in every], "addresses": addresses, "token": token}
+
+
+def _forget():
+    """Drops what a job this process was in before left here."""
+    if _Joined.listener is not None:
+        _Joined.listener.close()
+    _Joined.listener = _Joined.record = None
