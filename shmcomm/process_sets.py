@@ -104,8 +104,7 @@ def add_process_set(process_set):
     if not ps.ranks or any(r < 0 or r >= comm.size for r in ps.ranks):
         raise InvalidArgumentError("process set ranks %s must be a non-empty subset of 0..%d" % (ps.ranks,
                                                                                              comm.size - 1))
-    hosts = sorted({tuple(sorted(group)) for group in comm.host_groups})  # a WorldComm lists a host per rank
-    on_hosts = [sorted(set(group) & set(ps.ranks)) for group in hosts if set(group) & set(ps.ranks)]
+    on_hosts = [sorted(set(group) & set(ps.ranks)) for group in comm.host_groups if set(group) & set(ps.ranks)]
     if len(on_hosts) > 1:  # its members would wait in segments of their own hosts for ranks that never come
         raise NotSupportedError("process set %s spans hosts (ranks %s): a process set holds ranks of one host, which "
                                 "meet in its shared memory" % (ps.ranks, " | ".join(map(str, on_hosts))))

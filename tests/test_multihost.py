@@ -44,7 +44,9 @@ def _two_host_reports(sim, algo):
         import socket, shmcomm
         from shmcomm import basics
         world = basics.communicator()
-        print("ok", socket.gethostname(), type(world).__name__, shmcomm.local_size(), shmcomm.cross_size(), flush=True)
+        hosts = str(world.host_groups).replace(" ", "")  # each host once, in rank order
+        print("ok", socket.gethostname(), type(world).__name__, shmcomm.local_size(), shmcomm.cross_size(), hosts,
+              flush=True)
     """)
     return run_checks_job(lambda script, out: _shmcommrun(sim, 2, [sys.executable, script, out, "bf16"],
                                                            SHMCOMM_ALLREDUCE_ALGO=algo), 4, program)
@@ -64,7 +66,8 @@ def test_collectives_across_two_hosts(two_hosts, algo):
     lines = rank_lines(stdout)
     assert sorted(lines) == [0, 1, 2, 3]
     seen = {tuple(lines[r][-1].split()[1:]) for r in lines}
-    assert seen == {("simhost0", "WorldComm", "2", "2"), ("simhost1", "WorldComm", "2", "2")}
+    assert seen == {("simhost0", "WorldComm", "2", "2", "[[0,1],[2,3]]"),
+                    ("simhost1", "WorldComm", "2", "2", "[[0,1],[2,3]]")}
 
 
 @pytest.mark.parametrize("algo", ALGOS)

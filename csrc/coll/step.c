@@ -132,13 +132,14 @@ static smc_field_t describe_difference(char* out, size_t len, int first, int oth
 }
 
 /* The reasons of the ranks whose call failed its own checks (smc_coll_refuse), read from their halves: every rank
- * returns SMC_ERR_REFUSED naming the first of them, except the refusing ranks, whose own error stands. */
-static smc_result_t refusals(smc_comm_t* c, const char* what) {
+ * returns SMC_ERR_REFUSED naming the first of them, except the refusing ranks, whose own error stands. `only`: that
+ * rank's alone (a rank that waited for it alone), or -1. */
+static smc_result_t refusals(smc_comm_t* c, const char* what, int only) {
   char msg[1024] = "";
   size_t used = 0;
   int first = -1, count = 0;
   for (int r = 0; r < c->size; r++) {
-    if (!smc_peer_desc(c, r)->refused) continue;
+    if (!smc_peer_desc(c, r)->refused || (only >= 0 && r != only)) continue;
     count++;
     if (first < 0) first = r;
     if (used < sizeof(msg) - 1) {
@@ -156,7 +157,7 @@ static smc_result_t refusals(smc_comm_t* c, const char* what) {
 
 /* What the descriptors of the current step say: SMC_SUCCESS, the first refusal, or how ranks differ from rank 0. */
 static smc_result_t verdict(smc_comm_t* c, const char* what) {
-  smc_result_t refused = refusals(c, what);
+  smc_result_t refused = refusals(c, what, -1);
   if (refused != SMC_SUCCESS) return refused;
   const smc_desc_t* first = smc_peer_desc(c, 0);
   char msg[768] = "";
@@ -204,11 +205,7 @@ smc_result_t smc_coll_begin_early(smc_comm_t* c, smc_desc_t* desc, int root, con
   smc_field_t differs = SMC_FIELD_NONE;
   smc_result_t rc = SMC_SUCCESS;
   if (theirs->refused) {
-    size_t room = c->half_bytes < SMC_REASON_MAX ? c->half_bytes : SMC_REASON_MAX;
-    rc = smc_set_peer_error(SMC_ERR_REFUSED, smc_job_rank(c, root), SMC_FIELD_NONE,
-                            "%s: rank %d's call failed its own checks, so no rank ran it; rank %d: %.*s", what,
-                            smc_job_rank(c, root), smc_job_rank(c, root),
-                            (int)strnlen((const char*)smc_half(c, root), room - 1), (const char*)smc_half(c, root));
+    rc = refusals(c, what, root);
   } else if ((differs = describe_difference(part, sizeof(part), smc_job_rank(c, root), smc_job_rank(c, me), theirs,
                                             desc)) != SMC_FIELD_NONE) {
     rc = smc_set_peer_error(SMC_ERR_MISMATCH, smc_job_rank(c, me), differs, "%s: ranks disagree: %s", what, part);

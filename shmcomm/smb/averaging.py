@@ -149,7 +149,7 @@ def host_process_set():
     """The process set of this host's ranks (the global set where the job has one host). Every rank calls it at the
     same point: it registers one set per host, in host order."""
     comm = session.communicator()
-    groups = sorted({tuple(sorted(g)) for g in getattr(comm, "host_groups", [comm.ranks])})  # one per rank
+    groups = comm.host_groups
     if len(groups) == 1:
         return process_sets.global_process_set
     known = _host_sets.get(session.generation())

@@ -155,8 +155,9 @@ def _world_across_hosts(topo, ctx, tuning, shm, paths):
     column = Mpi(ctx.cross, 0.8 * tuning.timeout_s, "torus column") if ctx.homogeneous else None
     torus = Torus(shm, MpiColumn(column, paths.torus_small_bytes), paths.torus_small_bytes,
                   world_rank=topo.rank) if column is not None else None
+    every = ctx.world.allgather(ctx.host_ranks)  # each rank's host's ranks: a host once per rank of it
     world = WorldComm(topo, tuning, HostComm(shm), torus, paths, across=Mpi(ctx.world, tuning.timeout_s),
-                      host_groups=ctx.world.allgather(ctx.host_ranks))
+                      host_groups=[list(g) for g in dict.fromkeys(tuple(g) for g in every)])
     world.box_network = _box_network(ctx, topo, tuning, shm)
     world.closables.append(world.box_network)
     # Names the ranks that hold the job up when a wait across hosts times out or a box's home host fails.
