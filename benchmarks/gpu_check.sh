@@ -1,113 +1,169 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# One prepared run of shmcomm's GPU checks, for a machine with a GPU (sized for one H200 and 16 cores: under
-# 8 minutes once torch is installed). From the repository root:
+# shmcomm's GPU checks in one call on a machine with a GPU and no network, in at most 6 minutes. From the repository
+# root:
 #
-#   bash benchmarks/gpu_check.sh [OUTPUT_DIR]        # default: $OUT, else ./gpu_check_out
+#   bash benchmarks/gpu_check.sh --prepare     # where pip works: the wheels the GPU machine lacks, into
+#                                              # benchmarks/.gpu_wheels (cffi and pycparser, for Python 3.12 and for
+#                                              # this machine's python3); carry that folder to the GPU machine
+#   bash benchmarks/gpu_check.sh [OUTPUT_DIR]  # there (default: $OUT, else ./gpu_check_out)
 #
-# 1. an environment: the venv GPU_CHECK_VENV (default .venv-gpu, made with --system-site-packages so that a torch
-#    already installed on the machine is used), shmcomm installed from this checkout (pip install -e), and torch
-#    from TORCH_SPEC (default torch==2.13.0; give a CUDA build's wheel or index, e.g.
-#    TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130") when the torch there cannot see
-#    the GPU. PIP_* variables (PIP_FIND_LINKS, PIP_NO_INDEX) work for a machine without network access;
-# 2. what the machine is: nvidia-smi, shmcommrun --check-build;
-# 3. the tests: tests/test_gpu_paths.py (the kernels compiled with nvcc, if present) and tests/test_gpu.py (NCCL at
-#    1 rank, 2 and 4 ranks sharing the GPU through host memory, DistributedOptimizer against one process, a killed
-#    rank named by the others);
-# 4. the allreduce sweep, 4 KiB..1 GiB (SWEEP_MAX): shmcomm against torch.distributed with NCCL at 1 rank, and the
-#    host path against torch.distributed's gloo (which also stages CUDA tensors through host memory) at 2 and 4
-#    ranks sharing the GPU; tables in OUTPUT_DIR/gpu_allreduce.md, raw rows in OUTPUT_DIR/*.jsonl.
-# Every step has a time limit; a failed step is reported and the others still run; the exit status is 0 only if
-# every step passed. Without a GPU, steps 1-3 run what they can (the GPU tests skip) and the sweep is skipped.
+# The second form uses the machine's python3 as it is (GPU_CHECK_PYTHON names another): torch, numpy and pytest must
+# be there. It unpacks the carried wheels into .gpu_check/site (on PYTHONPATH; nothing is installed), builds the core
+# in place, and runs each step under its own time limit and one deadline for all (GPU_CHECK_SECONDS, 330):
+#   check-build; a 2-rank CPU job; tests/gpu_smoke.py (one process: NCCL communicators, every dtype and op, the
+#   torus's steps, the CUDA kernels against torch); the tests that need no GPU; tests/test_gpu.py (the launcher's jobs on CUDA tensors);
+#   allreduce sweeps 4 KiB..256 MiB (SWEEP_MAX): 1 rank, shmcomm against torch.distributed NCCL; 2 ranks sharing the
+#   GPU, shmcomm's host path against gloo.
+# OUTPUT_DIR gets gpu_check.log, gpu_allreduce.md and the sweeps' rows (*.jsonl): 6 files. Exit status: 0 when every
+# step passed on a GPU, 3 when every step that needs no GPU passed and torch saw none (each GPU step then says "no
+# GPU"), 1 when a step failed.
 set -u -o pipefail
 
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+WHEELS=$ROOT/benchmarks/.gpu_wheels
+PY=${GPU_CHECK_PYTHON:-python3}
+
+if [ "${1:-}" = "--prepare" ]; then
+    here=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || exit 1
+    mkdir -p "$WHEELS"
+    for version in 3.12 "$here"; do
+        tag=cp${version/./}
+        "$PY" -m pip download -q --only-binary=:all: --python-version "$version" --implementation cp --abi "$tag" \
+            --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$WHEELS" cffi pycparser || exit 1
+    done
+    ls -l "$WHEELS"
+    exit 0
+fi
+
 OUT_DIR=${1:-${OUT:-$PWD/gpu_check_out}}
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-VENV=${GPU_CHECK_VENV:-.venv-gpu}
-SWEEP_MAX=${SWEEP_MAX:-1G}
+SWEEP_MAX=${SWEEP_MAX:-256M}
+DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-330}))
 mkdir -p "$OUT_DIR"
 LOG=$OUT_DIR/gpu_check.log
 TABLES=$OUT_DIR/gpu_allreduce.md
 : > "$LOG"
 FAILED=()
+NO_GPU=()
 
-say() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$LOG"; }
+say() { echo "== $(date -u +%H:%M:%S) +${SECONDS}s $*" | tee -a "$LOG"; }
 
-# attempt NAME SECONDS COMMAND...: runs COMMAND with a time limit, its output into the log; its exit status.
-attempt() {
-    local name=$1 limit=$2
+# step NAME SECONDS COMMAND...: runs COMMAND, its output into the log, for at most SECONDS and never past the
+# deadline; a failure is recorded and the next step still runs.
+step() {
+    local name=$1 limit=$2 left=$((DEADLINE - SECONDS))
     shift 2
-    say "$name"
-    timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 5 ]; then
+        say "$name: not run, the run's deadline has come"
+        FAILED+=("$name (deadline)")
+        return 1
+    fi
+    say "$name (at most ${limit}s)"
+    timeout --kill-after=5 "$limit" "$@" >> "$LOG" 2>&1
     local rc=$?
-    [ $rc -eq 0 ] || say "$name: exit $rc"
+    if [ $rc -ne 0 ]; then
+        say "$name: exit $rc$([ $rc -eq 124 ] && echo ' (its time limit)')"
+        FAILED+=("$name")
+    fi
     return $rc
 }
 
-# step NAME SECONDS COMMAND...: the same, and a failure is the run's.
-step() {
-    attempt "$@" || { FAILED+=("$1"); return 1; }
+# gpu_step NAME SECONDS COMMAND...: a step that needs a GPU; without one it says so instead.
+gpu_step() {
+    if [ "$GPU" = 1 ]; then
+        step "$@"
+    else
+        say "$1: no GPU (torch.cuda.is_available() is False)"
+        NO_GPU+=("$1")
+    fi
 }
 
-# ---- 1. environment ----
-if [ ! -x "$VENV/bin/python" ]; then
-    step "venv $VENV" 120 python3 -m venv --system-site-packages "$VENV"
-fi
-PY=$VENV/bin/python
-cuda_ok() { "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >> "$LOG" 2>&1; }
-# shellcheck disable=SC2086  # TORCH_SPEC may carry pip options
-attempt "install shmcomm (-e .[torch,test]) with $TORCH_SPEC" 420 "$PY" -m pip install -q --retries 1 --timeout 20 -e ".[torch,test]" $TORCH_SPEC ||
-    step "install shmcomm without dependencies (offline)" 120 "$PY" -m pip install -q --retries 1 --timeout 20 --no-deps --no-build-isolation -e .
-if ! cuda_ok; then
-    # shellcheck disable=SC2086
-    step "install $TORCH_SPEC (the torch found sees no GPU)" 420 "$PY" -m pip install -q --retries 1 --timeout 20 $TORCH_SPEC
-fi
-GPU=0
-cuda_ok && GPU=1
+# ---- 1. the environment: the carried wheels, the core built in place ----
+cd "$ROOT" || exit 1
+SITE=$ROOT/.gpu_check/site
+export PYTHONPATH=$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+unpack_wheels() {
+    "$PY" - "$WHEELS" "$SITE" <<'EOF'
+import glob, os, sys, zipfile
+wheels, site = sys.argv[1:]
+tag = "cp%d%d" % sys.version_info[:2]
+os.makedirs(site, exist_ok=True)
+for name in ("cffi", "pycparser"):
+    try:
+        __import__(name)
+        print(name, "is already importable")
+        continue
+    except ImportError:
+        pass
+    found = [w for w in sorted(glob.glob(os.path.join(wheels, name + "-*.whl")))
+             if "-py3-none-any" in w or "-%s-%s-" % (tag, tag) in w]
+    if not found:
+        sys.exit("no %s wheel for %s in %s: run bash benchmarks/gpu_check.sh --prepare where pip works"
+                 % (name, tag, wheels))
+    zipfile.ZipFile(found[-1]).extractall(site)
+    print("unpacked", os.path.basename(found[-1]))
+import cffi, pycparser
+print("cffi", cffi.__version__, "pycparser", pycparser.__version__)
+EOF
+}
+mkdir -p "$SITE"  # before any python starts: a folder on PYTHONPATH that did not exist then is never looked in
+export -f unpack_wheels
+export PY WHEELS SITE
+say "python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])' 2>&1)"
+step "wheels" 30 bash -c unpack_wheels
+step "build the core in place" 150 "$PY" setup.py -q build_ext --inplace
 
 # ---- 2. the machine ----
+GPU=0
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >> "$LOG" 2>&1 && GPU=1
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; } >> "$LOG" 2>&1 || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus',
 torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>&1 | tee -a "$LOG"
-step "shmcommrun --check-build" 120 "$PY" -m shmcomm.runner --check-build
-grep -A12 "Available Tensor Operations" "$LOG" | tail -12
+step "shmcommrun --check-build" 60 "$PY" -m shmcomm.runner --check-build
 
-# ---- 3. tests ----
-step "tests without a GPU (kernels with nvcc, NCCL's id and version)" 240 \
+# ---- 3. checks and tests ----
+step "a 2-rank job through shmcommrun (no MPI library needed on one host)" 60 "$PY" -m shmcomm.runner -np 2 "$PY" -c "
+import torch, shmcomm.torch as hvd
+hvd.init()
+total = hvd.allreduce(torch.full((4,), hvd.rank() + 1.0), op=hvd.Sum)
+assert total.tolist() == [3.0] * 4, total
+print('ok: rank', hvd.rank(), 'of', hvd.size())"
+step "NCCL and CUDA kernels in one process (tests/gpu_smoke.py; without a GPU only NCCL's loading)" 60 "$PY" tests/gpu_smoke.py
+step "tests without a GPU (NCCL's loader, paths, kernels with nvcc)" 60 \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py tests/test_nccl_library.py
-step "GPU tests" 300 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
-grep -E "passed|failed|skipped|SKIPPED" "$LOG" | tail -6
+gpu_step "GPU tests (tests/test_gpu.py)" 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
 
-# ---- 4. the sweep ----
+# ---- 4. the sweeps ----
 sweep() {  # sweep NAME RANKS BACKEND [VAR=VALUE...]
     local name=$1 ranks=$2 backend=$3
     shift 3
     rm -f "$OUT_DIR/$name.jsonl"
-    step "sweep $name" 150 env "$@" "$PY" -m shmcomm.runner -np "$ranks" "$PY" -m benchmarks.gpu_allreduce run \
-        "$backend" -b 4K -e "$SWEEP_MAX" -t 1.5 --out "$OUT_DIR/$name.jsonl"
+    gpu_step "sweep $name" 45 env "$@" "$PY" -m shmcomm.runner -np "$ranks" "$PY" -m benchmarks.gpu_allreduce run \
+        "$backend" -b 4K -e "$SWEEP_MAX" -t 1.0 --out "$OUT_DIR/$name.jsonl"
 }
+sweep shmcomm-np1 1 shmcomm
+sweep torch-nccl-np1 1 torch-nccl
+sweep shmcomm-host-np2 2 shmcomm SHMCOMM_GPU_PATH=host
+sweep torch-gloo-np2 2 torch-gloo
 if [ "$GPU" = 1 ]; then
-    : > "$TABLES"
-    sweep shmcomm-np1 1 shmcomm
-    sweep torch-nccl-np1 1 torch-nccl
-    "$PY" -m benchmarks.gpu_allreduce table "1 rank: shmcomm (NCCL path) and torch.distributed NCCL" \
-        "$OUT_DIR/shmcomm-np1.jsonl" "$OUT_DIR/torch-nccl-np1.jsonl" >> "$TABLES" 2>> "$LOG"
-    for ranks in 2 4; do
-        sweep "shmcomm-host-np$ranks" "$ranks" shmcomm SHMCOMM_GPU_PATH=host
-        sweep "torch-gloo-np$ranks" "$ranks" torch-gloo
-        "$PY" -m benchmarks.gpu_allreduce table "$ranks ranks on one GPU: shmcomm's host path and torch.distributed gloo" \
-            "$OUT_DIR/shmcomm-host-np$ranks.jsonl" "$OUT_DIR/torch-gloo-np$ranks.jsonl" >> "$TABLES" 2>> "$LOG"
-    done
+    {
+        "$PY" -m benchmarks.gpu_allreduce table "1 rank: shmcomm (NCCL path) and torch.distributed NCCL" \
+            "$OUT_DIR/shmcomm-np1.jsonl" "$OUT_DIR/torch-nccl-np1.jsonl"
+        "$PY" -m benchmarks.gpu_allreduce table "2 ranks on one GPU: shmcomm's host path and torch.distributed gloo" \
+            "$OUT_DIR/shmcomm-host-np2.jsonl" "$OUT_DIR/torch-gloo-np2.jsonl"
+    } > "$TABLES" 2>> "$LOG"
     cat "$TABLES"
-else
-    say "no GPU visible to torch: the sweep is skipped"
-    FAILED+=("no GPU")
 fi
 
-ls /dev/shm | grep -i shmcomm >> "$LOG" 2>&1 && say "segments left in /dev/shm (see the log)"
-if [ ${#FAILED[@]} -eq 0 ]; then
-    say "all steps passed; log $LOG, tables $TABLES"
-    exit 0
+ls /dev/shm 2>/dev/null | grep -i shmcomm >> "$LOG" && say "segments left in /dev/shm (see the log)"
+if [ ${#FAILED[@]} -gt 0 ]; then
+    say "failed: ${FAILED[*]}; log $LOG"
+    exit 1
 fi
-say "failed: ${FAILED[*]}; log $LOG"
-exit 1
+if [ ${#NO_GPU[@]} -gt 0 ]; then
+    say "no GPU: ${#NO_GPU[@]} GPU steps did not run; every other step passed; log $LOG"
+    exit 3
+fi
+say "all steps passed in ${SECONDS}s; log $LOG, tables $TABLES"
+exit 0

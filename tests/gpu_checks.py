@@ -38,7 +38,7 @@ def check_collectives():
     me, n, dev = hvd.rank(), hvd.size(), device()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):  # the collectives follow the caller's current stream, not the default one
-        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int16):
             x = arange(10, me, dtype).to(dev)
             got = hvd.allreduce(x, op=hvd.Sum, name="sum.%s" % dtype)
             want = sum(arange(10, r, torch.float64) for r in range(n)).to(dtype)

@@ -13,8 +13,8 @@ import pytest
 
 from shmcomm.startup import devices
 from shmcomm.vocabulary import dtypes
-from shmcomm.algorithms import nccl_torus
-from shmcomm.vocabulary.exceptions import InvalidArgumentError
+from shmcomm.algorithms import device_buffers, nccl_torus
+from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
 from shmcomm.transport import cuda_kernels, nccl, nccl_library
 
 # ---- which path: every rank decides alike from the same descriptions ----
@@ -206,10 +206,15 @@ def test_the_kernels_compile_with_nvcc_and_export_their_symbols(tmp_path, monkey
     if nm:
         exported = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True).stdout
         symbols = {line.split()[-1] for line in exported.splitlines() if " T " in line}
-        assert {"smc_cuda_abi_version", "smc_cuda_scale", "smc_cuda_copy_batch"} <= symbols
+        assert {"smc_cuda_abi_version", "smc_cuda_probe", "smc_cuda_scale", "smc_cuda_copy_batch"} <= symbols
     # The runtime is linked in: the library loads without a GPU or a libcudart, and answers its interface version.
     assert ctypes.CDLL(str(path)).smc_cuda_abi_version() == cuda_kernels.ABI_VERSION
-    assert cuda_kernels.Kernels(path).path == str(path)
+    try:
+        assert cuda_kernels.Kernels(path).path == str(path)  # a GPU that runs them
+    except RuntimeError as error:  # no GPU or an old driver: the load's probe launch says so, and load() steps aside
+        assert "shmcomm CUDA kernel probe failed to launch (CUDA error" in str(error)
+        monkeypatch.setattr(cuda_kernels, "_loaded", {})
+        assert cuda_kernels.load() is None and "kernel probe failed" in cuda_kernels.unavailable()
     # A second build of the same source and flags is the cached one.
     assert cuda_kernels.build(cuda_kernels.archs()) == path
     assert sorted(p.name for p in (tmp_path / "cuda-kernels").iterdir()) == [".lock", path.parent.name]
@@ -258,3 +263,33 @@ def test_the_sweeps_table_puts_the_backends_side_by_side(tmp_path, capsys):
     assert lines[4] == "| 4096 | 30.0 | 90.0 | 0.25 | 0.12 | 3.00 |"
     assert lines[5] == "| 16384 | 40.0 | - | 0.50 | - | - |"
     assert gpu_allreduce.sweep(4096, 1 << 30, 4)[-1] == 1 << 30
+
+
+def test_where_a_rank_cannot_load_nccl_auto_stages_through_host_memory_and_nccl_is_refused():
+    own = [_gpu("a", 0, "GPU-1"), devices.describe("a", 1, "GPU-2", nccl_problem="NCCL not found: set ...")]
+    assert devices.choose_path(own) == ("host", "rank 1 cannot load NCCL (NCCL not found: set ...): staging "
+                                                "through host memory")
+    with pytest.raises(InvalidArgumentError, match=r"SHMCOMM_GPU_PATH=nccl, but rank 1 cannot load NCCL"):
+        devices.choose_path(own, "nccl")
+    assert devices.choose_path(own, "host") == ("host", "SHMCOMM_GPU_PATH=host")
+
+
+def test_every_dtype_the_host_path_reduces_nccl_reduces_too():
+    """A call must not behave by path: int16, which NCCL lacks, is reduced as int32 and narrowed back, wrapping as
+    int16 arithmetic does (shown here on CPU tensors: the same torch operations run on the device)."""
+    torch = pytest.importorskip("torch")
+    for dtype in dtypes.torch_codes():
+        wide = device_buffers.widened(torch, torch.zeros(3, dtype=dtype))
+        assert device_buffers.nccl_dtype(wide, "allreduce") in nccl_library.DTYPES, dtype
+    x = torch.tensor([30000, -30000, 7], dtype=torch.int16)
+    total = device_buffers.widened(torch, x) * 3  # what NCCL's int32 sum of three ranks' x gives
+    assert torch.equal(x.clone().copy_(total), x * 3)  # narrowed back: int16's own wrapped sum
+    with pytest.raises(NotSupportedError, match="NCCL does not reduce bool tensors"):
+        device_buffers.nccl_dtype(torch.zeros(1, dtype=torch.bool), "allreduce")
+
+
+def test_fusion_pieces_start_on_16_byte_boundaries():
+    assert device_buffers.aligned_offsets([3, 4, 1, 0, 5], 4) == ([0, 4, 8, 12, 12], 20)  # float32: 4 per 16 bytes
+    assert device_buffers.aligned_offsets([3, 17], 8) == ([0, 4], 22)
+    assert device_buffers.aligned_offsets([5, 5], 1) == ([0, 16], 32)
+    assert device_buffers.aligned_offsets([], 2) == ([], 0)

@@ -59,20 +59,25 @@ struct copy_batch {
   size_t bytes[SMC_CUDA_BATCH];
 };
 
-// blockIdx.y picks the copy; the blocks along x stride over its bytes, 16 at a time where all three are aligned.
+// blockIdx.y picks the copy; the blocks along x stride over its bytes, 16 at a time where both ends are aligned (the
+// last bytes of a size that is no multiple of 16 one at a time).
 __global__ void copy_batch_kernel(copy_batch batch) {
   const unsigned char* src = batch.src[blockIdx.y];
   unsigned char* dst = batch.dst[blockIdx.y];
   const size_t bytes = batch.bytes[blockIdx.y];
   const size_t start = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
-  if ((((uintptr_t)src | (uintptr_t)dst | bytes) & 15) == 0) {
+  if ((((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
     const uint4* s = (const uint4*)src;
     uint4* d = (uint4*)dst;
     for (size_t i = start; i < bytes / 16; i += stride) d[i] = s[i];
+    const size_t tail = bytes & ~(size_t)15;
+    if (start < bytes - tail) dst[tail + start] = src[tail + start];
   } else {
     for (size_t i = start; i < bytes; i += stride) dst[i] = src[i];
   }
 }
+
+__global__ void empty_kernel(void) {}
 
 static unsigned blocks_for(size_t n) {
   size_t blocks = (n + THREADS - 1) / THREADS;
@@ -89,7 +94,16 @@ static int launch_scale(void* x, size_t n, double factor, cudaStream_t stream) {
 extern "C" {
 
 // The interface version shmcomm/transport/cuda_kernels.py expects.
-int smc_cuda_abi_version(void) { return 2; }
+int smc_cuda_abi_version(void) { return 3; }
+
+// One empty launch, waited for: a driver that cannot run these kernels (none, or older than the toolkit) answers here,
+// when the library loads, instead of at every collective.
+int smc_cuda_probe(void) {
+  empty_kernel<<<1, 1>>>();
+  cudaError_t error = cudaGetLastError();
+  if (error == cudaSuccess) error = cudaStreamSynchronize(0);
+  return (int)error;
+}
 
 int smc_cuda_scale(void* x, size_t n, int dtype, double factor, void* stream) {
   if (n == 0) return 0;

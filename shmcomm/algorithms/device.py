@@ -13,18 +13,18 @@ from shmcomm.startup import devices
 from shmcomm import env
 from shmcomm.vocabulary import ops
 from shmcomm.algorithms import nccl_torus
+from shmcomm.algorithms.device_buffers import NCCL_OPS, aligned_offsets, nccl_dtype, widened
 from shmcomm.vocabulary.description import shares
 from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError, ShmCommError, TimeoutError
 from shmcomm.transport import cuda_kernels
 from shmcomm.transport.nccl import NcclComm, wait_for
-from shmcomm.transport.nccl_library import load as load_nccl
+from shmcomm.transport.nccl_library import load as load_nccl, load_problem
 
 log = logging.getLogger("shmcomm.algorithms")
 
 # The host path copies and reduces in chunks of this size, so that the copies of one chunk overlap the collective of
 # another. Every rank chunks alike: the size is a constant and the counts are agreed.
 STAGING_CHUNK_BYTES = 8 << 20
-_NCCL_OPS = {ops.Sum: "sum", ops.Average: "sum", ops.Min: "min", ops.Max: "max", ops.Product: "product"}
 _created = threading.Lock()
 
 
@@ -44,13 +44,6 @@ def require_cuda(torch):
     if not torch.cuda.is_available():
         raise InvalidArgumentError("CUDA tensors need a CUDA build of torch and a visible GPU; this process has torch "
                                    "%s, whose torch.cuda.is_available() is False" % torch.__version__)
-
-
-def _nccl_dtype(tensor, what):
-    name = str(tensor.dtype).replace("torch.", "")
-    if name not in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64"):
-        raise NotSupportedError("%s: NCCL does not reduce %s tensors" % (what, name))
-    return name
 
 
 class DeviceComm:
@@ -128,8 +121,9 @@ class DeviceComm:
             for r in reqs:
                 self.stream.wait_event(r.ready[0])
             sizes = [r.tensor.numel() for r in reqs]
-            flat = torch.empty(sum(sizes), dtype=first.tensor.dtype, device=self.device)
-            pieces = flat.split(sizes)
+            offsets, length = aligned_offsets(sizes, first.tensor.element_size())
+            flat = torch.zeros(length, dtype=first.tensor.dtype, device=self.device)  # the gaps reduce as zeros
+            pieces = [flat[at:at + n] for at, n in zip(offsets, sizes)]
             self._copy_many([(r.tensor.view(-1), piece) for r, piece in zip(reqs, pieces)])
             self._allreduce_flat(flat, first.op, first.prescale, first.postscale, what)
             outputs = [r.tensor if r.output is r.tensor else r.output if r.output is not None else
@@ -201,10 +195,13 @@ class DeviceComm:
         if self.path == "nccl":
             work = x.clone()
             if len(set(rows)) == 1 and self.row is None:
-                dtype = _nccl_dtype(x, req.what)
                 self._scale(work, req.prescale)
-                self.nccl.reducescatter(work.data_ptr(), out.data_ptr(), out.numel(), dtype, _NCCL_OPS[req.op],
-                                        self.stream.cuda_stream)
+                work = widened(torch, work)
+                got = out if work.dtype == out.dtype else torch.empty(out.shape, dtype=work.dtype, device=self.device)
+                self.nccl.reducescatter(work.data_ptr(), got.data_ptr(), got.numel(), nccl_dtype(work, req.what),
+                                        NCCL_OPS[req.op], self.stream.cuda_stream)
+                if got is not out:
+                    out.copy_(got)
                 self._post(out, req.op, req.postscale)
             else:  # unequal shares (or the torus): reduce everything, keep this rank's rows
                 self._allreduce_flat(work.view(-1), req.op, req.prescale, req.postscale, req.what)
@@ -247,20 +244,23 @@ class DeviceComm:
         if self.path == "host":
             self._staged_allreduce(flat, op, prescale, postscale, what)
             return
-        dtype, n, stream = _nccl_dtype(flat, what), flat.numel(), self.stream.cuda_stream
         self._scale(flat, prescale)
+        wide = widened(self.torch, flat)
+        dtype, n, stream = nccl_dtype(wide, what), flat.numel(), self.stream.cuda_stream
         if n and self.row is None:
-            self.nccl.allreduce(flat.data_ptr(), flat.data_ptr(), n, dtype, _NCCL_OPS[op], stream)
+            self.nccl.allreduce(wide.data_ptr(), wide.data_ptr(), n, dtype, NCCL_OPS[op], stream)
         elif n:
             padded = nccl_torus.padded_count(n, self.row.size)
-            work = flat if padded == n else self.torch.zeros(padded, dtype=flat.dtype, device=self.device)
-            if work is not flat:
-                work[:n].copy_(flat)
-            piece = self.torch.empty(padded // self.row.size, dtype=flat.dtype, device=self.device)
+            work = wide if padded == n else self.torch.zeros(padded, dtype=wide.dtype, device=self.device)
+            if work is not wide:
+                work[:n].copy_(wide)
+            piece = self.torch.empty(padded // self.row.size, dtype=wide.dtype, device=self.device)
             nccl_torus.torus_allreduce(self.row, self.column, work.data_ptr(), piece.data_ptr(), padded, dtype,
-                                       _NCCL_OPS[op], stream)
-            if work is not flat:
-                flat.copy_(work[:n])
+                                       NCCL_OPS[op], stream)
+            if work is not wide:
+                wide.copy_(work[:n])
+        if wide is not flat:
+            flat.copy_(wide)
         self._post(flat, op, postscale)
 
     def _staged_allreduce(self, flat, op, prescale, postscale, what):
@@ -294,11 +294,8 @@ class DeviceComm:
 
     def _choose_path(self):
         torch = self.torch
-        props = torch.cuda.get_device_properties(self.device)
-        pci = getattr(props, "pci_bus_id", None)
-        mine = devices.describe(socket.gethostname(), self.device.index, str(getattr(props, "uuid", "") or ""),
-                                "%04x:%02x:%02x" % (getattr(props, "pci_domain_id", 0), pci,
-                                                    getattr(props, "pci_device_id", 0)) if pci is not None else None)
+        # A rank that cannot load NCCL says why, and every rank then stages through host memory.
+        mine = devices.describe_torch_device(torch, self.device, socket.gethostname(), load_problem())
         mine["requested"] = env.gpu_path()
         everyone = self._every(mine)
         if len({d["requested"] for d in everyone}) != 1:

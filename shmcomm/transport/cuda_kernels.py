@@ -5,7 +5,8 @@ Only what torch does not already do in one kernel: unpacking a fusion buffer int
 torch and one launch here (per 64 tensors); the scaling computes 16-bit floats in float32 in the same pass. They are
 compiled on first use, not at install, because most machines that install shmcomm have no nvcc and the GPU to compile
 for is known only where the kernels run. Without nvcc, `load()` returns None and callers use torch's own operations
-for the same steps; `unavailable()` says why."""
+for the same steps; `unavailable()` says why. Loading launches one empty kernel, so that a driver that cannot run them
+(none, or older than the toolkit) sends callers to torch's operations once, instead of failing every collective."""
 import ctypes
 import hashlib
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 from shmcomm.transport import build_cache
 from shmcomm import env
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 LIBRARY = "libshmcomm_cuda.so"
 # The dtype codes of the kernels, which are the C core's (smc_datatype_t) for the floating types.
 DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
@@ -102,6 +103,8 @@ class Kernels:
         version = self.library.smc_cuda_abi_version()
         if version != ABI_VERSION:
             raise RuntimeError("%s has interface version %d, expected %d" % (path, version, ABI_VERSION))
+        self.library.smc_cuda_probe.restype = c.c_int
+        self._check(self.library.smc_cuda_probe(), "probe")
         self.library.smc_cuda_scale.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_double, c.c_void_p]
         self.library.smc_cuda_copy_batch.argtypes = [c.POINTER(c.c_void_p), c.POINTER(c.c_void_p),
                                                      c.POINTER(c.c_size_t), c.c_int, c.c_void_p]
@@ -123,7 +126,9 @@ class Kernels:
     @staticmethod
     def _check(code, what):
         if code != 0:
-            raise RuntimeError("shmcomm CUDA kernel %s failed to launch (CUDA error %d)" % (what, code))
+            raise RuntimeError("shmcomm CUDA kernel %s failed to launch (CUDA error %d%s)"
+                               % (what, code, ": the driver is missing or older than the toolkit" if code in (35, 100)
+                                  else ""))
 
 
 def load(capability=None):

@@ -7,7 +7,6 @@ calls it makes the communicator's device current first (NCCL takes the calling t
 communicator is created). It does not take the host transports' interface: NCCL's calls enqueue and return, so each
 piece of work ends with a separate bounded wait (NcclComm.wait)."""
 import contextlib
-import threading
 import time
 
 from shmcomm.vocabulary.exceptions import BrokenCommunicatorError, RankFailure, ShmCommError, TimeoutError
@@ -42,32 +41,6 @@ def wait_for(done, async_error, timeout_s, failed_ranks=None, clock=time.monoton
             sleep(_SLEEP_S)
 
 
-def _bounded(call, timeout_s, what, ranks, on_thread=None):
-    """Runs a blocking NCCL call (communicator creation or split) in a helper thread, after `on_thread()` there (the
-    caller makes its device current with it: CUDA's current device is per thread); its result code, or TimeoutError
-    naming the ranks after `timeout_s`, so that a rank that never comes makes the others raise instead of hanging.
-    The helper thread is then left blocked; the job is expected to stop."""
-    outcome = {}
-
-    def run():
-        try:
-            if on_thread is not None:
-                on_thread()
-            outcome["result"] = call()
-        except BaseException as error:  # handed to the caller below
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, name="shmcomm-nccl-init", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError("%s: not every rank of %s joined within %.0f s (SHMCOMM_TIMEOUT); a rank may have died or "
-                           "not reached this call" % (what, _ranks_text(ranks), timeout_s))
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
-
-
 def _ranks_text(ranks):
     return "ranks %s" % ", ".join(str(r) for r in ranks)
 
@@ -77,11 +50,11 @@ class NcclComm:
     the host transport's liveness (job ranks known dead), consulted while a wait lasts.
 
     Its life, as NCCL documents it: create() with the id that rank 0 drew and the host transport handed to the
-    others; split() for the 2D torus's rows and columns; collectives that enqueue and return at once (the
-    communicator is a blocking one: a call returns when the work is enqueued), in group() where they must launch
-    together; wait() for each piece of work; close(): ncclCommAbort, which never waits for peers (ncclCommDestroy
-    may). Creation and split block inside NCCL until every rank has called them, so they run in a helper thread with
-    the deadline (_bounded)."""
+    others; split() for the 2D torus's rows and columns; collectives that enqueue and return, in group() where they
+    must launch together; wait() for each piece of work; close(): ncclCommAbort, which never waits for peers
+    (ncclCommDestroy may). The communicator is a non-blocking one: creation and split (which need every rank) and a
+    collective that first connects to its peers return ncclInProgress, and the call's end is polled (_settle) under
+    the same deadline and liveness checks as wait(), so no NCCL call can hold the thread past SHMCOMM_TIMEOUT."""
 
     def __init__(self, library, handle, rank, ranks, timeout_s, failed_ranks=None, on_thread=None):
         self.library = library
@@ -93,12 +66,14 @@ class NcclComm:
         self.failed_ranks = failed_ranks
         self.on_thread = on_thread  # makes this communicator's device current in a helper thread
         self.broken = None  # the error that made it unusable
+        self.grouped = None  # inside group(): None, or [] and then the first error of a call in the group
 
     @classmethod
     def create(cls, unique_id, rank, ranks, timeout_s, failed_ranks=None, library=None, on_thread=None):
-        """ncclCommInitRank: every rank of `ranks` calls this with the same `unique_id` (bytes, 128: rank 0's
-        nccl_library.NcclLibrary.unique_id(), which the host transport's `allgather_bytes` distributes) and its own
-        `rank` (an index in `ranks`). `on_thread()` makes the rank's device current in the thread that calls NCCL."""
+        """ncclCommInitRankConfig, non-blocking: every rank of `ranks` calls this with the same `unique_id` (bytes,
+        128: rank 0's nccl_library.NcclLibrary.unique_id(), which the host transport's `allgather_bytes` distributes)
+        and its own `rank` (an index in `ranks`). `on_thread()` makes the rank's device current in the calling thread
+        first (NCCL takes the current device)."""
         library = library or load()
         ffi, lib = library.ffi, library.lib
         if len(unique_id) != ffi.sizeof("ncclUniqueId"):
@@ -106,11 +81,17 @@ class NcclComm:
         uid = ffi.new("ncclUniqueId*")
         ffi.memmove(uid, unique_id, len(unique_id))
         out = ffi.new("ncclComm_t*")
-        size = len(ranks)
-        result = _bounded(lambda: lib.ncclCommInitRank(out, size, uid[0], rank), timeout_s, "ncclCommInitRank",
-                          ranks, on_thread)
-        library.check(result, "ncclCommInitRank (rank %d of %d)" % (rank, size))
-        return cls(library, out[0], rank, ranks, timeout_s, failed_ranks, on_thread)
+        size, what = len(ranks), "ncclCommInitRank (rank %d of %d)" % (rank, len(ranks))
+        if on_thread is not None:
+            on_thread()
+        result = lib.ncclCommInitRankConfig(out, size, uid[0], rank, library.non_blocking_config())
+        if result not in (0, IN_PROGRESS):
+            if out[0] != ffi.NULL:
+                lib.ncclCommAbort(out[0])
+            library.check(result, what)
+        comm = cls(library, out[0], rank, ranks, timeout_s, failed_ranks, on_thread)
+        comm._settle(what, result, joining=True)
+        return comm
 
     def split(self, color, key, ranks):
         """ncclCommSplit: every rank of this communicator calls it; those with the same `color` form a communicator,
@@ -118,12 +99,16 @@ class NcclComm:
         self._usable("ncclCommSplit")
         ffi, lib = self.library.ffi, self.library.lib
         out = ffi.new("ncclComm_t*")
-        result = _bounded(lambda: lib.ncclCommSplit(self.handle, color, key, out, ffi.NULL), self.timeout_s,
-                          "ncclCommSplit", self.ranks, self.on_thread)
-        self.library.check(result, "ncclCommSplit", self.handle)
+        if self.on_thread is not None:
+            self.on_thread()
+        result = lib.ncclCommSplit(self.handle, color, key, out, self.library.non_blocking_config())
+        self._check(result, "ncclCommSplit")
+        comm = NcclComm(self.library, out[0], 0, ranks, self.timeout_s, self.failed_ranks, self.on_thread)
+        comm._settle("ncclCommSplit", result, joining=True, also=(self,))
         rank = ffi.new("int*")
-        self.library.check(lib.ncclCommUserRank(out[0], rank), "ncclCommUserRank", out[0])
-        return NcclComm(self.library, out[0], rank[0], ranks, self.timeout_s, self.failed_ranks, self.on_thread)
+        self.library.check(lib.ncclCommUserRank(comm.handle, rank), "ncclCommUserRank", comm.handle)
+        comm.rank = rank[0]
+        return comm
 
     # ---- collectives: enqueue on `stream` and return ----
     def allreduce(self, src, dst, count, dtype, op, stream):
@@ -153,28 +138,49 @@ class NcclComm:
     @contextlib.contextmanager
     def group(self):
         """ncclGroupStart ... ncclGroupEnd: the calls inside are launched together (sends and receives that pair up
-        must be, or they deadlock)."""
+        must be, or they deadlock). A call that fails inside is raised after ncclGroupEnd has closed the group: the
+        communicator is aborted only then (aborting it first would leave ncclGroupEnd a freed communicator)."""
         self._usable("ncclGroupStart")
         self.library.check(self.library.lib.ncclGroupStart(), "ncclGroupStart")
+        self.grouped = []
         try:
             yield
         finally:
-            self._check(self.library.lib.ncclGroupEnd(), "ncclGroupEnd")
+            failed, self.grouped = self.grouped, None
+            result = self.library.lib.ncclGroupEnd()
+            if failed:
+                self.abort()
+                self.broken = failed[0]
+                raise failed[0]
+        self._check(result, "ncclGroupEnd")
+        self._settle("ncclGroupEnd", result)
 
     # ---- completion and failure ----
     def wait(self, done, what, also=()):
         """Returns once `done()` is true (the caller's event query on the stream the calls went to); aborts the
         communicator (and `also`, communicators split from it that the same work used) and raises if an NCCL error
         appears on any of them, a rank dies or SHMCOMM_TIMEOUT passes first."""
-        comms = (self,) + tuple(also)
+        self._bounded_wait(done, what, (self,) + tuple(also))
+
+    def _settle(self, what, result, joining=False, also=()):
+        """After a call that returned ncclInProgress: waits, bounded, until the communicator's state leaves it (the
+        call's work is then enqueued, or the communicator created). `joining`: the call needs every rank."""
+        if result == IN_PROGRESS:
+            comms = (self,) + tuple(also)
+            self._bounded_wait(lambda: all(c._state() == 0 for c in comms), what, comms, joining)
+
+    def _state(self):
+        status = self.library.ffi.new("ncclResult_t*")
+        result = self.library.lib.ncclCommGetAsyncError(self.handle, status)
+        return result if result != 0 else status[0]
+
+    def _bounded_wait(self, done, what, comms, joining=False):
         for comm in comms:
             comm._usable(what)
-        status = self.library.ffi.new("ncclResult_t*")
 
         def async_error():
             for comm in comms:
-                result = self.library.lib.ncclCommGetAsyncError(comm.handle, status)
-                result = result if result != 0 else status[0]
+                result = comm._state()
                 if result not in (0, IN_PROGRESS):
                     return result
             return 0
@@ -188,6 +194,9 @@ class NcclComm:
         if reason == "dead":
             error = RankFailure("%s: rank %s died during the NCCL call over %s; the NCCL communicator was aborted"
                                 % (what, detail[0], _ranks_text(self.ranks)), detail[0])
+        elif reason == "timeout" and joining:
+            error = TimeoutError("%s: not every rank of %s joined within %.0f s (SHMCOMM_TIMEOUT); a rank may have "
+                                 "died or not reached this call" % (what, _ranks_text(self.ranks), self.timeout_s))
         elif reason == "timeout":
             error = TimeoutError("%s: the NCCL call over %s did not finish within %.0f s (SHMCOMM_TIMEOUT); the NCCL "
                                  "communicator was aborted" % (what, _ranks_text(self.ranks), self.timeout_s))
@@ -218,15 +227,21 @@ class NcclComm:
 
     def _call(self, name, *args):
         self._usable(name)
-        self._check(getattr(self.library.lib, name)(*args), name)
+        result = getattr(self.library.lib, name)(*args)
+        self._check(result, name)
+        if self.grouped is None:
+            self._settle(name, result)  # the work is on the stream only once the call has settled
 
     def _check(self, result, what):
         if result not in (0, IN_PROGRESS):
             try:
                 self.library.check(result, what, self.handle)
             except ShmCommError as error:
-                self.abort()
-                self.broken = error
+                if self.grouped is not None:  # group() aborts once ncclGroupEnd has run
+                    self.grouped.append(error)
+                else:
+                    self.abort()
+                    self.broken = error
                 raise
 
     def _ptr(self, address):

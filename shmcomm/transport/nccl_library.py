@@ -2,12 +2,13 @@
 """NCCL, found and bound at run time: shmcomm never compiles or links against it.
 
 `load()` looks for `libnccl.so.2` (find() says where), binds the calls shmcomm uses through cffi's ABI mode (no
-compiler, no headers) and checks the version. Everything here runs without a GPU: the version, the error strings and
+compiler, no headers) and checks the version; `non_blocking_config()` asks for communicators whose calls never block. Everything here runs without a GPU: the version, the error strings and
 a unique id need none; communicators and collectives need a device."""
 import ctypes.util
 import functools
 import importlib.metadata
 import os
+import sys
 
 import cffi
 
@@ -15,7 +16,7 @@ from shmcomm import env
 from shmcomm.vocabulary.exceptions import ShmCommError
 
 SETTING = "SHMCOMM_NCCL_LIBRARY"
-WHEELS = ("nvidia-nccl-cu13", "nvidia-nccl-cu12")
+WHEELS = {12: "nvidia-nccl-cu12", 13: "nvidia-nccl-cu13"}  # by the CUDA major they are built for
 # ncclCommSplit, which builds the 2D torus's rows and columns from one world communicator, came with NCCL 2.18.
 OLDEST = (2, 18, 0)
 
@@ -26,10 +27,22 @@ typedef void* cudaStream_t;
 typedef int ncclResult_t;
 typedef int ncclDataType_t;
 typedef int ncclRedOp_t;
+typedef struct {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int blocking;
+    int cgaClusterSize;
+    int minCTAs;
+    int maxCTAs;
+    const char* netName;
+    int splitShare;
+} ncclConfig_t;
 ncclResult_t ncclGetVersion(int* version);
 ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId);
-ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank);
-ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, void* config);
+ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank,
+                                    ncclConfig_t* config);
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config);
 ncclResult_t ncclCommFinalize(ncclComm_t comm);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
@@ -60,6 +73,11 @@ IN_PROGRESS = 7
 DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6, "float32": 7,
           "float64": 8, "bfloat16": 9}
 OPS = {"sum": 0, "product": 1, "max": 2, "min": 3, "average": 4}
+# ncclConfig_t is versioned: NCCL reads `size` bytes of it and gives every field newer than `version` its default.
+# The fields declared above are those of NCCL 2.18, the oldest release shmcomm takes.
+CONFIG_MAGIC = 0xCAFEBEEF
+CONFIG_VERSION = 21800
+CONFIG_UNDEF_INT = -(2 ** 31)
 
 
 class NcclError(ShmCommError):
@@ -115,6 +133,18 @@ class NcclLibrary:
             message += f": {detail}"
         raise NcclError(message, result)
 
+    def non_blocking_config(self):
+        """An ncclConfig_t that asks for a non-blocking communicator (blocking = 0): its creation, split, collectives
+        and group ends return ncclInProgress instead of waiting inside NCCL (for peers, or for the connections NCCL
+        makes at the first collective), so that every wait is the caller's and bounded. Other fields: NCCL's
+        defaults."""
+        config = self.ffi.new("ncclConfig_t*")
+        config.size = self.ffi.offsetof("ncclConfig_t", "splitShare") + self.ffi.sizeof("int")
+        config.magic, config.version, config.blocking = CONFIG_MAGIC, CONFIG_VERSION, 0
+        config.cgaClusterSize = config.minCTAs = config.maxCTAs = config.splitShare = CONFIG_UNDEF_INT
+        config.netName = self.ffi.NULL
+        return config
+
     def unique_id(self):
         """A new communicator id (128 bytes) for rank 0 to hand to the others; needs no GPU."""
         uid = self.ffi.new("ncclUniqueId*")
@@ -122,8 +152,26 @@ class NcclLibrary:
         return bytes(self.ffi.buffer(uid))
 
 
-def _from_wheels():
-    for wheel in WHEELS:
+def torch_cuda_major():
+    """The CUDA major version of the torch this process imported, or None (no torch yet, or a CPU build)."""
+    torch = sys.modules.get("torch")
+    version = getattr(getattr(torch, "version", None), "cuda", None)
+    try:
+        return int(str(version).split(".")[0]) if version else None
+    except ValueError:
+        return None
+
+
+def wheel_order(cuda_major):
+    """The NCCL wheels to try, by name: the one built for `cuda_major` first, then older ones, never a newer one
+    (a library built for a newer CUDA than torch's may need a newer driver); without a CUDA major, oldest first."""
+    if cuda_major is None:
+        return [WHEELS[major] for major in sorted(WHEELS)]
+    return [WHEELS[major] for major in sorted(WHEELS, reverse=True) if major <= cuda_major]
+
+
+def _from_wheels(cuda_major=None):
+    for wheel in wheel_order(cuda_major):
         try:
             files = importlib.metadata.distribution(wheel).files or ()
         except importlib.metadata.PackageNotFoundError:
@@ -157,18 +205,17 @@ def _on_loader_path():
 def find():
     """(path, found_by) of the library `load()` would take, or None. In this order:
     1. SHMCOMM_NCCL_LIBRARY, a path (an error if it is set and does not load: the user asked for that file);
-    2. the `nvidia-nccl-cu13` and `nvidia-nccl-cu12` wheels (GPU builds of torch bring one of them), found through the
-       wheel's own file list so that a change of layout inside the wheel does not lose it;
-    3. a copy already mapped into this process (torch loads its NCCL when torch.distributed starts);
+    2. a copy already mapped into this process (torch loads its NCCL when torch.distributed starts): one NCCL per
+       process, the one torch was built with;
+    3. the `nvidia-nccl-cu12` and `nvidia-nccl-cu13` wheels in wheel_order() of the running torch's CUDA major
+       (torch_cuda_major()), found through the wheel's own file list so that a change of layout inside the wheel does
+       not lose it;
     4. the dynamic loader's search path (a system install)."""
     chosen = env.nccl_library()
     if chosen:
         return chosen, SETTING
-    for look in (_from_wheels, _already_mapped, _on_loader_path):
-        found = look()
-        if found:
-            return found
-    return None
+    found = _already_mapped() or _from_wheels(torch_cuda_major()) or _on_loader_path()
+    return found or None
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,6 +227,17 @@ def load():
     """The NCCL library (loaded once per path), or NcclError saying where it looked."""
     found = find()
     if found is None:
-        raise NcclError("NCCL not found: set %s to libnccl.so.2, or install %s (pip install %s)"
-                        % (SETTING, " or ".join(WHEELS), WHEELS[0]))
+        major = torch_cuda_major()
+        wheel = WHEELS[major] if major in WHEELS else " or ".join("%s (CUDA %d)" % (WHEELS[m], m) for m in WHEELS)
+        raise NcclError("NCCL not found: set %s to libnccl.so.2, or install the NCCL wheel of torch's CUDA: pip "
+                        "install %s" % (SETTING, wheel))
     return _load(*found)
+
+
+def load_problem():
+    """Why load() fails in this process (its error's words), or None when NCCL loads."""
+    try:
+        load()
+    except NcclError as error:
+        return str(error)
+    return None
