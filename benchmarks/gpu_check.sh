@@ -129,7 +129,7 @@ hvd.init()
 total = hvd.allreduce(torch.full((4,), hvd.rank() + 1.0), op=hvd.Sum)
 assert total.tolist() == [3.0] * 4, total
 print('ok: rank', hvd.rank(), 'of', hvd.size())"
-step "NCCL and CUDA kernels in one process (tests/gpu_smoke.py; without a GPU only NCCL's loading)" 60 "$PY" tests/gpu_smoke.py
+step "NCCL and CUDA kernels in one process (tests/gpu_smoke.py; without a GPU only NCCL's loading)" 90 "$PY" tests/gpu_smoke.py
 step "tests without a GPU (NCCL's loader, paths, kernels with nvcc)" 60 \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py tests/test_nccl_library.py
 gpu_step "GPU tests (tests/test_gpu.py)" 150 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py

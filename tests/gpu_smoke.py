@@ -42,7 +42,8 @@ def values(name, n, dev):
 
 def check_every_dtype_and_op(comm, stream, dev):
     for name in nccl_library.DTYPES:
-        for op in nccl_library.OPS:
+        floating = name.startswith(("float", "bfloat"))
+        for op in [op for op in nccl_library.OPS if op != "average" or floating]:  # averages are of floats
             x = values(name, 1001, dev)
             out = torch.empty_like(x)
             comm.allreduce(x.data_ptr(), out.data_ptr(), x.numel(), name, op, stream.cuda_stream)

@@ -210,3 +210,21 @@ def test_each_nccl_wheel_has_its_extra():
     for major, wheel in nccl_library.WHEELS.items():
         assert extras["cuda%d" % major] == [wheel]
     assert extras["cuda"] == extras["cuda13"]  # the CUDA of torch's default Linux wheels
+
+
+def test_a_call_still_in_progress_is_polled_and_an_error_state_aborts_the_communicator():
+    # A non-blocking communicator's call may return ncclInProgress; its end is then polled through
+    # ncclCommGetAsyncError, bounded. A null communicator's state is NCCL's "invalid argument", GPU or not: the
+    # poll raises with NCCL's words and aborts, instead of waiting.
+    from shmcomm.transport import nccl
+
+    library = nccl_library.load()
+    comm = nccl.NcclComm(library, library.ffi.NULL, 0, [0, 1], 30.0)
+    with pytest.raises(nccl_library.NcclError, match=r"ncclCommInitRank \(rank 0 of 2\): NCCL reported an error "
+                                                     r"over ranks 0, 1: invalid argument .*; the NCCL communicator "
+                                                     r"was aborted"):
+        comm._settle("ncclCommInitRank (rank 0 of 2)", nccl_library.IN_PROGRESS, joining=True)
+    assert comm.handle is None
+    comm = nccl.NcclComm(library, library.ffi.NULL, 0, [0], 30.0)
+    comm._settle("ncclAllReduce", 0)  # a call that returned success is not polled
+    assert comm.broken is None

@@ -344,7 +344,8 @@ folder = pathlib.Path(sys.argv[1])
 driver = os.environ["SHMCOMM_ELASTIC_DRIVER"]
 hvd.init()
 mine = "none" if membership.listener() is None else "%s:%d" % membership.listener().getsockname()
-(folder / ("worker%d" % hvd.rank())).write_text(driver + " " + mine)
+(folder / "part").with_suffix(".%d" % hvd.rank()).write_text(driver + " " + mine)
+os.replace(folder / ("part.%d" % hvd.rank()), folder / ("worker%d" % hvd.rank()))  # seen whole or not at all
 deadline = time.monotonic() + 60
 while not (folder / "probed").exists() and time.monotonic() < deadline:
     time.sleep(0.05)

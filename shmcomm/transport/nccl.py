@@ -67,6 +67,7 @@ class NcclComm:
         self.on_thread = on_thread  # makes this communicator's device current in a helper thread
         self.broken = None  # the error that made it unusable
         self.grouped = None  # inside group(): None, or [] and then the first error of a call in the group
+        self._splits = []
 
     @classmethod
     def create(cls, unique_id, rank, ranks, timeout_s, failed_ranks=None, library=None, on_thread=None):
@@ -98,13 +99,19 @@ class NcclComm:
         ordered by `key`. `ranks`: the job ranks of this rank's new communicator, in key order."""
         self._usable("ncclCommSplit")
         ffi, lib = self.library.ffi, self.library.lib
+        # A non-blocking split runs as work of this communicator and writes the new one into `out` when it ends, which
+        # may be after a timeout here: `out` lives as long as this communicator.
         out = ffi.new("ncclComm_t*")
+        self._splits.append(out)
         if self.on_thread is not None:
             self.on_thread()
         result = lib.ncclCommSplit(self.handle, color, key, out, self.library.non_blocking_config())
         self._check(result, "ncclCommSplit")
+        self._settle("ncclCommSplit", result, joining=True)
+        if out[0] == ffi.NULL:
+            raise NcclError("ncclCommSplit over %s ended without a communicator" % _ranks_text(self.ranks))
         comm = NcclComm(self.library, out[0], 0, ranks, self.timeout_s, self.failed_ranks, self.on_thread)
-        comm._settle("ncclCommSplit", result, joining=True, also=(self,))
+        self.library.check(comm._state(), "ncclCommSplit", comm.handle)
         rank = ffi.new("int*")
         self.library.check(lib.ncclCommUserRank(comm.handle, rank), "ncclCommUserRank", comm.handle)
         comm.rank = rank[0]
