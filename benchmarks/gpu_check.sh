@@ -17,7 +17,7 @@
 #   GPU, shmcomm's host path against gloo.
 # OUTPUT_DIR gets gpu_check.log, gpu_allreduce.md and the sweeps' rows (*.jsonl): 6 files. Exit status: 0 when every
 # step passed on a GPU, 3 when every step that needs no GPU passed and torch saw none (each GPU step then says "no
-# GPU"), 1 when a step failed.
+# GPU"), 4 when every step that ran passed but the deadline left some out, 1 when a step failed.
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -45,6 +45,7 @@ TABLES=$OUT_DIR/gpu_allreduce.md
 : > "$LOG"
 FAILED=()
 NO_GPU=()
+LATE=()
 
 say() { echo "== $(date -u +%H:%M:%S) +${SECONDS}s $*" | tee -a "$LOG"; }
 
@@ -56,7 +57,7 @@ step() {
     [ "$left" -lt "$limit" ] && limit=$left
     if [ "$limit" -lt 5 ]; then
         say "$name: not run, the run's deadline has come"
-        FAILED+=("$name (deadline)")
+        LATE+=("$name")
         return 1
     fi
     say "$name (at most ${limit}s)"
@@ -160,6 +161,10 @@ ls /dev/shm 2>/dev/null | grep -i shmcomm >> "$LOG" && say "segments left in /de
 if [ ${#FAILED[@]} -gt 0 ]; then
     say "failed: ${FAILED[*]}; log $LOG"
     exit 1
+fi
+if [ ${#LATE[@]} -gt 0 ]; then
+    say "the deadline left out: ${LATE[*]}; every step that ran passed; log $LOG"
+    exit 4
 fi
 if [ ${#NO_GPU[@]} -gt 0 ]; then
     say "no GPU: ${#NO_GPU[@]} GPU steps did not run; every other step passed; log $LOG"

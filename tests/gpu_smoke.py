@@ -29,6 +29,11 @@ def one_rank(library, dev):
     return nccl.NcclComm.create(uid, 0, [0], 60.0, library=library, on_thread=lambda: torch.cuda.set_device(dev))
 
 
+def ready(stream):
+    """NCCL's stream waits for the buffers made on the current one (torch's streams do not wait for each other)."""
+    stream.wait_stream(torch.cuda.current_stream())
+
+
 def wait(comm, stream, what, also=()):
     done = torch.cuda.Event()
     done.record(stream)
@@ -46,6 +51,7 @@ def check_every_dtype_and_op(comm, stream, dev):
         for op in [op for op in nccl_library.OPS if op != "average" or floating]:  # averages are of floats
             x = values(name, 1001, dev)
             out = torch.empty_like(x)
+            ready(stream)
             comm.allreduce(x.data_ptr(), out.data_ptr(), x.numel(), name, op, stream.cuda_stream)
             wait(comm, stream, "allreduce %s %s" % (name, op))
             assert torch.equal(out.cpu(), x.cpu()), (name, op)  # one rank: every reduction is the input
@@ -55,18 +61,22 @@ def check_data_movement(comm, stream, dev):
     x = values("float32", 4099, dev)
     out = torch.zeros_like(x)
     s = stream.cuda_stream
+    ready(stream)
     comm.broadcast(x.data_ptr(), out.data_ptr(), x.numel(), "float32", 0, s)
     wait(comm, stream, "broadcast")
     assert torch.equal(out, x)
     out.zero_()
+    ready(stream)
     comm.allgather(x.data_ptr(), out.data_ptr(), x.numel(), "float32", s)
     wait(comm, stream, "allgather")
     assert torch.equal(out, x)
     out.zero_()
+    ready(stream)
     comm.reducescatter(x.data_ptr(), out.data_ptr(), x.numel(), "float32", "sum", s)
     wait(comm, stream, "reducescatter")
     assert torch.equal(out, x)
     out.zero_()
+    ready(stream)
     with comm.group():  # a send to itself and its receive must be launched together
         comm.send(x.data_ptr(), x.numel(), "float32", 0, s)
         comm.recv(out.data_ptr(), x.numel(), "float32", 0, s)
@@ -84,6 +94,7 @@ def check_torus_on_splits(comm, stream, dev):
     work = torch.zeros(padded, dtype=x.dtype, device=dev)
     work[:x.numel()].copy_(x)
     piece = torch.empty(padded // row.size, dtype=x.dtype, device=dev)
+    ready(stream)
     nccl_torus.torus_allreduce(row, column, work.data_ptr(), piece.data_ptr(), padded, "bfloat16", "max",
                                stream.cuda_stream)
     wait(row, stream, "torus", also=[column])

@@ -107,7 +107,12 @@ class NcclComm:
             self.on_thread()
         result = lib.ncclCommSplit(self.handle, color, key, out, self.library.non_blocking_config())
         self._check(result, "ncclCommSplit")
-        self._settle("ncclCommSplit", result, joining=True)
+        try:  # NCCL answers success while the split still runs: the parent is in progress until it ends
+            self._settle("ncclCommSplit", IN_PROGRESS, joining=True)
+        except ShmCommError:
+            if out[0] != ffi.NULL:  # the parent's abort ended the split; a child it made goes too
+                lib.ncclCommAbort(out[0])
+            raise
         if out[0] == ffi.NULL:
             raise NcclError("ncclCommSplit over %s ended without a communicator" % _ranks_text(self.ranks))
         comm = NcclComm(self.library, out[0], 0, ranks, self.timeout_s, self.failed_ranks, self.on_thread)
@@ -152,15 +157,15 @@ class NcclComm:
         self.grouped = []
         try:
             yield
-        finally:
+        finally:  # also when the body raised something else: the group's launch is waited for all the same
             failed, self.grouped = self.grouped, None
             result = self.library.lib.ncclGroupEnd()
             if failed:
                 self.abort()
                 self.broken = failed[0]
                 raise failed[0]
-        self._check(result, "ncclGroupEnd")
-        self._settle("ncclGroupEnd", result)
+            self._check(result, "ncclGroupEnd")
+            self._settle("ncclGroupEnd", result)
 
     # ---- completion and failure ----
     def wait(self, done, what, also=()):
@@ -170,9 +175,10 @@ class NcclComm:
         self._bounded_wait(done, what, (self,) + tuple(also))
 
     def _settle(self, what, result, joining=False, also=()):
-        """After a call that returned ncclInProgress: waits, bounded, until the communicator's state leaves it (the
-        call's work is then enqueued, or the communicator created). `joining`: the call needs every rank."""
-        if result == IN_PROGRESS:
+        """After a call that returned ncclInProgress (or left the communicator in progress): waits, bounded, until its
+        state is success (the call's work is then enqueued, or the communicator made). `joining`: the call needs
+        every rank."""
+        if result == IN_PROGRESS or (result == 0 and self._state() == IN_PROGRESS):
             comms = (self,) + tuple(also)
             self._bounded_wait(lambda: all(c._state() == 0 for c in comms), what, comms, joining)
 
