@@ -97,17 +97,15 @@ def add_process_set(process_set):
 
     Raises:
         InvalidArgumentError: the ranks are empty or out of range, or a set of the same ranks exists already.
-        NotSupportedError: the ranks are on more than one host (every rank raises it alike).
+        NotSupportedError: the ranks are on more than one host of an elastic or torchrun world, whose TCP mesh
+            cannot be divided (every rank raises it alike); in an MPI job a set may span hosts.
     """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     comm = session.communicator()
     if not ps.ranks or any(r < 0 or r >= comm.size for r in ps.ranks):
         raise InvalidArgumentError("process set ranks %s must be a non-empty subset of 0..%d" % (ps.ranks,
                                                                                              comm.size - 1))
-    on_hosts = [sorted(set(group) & set(ps.ranks)) for group in comm.host_groups if set(group) & set(ps.ranks)]
-    if len(on_hosts) > 1:  # its members would wait in segments of their own hosts for ranks that never come
-        raise NotSupportedError("process set %s spans hosts (ranks %s): a process set holds ranks of one host, which "
-                                "meet in its shared memory" % (ps.ranks, " | ".join(map(str, on_hosts))))
+    _refuse_across_hosts(comm, ps.ranks)
     with _lock:
         for other in _registry.values():
             if other.ranks == ps.ranks and other.process_set_id < _MEMBERS_ONLY_IDS:
@@ -136,17 +134,14 @@ def members_only(ranks, key):
     Raises:
         InvalidArgumentError: the ranks are out of range or do not include this rank, or the key names a set of other
             ranks already.
-        NotSupportedError: the ranks are on more than one host.
+        NotSupportedError: the ranks are on more than one host of an elastic or torchrun world.
     """
     ps = ProcessSet(ranks)
     comm = session.communicator()
     if not ps.ranks or any(r < 0 or r >= comm.size for r in ps.ranks) or comm.topology.rank not in ps.ranks:
         raise InvalidArgumentError("a members-only process set %s must hold rank %d, within 0..%d"
                                    % (ps.ranks, comm.topology.rank, comm.size - 1))
-    host = next((group for group in comm.host_groups if comm.topology.rank in group), comm.ranks)
-    if not set(ps.ranks) <= set(host):
-        raise NotSupportedError("process set %s spans hosts; a members-only set lives in one host's shared memory "
-                                "(this host has ranks %s)" % (ps.ranks, sorted(host)))
+    _refuse_across_hosts(comm, ps.ranks)
     ps.process_set_id = _MEMBERS_ONLY_IDS + zlib.crc32(key.encode()) % _MEMBERS_ONLY_IDS
     with _lock:
         other = _registry.get(ps.process_set_id)
@@ -208,6 +203,15 @@ def close_all():
             ps._comm.close()
             ps._comm = None
         ps.process_set_id = None
+
+
+def _refuse_across_hosts(comm, ranks):
+    """NotSupportedError where `ranks` span hosts that only a TCP mesh joins (bootstrap.spans_hosts_supported)."""
+    on_hosts = [sorted(set(group) & set(ranks)) for group in comm.host_groups if set(group) & set(ranks)]
+    if len(on_hosts) > 1 and not bootstrap.spans_hosts_supported(comm):
+        raise NotSupportedError("process set %s spans hosts (ranks %s), which only the world's TCP mesh joins (an "
+                                "elastic or torchrun job): a process set across hosts needs an MPI job"
+                                % (ranks, " | ".join(map(str, on_hosts))))
 
 
 def _my_rank():

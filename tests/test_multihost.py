@@ -85,6 +85,19 @@ def test_mismatches_across_two_hosts(two_hosts, tmp_path):
     assert sorted(rank_lines(run.stdout)) == [0, 1, 2, 3]
 
 
+@pytest.mark.long  # the same script runs across pretend hosts in the default run (test_torus.py)
+def test_process_sets_across_two_hosts(two_hosts, tmp_path):
+    """Sets of ranks on both hosts (and one host's) run every collective, through the engine too, over an MPI
+    communicator of their members; a mismatch raises on every member and the set goes on."""
+    from test_torus import PROCESS_SETS_ACROSS_HOSTS
+
+    script = tmp_path / "job.py"
+    script.write_text(PROCESS_SETS_ACROSS_HOSTS)
+    run = _shmcommrun(two_hosts, 2, [sys.executable, str(script)], SHMCOMM_TIMEOUT="60")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("sets ok") == 4, run.stdout + run.stderr
+
+
 @pytest.mark.long
 def test_three_hosts(tmp_path):
     sim = open_hosts(3)

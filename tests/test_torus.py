@@ -5,6 +5,7 @@ the cross-host steps really go through MPI."""
 import functools
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -203,30 +204,88 @@ def test_mismatches_across_pretend_hosts(tmp_path, algo):
 
 
 PROCESS_SETS_ACROSS_HOSTS = """
-import numpy as np, shmcomm
-shmcomm.init()
+import numpy as np, torch, shmcomm
+import shmcomm.torch as hvd
+hvd.init()  # the engine runs: the numpy API's calls go through it too
 me = shmcomm.rank()
-try:
-    shmcomm.add_process_set([1, 2])
-except shmcomm.NotSupportedError as error:
-    assert "spans hosts (ranks [1] | [2])" in str(error), error
-else:
-    raise AssertionError("a process set across hosts was taken")
-pair = shmcomm.add_process_set([2, 3])  # one host's: works, and so does the world
-if me in (2, 3):
-    assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum, process_set=pair).tolist() == [2.0, 2.0]
+sets = {(1, 2): shmcomm.add_process_set([1, 2]),  # a rank on each host
+        (0, 1, 3): shmcomm.add_process_set([0, 1, 3]),  # two ranks on one host, one on the other
+        (2, 3): shmcomm.add_process_set([2, 3])}  # one host's
+assert type(sets[1, 2].communicator() if me in (1, 2) else None).__name__ in ("WorldComm", "NoneType")
+for ranks, ps in sets.items():
+    if me not in ranks:
+        continue
+    n, i = len(ranks), ranks.index(me)
+    x = np.arange(6, dtype=np.float32) + me
+    assert shmcomm.allreduce(x, op=shmcomm.Sum, process_set=ps).tolist() == sum(np.arange(6.0) + r for r in ranks).tolist()
+    assert shmcomm.allreduce(x, op=shmcomm.Max, process_set=ps).tolist() == (np.arange(6.0) + max(ranks)).tolist()
+    b = np.full(3, float(me))
+    shmcomm.broadcast_(b, ranks[-1], process_set=ps)
+    assert b.tolist() == [float(ranks[-1])] * 3, b
+    g = shmcomm.allgather(np.full((i + 1, 2), me, dtype=np.int64), process_set=ps)
+    assert g[:, 0].tolist() == [r for k, r in enumerate(ranks) for _ in range(k + 1)], g
+    got = shmcomm.alltoall(np.arange(n, dtype=np.int32) + 10 * me, process_set=ps)
+    assert got.tolist() == [10 * r + i for r in ranks], got
+    got, counts = shmcomm.alltoall(np.arange(2 * n, dtype=np.int32), splits=[2] * (n - 1) + [2], process_set=ps)
+    assert got.tolist() == [2 * i, 2 * i + 1] * n and counts.tolist() == [2] * n, (got, counts)
+    share = shmcomm.reducescatter(np.full((n, 2), float(me)), op=shmcomm.Sum, process_set=ps)
+    assert share.tolist() == [[float(sum(ranks))] * 2], share
+    shmcomm.barrier(process_set=ps)
+    # Asynchronous, several at once, as a training loop's gradients go.
+    handles = [hvd.allreduce_async(torch.full((k + 1,), float(me)), op=hvd.Sum, name="t%d" % k, process_set=ps)
+               for k in range(5)]
+    for k, h in enumerate(handles):
+        assert hvd.synchronize(h).tolist() == [float(sum(ranks))] * (k + 1)
+    try:  # a mismatch raises on every member, and the set goes on
+        shmcomm.allreduce(np.ones(2 + i), op=shmcomm.Sum, process_set=ps)
+    except shmcomm.MismatchError as error:
+        assert "ranks disagree" in str(error) or "mismatch" in str(error).lower(), error
+    else:
+        raise AssertionError("a mismatch across hosts was taken")
+    assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum, process_set=ps).tolist() == [float(n)] * 2
 assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum).tolist() == [4.0, 4.0]
+shmcomm.remove_process_set(sets[1, 2])
+print("sets ok", flush=True)
+"""
+# torch.distributed's groups and send/recv across hosts rest on such sets (members-only ones, and two-rank channels).
+TORCH_GROUPS_ACROSS_HOSTS = """
+import sys, torch.distributed as dist
+dist.init_process_group("shmcomm", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=me, world_size=4)
+across = dist.new_group([1, 2])
+if me in (1, 2):
+    t = torch.full((3,), float(me))
+    dist.all_reduce(t, group=across)
+    assert t.tolist() == [3.0] * 3, t
+    gathered = torch.empty(2)
+    dist.all_gather_into_tensor(gathered, torch.tensor([float(me)]), group=across)
+    assert gathered.tolist() == [1.0, 2.0], gathered
+    message = torch.arange(5.0) * me
+    if me == 1:
+        dist.send(message, 2)
+        dist.recv(message, 2)
+        assert message.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0], message
+    else:
+        got = torch.empty(5)
+        dist.recv(got, 1)
+        assert got.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0], got
+        dist.send(message, 1)
+dist.barrier()
+dist.destroy_process_group()
 print("rank ok", flush=True)
 """
 
 
-def test_a_process_set_across_hosts_is_refused_on_every_rank(tmp_path):
-    """Its members would each wait in their own host's shared memory for ranks that never come."""
+def test_a_process_set_across_hosts_runs_every_collective_on_mpi(tmp_path):
+    """In an MPI job a set may span hosts: its members on each host share a segment, and an MPI communicator of all
+    of them (MPI_Comm_create_group) carries the collectives across hosts, after the agreement."""
     script = tmp_path / "job.py"
-    script.write_text(PROCESS_SETS_ACROSS_HOSTS)
-    run = _mpiexec(script, 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT="20", SHMCOMM_START_TIMEOUT="20")
+    script.write_text(PROCESS_SETS_ACROSS_HOSTS + TORCH_GROUPS_ACROSS_HOSTS)
+    with socket.socket() as probe:  # a free port for torch's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run = _mpiexec([script, port], 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT="30", SHMCOMM_START_TIMEOUT="30")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("rank ok") == 4
+    assert run.stdout.count("sets ok") == 4 and run.stdout.count("rank ok") == 4
 
 
 def test_settings_that_choose_paths_must_agree_across_hosts(tmp_path):

@@ -48,10 +48,11 @@ class WorldComm(Communicator):
     """`host`: this host's algorithms.host.HostComm; `torus`: a torus2d.Torus, or None (hosts of unequal sizes);
     `across`: the transport over the whole job across hosts (MPI; the TCP mesh in an elastic world), None for a grid
     on one host; `paths`: env.PathSettings;
-    `host_groups`: the job ranks of each host."""
+    `host_groups`: the job ranks of each host; `ranks`: the job ranks it holds (a process set's), every rank by
+    default."""
 
-    def __init__(self, topology, tuning, host, torus, paths, across=None, host_groups=None):
-        super().__init__(host.shm, topology, tuning, range(topology.size))
+    def __init__(self, topology, tuning, host, torus, paths, across=None, host_groups=None, ranks=None):
+        super().__init__(host.shm, topology, tuning, range(topology.size) if ranks is None else ranks)
         self.host_groups = [list(g) for g in host_groups] if host_groups is not None else [self.ranks]
         self.host = host
         self.torus = torus

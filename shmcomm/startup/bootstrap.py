@@ -39,8 +39,40 @@ def build_world(generation):
 
 
 def process_set(world, ranks, set_id, generation):
-    """The communicator of a process set's members (its own segment among this host's ranks)."""
-    return HostComm(_shm(world.topology, world.tuning, generation, ranks=ranks, suffix="_s%d" % set_id))
+    """The communicator of a process set's members: a segment of their own among this host's ranks; for a set that
+    spans hosts (in an MPI job: spans_hosts_supported), an MPI communicator of its members too, under the world's
+    algorithms without a torus (MPI's own collectives across hosts, after the agreement)."""
+    from dataclasses import replace
+
+    groups = [g for g in ([r for r in group if r in ranks] for group in world.host_groups) if g]
+    here = next(g for g in groups if world.topology.rank in g)
+    # Each host's members meet in a segment of their own (hosts may share /dev/shm: simulated or pretend hosts).
+    suffix = "_s%d" % set_id if len(groups) == 1 else "_s%d_h%d" % (set_id, groups.index(here))
+    host = HostComm(_shm(world.topology, world.tuning, generation, ranks=here, suffix=suffix))
+    if len(groups) == 1:
+        return host
+    from shmcomm.algorithms.world import WorldComm
+
+    try:
+        across = world.across.subset(ranks, set_id % _MPI_TAGS, "process set %d across hosts" % set_id)
+    except BaseException:
+        host.close()
+        raise
+    paths = env.paths(world.size)
+    paths = replace(paths, grid=None, algorithm="auto" if paths.algorithm == "torus" else paths.algorithm)
+    comm = WorldComm(world.topology, world.tuning, host, None, paths, across=across, host_groups=groups, ranks=ranks)
+    comm.closables.append(across)
+    comm.roll_call = getattr(world, "roll_call", None)  # a timeout names the ranks holding the set up
+    return comm
+
+
+def spans_hosts_supported(world):
+    """Whether a process set may span this world's hosts: in an MPI job, whose communicators can be divided; not
+    over an elastic world's or torchrun's TCP mesh, whose connections the whole world shares in order."""
+    return world.across is not None and world.across.carrier == "mpi"
+
+
+_MPI_TAGS = 32768  # MPI promises tags up to 32767 at least
 
 
 def _shm(topo, tuning, generation, **where):

@@ -7,6 +7,7 @@ are this module's: every wait that can outlast a peer that stopped has the deadl
 and a transport whose wait was abandoned refuses every later collective (BrokenCommunicatorError), since its messages
 are out of step from then on."""
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -58,6 +59,7 @@ class Mpi(PointToPoint):
         # 1 while usable, for C callers that cannot ask `broken` (csrc/py/quick_crossing.h); `broken` keeps it
         self.usable_flag = ffi.new("int *", 1)
         self.broken = None  # why calls are refused: a wait was abandoned, its messages are still pending
+        self._owned = False  # a communicator subset() made, freed by close()
         self._byte = MPI.BYTE
         self._ops = {lib.SMC_SUM: MPI.SUM, lib.SMC_MIN: MPI.MIN, lib.SMC_MAX: MPI.MAX, lib.SMC_PROD: MPI.PROD}
         self._watchdog = Watchdog()
@@ -73,6 +75,40 @@ class Mpi(PointToPoint):
 
     def deadline(self):
         return time.monotonic() + self.timeout_s
+
+    def subset(self, ranks, tag, what):
+        """A transport over `ranks` (job ranks of this communicator, this rank among them), from
+        MPI_Comm_create_group, which only they call, with `tag` the same on all of them. MPI waits there for every
+        one of them without a deadline, so a thread bounds the wait by this transport's: past it, TimeoutError names
+        the ranks (the thread is left in MPI, and the job is expected to stop)."""
+        members = [self.ranks.index(r) for r in ranks]
+        made = {}
+
+        def create():
+            try:
+                group = self.comm.Get_group().Incl(members)
+                made["comm"] = self.comm.Create_group(group, tag)
+                group.Free()
+            except BaseException as error:  # handed to the caller below
+                made["error"] = error
+
+        thread = threading.Thread(target=create, name="shmcomm-mpi-group", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            raise TimeoutError("%s: not every one of ranks %s came within %.0f s (SHMCOMM_TIMEOUT); a rank may have "
+                               "died or not reached this call" % (what, list(ranks), self.timeout_s))
+        if "error" in made:
+            raise made["error"]
+        subset = Mpi(made["comm"], self.timeout_s, what)
+        subset._owned = True
+        return subset
+
+    def close(self):
+        """Frees a communicator subset() made (the job's own are MPI's to end)."""
+        if self._owned and not self.broken:
+            self._owned = False
+            self.comm.Free()
 
     def _bounded(self, request, deadline, late):
         """Polls `request` to `deadline`; a late one is still pending, so the transport is refused from then on."""
