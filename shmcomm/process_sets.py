@@ -206,12 +206,13 @@ def close_all():
 
 
 def _refuse_across_hosts(comm, ranks):
-    """NotSupportedError where `ranks` span hosts that only a TCP mesh joins (bootstrap.spans_hosts_supported)."""
+    """NotSupportedError, alike on every rank, where `ranks` span hosts that cannot hold such a set
+    (bootstrap.why_no_sets_across_hosts)."""
     on_hosts = [sorted(set(group) & set(ranks)) for group in comm.host_groups if set(group) & set(ranks)]
-    if len(on_hosts) > 1 and not bootstrap.spans_hosts_supported(comm):
-        raise NotSupportedError("process set %s spans hosts (ranks %s), which only the world's TCP mesh joins (an "
-                                "elastic or torchrun job): a process set across hosts needs an MPI job"
-                                % (ranks, " | ".join(map(str, on_hosts))))
+    why = bootstrap.why_no_sets_across_hosts(comm) if len(on_hosts) > 1 else None
+    if why:
+        raise NotSupportedError("process set %s spans hosts (ranks %s), but %s" % (ranks, " | ".join(map(str, on_hosts)),
+                                                                                   why))
 
 
 def _my_rank():

@@ -206,15 +206,14 @@ def test_mismatches_across_pretend_hosts(tmp_path, algo):
 PROCESS_SETS_ACROSS_HOSTS = """
 import numpy as np, torch, shmcomm
 import shmcomm.torch as hvd
-hvd.init()  # the engine runs: the numpy API's calls go through it too
+shmcomm.init()  # first without the engine: each call goes straight to its set's communicator
 me = shmcomm.rank()
 sets = {(1, 2): shmcomm.add_process_set([1, 2]),  # a rank on each host
         (0, 1, 3): shmcomm.add_process_set([0, 1, 3]),  # two ranks on one host, one on the other
         (2, 3): shmcomm.add_process_set([2, 3])}  # one host's
-assert type(sets[1, 2].communicator() if me in (1, 2) else None).__name__ in ("WorldComm", "NoneType")
-for ranks, ps in sets.items():
-    if me not in ranks:
-        continue
+
+
+def check(ranks, ps, engine):
     n, i = len(ranks), ranks.index(me)
     x = np.arange(6, dtype=np.float32) + me
     assert shmcomm.allreduce(x, op=shmcomm.Sum, process_set=ps).tolist() == sum(np.arange(6.0) + r for r in ranks).tolist()
@@ -226,24 +225,40 @@ for ranks, ps in sets.items():
     assert g[:, 0].tolist() == [r for k, r in enumerate(ranks) for _ in range(k + 1)], g
     got = shmcomm.alltoall(np.arange(n, dtype=np.int32) + 10 * me, process_set=ps)
     assert got.tolist() == [10 * r + i for r in ranks], got
-    got, counts = shmcomm.alltoall(np.arange(2 * n, dtype=np.int32), splits=[2] * (n - 1) + [2], process_set=ps)
+    got, counts = shmcomm.alltoall(np.arange(2 * n, dtype=np.int32), splits=[2] * n, process_set=ps)
     assert got.tolist() == [2 * i, 2 * i + 1] * n and counts.tolist() == [2] * n, (got, counts)
     share = shmcomm.reducescatter(np.full((n, 2), float(me)), op=shmcomm.Sum, process_set=ps)
     assert share.tolist() == [[float(sum(ranks))] * 2], share
     shmcomm.barrier(process_set=ps)
-    # Asynchronous, several at once, as a training loop's gradients go.
-    handles = [hvd.allreduce_async(torch.full((k + 1,), float(me)), op=hvd.Sum, name="t%d" % k, process_set=ps)
-               for k in range(5)]
-    for k, h in enumerate(handles):
-        assert hvd.synchronize(h).tolist() == [float(sum(ranks))] * (k + 1)
-    try:  # a mismatch raises on every member, and the set goes on
+    if engine:  # asynchronous, several at once, as a training loop's gradients go
+        handles = [hvd.allreduce_async(torch.full((k + 1,), float(me)), op=hvd.Sum, name="t%d" % k, process_set=ps)
+                   for k in range(5)]
+        for k, h in enumerate(handles):
+            assert hvd.synchronize(h).tolist() == [float(sum(ranks))] * (k + 1)
+    try:  # a mismatch raises on every member, naming job ranks, and the set goes on
         shmcomm.allreduce(np.ones(2 + i), op=shmcomm.Sum, process_set=ps)
     except shmcomm.MismatchError as error:
-        assert "ranks disagree" in str(error) or "mismatch" in str(error).lower(), error
+        assert "rank %d" % ranks[-1] in str(error), error
     else:
-        raise AssertionError("a mismatch across hosts was taken")
+        raise AssertionError("a mismatch was taken")
+    try:  # a root outside the set on one member: it raises its own error, the others hear which rank refused
+        shmcomm.broadcast_(np.ones(2), ranks[0] if i else 99, process_set=ps)
+    except shmcomm.PeerArgumentError as error:
+        assert i and "rank %d's call failed its own checks" % ranks[0] in str(error), error
+    except (shmcomm.InvalidArgumentError, ValueError) as error:
+        assert i == 0, error
+    else:
+        raise AssertionError("a refusal was taken")
     assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum, process_set=ps).tolist() == [float(n)] * 2
-assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum).tolist() == [4.0, 4.0]
+
+
+for engine in (False, True):
+    if engine:
+        hvd.init()  # every rank at once: the engine starts, and the calls go through it
+    for ranks, ps in sets.items():
+        if me in ranks:
+            check(ranks, ps, engine)
+    assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum).tolist() == [4.0, 4.0]
 shmcomm.remove_process_set(sets[1, 2])
 print("sets ok", flush=True)
 """
@@ -286,6 +301,29 @@ def test_a_process_set_across_hosts_runs_every_collective_on_mpi(tmp_path):
     run = _mpiexec([script, port], 4, SHMCOMM_RANKS_PER_HOST="2", SHMCOMM_TIMEOUT="30", SHMCOMM_START_TIMEOUT="30")
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("sets ok") == 4 and run.stdout.count("rank ok") == 4
+
+
+def test_a_process_set_across_hosts_is_refused_where_mpi_runs_serialized(tmp_path):
+    """Such a set's MPI calls may come from threads (its creation under the deadline, torch's channels): with MPI
+    serialized (HOROVOD_MPI_THREADS_DISABLE) every rank refuses it alike, and one host's set still works."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, shmcomm
+        shmcomm.init()
+        try:
+            shmcomm.add_process_set([1, 2])
+        except shmcomm.NotSupportedError as error:
+            assert "spans hosts (ranks [1] | [2]), but MPI runs serialized" in str(error), error
+        else:
+            raise AssertionError("a set across hosts was taken with MPI serialized")
+        pair = shmcomm.add_process_set([2, 3])
+        if shmcomm.rank() in (2, 3):
+            assert shmcomm.allreduce(np.ones(2), op=shmcomm.Sum, process_set=pair).tolist() == [2.0, 2.0]
+        print("rank ok", flush=True)
+    """))
+    run = _mpiexec(script, 4, SHMCOMM_RANKS_PER_HOST="2", HOROVOD_MPI_THREADS_DISABLE="1")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("rank ok") == 4
 
 
 def test_settings_that_choose_paths_must_agree_across_hosts(tmp_path):

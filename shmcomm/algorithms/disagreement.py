@@ -11,14 +11,15 @@ from shmcomm.transport import memory
 from shmcomm.vocabulary.exceptions import MismatchError, ShmCommError
 
 
-def disagreement_error(what, collective, mpi, shm, names=None):
+def disagreement_error(what, collective, mpi, shm, names=None, ranks=None):
     """The MismatchError every rank raises, naming what each rank passed (`names`: dtype keys of types the core does
-    not reduce, in words)."""
+    not reduce, in words; `ranks`: the communicator's job ranks, where they are not its indices)."""
     every = gather_rows(collective.words(), mpi, shm)
     if every is None:
         return MismatchError("%s: ranks disagree on the tensor or the collective (their descriptions could not be "
                              "collected)" % what)
-    text = description.disagreement({r: description.Collective.from_words(row) for r, row in enumerate(every)}, names)
+    text = description.disagreement({(r if ranks is None else ranks[r]): description.Collective.from_words(row)
+                                     for r, row in enumerate(every)}, names)
     if text.startswith("all passed"):
         return MismatchError("%s: ranks disagree on the arguments, though %s" % (what, text))
     return MismatchError("%s: ranks disagree: %s" % (what, text))

@@ -199,14 +199,14 @@ class WorldComm(Communicator):
         if self.torus is not None:
             status, _ = self.torus.agree(0, what, refusal=reason)
         else:
-            status, _ = self.agreement.agree(0, REFUSED, self.rank + 1)
+            status, _ = self.agreement.agree(0, REFUSED, self.ranks[self.rank] + 1)  # the culprit's job rank + 1
         if status == REFUSED:
             refusal_error(what, reason, self.across, self.host.shm)
 
     def _disagreement(self, what, collective, buf=None):
         """The error every rank raises after a mismatch, naming what each rank passed."""
         names = {buf.dtype_key(): buf.type_name()} if buf is not None else None
-        return disagreement_error(what, collective, self.across, self.host.shm, names)
+        return disagreement_error(what, collective, self.across, self.host.shm, names, self.ranks)
 
     def _checked(self, what, collective, buf=None, extra=()):
         """The agreement on `collective` (and `extra` numbers that must agree too)."""
@@ -321,8 +321,9 @@ class WorldComm(Communicator):
         differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
         if differ:
             size0, size = int(everyone[0].split()[0]), int(everyone[differ[0]].split()[0])
-            raise MismatchError("%s: ranks disagree: rank 0 asks for a shared buffer of %d bytes, rank %d for %d%s" % (
-                what, size0, differ[0], size, " of another shape or dtype" if size == size0 else ""),
+            raise MismatchError("%s: ranks disagree: rank %d asks for a shared buffer of %d bytes, rank %d for %d%s" % (
+                what, self.ranks[0], size0, self.ranks[differ[0]], size, " of another shape or dtype" if size == size0
+                else ""),
                 field="shape" if size == size0 else "count")
         return self.host.shared_buffer(nbytes, what, tag)
 

@@ -53,26 +53,35 @@ def process_set(world, ranks, set_id, generation):
         return host
     from shmcomm.algorithms.world import WorldComm
 
-    try:
-        across = world.across.subset(ranks, set_id % _MPI_TAGS, "process set %d across hosts" % set_id)
-    except BaseException:
-        host.close()
+    what = "process set %d across hosts" % set_id
+    opened = [host]
+    try:  # whatever fails, what was made so far goes
+        across = _within(world.tuning.timeout_s, what, world.notices, world.across.subset, ranks, set_id, what)
+        opened.append(across)
+        paths = env.paths(world.size)
+        paths = replace(paths, grid=None, algorithm="auto" if paths.algorithm == "torus" else paths.algorithm)
+        comm = WorldComm(world.topology, world.tuning, host, None, paths, across=across, host_groups=groups,
+                         ranks=ranks)
+    except BaseException as error:
+        if not getattr(error, "thread_stuck", False):  # else that thread may still use the segment: left as is
+            for transport in opened:
+                transport.close()
         raise
-    paths = env.paths(world.size)
-    paths = replace(paths, grid=None, algorithm="auto" if paths.algorithm == "torus" else paths.algorithm)
-    comm = WorldComm(world.topology, world.tuning, host, None, paths, across=across, host_groups=groups, ranks=ranks)
     comm.closables.append(across)
-    comm.roll_call = getattr(world, "roll_call", None)  # a timeout names the ranks holding the set up
+    comm.roll_call = world.roll_call  # a timeout names the ranks holding the set up
     return comm
 
 
-def spans_hosts_supported(world):
-    """Whether a process set may span this world's hosts: in an MPI job, whose communicators can be divided; not
-    over an elastic world's or torchrun's TCP mesh, whose connections the whole world shares in order."""
-    return world.across is not None and world.across.carrier == "mpi"
-
-
-_MPI_TAGS = 32768  # MPI promises tags up to 32767 at least
+def why_no_sets_across_hosts(world):
+    """None where a process set may span this world's hosts (an MPI job whose MPI takes calls from several threads
+    at once), else why not, in words."""
+    across = getattr(world, "across", None)
+    if across is None or across.carrier != "mpi":
+        return ("only the world's TCP mesh joins them (an elastic or torchrun job), whose connections the whole world "
+                "uses in order")
+    if not across.threads_multiple:
+        return "MPI runs serialized (HOROVOD_MPI_THREADS_DISABLE), and such a set's MPI calls may come from threads"
+    return None
 
 
 def _shm(topo, tuning, generation, **where):
@@ -137,6 +146,7 @@ def _across_hosts(generation):
         notices.close()
         raise
     world.closables.append(notices)
+    world.notices = notices  # process sets across hosts are made within their deadline, as MPI's start is
     return world
 
 
@@ -188,7 +198,10 @@ def _world_across_hosts(topo, ctx, tuning, shm, paths):
     torus = Torus(shm, MpiColumn(column, paths.torus_small_bytes), paths.torus_small_bytes,
                   world_rank=topo.rank) if column is not None else None
     every = ctx.world.allgather(ctx.host_ranks)  # each rank's host's ranks: a host once per rank of it
-    world = WorldComm(topo, tuning, HostComm(shm), torus, paths, across=Mpi(ctx.world, tuning.timeout_s),
+    across = Mpi(ctx.world, tuning.timeout_s)
+    if across.threads_multiple:
+        across.groups = ctx.world.Dup()
+    world = WorldComm(topo, tuning, HostComm(shm), torus, paths, across=across,
                       host_groups=[list(g) for g in dict.fromkeys(tuple(g) for g in every)])
     world.box_network = _box_network(ctx, topo, tuning, shm)
     world.closables.append(world.box_network)

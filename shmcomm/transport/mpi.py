@@ -7,13 +7,12 @@ are this module's: every wait that can outlast a peer that stopped has the deadl
 and a transport whose wait was abandoned refuses every later collective (BrokenCommunicatorError), since its messages
 are out of step from then on."""
 import itertools
-import threading
 import time
 
 import numpy as np
 
 from shmcomm._native import ffi, lib
-from shmcomm.vocabulary.exceptions import TimeoutError
+from shmcomm.vocabulary.exceptions import SystemError, TimeoutError
 from shmcomm.transport import PointToPoint, allgather_bytes_over, kernels
 from shmcomm.transport.deadline import Watchdog, poll, spin
 
@@ -48,12 +47,16 @@ class Mpi(PointToPoint):
 
     carrier = "mpi"
 
-    def __init__(self, comm, timeout_s, what="across hosts"):
+    def __init__(self, comm, timeout_s, what="across hosts", ranks=None):
         from mpi4py import MPI
 
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.ranks = comm.allgather(MPI.COMM_WORLD.Get_rank())
+        self.ranks = comm.allgather(MPI.COMM_WORLD.Get_rank()) if ranks is None else list(ranks)
+        # Process sets across hosts: communicators made from a duplicate of this one (`groups`, set at init by whoever
+        # makes the job's; no other call uses it), which needs MPI to take calls from several threads at once.
+        self.groups = None
+        self.threads_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self.timeout_s = timeout_s
         self.what = what
         # 1 while usable, for C callers that cannot ask `broken` (csrc/py/quick_crossing.h); `broken` keeps it
@@ -76,32 +79,27 @@ class Mpi(PointToPoint):
     def deadline(self):
         return time.monotonic() + self.timeout_s
 
-    def subset(self, ranks, tag, what):
+    def subset(self, ranks, key, what):
         """A transport over `ranks` (job ranks of this communicator, this rank among them), from
-        MPI_Comm_create_group, which only they call, with `tag` the same on all of them. MPI waits there for every
-        one of them without a deadline, so a thread bounds the wait by this transport's: past it, TimeoutError names
-        the ranks (the thread is left in MPI, and the job is expected to stop)."""
-        members = [self.ranks.index(r) for r in ranks]
-        made = {}
+        MPI_Comm_create_group on `groups`, which only they call, tagged by `key` (an int the same on all of them).
+        MPI waits there for every one of them with no deadline: the caller bounds it (bootstrap._within). Groups made
+        at once by overlapping sets are told apart by their tags; two keys that share a tag are found out after."""
+        from mpi4py import MPI
 
-        def create():
-            try:
-                group = self.comm.Get_group().Incl(members)
-                made["comm"] = self.comm.Create_group(group, tag)
-                group.Free()
-            except BaseException as error:  # handed to the caller below
-                made["error"] = error
-
-        thread = threading.Thread(target=create, name="shmcomm-mpi-group", daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        if thread.is_alive():
-            raise TimeoutError("%s: not every one of ranks %s came within %.0f s (SHMCOMM_TIMEOUT); a rank may have "
-                               "died or not reached this call" % (what, list(ranks), self.timeout_s))
-        if "error" in made:
-            raise made["error"]
-        subset = Mpi(made["comm"], self.timeout_s, what)
+        world = self.groups.Get_group()
+        group = world.Incl([self.ranks.index(r) for r in ranks])
+        world.Free()
+        try:
+            comm = self.groups.Create_group(group, key % (self.groups.Get_attr(MPI.TAG_UB) + 1))
+        finally:
+            group.Free()
+        subset = Mpi(comm, self.timeout_s, what, ranks)
         subset._owned = True
+        keys = subset.allgather_bytes(b"%d" % key)  # within the deadline
+        if len(set(keys)) != 1:
+            subset.close()
+            raise SystemError("%s: MPI paired this group with another made at the same time (keys %s); make the "
+                              "sets one after the other" % (what, b", ".join(keys).decode()))
         return subset
 
     def close(self):
