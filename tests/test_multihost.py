@@ -353,11 +353,16 @@ SHMCOMM_BACKEND = """
     on_this_host = dist.new_group([0, 1]), dist.new_group([2, 3])
     local = on_this_host[me // 2]
     y = torch.ones(1); dist.all_reduce(y, group=local)
-    errors = []
-    try:
-        dist.new_group([1, 2])
+    errors, pair = [], None
+    try:  # across the hosts: an MPI job runs it, the TCP mesh of a torchrun job refuses it
+        group = dist.new_group([1, 2])
+        if me in (1, 2):
+            z = torch.ones(1); dist.all_reduce(z, group=group)
+            errors.append(z.item() == 2.0)
+            pair = "ran"
     except shmcomm.NotSupportedError as e:
         errors.append("spans hosts" in str(e))
+        pair = "refused"
     if me in (0, 1):  # point to point on one host
         t = torch.full((2,), 5.0) if me == 0 else torch.empty(2)
         (dist.send if me == 0 else dist.recv)(t, 1 - me)
@@ -365,7 +370,7 @@ SHMCOMM_BACKEND = """
     across = type(shmcomm.basics.communicator().across).__name__
     print(json.dumps({"rank": me, "hosts": shmcomm.cross_size(), "across": across, "sum": x.tolist(), "whole": whole.tolist(), "share": share.tolist(), "got": got.tolist(),
                       "b": b.tolist(), "ddp": torch.allclose(grads, expected, rtol=1e-12, atol=1e-14),
-                      "local": y.item(), "errors": errors}), flush=True)
+                      "local": y.item(), "errors": errors, "pair": pair}), flush=True)
     dist.destroy_process_group()
 """
 
@@ -378,6 +383,7 @@ def test_the_shmcomm_backend_across_hosts(two_hosts):
     reports = {rank: json.loads(lines[-1]) for rank, lines in rank_lines(result.stdout).items()}
     _check_backend_reports(reports)
     assert {report["across"] for report in reports.values()} == {"Mpi"}
+    assert [reports[r]["pair"] for r in range(4)] == [None, "ran", "ran", None]
 
 
 @pytest.mark.long
@@ -392,6 +398,8 @@ def test_torchrun_starts_the_shmcomm_backend_across_hosts(two_hosts, tmp_path):
     reports = [decoder.raw_decode(out, m.start())[0] for out in outputs for m in re.finditer(r'\{"rank": ', out)]
     _check_backend_reports({report["rank"]: report for report in reports})
     assert {report["across"] for report in reports} == {"Tcp"}
+    assert sorted((report["rank"], report["pair"]) for report in reports if report["pair"]) == [(1, "refused"),
+                                                                                              (2, "refused")]
 
 
 KILLED_UNDER_TORCHRUN = """
@@ -455,7 +463,7 @@ def _check_backend_reports(reports):
         assert report["share"] == [8.0 * me, 8.0 * me + 4] and report["b"] == [3.0, 3.0]
         assert report["got"] == [10.0 * r + me for r in range(4)]
         assert report["ddp"] and report["local"] == 2.0
-        # ranks 1 and 2 were refused a group across the hosts; ranks 0 and 1 sent and received on their host
+        # ranks 1 and 2 ran (MPI) or were refused (TCP) a group across the hosts; ranks 0 and 1 sent and received
         assert report["errors"] == [True] * {0: 1, 1: 2, 2: 1, 3: 0}[me]
 
 
