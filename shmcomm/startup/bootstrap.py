@@ -40,7 +40,7 @@ def build_world(generation):
 
 def process_set(world, ranks, set_id, generation):
     """The communicator of a process set's members: a segment of their own among this host's ranks; for a set that
-    spans hosts (in an MPI job: spans_hosts_supported), an MPI communicator of its members too, under the world's
+    spans hosts (in an MPI job: why_no_sets_across_hosts), an MPI communicator of its members too, under the world's
     algorithms without a torus (MPI's own collectives across hosts, after the agreement)."""
     from dataclasses import replace
 
