@@ -122,7 +122,7 @@ class DeviceComm:
                 self.stream.wait_event(r.ready[0])
             sizes = [r.tensor.numel() for r in reqs]
             offsets, length = aligned_offsets(sizes, first.tensor.element_size())
-            flat = torch.zeros(length, dtype=first.tensor.dtype, device=self.device)  # the gaps reduce as zeros
+            flat = torch.empty(length, dtype=first.tensor.dtype, device=self.device)  # gaps: reduced, never read
             pieces = [flat[at:at + n] for at, n in zip(offsets, sizes)]
             self._copy_many([(r.tensor.view(-1), piece) for r, piece in zip(reqs, pieces)])
             self._allreduce_flat(flat, first.op, first.prescale, first.postscale, what)

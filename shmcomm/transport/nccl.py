@@ -64,10 +64,11 @@ class NcclComm:
         self.size = len(self.ranks)
         self.timeout_s = timeout_s
         self.failed_ranks = failed_ranks
-        self.on_thread = on_thread  # makes this communicator's device current in a helper thread
+        self.on_thread = on_thread  # makes this communicator's device current in the calling thread (split takes it)
         self.broken = None  # the error that made it unusable
         self.grouped = None  # inside group(): None, or [] and then the first error of a call in the group
         self._splits = []
+        self._status = library.ffi.new("ncclResult_t*")  # _state()'s answer, polled in every wait
 
     @classmethod
     def create(cls, unique_id, rank, ranks, timeout_s, failed_ranks=None, library=None, on_thread=None):
@@ -183,9 +184,8 @@ class NcclComm:
             self._bounded_wait(lambda: all(c._state() == 0 for c in comms), what, comms, joining)
 
     def _state(self):
-        status = self.library.ffi.new("ncclResult_t*")
-        result = self.library.lib.ncclCommGetAsyncError(self.handle, status)
-        return result if result != 0 else status[0]
+        result = self.library.lib.ncclCommGetAsyncError(self.handle, self._status)
+        return result if result != 0 else self._status[0]
 
     def _bounded_wait(self, done, what, comms, joining=False):
         for comm in comms:
