@@ -463,6 +463,55 @@ def test_views_refuse_what_they_cannot_carry():
     assert host_view(torch.ones(2, 2).to_sparse()) is None and host_view(torch.ones(2)) is not None
 
 
+def test_kept_views_follow_each_tensors_memory_and_never_hold_a_tensor():
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    import shmcomm
+    from shmcomm import InvalidArgumentError
+    from shmcomm.torch.tensor_views import HostViews
+
+    def over(view, tensor):  # the view is the tensor's memory, whole and flat
+        return view.__array_interface__["data"][0] == tensor.data_ptr() and view.size == tensor.numel() \
+            and view.dtype == tensor.numpy().dtype and view.ndim == 1
+
+    views = HostViews()
+    t = torch.arange(6.0).reshape(2, 3)
+    first = views.data(t, "x")
+    assert over(first, t) and views.data(t, "x") is first  # kept
+    first[0] = 7.0
+    assert t[0, 0] == 7.0
+    t.set_(torch.arange(4.0))  # new memory under the same tensor
+    assert over(views.data(t, "x"), t)
+    p = torch.zeros(4)
+    views.data(p, "x")
+    p.untyped_storage().resize_(0)  # as FSDP frees and regrows a parameter's memory
+    p.untyped_storage().resize_(16)
+    assert over(views.data(p, "x"), p)
+    t.data = t.view(torch.int32)  # the same memory, another dtype
+    assert over(views.data(t, "x"), t) and views.data(t, "x").dtype == np.int32
+    m = torch.arange(6.0).reshape(2, 3)
+    views.data(m, "x")
+    m.t_()  # the same memory, no longer contiguous
+    with pytest.raises(InvalidArgumentError, match="contiguous"):
+        views.data(m, "x")
+    assert views.plain(torch.ones(2), dist.ReduceOp.AVG)[1] is shmcomm.Average
+    assert views.plain(torch.ones(2), dist.ReduceOp.RedOpType.MAX)[1] is shmcomm.Max
+    assert views.plain(torch.ones(2), dist._make_nccl_premul_sum(2.0)) is None  # a factor: the full path
+    assert views.plain(torch.ones(2, dtype=torch.bool), dist.ReduceOp.SUM) is None
+    assert views.plain(torch.ones(2, dtype=torch.bfloat16), dist.ReduceOp.SUM) is None
+    gone = torch.ones(3)
+    views.data(gone, "x")
+    ref = weakref.ref(gone)
+    del gone
+    gc.collect()
+    assert ref() is None
+    kept = [torch.ones(i + 1) for i in range(3 * HostViews.KEPT)]
+    assert all(over(views.data(k, "x"), k) for k in kept) and len(views._views) <= HostViews.KEPT
+
+
 def _ddp(port):
     dist, me, n = _join(port)
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from shmcomm import basics, collectives, env, process_sets
 from shmcomm.startup import rendezvous
 from shmcomm.torch import tensor_views as views
 from shmcomm.torch.point_to_point import Channels
-from shmcomm.torch.work import Work, finished
+from shmcomm.torch.work import finished, under_way
 from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
 
 
@@ -55,6 +55,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         self._set = process_set
         self._channels = Channels(key, ranks)
         self._name = self._description = ""
+        self._views = views.HostViews()
 
     def getBackendName(self):
         """The backend's name, "shmcomm"."""
@@ -87,20 +88,28 @@ class ShmcommProcessGroup(dist.ProcessGroup):
 
     def _reduce(self, tensor, op, what, into=None):
         """Reduces `tensor` over the group into `into` (default: in place)."""
-        source, shmcomm_op, factor = views.reduction(tensor, op, what)
+        source, shmcomm_op, factor = self._views.reduction(tensor, op, what)
         target = tensor if into is None else into
         if shmcomm_op is None:
-            gathered = collectives.allgather(views.data(tensor, what).reshape(1, -1), name=what,
+            gathered = collectives.allgather(self._views.data(tensor, what).reshape(1, -1), name=what,
                                              process_set=self._set)
             views.movable(target).copy_(views.bitwise(torch.as_tensor(gathered), op))
             return
-        out = source if into is None else views.reduction(into, op, what)[0]
+        out = source if into is None else self._views.reduction(into, op, what)[0]
         collectives.allreduce(source, op=shmcomm_op, prescale_factor=factor, name=what, output=out,
                               process_set=self._set)
 
-    @_refusing("allreduce")
     def allreduce(self, tensors, opts=AllreduceOptions()):
         """dist.all_reduce: every tensor of the list reduced over the group, in place."""
+        plain = self._views.plain(tensors[0], opts.reduceOp) if len(tensors) == 1 else None
+        if plain is None:
+            return self._allreduce_each(tensors, opts)
+        # DDP's call, in as few Python frames as it takes: none of this group's own checks can fail here.
+        collectives.allreduce_(plain[0], op=plain[1], name="all_reduce", process_set=self._set)
+        return finished(tensors)
+
+    @_refusing("allreduce")
+    def _allreduce_each(self, tensors, opts):
         for tensor in tensors:
             self._reduce(tensor, opts.reduceOp, "all_reduce")
         return finished(tensors)
@@ -138,13 +147,13 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         if input.numel() != n * output.numel() or input.dtype != output.dtype:
             raise InvalidArgumentError("%s: the input must hold %d times the output's %d elements of %s, got %d of %s"
                                        % (what, n, output.numel(), output.dtype, input.numel(), input.dtype))
-        source, shmcomm_op, factor = views.reduction(input, opts.reduceOp, what)
+        source, shmcomm_op, factor = self._views.reduction(input, opts.reduceOp, what)
         if shmcomm_op is None:
             whole = input.clone()
             self._reduce(whole, opts.reduceOp, what)
             views.movable(output).copy_(views.rows(views.movable(whole), n)[self._me])
         else:
-            share = views.reduction(output, opts.reduceOp, what)[0]
+            share = self._views.reduction(output, opts.reduceOp, what)[0]
             collectives.reducescatter(views.rows(source, n), op=shmcomm_op,
                                       prescale_factor=factor, name=what,
                                       process_set=self._set, output=views.rows(share, 1))
@@ -166,7 +175,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         """dist.broadcast: the root's tensors on every rank."""
         root = self._root(opts.rootRank, "broadcast")
         for tensor in tensors:
-            data = views.data(tensor, "broadcast")
+            data = self._views.data(tensor, "broadcast")
             collectives.broadcast_(data, root, name="broadcast", process_set=self._set)
         return finished(tensors)
 
@@ -177,8 +186,8 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         if output.numel() != self._n * input.numel() or input.dtype != output.dtype:
             raise InvalidArgumentError("%s: the output must hold %d times the input's %d elements of %s, got %d of %s"
                                        % (what, self._n, input.numel(), input.dtype, output.numel(), output.dtype))
-        data = views.data(input, what)
-        collectives.allgather(data, name=what, process_set=self._set, output=views.data(output, what))
+        data = self._views.data(input, what)
+        collectives.allgather(data, name=what, process_set=self._set, output=self._views.data(output, what))
         return finished([output])
 
     @_refusing("allgather")
@@ -188,7 +197,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             if len(output_list) != self._n:
                 raise InvalidArgumentError("all_gather: %d output tensors for a group of %d"
                                            % (len(output_list), self._n))
-            data = views.data(tensor, "all_gather")
+            data = self._views.data(tensor, "all_gather")
             got = collectives.allgather(data, name="all_gather", process_set=self._set)
             _scatter_into(output_list, got, "all_gather")
         return finished(outputs)
@@ -211,11 +220,11 @@ class ShmcommProcessGroup(dist.ProcessGroup):
         if not input_splits and rows % n:
             raise InvalidArgumentError("%s: %d rows do not split evenly over %d ranks; pass input_split_sizes"
                                        % (what, rows, n))
-        sent = views.data(input, what)
+        sent = self._views.data(input, what)
         width = math.prod(input.shape[1:]) * input.element_size() // sent.itemsize  # of a row, as moved
         received = sum(output_splits) if output_splits else output.shape[0] if output.dim() else 1
         expected = list(output_splits) if output_splits else [received // n] * n  # equal parts without splits
-        out = views.data(output, what)
+        out = self._views.data(output, what)
         if len(out) != received * width or output.dtype != input.dtype:
             raise InvalidArgumentError("%s: the output must hold %d rows of %s like the input's, got %s of %s"
                                        % (what, received, tuple(input.shape[1:]), tuple(output.shape), output.dtype))
@@ -244,7 +253,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
     def gather(self, outputs, inputs, opts=GatherOptions()):
         """dist.gather: every rank's tensor in the root's list."""
         root = self._root(opts.rootRank, "gather")
-        sent = views.data(inputs[0], "gather")
+        sent = self._views.data(inputs[0], "gather")
         splits = [len(sent) if r == root else 0 for r in self._ranks]
         received, _ = collectives.alltoall(sent, splits=splits, name="gather", process_set=self._set)
         if outputs:
@@ -260,7 +269,7 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             pieces = [views.movable(t) for t in inputs[0]]
             sent, splits = views.data(torch.cat(pieces), "scatter"), [len(p) for p in pieces]
         else:
-            sent, splits = views.data(output, "scatter")[:0], [0] * self._n
+            sent, splits = self._views.data(output, "scatter")[:0], [0] * self._n
         received, _ = collectives.alltoall(sent, splits=splits, name="scatter", process_set=self._set)
         _scatter_into([output], received, "scatter")
         return finished(outputs)
@@ -274,11 +283,11 @@ class ShmcommProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors, dst, tag):
         """dist.send and isend: the tensor to group rank `dst`; the Work completes once it has gone."""
-        return Work(self._channels.transfer(tensors[0], self._me, dst, tag, "send"))
+        return under_way(self._channels.transfer(tensors[0], self._me, dst, tag, "send"))
 
     def recv(self, tensors, src, tag):
         """dist.recv and irecv: the tensor from group rank `src`; the Work completes once it has arrived."""
-        return Work(self._channels.transfer(tensors[0], src, self._me, tag, "recv"))
+        return under_way(self._channels.transfer(tensors[0], src, self._me, tag, "recv"))
 
     def recv_anysource(self, tensors, tag):
         """dist.recv without a source: refused; name the sender."""

@@ -3,9 +3,11 @@
 a torch ReduceOp means for a dtype, and flat, contiguous views that any dtype's bytes travel in."""
 import functools
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from shmcomm.transport import memory
 from shmcomm.vocabulary import ops
 from shmcomm.vocabulary.buffers import host_view
 from shmcomm.vocabulary.dtypes import torch_codes
@@ -22,6 +24,57 @@ _ELEMENTWISE = {_SUM: ops.Sum, _AVG: ops.Average, _PRODUCT: ops.Product, _MIN: o
 # A bool tensor reduces as bytes of 0 and 1: a sum or maximum is a logical or, a product or minimum a logical and.
 _BOOL = {_SUM: ops.Max, _MAX: ops.Max, _BOR: ops.Max, _PRODUCT: ops.Min, _MIN: ops.Min, _BAND: ops.Min}
 _BITWISE = {_BAND: torch.bitwise_and, _BOR: torch.bitwise_or, _BXOR: torch.bitwise_xor}
+# What reduction() gives without a factor, by the number that torch hashes a ReduceOp or RedOpType as (its kind's).
+_PLAIN = {kind: op for kind, op in _ELEMENTWISE.items() if kind != _PREMUL_SUM}
+# The dtypes that host_view() gives numpy views of.
+_NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64, torch.int8: np.int8,
+          torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+
+
+class HostViews:
+    """data() and reduction() for a process group, which moves the same tensors call after call: the numpy view of a
+    tensor is kept by its memory (address, length and dtype) and found again for a fraction of what making one costs.
+
+    A view never owns that memory: it is used only for a tensor that has this memory now, while the call holds the
+    tensor; a new tensor at the same memory rightly gets the same view. Only views are kept, never tensors, so a
+    tensor made for one call (a concatenation) takes data() instead: nothing else would hold it while the view is
+    used."""
+
+    KEPT = 64  # views kept before all are dropped: more than a step moves in distinct tensors, each a few hundred bytes
+
+    def __init__(self):
+        self._views = {}
+
+    def _view(self, tensor):
+        """The flat numpy view of a contiguous CPU tensor of a dtype numpy has, else None (as host_view)."""
+        if type(tensor) is not torch.Tensor or not tensor.is_cpu or tensor.layout is not torch.strided \
+                or not tensor.is_contiguous():
+            return None
+        key = (tensor.data_ptr(), tensor.numel(), tensor.dtype)
+        array = self._views.get(key)
+        if array is None and key[1] and key[2] in _NUMPY:
+            if len(self._views) >= self.KEPT:
+                self._views.clear()
+            array = self._views[key] = memory.view(memory.at(key[0]), key[1] * tensor.element_size()).view(
+                _NUMPY[key[2]])
+        return array
+
+    def data(self, tensor, what):
+        """As data(tensor, what)."""
+        array = self._view(tensor)
+        return data(tensor, what) if array is None else array
+
+    def reduction(self, tensor, op, what):
+        """As reduction(tensor, op, what)."""
+        plain = self.plain(tensor, op)
+        return reduction(tensor, op, what) if plain is None else (plain[0], plain[1], 1.0)
+
+    def plain(self, tensor, op):
+        """(data, shmcomm's op) where reduction(tensor, op) gives them with no prescale factor and data is a numpy
+        view; else None."""
+        shmcomm_op = _PLAIN.get(hash(op))
+        array = None if shmcomm_op is None else self._view(tensor)
+        return None if array is None else (array, shmcomm_op)
 
 
 def reduction(tensor, op, what):

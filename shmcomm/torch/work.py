@@ -7,18 +7,12 @@ from torch.futures import Future
 
 
 class Work(dist.Work):
-    """An operation of the shmcomm backend, finished or under way.
+    """An operation of the shmcomm backend, finished or under way: made by finished() or under_way()."""
 
-    Args:
-        future: a torch Future that completes with the operation's output tensors, or with its error; None for an
-            operation that has finished with `tensors`.
-        tensors: the output tensors of a finished operation.
-    """
-
-    def __init__(self, future=None, tensors=None):
-        super().__init__()
-        self._future = future
-        self._tensors = tensors
+    # Set after torch's own constructor, as attributes of the class by default: a constructor of our own costs every
+    # call another Python frame on the way back to torch.
+    _future = None  # a torch Future of the output tensors or of the error; None once finished with _tensors
+    _tensors = None
 
     def get_future(self):
         """The torch Future of the operation's output tensors."""
@@ -62,4 +56,13 @@ class Work(dist.Work):
 
 def finished(tensors):
     """The Work of an operation that ran to its end already, with these output tensors."""
-    return Work(tensors=tensors)
+    work = Work()
+    work._tensors = tensors
+    return work
+
+
+def under_way(future):
+    """The Work of an operation under way: `future` completes with its output tensors, or with its error."""
+    work = Work()
+    work._future = future
+    return work
