@@ -339,7 +339,7 @@ def _paths_of_repeated_calls(size):
 
 
 def test_where_the_kernels_copy_is_slow_each_rank_learns_whether_pulling_pays():
-    """csrc/coll/pull_choice.c through the core: with the defaults at two ranks, a size pulls from its first call
+    """csrc/coll/path_choice.c through the core: with the defaults at two ranks, a size pulls from its first call
     where init found the kernel's copy fast, and elsewhere takes each path in turn while it learns their costs, then
     mostly the cheaper. Every call's result is exact, and both ranks always took the same path."""
     paths = multiproc.run(2, _paths_of_repeated_calls, 2, timeout=120)

@@ -550,8 +550,9 @@ def test_spells_sorts_rounds_by_the_probe():
     kinds = [line for line in lines if line.startswith("  ") and "probe" in line]
     assert len(kinds) == 1 + (0 < in_spells < rounds) and rounds >= 1, proc.stdout
     rows = [line.split() for line in lines if line.startswith("    ")]
-    assert [int(row[0]) for row in rows] == [4096, 1 << 20] * len(kinds), proc.stdout
-    for row in rows:  # bytes, then VAR value us (p90) for each value, MPI us (p90)
-        assert row[1:3] + row[5:7] + row[9:10] == ["SHMCOMM_PIECE_BYTES", "unset", "SHMCOMM_PIECE_BYTES", "131072",
-                                                    "MPI"], proc.stdout
-        assert all(float(row[i].strip("()")) > 0 for i in (3, 4, 7, 8, 10, 11)), proc.stdout
+    assert [(row[0], int(row[1])) for row in rows] == [("allreduce", 4096), ("allreduce", 1 << 20)] * len(kinds), \
+        proc.stdout
+    for row in rows:  # op, bytes, then VAR value us (p90) for each value, MPI us (p90)
+        assert row[2:4] + row[6:8] + row[10:11] == ["SHMCOMM_PIECE_BYTES", "unset", "SHMCOMM_PIECE_BYTES", "131072",
+                                                     "MPI"], proc.stdout
+        assert all(float(row[i].strip("()")) > 0 for i in (4, 5, 8, 9, 11, 12)), proc.stdout

@@ -82,15 +82,15 @@ SLOW_SHORT_MOVES = "-DSMC_SLOW_SHORT_MOVES=1"
 def _objects(test, extra, core_objects):
     if test == "test_copy.c":
         return extra + [SLOW_SHORT_MOVES], [os.path.join(ROOT, "csrc", "core", "copy.c")]
-    if test == "test_pull_choice.c":  # the choice alone, fed the costs its calls would report
-        return extra, [os.path.join(ROOT, "csrc", "coll", "pull_choice.c")]
+    if test == "test_path_choice.c":  # the choice alone, fed the costs its calls would report
+        return extra, [os.path.join(ROOT, "csrc", "coll", "path_choice.c")]
     return extra, core_objects(extra)
 
 
 # test_core.c and test_box_server.c run their rounds in the second tier: the Python tests drive the same code.
 @pytest.mark.parametrize("test", [pytest.param("test_core.c", marks=pytest.mark.long), "test_failure.c",
                                   "test_reduce.c", pytest.param("test_box_server.c", marks=pytest.mark.long),
-                                  "test_copy.c", "test_pull_choice.c"])
+                                  "test_copy.c", "test_path_choice.c"])
 def test_c_units(tmp_path, test, core_objects):
     _build_and_run(tmp_path, test, *_objects(test, ["-O2"], core_objects))
 
@@ -108,7 +108,7 @@ def _require_sanitizers(tmp_path):
 
 
 @pytest.mark.parametrize("test", ["test_core.c", "test_failure.c", "test_box_server.c", "test_copy.c",
-                                  "test_pull_choice.c"])
+                                  "test_path_choice.c"])
 @pytest.mark.long
 def test_core_units_under_sanitizers(tmp_path, test, core_objects):
     """test_reduce.c runs under them through `make asan`, below, without -fwrapv."""

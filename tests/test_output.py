@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import multiproc
-from test_huge_pages import _collapse_works
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_TIMEOUT = {"SHMCOMM_TIMEOUT": "20"}  # a rank left waiting fails the test in seconds, not minutes
@@ -243,6 +242,44 @@ def test_staged_and_single_copy_paths_agree(case, threshold):
     assert all((calls > 0) == (threshold == "1") for _, calls in got), got
 
 
+def _paths_of_repeated_gathers(size, case):
+    import shmcomm
+    from shmcomm import basics
+    from shmcomm._native import lib
+
+    shmcomm.init()
+    shm = basics.communicator().shm
+    me = shmcomm.rank()
+    rows = 1 << 16  # int32: 256 KiB per rank, whole allgather inputs and alltoall parts from 128 KiB at 2-3 ranks
+    x = (np.arange(rows * size, dtype=np.int32) % 997) + 1000 * me
+    paths = ""
+    for i in range(40):
+        before = shm.single_copy_calls()
+        if case == "allgather":
+            got = shmcomm.allgather(x[:rows])
+            want = np.concatenate([(np.arange(rows, dtype=np.int32) % 997) + 1000 * r for r in range(size)])
+        else:
+            got = shmcomm.alltoall(x)
+            whole = np.arange(rows * size, dtype=np.int32) % 997
+            want = np.concatenate([(whole + 1000 * r)[me * rows:(me + 1) * rows] for r in range(size)])
+        np.testing.assert_array_equal(got, want)
+        paths += "S" if shm.single_copy_calls() > before else "s"
+    return paths, lib.smc_comm_single_copy_learned(shm.handle)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("case", ["allgather", "alltoall"])
+def test_where_the_kernels_copy_is_slow_each_call_takes_the_path_rank_0_learned(case, size):
+    """csrc/coll/path_choice.c through allgather and alltoall: with the defaults, sizes from the single-copy size move
+    by single copy from their first call where init found the kernel's copy fast, and elsewhere take each path in
+    turn while the ranks learn their costs, then mostly the cheaper, as rank 0 chooses (the others' offers may
+    differ: their first window is then staged late). Every result is exact and all ranks took the same path."""
+    got = multiproc.run(size, _paths_of_repeated_gathers, size, case, timeout=120, env=FAST_TIMEOUT)
+    assert len({paths for paths, _ in got}) == 1, got
+    paths, learned = got[0]
+    assert paths == "S" * 40 if not learned else (paths[:4] == "SsSs" and set(paths[4:]) == {"S", "s"}), got
+
+
 def _windowed(size):
     import shmcomm
     from shmcomm.startup import session
@@ -338,35 +375,30 @@ def test_buffers_at_every_placement(threshold):
     assert multiproc.run(3, _placements, 3, timeout=180, env=env) == [True] * 3
 
 
-def _single_copy_sizes(without_huge_pages=()):
+def _single_copy_sizes():
     import shmcomm
     from shmcomm import basics
     from shmcomm.env import machine
     from shmcomm._native import lib
 
-    if int(os.environ["SHMCOMM_RANK"]) in without_huge_pages:
-        os.environ["SHMCOMM_HUGE_PAGES"] = "0"
     shmcomm.init()
     handle = basics.communicator().shm.handle
     return (lib.smc_comm_single_copy(handle), lib.smc_comm_single_copy_from(handle, 0),
-            lib.smc_comm_single_copy_from(handle, 1), lib.smc_comm_alltoall_single_copy_from(handle),
+            lib.smc_comm_single_copy_from(handle, 1), lib.smc_comm_single_copy_learned(handle),
             machine.cache_bytes(2) or (1 << 20))
 
 
-@pytest.mark.parametrize("size,setting,off", [(2, None, ()), (3, None, ()), (2, "5000", ()), (3, "0", ()),
-                                              (3, None, (1,))])
-def test_single_copy_sizes_after_the_probe_are_every_ranks_own(size, setting, off):
-    """Unset, the defaults hold where every rank's kernel copy proved fast at init, and the pieces' is raised to two
-    L2s where any rank's proved slow (csrc/coll/cma.c; broadcast's stays), alltoall's then deciding on whole inputs
-    of twice that where every rank collapses its buffers into huge pages, else four times: either way the same on
-    every rank (`off`: the ranks with SHMCOMM_HUGE_PAGES=0), since ranks that took different paths would wait for
-    each other. A value set is kept as it is; 0 turns single copy off."""
+@pytest.mark.parametrize("size,setting", [(2, None), (3, None), (2, "5000"), (3, "0")])
+def test_single_copy_sizes_after_the_probe_are_every_ranks_own(size, setting):
+    """Unset, the defaults hold, and where any rank's kernel copy proved slow at init allgathers and alltoalls learn
+    whether single copy pays (csrc/coll/cma.c): the same on every rank, since ranks that took different paths would
+    wait for each other. A value set is kept as it is, never learned; 0 turns single copy off."""
     env = dict(FAST_TIMEOUT, **({"SHMCOMM_SINGLE_COPY_BYTES": setting} if setting else {}))
-    got = multiproc.run(size, _single_copy_sizes, off, timeout=60, env=env)
+    got = multiproc.run(size, _single_copy_sizes, timeout=60, env=env)
     assert len(set(got)) == 1, got
-    can, pieces, broadcasts, alltoall_whole, l2 = got[0]
+    can, pieces, broadcasts, learned, l2 = got[0]
     if not can:
-        assert pieces == broadcasts == alltoall_whole == 0
+        assert pieces == broadcasts == learned == 0
         return
     cores = len(os.sched_getaffinity(0))
     if setting is not None:
@@ -374,8 +406,5 @@ def test_single_copy_sizes_after_the_probe_are_every_ranks_own(size, setting, of
     else:
         default = 16384 * -(-size // cores)
         assert broadcasts == (default if size <= cores else max(default, l2)), got
-        assert pieces in (default, max(default, 2 * l2)), got  # two L2s: a slow kernel copy somewhere
-    if setting is not None or pieces == default and default != 2 * l2:  # every kernel copy fast: parts decide
-        assert alltoall_whole == 0, got
-    else:
-        assert alltoall_whole == pieces * (2 if _collapse_works() and not off else 4), got
+        assert pieces == default, got
+    assert learned in (0, 1) and (setting is None or learned == 0), got

@@ -14,11 +14,15 @@
 #include "core/error.h"
 
 /* Step 0 up to its synchronisation: window 0 in this rank's half, `desc` (whose `own` is the row count) compared.
- * An input that will move by single copy stays where it is (its owner pushes it later): the largest input is at
- * least this one. */
+ * An input that this rank offers to move by single copy stays where it is (its owner pushes it later); where not
+ * every rank offers, smc_allgather_finish stages it after all. */
 static smc_result_t begin_step(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, smc_desc_t* desc) {
   uint64_t first = send_bytes < c->half_bytes ? send_bytes : c->half_bytes;
-  if (first > 0 && !smc_single_copy(c, send_bytes)) smc_copy(smc_half(c, c->rank), sendbuf, (size_t)first);
+  c->learning.bytes = 0;
+  desc->kernel_copy = smc_single_copy_learned(c, send_bytes)
+                          ? smc_single_copy_offer(c, c->allgather_classes, send_bytes)
+                          : smc_single_copy(c, send_bytes);
+  if (first > 0 && !desc->kernel_copy) smc_copy(smc_half(c, c->rank), sendbuf, (size_t)first);
   return smc_coll_begin(c, desc, "allgather");
 }
 
@@ -136,9 +140,18 @@ smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recv
     if (out != NULL && send_bytes > 0 && sendbuf != recvbuf) smc_copy(out, sendbuf, (size_t)send_bytes);
     return SMC_SUCCESS;
   }
-  if (smc_single_copy(c, longest)) {
+  /* Learned: rank 0's offer decides (coll/path_choice.c). Else the largest input, which a rank offers only if its
+   * own would. */
+  if (c->single_copy_learned ? smc_peer_desc(c, 0)->kernel_copy : smc_single_copy(c, longest)) {
     c->single_copy_calls++;
-    return single_copy(c, sendbuf, out, displ, every_rows, row_bytes);
+    smc_result_t rc = single_copy(c, sendbuf, out, displ, every_rows, row_bytes);
+    if (rc == SMC_SUCCESS) smc_single_copy_taught(c, c->allgather_classes, 1);
+    return rc;
+  }
+  if (smc_kernel_copy_offered(c)) { /* window 0 of the ranks that offered single copy is not staged: a second phase */
+    uint64_t first = send_bytes < c->half_bytes ? send_bytes : c->half_bytes;
+    if (first > 0 && smc_peer_desc(c, me)->kernel_copy) smc_copy(smc_half(c, me), sendbuf, (size_t)first);
+    SMC_CHECK(smc_sync(c, "allgather"));
   }
   const uint64_t half = c->half_bytes;
   uint64_t steps = longest == 0 ? 1 : (longest + half - 1) / half;
@@ -158,6 +171,7 @@ smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recv
     }
     smc_flip(c);
   }
+  smc_single_copy_taught(c, c->allgather_classes, 0);
   return SMC_SUCCESS;
 }
 

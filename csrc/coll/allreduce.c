@@ -16,7 +16,7 @@
  *   4. sync
  *   5. gather:   rank r copies section j of rank j's half into its output, for every j != r.
  *   Or, where the ranks pull (two ranks whose kernel copy is fast, or where pulling proves the cheaper path:
- *   coll/pull_choice.c), no step synchronises: rank r reads piece k of range r straight out of every peer's input,
+ *   coll/path_choice.c), no step synchronises: rank r reads piece k of range r straight out of every peer's input,
  *   reduces it and writes it straight into every peer's output (pulled), and one synchronisation after the last
  *   step says that every output is whole.
  * In place in shared buffers that every rank maps (coll/window.c), no step copies anything into a half: rank r
@@ -83,23 +83,20 @@ static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
  * this rank to read out of the other core's cache, and no step waits for the slowest rank. A reduce-scatter pulls
  * the same way (its input and its output apart), reduces into its output and writes nothing into the peers'; its
  * last synchronisation says only that every peer has read this rank's input. */
-static int pulling_agreed(smc_comm_t* c, const plan_t* p, uint64_t* ins, uint64_t* outs) {
-  int all = 1;
+static int pulling_agreed(smc_comm_t* c, const plan_t* p, uint64_t bytes, uint64_t* ins, uint64_t* outs) {
+  int all = 1, offered = 1;
   for (int j = 0; j < c->size; j++) {
     ins[j] = smc_peer_desc(c, j)->own;
     outs[j] = smc_peer_desc(c, j)->addr;
     all = all && ins[j] != 0 && (outs[j] != 0 || !p->gather);
+    offered = offered && smc_peer_desc(c, j)->kernel_copy;
   }
-  return all;
+  /* every rank can; where pulling is learned, rank 0's offer decides (coll/path_choice.c), else all offer alike */
+  return all && (smc_pull_learned(c, bytes) ? smc_peer_desc(c, 0)->kernel_copy : offered);
 }
 
 /* Whether some rank meant to pull or named a shared buffer, and so took no copy before the first synchronisation. */
-static int someone_copies_late(smc_comm_t* c) {
-  if (smc_any_window(c)) return 1;
-  for (int j = 0; j < c->size; j++)
-    if (smc_peer_desc(c, j)->own != 0) return 1;
-  return 0;
-}
+static int someone_copies_late(smc_comm_t* c) { return smc_any_window(c) || smc_kernel_copy_offered(c); }
 
 /* The last synchronisation of a pulled allreduce: after it every peer's writes into this rank's output are done.
  * Each rank first puts whether its writes succeeded in its half (free: its last reader finished before the last
@@ -234,16 +231,17 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
 
   for (size_t k = 0; k < steps; k++) {
     uint8_t* mine = smc_half(c, me);
-    if (k > 0 || (desc->window == 0 && desc->own == 0)) copy_in(c, p, k, section, per_piece);
+    if (k > 0 || (desc->window == 0 && !desc->kernel_copy)) copy_in(c, p, k, section, per_piece);
     if (k == 0) {
       SMC_CHECK(smc_coll_begin(c, desc, what));
       uint8_t* bufs[SMC_MAX_RANKS];
       uint64_t ins[SMC_MAX_RANKS], outs[SMC_MAX_RANKS];
       if (smc_windows_agreed(c, w, (p->start[n - 1] + p->len[n - 1]) * es, bufs))
         return in_windows(c, p, bufs, cached / es, what);
-      if (pulling_agreed(c, p, ins, outs)) return pulled(c, p, ins, outs, cached, cached / es, what);
+      if (pulling_agreed(c, p, (p->start[n - 1] + p->len[n - 1]) * es, ins, outs))
+        return pulled(c, p, ins, outs, cached, cached / es, what);
       if (someone_copies_late(c)) {
-        if (desc->window != 0 || desc->own != 0) copy_in(c, p, 0, section, per_piece);
+        if (desc->window != 0 || desc->kernel_copy) copy_in(c, p, 0, section, per_piece);
         SMC_CHECK(smc_sync(c, what));
       }
     } else {
@@ -272,7 +270,7 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   return SMC_SUCCESS;
 }
 
-/* pipelined, timed where this rank learns whether pulling pays (coll/pull_choice.c); shared buffers' calls teach
+/* pipelined, timed where this rank learns whether pulling pays (coll/path_choice.c); shared buffers' calls teach
  * nothing, as they neither stage nor pull. */
 static smc_result_t timed(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, const smc_window_t* w, uint64_t bytes,
                           const char* what) {
@@ -311,13 +309,14 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   if (bytes <= c->small_bytes) return one_step(c, &p, count, &desc, w);
   /* pulled's ranges are one rank's alone only if input and output are the same buffer or apart */
   const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf;
-  if (smc_pull_choose(c, bytes) && (in == out || in + bytes <= out || out + bytes <= in)) {
-    desc.own = (uint64_t)in;
+  if (smc_pull_possible(c, bytes) && (in == out || in + bytes <= out || out + bytes <= in)) {
+    desc.own = (uint64_t)in; /* where the ranks agree to pull, the peers read its input and write into its output */
     desc.addr = (uint64_t)out;
-    /* The peers read its input and write into its output by the kernel's copy (offered before the ranks agree to
-     * pull: where one would not, a reused buffer is collapsed for nothing, once) */
-    smc_huge_pages_offer(c, sendbuf, bytes);
-    if (out != in) smc_huge_pages_offer(c, recvbuf, bytes);
+    desc.kernel_copy = smc_pull_choose(c, bytes);
+    /* ... by the kernel's copy (offered before the ranks agree: where they do not, a reused buffer is collapsed for
+     * nothing, once) */
+    if (desc.kernel_copy) smc_huge_pages_offer(c, sendbuf, bytes);
+    if (desc.kernel_copy && out != in) smc_huge_pages_offer(c, recvbuf, bytes);
   }
   return timed(c, &p, &desc, w, bytes, "allreduce");
 }
@@ -346,9 +345,10 @@ smc_result_t smc_reducescatter(smc_comm_t* c, const void* sendbuf, void* recvbuf
   const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf, out_bytes = counts[c->rank] * p.esize;
   int apart = out + out_bytes <= in || out >= in + bytes;
   smc_window_t* w = apart ? smc_window_name(c, &desc, sendbuf, bytes) : NULL;
-  if (apart && smc_pull_choose(c, bytes)) { /* pulled: the peers read their ranges of it */
+  if (apart && smc_pull_possible(c, bytes)) { /* pulled: the peers read their ranges of it */
     desc.own = (uint64_t)in;
-    smc_huge_pages_offer(c, sendbuf, bytes);
+    desc.kernel_copy = smc_pull_choose(c, bytes);
+    if (desc.kernel_copy) smc_huge_pages_offer(c, sendbuf, bytes);
   }
   return timed(c, &p, &desc, w, bytes, "reducescatter");
 }

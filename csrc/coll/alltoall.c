@@ -219,8 +219,13 @@ smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64
     return smc_set_error(SMC_ERR_INVALID, "alltoall: %d ranks' counts need %llu bytes, more than a staging half (%zu)",
                          n, (unsigned long long)counts_bytes, c->half_bytes);
   memcpy(smc_half(c, c->rank), send_rows, (size_t)counts_bytes);
-  /* An input that will move by single copy stays where it is: the largest input is at least this one. */
-  if (my_total > 0 && !smc_alltoall_single_copy(c, my_total)) {
+  c->learning.bytes = 0;
+  const int single = smc_single_copy_learned(c, my_total / (uint64_t)n)
+                         ? smc_single_copy_offer(c, c->alltoall_classes, my_total)
+                         : smc_alltoall_single_copy(c, my_total);
+  /* An input offered for single copy stays where it is; where not every rank offers, smc_alltoall_finish stages it
+   * after all. */
+  if (my_total > 0 && !single) {
     part_t* parts = malloc(sizeof(part_t) * (size_t)n);
     if (parts == NULL)
       return smc_refuse_here(c, SMC_COLL_ALLTOALLV, smc_set_error(SMC_ERR_NOMEM, "alltoall: out of memory"));
@@ -230,9 +235,10 @@ smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64
     free(parts);
   }
   smc_desc_t desc = {.prescale = 1, .postscale = 1, .tag = tag, .divisor = 1, .own = my_total,
-                     .addr = (uint64_t)(uintptr_t)sendbuf, .coll = SMC_COLL_ALLTOALLV, .root = -1};
+                     .addr = (uint64_t)(uintptr_t)sendbuf, .coll = SMC_COLL_ALLTOALLV, .root = -1,
+                     .kernel_copy = single};
   if (my_total > 0) smc_window_name(c, &desc, sendbuf, my_total); /* a shared input: the peers read it mapped */
-  if (my_total > 0 && smc_alltoall_single_copy(c, my_total)) /* else by the kernel's copy */
+  if (my_total > 0 && single) /* else by the kernel's copy */
     smc_huge_pages_offer(c, sendbuf, my_total);
   SMC_CHECK(smc_coll_begin(c, &desc, "alltoall"));
   for (int j = 0; j < n; j++) memcpy(matrix + (size_t)j * n, smc_half(c, j), (size_t)counts_bytes);
@@ -273,7 +279,8 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
     longest = r->total > longest ? r->total : longest;
   }
   smc_result_t rc = SMC_SUCCESS;
-  if (smc_alltoall_single_copy(c, longest)) { /* reads of parts (comm.h) */
+  /* learned: rank 0's offer decides (coll/path_choice.c); else the largest input */
+  if (c->single_copy_learned ? smc_peer_desc(c, 0)->kernel_copy : smc_alltoall_single_copy(c, longest)) {
     c->single_copy_calls++;
     /* Into an output of 16 L2s or more, this rank's copies bypass the cache, as allgather's (coll/allgather.c).
      * A smaller output stays in the caches. */
@@ -300,11 +307,16 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
     c->window_calls += (uint64_t)mapped;
     free(routes);
     free(parts);
-    return synced != SMC_SUCCESS ? synced : rc;
+    rc = synced != SMC_SUCCESS ? synced : rc;
+    if (rc == SMC_SUCCESS) smc_single_copy_taught(c, c->alltoall_classes, 1);
+    return rc;
   }
   plan_parts(parts, matrix + (size_t)me * n, row_bytes, n);
-  rc = staged(c, sendbuf, out, parts, routes, widest, sizeof(uint64_t) * (uint64_t)n, 1, "alltoall");
+  /* where some rank offered single copy, its window 0 is not in its half: every rank stages window 0 again */
+  rc = staged(c, sendbuf, out, parts, routes, widest, sizeof(uint64_t) * (uint64_t)n, !smc_kernel_copy_offered(c),
+              "alltoall");
   free(routes);
   free(parts);
+  if (rc == SMC_SUCCESS) smc_single_copy_taught(c, c->alltoall_classes, 0);
   return rc;
 }

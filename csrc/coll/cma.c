@@ -105,27 +105,21 @@ smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
   /* One rank at a time times its copies: ranks timing at once share the cores and slow the kernel's copy more than
    * the user's, so a job's verdict would flip from one start to the next. */
   if (c->rank > 0) SMC_CHECK(wait_state(c, c->rank - 1, CANNOT, timeout_s));
-  me->cma_huge = c->huge_bytes > 0; /* published with the verdict */
   smc_post(&me->cma_state, &me->cma_sleepers, !can ? CANNOT : kernel_copy_is_fast() ? CAN_FAST : CAN);
-  int all = 1, all_fast = 1, all_huge = 1;
+  int all = 1, all_fast = 1;
   for (int r = 0; r < c->size; r++) {
     SMC_CHECK(wait_state(c, r, CANNOT, timeout_s));
     uint32_t state = atomic_load(&c->ctl[r].cma_state);
     all &= state >= CAN;
     all_fast &= state == CAN_FAST;
-    all_huge &= c->ctl[r].cma_huge == 1;
   }
   c->cma = all;
   c->cma_fast = all && all_fast;
-  /* Where the kernel's copy proved slow, two copies through the staging halves beat it until the data outgrows the
-   * L2s, and single copy is the steadier beyond (benchmarks/RESULTS.md). So allgather inputs move by single copy from
-   * two L2s, and alltoalls from whole inputs of eight; of four where every rank collapses reused inputs into huge
-   * pages (coll/huge_pages.c), whose kernel copy is nearly a memcpy. Not broadcast's: its readers copy from a buffer
-   * the root did not just write. */
-  if (c->single_copy_probed && !all_fast) { /* the same on every rank: each read every rank's state */
-    c->single_copy_bytes = c->single_copy_bytes > 2 * c->cache_bytes ? c->single_copy_bytes : 2 * c->cache_bytes;
-    c->single_copy_whole = all_huge ? 2 : 4;
-  }
+  /* Where the kernel's copy proved slow, two copies through the staging halves beat it at some sizes on some
+   * machines and days, and lose to it several times over on others (benchmarks/RESULTS.md): allgathers and alltoalls
+   * learn which pays as they go (coll/path_choice.c). Not broadcast's: its readers copy from a buffer the root did not
+   * just write. */
+  c->single_copy_learned = c->single_copy_probed && !all_fast; /* the same on every rank: each read every state */
   return SMC_SUCCESS;
 }
 

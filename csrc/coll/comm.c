@@ -320,9 +320,7 @@ uint64_t smc_comm_single_copy_from(smc_comm_t* c, int broadcast) {
   return !c->cma ? 0 : broadcast ? c->broadcast_single_copy_bytes : c->single_copy_bytes;
 }
 
-uint64_t smc_comm_alltoall_single_copy_from(smc_comm_t* c) {
-  return !c->cma || c->single_copy_bytes == 0 ? 0 : c->single_copy_bytes * (uint64_t)c->single_copy_whole;
-}
+int smc_comm_single_copy_learned(smc_comm_t* c) { return c->cma && c->single_copy_bytes > 0 && c->single_copy_learned; }
 
 uint64_t smc_comm_shared_calls(smc_comm_t* c) { return c != NULL ? c->window_calls : 0; }
 

@@ -18,14 +18,15 @@ typedef struct {
   uint32_t seen;       /* times offered; collapsed at the second */
 } smc_offered_range_t;
 
-#define SMC_PULL_CLASSES 24 /* sizes a communicator learns apart, a power of two each (coll/pull_choice.c) */
+#define SMC_CHOICE_CLASSES 24 /* sizes a communicator learns apart, a power of two each (coll/path_choice.c) */
 
 typedef struct {
-  double cost[2];        /* seconds per byte of the staged [0] and pulled [1] path, as last learned; 0: untried */
+  double cost[2];        /* seconds per byte of the staged [0] path and the kernel's copy [1], as last learned; 0:
+                          * untried */
   uint32_t until_other;  /* calls until the path not taken is tried again */
   uint32_t interval;     /* the last such wait: it doubles each time that path loses */
-  uint32_t warming;      /* calls taken to learn both paths' first costs (coll/pull_choice.c) */
-} smc_pull_class_t;
+  uint32_t warming;      /* calls taken to learn both paths' first costs (coll/path_choice.c) */
+} smc_choice_class_t;
 
 struct smc_comm {
   int rank;
@@ -57,8 +58,8 @@ struct smc_comm {
   uint64_t broadcast_single_copy_bytes; /* broadcast's (smc_config_t) */
   uint64_t cache_bytes;       /* one core's L2 (smc_config_t.cache_bytes) */
   int single_copy_probed;     /* smc_config_t's */
-  int single_copy_whole;      /* the kernel's copy proved slow at init: alltoall decides on its whole input, against
-                               * this many times the threshold (smc_alltoall_single_copy); 0: on its parts */
+  int single_copy_learned;    /* the kernel's copy proved slow at init: allgathers and alltoalls learn whether single
+                               * copy pays (coll/path_choice.c) */
   size_t piece_bytes;         /* allreduce's bytes per rank and step (coll/allreduce.c); 0: a half's share */
   int piece_probed;           /* smc_config_t's */
   uint64_t pull_bytes;        /* allreduces and reduce-scatters of at least this size pull (coll/allreduce.c) */
@@ -80,7 +81,15 @@ struct smc_comm {
   smc_offered_range_t offered[SMC_OFFERED_RANGES];
   uint32_t offered_next;                  /* the slot the next new range takes */
   uint64_t huge_collapses;                /* ranges collapsed into huge pages */
-  smc_pull_class_t pull_classes[SMC_PULL_CLASSES]; /* what pulling cost, where it is learned (coll/pull_choice.c) */
+  /* What each path cost, where it is learned (coll/path_choice.c): pulling, and single copy by collective */
+  smc_choice_class_t pull_classes[SMC_CHOICE_CLASSES];
+  smc_choice_class_t allgather_classes[SMC_CHOICE_CLASSES];
+  smc_choice_class_t alltoall_classes[SMC_CHOICE_CLASSES];
+  struct {
+    double start;     /* when the allgather or alltoall being learned began */
+    uint64_t bytes;   /* its size, by which it is learned; 0: none is */
+    uint64_t windows; /* window_calls then: a call that used shared buffers teaches nothing */
+  } learning;
 };
 
 /* How messages and failure data name rank r of this communicator. */
@@ -114,6 +123,12 @@ smc_result_t smc_coll_begin_early(smc_comm_t* c, smc_desc_t* desc, int root, con
 smc_result_t smc_sync(smc_comm_t* c, const char* what);
 static inline void smc_flip(smc_comm_t* c) { c->parity ^= 1; }
 const smc_desc_t* smc_peer_desc(smc_comm_t* c, int r); /* valid between begin and the next step */
+/* Whether any rank offered the kernel's copy in its descriptor, and so left its first piece or window unstaged. */
+static inline int smc_kernel_copy_offered(smc_comm_t* c) {
+  for (int j = 0; j < c->size; j++)
+    if (smc_peer_desc(c, j)->kernel_copy) return 1;
+  return 0;
+}
 /* Entry check of every public call: a broken communicator refuses work. */
 smc_result_t smc_comm_usable(smc_comm_t* c, const char* what);
 /* Entry of every collective: smc_comm_usable, then, after a step that returned early, the wait for every rank to have
@@ -142,11 +157,14 @@ static inline int smc_single_copy(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && c->single_copy_bytes > 0 && bytes >= c->single_copy_bytes;
 }
 /* smc_alltoall_single_copy: the same for an alltoall whose largest input is `bytes`. Single copy moves a part per
- * peer, one system call each: the parts' mean size decides; where the kernel's copy proved slow, the whole input,
- * against two or four times the threshold (coll/cma.c). */
+ * peer, one system call each: the parts' mean size decides. */
 static inline int smc_alltoall_single_copy(const smc_comm_t* c, uint64_t bytes) {
-  return c->single_copy_whole ? smc_single_copy(c, bytes / (uint64_t)c->single_copy_whole)
-                              : smc_single_copy(c, bytes / (uint64_t)c->size);
+  return smc_single_copy(c, bytes / (uint64_t)c->size);
+}
+/* smc_single_copy_learned: where the kernel's copy proved slow at init, an allgather whose input, or an alltoall
+ * whose mean part, is `bytes` offers single copy only as each rank learns it pays (smc_single_copy_offer). */
+static inline int smc_single_copy_learned(const smc_comm_t* c, uint64_t bytes) {
+  return c->single_copy_learned && smc_single_copy(c, bytes);
 }
 static inline int smc_broadcast_single_copy(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && c->broadcast_single_copy_bytes > 0 && bytes >= c->broadcast_single_copy_bytes;
@@ -158,14 +176,31 @@ static inline int smc_pull(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && (c->cma_fast || !c->pull_probed) && c->pull_bytes > 0 && bytes >= c->pull_bytes;
 }
 /* smc_pull_learned: where the kernel's copy proved slow, an allreduce or reduce-scatter of `bytes` may still pull:
- * each rank learns which path costs less (coll/pull_choice.c). */
+ * each rank learns which path costs less (coll/path_choice.c). */
 static inline int smc_pull_learned(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && !c->cma_fast && c->pull_probed && c->pull_bytes > 0 && bytes >= c->pull_bytes;
 }
-/* smc_pull_choose: whether this rank offers to pull an allreduce or reduce-scatter of `bytes`; smc_pull_learn: what
- * one cost (`pulled`: whether it pulled), after it succeeded. */
+/* smc_pull_possible: whether an allreduce or reduce-scatter of `bytes` may pull, always or as learned. */
+static inline int smc_pull_possible(const smc_comm_t* c, uint64_t bytes) {
+  return smc_pull(c, bytes) || smc_pull_learned(c, bytes);
+}
+/* smc_pull_choose: whether this rank offers to pull an allreduce or reduce-scatter of `bytes` (every rank that can
+ * pull publishes its buffers; where pulling is learned, rank 0's offer decides for all, since ranks that tried the
+ * dearer path each on its own schedule would seldom try it together); smc_pull_learn: what one cost (`pulled`:
+ * whether it pulled), after it succeeded. */
 int smc_pull_choose(smc_comm_t* c, uint64_t bytes);
 void smc_pull_learn(smc_comm_t* c, uint64_t bytes, int pulled, double seconds);
+/* smc_single_copy_offer: whether this rank offers single copy for an allgather or alltoall of `bytes` (its input),
+ * learned in `classes` (that collective's); it starts the timing. Rank 0's offer decides, as for pulling; the
+ * others' say only whether they staged their first window. smc_single_copy_taught: what that call cost, once it
+ * succeeded (`single`: whether it moved by single copy).
+ * smc_choice_offer and smc_choice_learn: the same for any two paths, the kernel's copy or not, learned in `classes`
+ * for sizes from `base`; only the rank that `leads` tries the dearer path now and then, the others offer the cheaper
+ * (they stage or not as the leader most likely will). */
+int smc_single_copy_offer(smc_comm_t* c, smc_choice_class_t* classes, uint64_t bytes);
+void smc_single_copy_taught(smc_comm_t* c, smc_choice_class_t* classes, int single);
+int smc_choice_offer(smc_choice_class_t* classes, uint64_t base, uint64_t bytes, int leads);
+void smc_choice_learn(smc_choice_class_t* classes, uint64_t base, uint64_t bytes, int took, double seconds);
 smc_result_t smc_cma_read(smc_comm_t* c, int r, void* local, uint64_t remote, uint64_t bytes, const char* what);
 /* smc_cma_write: copies `bytes` from `local` into rank r's address `remote` (process_vm_writev). */
 smc_result_t smc_cma_write(smc_comm_t* c, int r, uint64_t remote, const void* local, uint64_t bytes,

@@ -104,8 +104,9 @@ typedef struct {
   size_t broadcast_single_copy_bytes; /* the same for broadcast buffers; 0: never */
   size_t cache_bytes;     /* one core's L2 cache: sizes single copy's chunks, and from which sizes its copies bypass
                            * the caches; 0: 1 MiB */
-  int single_copy_probed; /* 1: where the kernel's copy proves slow at init on any rank (coll/cma.c), single_copy_bytes
-                           * rises to twice cache_bytes at the least; 0: it stays as given */
+  int single_copy_probed; /* 1: where the kernel's copy proves slow at init on any rank (coll/cma.c), allgathers and
+                           * alltoalls learn whether single copy pays (smc_comm_single_copy_learned); 0: it always
+                           * does from single_copy_bytes */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
                            * so that a step's copies stay in the cache; 0: as many as a staging half holds */
   int piece_probed;       /* 1: piece_bytes sizes pulled steps only, staged ones take a half's share; 0: both */
@@ -171,10 +172,9 @@ int smc_comm_single_copy(smc_comm_t* comm);
 /* The sizes from which single copy moves allgather's and alltoall's pieces (broadcast = 0) or broadcast's buffer
  * (broadcast = 1), after init's probe (smc_config_t.single_copy_probed); 0 where nothing moves by single copy. */
 uint64_t smc_comm_single_copy_from(smc_comm_t* comm, int broadcast);
-/* Where alltoall decides on its whole input (the kernel's copy proved slow at init), the input size from which it
- * moves by single copy: single_copy_from's four times, or twice where every rank collapses the buffers it offers
- * into huge pages (smc_config_t.huge_pages); 0 where it decides on its parts' mean size, or nothing moves so. */
-uint64_t smc_comm_alltoall_single_copy_from(smc_comm_t* comm);
+/* 1 where allgathers and alltoalls from single_copy_from's size move by single copy only as each rank learns that it
+ * pays (the kernel's copy proved slow at init: smc_config_t.single_copy_probed); 0 where they always do. */
+int smc_comm_single_copy_learned(smc_comm_t* comm);
 /* The size from which allreduces and reduce-scatters read the peers' inputs (and allreduces write the reduced pieces
  * into the peers' outputs: smc_config_t.pull_bytes), always or where it proves cheaper; 0 where none does. */
 uint64_t smc_comm_pull_from(smc_comm_t* comm);

@@ -16,7 +16,7 @@
 #define SMC_CACHE_LINE 64
 #define SMC_PAGE 4096
 #define SMC_MAGIC 0x31474553434d53ULL /* "SMCSEG1" */
-#define SMC_LAYOUT_VERSION 6
+#define SMC_LAYOUT_VERSION 7
 #define SMC_MAX_RANKS 1024
 #define SMC_MAX_BOXES 256
 #define SMC_BOX_NAME_MAX 64
@@ -59,6 +59,9 @@ typedef struct {
   int32_t root;
   int32_t refused; /* non-zero: this rank's call failed its own checks; its half holds the reason (smc_coll_refuse) */
   int32_t early;   /* not compared: non-zero where this rank waits for the root alone (smc_coll_begin_early) */
+  int32_t kernel_copy; /* not compared: non-zero where this rank offers to take the kernel's copy (an allreduce's or
+                        * reduce-scatter's pull, an allgather's or alltoall's single copy), leaving its first piece or
+                        * window unstaged; where that choice is learned, rank 0's offer decides (coll/path_choice.c) */
 } smc_desc_t;
 
 typedef struct {
@@ -84,7 +87,6 @@ typedef struct {
   uint64_t cma_value;
   _Atomic uint32_t cma_state;
   _Atomic uint32_t cma_sleepers;
-  uint32_t cma_huge; /* 1: this rank collapses the buffers it offers into huge pages (coll/huge_pages.c) */
 } smc_rank_ctl_t;
 
 typedef struct {

@@ -23,7 +23,7 @@ class Tuning:
     piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
     pull_bytes: int        # allreduces and reduce-scatters from this size read the peers' inputs; 0: never
     cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
-    single_copy_probed: bool  # the thresholds are defaults: pieces' rises to 2 L2s where the kernel's copy is slow
+    single_copy_probed: bool  # the thresholds are defaults: learned per size where the kernel's copy is slow
     shared_buffers: bool   # the engine's fusion buffer and shmcomm.shared_empty are mapped by every rank of the host
     shared_from_bytes: int  # collectives on shared buffers from this size read and write the peers' directly
     huge_pages: bool       # buffers that peers reach by the kernel's copy are collapsed into huge pages when reused
@@ -59,9 +59,8 @@ def tuning(local_size):
     l2_bytes = machine.cache_bytes(2) or (1 << 20)
     # Single copy costs a system call per peer and saves a copy: it pays from pieces of about 16 KiB, where one copy
     # in cache takes as long as the call, and with more ranks than cores from pieces as many times larger as ranks
-    # share a core (each call may wait for the core). It needs a kernel that pins pages fast: where its copy proves
-    # slow at init, the core raises the pieces' default to two L2s (csrc/coll/cma.c, single_copy_probed); broadcast's
-    # stays. Figures: benchmarks/RESULTS.md.
+    # share a core (each call may wait for the core). Where the kernel's copy proves slow at init, allgathers and
+    # alltoalls learn per size whether it pays (csrc/coll/cma.c, single_copy_probed); broadcast's stays.
     single_copy_bytes = _number("SINGLE_COPY_BYTES", (16 << 10) * -(-local_size // cores), int, low=0, high=MAX_BYTES)
     return Tuning(
         timeout_s=timeout_s(),
@@ -89,7 +88,7 @@ def tuning(local_size):
         # Pulling (csrc/coll/allreduce.c): two kernel copies per element and no synchronisation between pieces, for
         # the staging steps' three copies and one per step. It pays at two ranks with a core each; with more ranks the
         # kernel copies outnumber what they save (benchmarks/RESULTS.md). Always where every rank's kernel copy
-        # proved fast at init; elsewhere each rank learns whether it pays (csrc/coll/pull_choice.c).
+        # proved fast at init; elsewhere each rank learns whether it pays (csrc/coll/path_choice.c).
         pull_bytes=_number("PULL_BYTES", 128 << 10 if local_size == 2 <= cores else 0, int, low=0, high=MAX_BYTES),
         cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
         single_copy_probed=not is_set("SINGLE_COPY_BYTES"),

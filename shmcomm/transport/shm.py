@@ -126,9 +126,11 @@ class SharedMemory(Transport):
         self.quick = QuickCalls(self._bound)
         # Single copy is a speed path with a silent fallback: say which one this machine took.
         if lib.smc_comm_single_copy(self.handle):
-            log.debug("shared memory of %d ranks: pieces from %d bytes (broadcasts from %d) move by single copy "
+            log.debug("shared memory of %d ranks: pieces from %d bytes%s (broadcasts from %d) move by single copy "
                       "(process_vm_readv and process_vm_writev)", self.size,
-                      lib.smc_comm_single_copy_from(self.handle, 0), lib.smc_comm_single_copy_from(self.handle, 1))
+                      lib.smc_comm_single_copy_from(self.handle, 0),
+                      " where that proves cheaper than staging" if lib.smc_comm_single_copy_learned(self.handle)
+                      else "", lib.smc_comm_single_copy_from(self.handle, 1))
             pulling = lib.smc_comm_pull_from(self.handle)
             log.debug("allreduces %s" % ("from %d bytes read the peers' inputs and write the reduced pieces into "
                                          "their outputs (where init found the kernel's copy slow: when that proves "

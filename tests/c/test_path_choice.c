@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* C unit tests of coll/pull_choice.c: which path a rank offers where the kernel's copy proved slow, from the costs
+/* C unit tests of coll/path_choice.c: which path a rank offers where the kernel's copy proved slow, from the costs
  * its calls report. Built with that file alone. Prints "N passed, N failed". */
 #include <stdlib.h>
 
@@ -7,6 +7,7 @@
 #include "harness.h"
 
 #define PULL_BYTES (128u << 10)
+#define LAST 64 /* coll/path_choice.c's LAST_INTERVAL */
 
 static smc_comm_t* learning_comm(void) {
   smc_comm_t* c = calloc(1, sizeof(*c));
@@ -99,7 +100,60 @@ static void test_sizes_learn_apart_and_a_refused_pull_teaches_staging(void) {
   free(d);
 }
 
+/* Two ranks whose costs differ a little, as on any machine: the path each call takes is rank 0's offer (as the core
+ * decides where it is learned). The dearer path is still tried on both ranks at the pace rank 0 learned, and rank 1,
+ * which only predicts, never offers against what it learned. */
+static void test_rank_0_leads_so_the_dearer_path_is_still_tried_together(void) {
+  smc_comm_t* r[2] = {learning_comm(), learning_comm()};
+  r[1]->rank = 1;
+  const double staged[2] = {1.0, 1.1}, pulled[2] = {2.0, 2.3};
+  int tries = 0, last_try = 0, against = 0, widest = 0;
+  for (int i = 0; i < 6000; i++) {
+    int offers[2];
+    for (int j = 0; j < 2; j++) offers[j] = smc_pull_choose(r[j], 1u << 20);
+    const int took = offers[0];
+    for (int j = 0; j < 2; j++)
+      smc_pull_learn(r[j], 1u << 20, took, (double)(1u << 20) * (took ? pulled[j] : staged[j]));
+    if (i >= 4 && took) {
+      tries++;
+      widest = i - last_try > widest ? i - last_try : widest;
+      last_try = i;
+    }
+    against += i >= 4 && offers[1] != (r[1]->pull_classes[3].cost[1] < r[1]->pull_classes[3].cost[0]);
+  }
+  EXPECT(tries >= 6000 / (3 * LAST) && widest <= 3 * LAST && 6000 - last_try <= 3 * LAST,
+         "pulled %d times in 6000 calls, at most %d apart, the last at %d", tries, widest, last_try);
+  EXPECT(against == 0, "rank 1 offered against what it learned %d times", against);
+  free(r[0]);
+  free(r[1]);
+}
+
+/* The single-copy choice of an allgather or alltoall learns apart from pulling, per collective. */
+static void test_single_copy_learns_in_its_own_classes(void) {
+  smc_comm_t* c = learning_comm();
+  c->single_copy_learned = 1;
+  c->single_copy_bytes = 16u << 10;
+  char got[64];
+  for (int i = 0; i < 40; i++) {
+    int single = smc_single_copy_offer(c, c->alltoall_classes, 1u << 20);
+    c->learning.start -= (double)(1u << 20) * (single ? 1.0 : 3.0) * 1e-9; /* the call's cost, single copy cheaper */
+    smc_single_copy_taught(c, c->alltoall_classes, single);
+    got[i] = single ? 'S' : 's';
+  }
+  got[40] = 0;
+  int staged = 0;
+  for (int i = 4; i < 40; i++) staged += got[i] == 's';
+  EXPECT(strncmp(got, "SsSsSSSSSSSS", 12) == 0 && staged <= 3 && got[39] == 'S',
+         "single copy learned as the cheaper, staging tried now and then: %s", got);
+  EXPECT(c->allgather_classes[6].warming == 0 && c->pull_classes[3].warming == 0, "the other choices untouched");
+  EXPECT(smc_single_copy_learned(c, 16u << 10) && !smc_single_copy_learned(c, (16u << 10) - 1),
+         "learned from the single-copy size on");
+  free(c);
+}
+
 int main(void) {
+  test_rank_0_leads_so_the_dearer_path_is_still_tried_together();
+  test_single_copy_learns_in_its_own_classes();
   test_fixed_where_the_kernels_copy_is_fast_or_the_threshold_set();
   test_learns_the_cheaper_and_tries_the_other_less_often();
   test_a_slow_spell_turns_it_to_pulling_and_back();
