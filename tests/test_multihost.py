@@ -375,10 +375,22 @@ SHMCOMM_BACKEND = """
 """
 
 
+# What a plain mpiexec gives: MPI's numbers and none of torch's variables (torch/mpi_rendezvous.py then serves env://).
+WITHOUT_TORCHS_VARIABLES = """
+    import os
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        os.environ.pop(name, None)
+"""
+
+
 @pytest.mark.long  # the backend's one-host tests run in the default run (test_torch_distributed.py)
-def test_the_shmcomm_backend_across_hosts(two_hosts):
+@pytest.mark.parametrize("torchs", ["given", "removed"])
+def test_the_shmcomm_backend_across_hosts(two_hosts, torchs):
+    """Under shmcommrun -H (MPI), with torch's rendezvous variables as shmcommrun sets them, and without them, as under
+    a plain mpiexec: rank 0's store is then found across the hosts through shmcomm's collectives."""
     pytest.importorskip("torch")
-    result = _shmcommrun(two_hosts, 2, [sys.executable, "-c", textwrap.dedent(SHMCOMM_BACKEND)])
+    script = textwrap.dedent(WITHOUT_TORCHS_VARIABLES if torchs == "removed" else "") + textwrap.dedent(SHMCOMM_BACKEND)
+    result = _shmcommrun(two_hosts, 2, [sys.executable, "-c", script])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = {rank: json.loads(lines[-1]) for rank, lines in rank_lines(result.stdout).items()}
     _check_backend_reports(reports)

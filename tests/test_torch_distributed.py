@@ -596,10 +596,10 @@ LAUNCHED = """
 import os, sys
 import torch, torch.distributed as dist
 import shmcomm, shmcomm.torch
-if "PMI_RANK" in os.environ:  # mpiexec: torch's rendezvous from MPI's numbers, as for gloo
+if len(sys.argv) > 1:  # mpiexec, torch's rendezvous given as for gloo: MPI's numbers and an address
     dist.init_process_group("shmcomm", init_method="tcp://127.0.0.1:" + sys.argv[1],
                             rank=int(os.environ["PMI_RANK"]), world_size=int(os.environ["PMI_SIZE"]))
-else:  # torchrun: env://
+else:  # torchrun's env://, or a plain mpiexec's (torch/mpi_rendezvous.py)
     dist.init_process_group("shmcomm")
 me, n = dist.get_rank(), dist.get_world_size()
 t = torch.full((3,), float(me))
@@ -613,8 +613,10 @@ dist.destroy_process_group()
 
 
 @pytest.mark.long  # torchrun and mpiexec start slowly; the default run starts the backend under shmcommrun
-@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec", "mpiexec, init_method"])
 def test_torchrun_and_mpiexec_start_the_backend(tmp_path, launcher):
+    """init_process_group("shmcomm") as such under torchrun and under a plain mpiexec (whose env:// rendezvous
+    shmcomm gives torch), and with an init_method and MPI's numbers under mpiexec, as for gloo."""
     import subprocess
     import sys
 
@@ -629,8 +631,10 @@ def test_torchrun_and_mpiexec_start_the_backend(tmp_path, launcher):
         mpiexec = backends.find_mpiexec()
         if mpiexec is None:
             pytest.skip("no mpiexec beside the interpreter or on PATH")
-        command = [mpiexec, "-n", "3", sys.executable, str(script), str(_free_port())]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SHMCOMM_", "HOROVOD_"))}
+        command = [mpiexec, "-n", "3", sys.executable, str(script)] + (
+            [str(_free_port())] if launcher.endswith("init_method") else [])
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SHMCOMM_", "HOROVOD_")) and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK")}
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = sorted(re.findall(r"rank \d of 3: .*? on 3 local", run.stdout))  # the ranks share one stdout

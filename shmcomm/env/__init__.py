@@ -88,6 +88,11 @@ def launched_by_mpi():
     return int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in os.environ
 
 
+def torch_rendezvous_given():
+    """Whether torch's env:// rendezvous has its address (MASTER_ADDR), as shmcommrun and torchrun give it."""
+    return bool(os.environ.get("MASTER_ADDR"))
+
+
 def job_token():
     return _get("JOB_TOKEN")
 

@@ -6,6 +6,7 @@ Each operation hands its tensors, as views, to the numpy-level API of shmcomm/co
 set and returns a finished Work; send and recv run on channels of their own (torch/point_to_point.py)."""
 import functools
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 
 from shmcomm import basics, collectives, env, process_sets
 from shmcomm.startup import rendezvous
-from shmcomm.torch import tensor_views as views
+from shmcomm.torch import mpi_rendezvous, tensor_views as views
 from shmcomm.torch.point_to_point import Channels
 from shmcomm.torch.work import finished, under_way
 from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
@@ -351,7 +352,11 @@ def create(options, backend_options=None):
 
 
 def register():
-    """Registers the backend under the name "shmcomm" for CPU and CUDA tensors (idempotent)."""
+    """Registers the backend under the name "shmcomm" for CPU and CUDA tensors, and the env:// rendezvous of a job
+    that a plain mpiexec started (torch/mpi_rendezvous.py; idempotent)."""
     if "shmcomm" not in dist.Backend.backend_list:
         dist.Backend.register_backend("shmcomm", create, extended_api=True, devices=["cpu", "cuda"])
+    handlers = getattr(sys.modules.get("torch.distributed.rendezvous"), "_rendezvous_handlers", None)
+    if isinstance(handlers, dict) and "env" in handlers:  # else torch moved it: pass an init_method under mpiexec
+        mpi_rendezvous.install(handlers)
 
