@@ -14,7 +14,7 @@ libraries run in one process, so mpi4jax's results gain from the glibc threshold
 by default. --train adds the example's jitted step (examples/jax_digits.py's MLP, batch
 32 per rank): with DistributedOptimizer, without any collective, and the fused allreduce of its gradients alone, under
 jax.jit and shmcomm.jax.jit. --cpu-load N runs it all beside N CPU-bound processes (a training machine is never idle).
-mpi4jax must be installed (benchmarks/RESULTS.md says how it was built here).
+mpi4jax must be installed (benchmarks/README.md says how to build it).
 
 Across simulated hosts, where shmcomm's handler takes its Python path (the torus and MPI live in Python), the same
 worker runs as a script of benchmarks.simhosts_bench:
