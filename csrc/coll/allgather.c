@@ -19,7 +19,8 @@
 static smc_result_t begin_step(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, smc_desc_t* desc) {
   uint64_t first = send_bytes < c->half_bytes ? send_bytes : c->half_bytes;
   c->learning.bytes = 0;
-  desc->kernel_copy = smc_single_copy_learned(c, send_bytes)
+  /* learned below two L2s: beyond, single copy proved the steadier */
+  desc->kernel_copy = smc_single_copy_learned(c, send_bytes, send_bytes, 2 * c->cache_bytes)
                           ? smc_single_copy_offer(c, c->allgather_classes, send_bytes)
                           : smc_single_copy(c, send_bytes);
   if (first > 0 && !desc->kernel_copy) smc_copy(smc_half(c, c->rank), sendbuf, (size_t)first);

@@ -220,7 +220,8 @@ smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64
                          n, (unsigned long long)counts_bytes, c->half_bytes);
   memcpy(smc_half(c, c->rank), send_rows, (size_t)counts_bytes);
   c->learning.bytes = 0;
-  const int single = smc_single_copy_learned(c, my_total / (uint64_t)n)
+  /* learned below whole inputs of eight L2s: beyond, single copy proved the steadier */
+  const int single = smc_single_copy_learned(c, my_total / (uint64_t)n, my_total, 8 * c->cache_bytes)
                          ? smc_single_copy_offer(c, c->alltoall_classes, my_total)
                          : smc_alltoall_single_copy(c, my_total);
   /* An input offered for single copy stays where it is; where not every rank offers, smc_alltoall_finish stages it

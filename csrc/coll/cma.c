@@ -117,8 +117,8 @@ smc_result_t smc_cma_probe(smc_comm_t* c, double timeout_s) {
   c->cma_fast = all && all_fast;
   /* Where the kernel's copy proved slow, two copies through the staging halves beat it at some sizes on some
    * machines and days, and lose to it several times over on others (benchmarks/RESULTS.md): allgathers and alltoalls
-   * learn which pays as they go (coll/path_choice.c). Not broadcast's: its readers copy from a buffer the root did not
-   * just write. */
+   * learn which pays as they go (coll/path_choice.c), up to the sizes from which single copy is the steadier
+   * (smc_single_copy_learned). Not broadcast's: its readers copy from a buffer the root did not just write. */
   c->single_copy_learned = c->single_copy_probed && !all_fast; /* the same on every rank: each read every state */
   return SMC_SUCCESS;
 }

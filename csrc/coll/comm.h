@@ -162,9 +162,11 @@ static inline int smc_alltoall_single_copy(const smc_comm_t* c, uint64_t bytes) 
   return smc_single_copy(c, bytes / (uint64_t)c->size);
 }
 /* smc_single_copy_learned: where the kernel's copy proved slow at init, an allgather whose input, or an alltoall
- * whose mean part, is `bytes` offers single copy only as each rank learns it pays (smc_single_copy_offer). */
-static inline int smc_single_copy_learned(const smc_comm_t* c, uint64_t bytes) {
-  return c->single_copy_learned && smc_single_copy(c, bytes);
+ * whose mean part, is `bytes` offers single copy only as each rank learns it pays (smc_single_copy_offer), up to
+ * `steadier`, the input size (`whole`) from which single copy proved the steadier there, and is taken beyond. Each
+ * call's cost then swings more with the machine's load than the paths differ, so that learning chose by chance. */
+static inline int smc_single_copy_learned(const smc_comm_t* c, uint64_t bytes, uint64_t whole, uint64_t steadier) {
+  return c->single_copy_learned && smc_single_copy(c, bytes) && whole < steadier;
 }
 static inline int smc_broadcast_single_copy(const smc_comm_t* c, uint64_t bytes) {
   return c->cma && c->broadcast_single_copy_bytes > 0 && bytes >= c->broadcast_single_copy_bytes;

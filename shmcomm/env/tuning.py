@@ -60,7 +60,8 @@ def tuning(local_size):
     # Single copy costs a system call per peer and saves a copy: it pays from pieces of about 16 KiB, where one copy
     # in cache takes as long as the call, and with more ranks than cores from pieces as many times larger as ranks
     # share a core (each call may wait for the core). Where the kernel's copy proves slow at init, allgathers and
-    # alltoalls learn per size whether it pays (csrc/coll/cma.c, single_copy_probed); broadcast's stays.
+    # alltoalls learn per size whether it pays, up to a few L2s (csrc/coll/cma.c, single_copy_probed); broadcast's
+    # stays.
     single_copy_bytes = _number("SINGLE_COPY_BYTES", (16 << 10) * -(-local_size // cores), int, low=0, high=MAX_BYTES)
     return Tuning(
         timeout_s=timeout_s(),

@@ -146,8 +146,10 @@ static void test_single_copy_learns_in_its_own_classes(void) {
   EXPECT(strncmp(got, "SsSsSSSSSSSS", 12) == 0 && staged <= 3 && got[39] == 'S',
          "single copy learned as the cheaper, staging tried now and then: %s", got);
   EXPECT(c->allgather_classes[6].warming == 0 && c->pull_classes[3].warming == 0, "the other choices untouched");
-  EXPECT(smc_single_copy_learned(c, 16u << 10) && !smc_single_copy_learned(c, (16u << 10) - 1),
-         "learned from the single-copy size on");
+  EXPECT(smc_single_copy_learned(c, 16u << 10, 16u << 10, 1u << 20) &&
+             !smc_single_copy_learned(c, (16u << 10) - 1, 16u << 10, 1u << 20) &&
+             !smc_single_copy_learned(c, 16u << 10, 1u << 20, 1u << 20),
+         "learned from the single-copy size on, below the size where single copy is steadier");
   free(c);
 }
 
