@@ -264,7 +264,23 @@ def _paths_of_repeated_gathers(size, case):
             want = np.concatenate([(whole + 1000 * r)[me * rows:(me + 1) * rows] for r in range(size)])
         np.testing.assert_array_equal(got, want)
         paths += "S" if shm.single_copy_calls() > before else "s"
-    return paths, lib.smc_comm_single_copy_learned(shm.handle)
+    # Inputs from two L2s (allgather) or whole inputs from eight (alltoall) take single copy, learned or not,
+    # whatever rank 0 contributes (here one row).
+    from shmcomm.env import machine
+
+    l2 = machine.cache_bytes(2) or (1 << 20)
+    before = shm.single_copy_calls()
+    if case == "allgather":
+        big = l2 // 2  # int32 rows
+        got = shmcomm.allgather(np.full(1 if me == 0 else big, me, np.int32))
+        np.testing.assert_array_equal(got, np.repeat(np.arange(size, dtype=np.int32), [1] + [big] * (size - 1)))
+    else:
+        big = -(-2 * l2 // size)  # int32 rows to each rank: a whole input of eight L2s
+        sends = np.full(big * size if me else size, me, np.int32)
+        got = shmcomm.alltoall(sends)
+        np.testing.assert_array_equal(got, np.repeat(np.arange(size, dtype=np.int32), [1] + [big] * (size - 1)))
+    large = shm.single_copy_calls() > before
+    return paths, lib.smc_comm_single_copy_learned(shm.handle), large, lib.smc_comm_single_copy(shm.handle)
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -275,9 +291,10 @@ def test_where_the_kernels_copy_is_slow_each_call_takes_the_path_rank_0_learned(
     turn while the ranks learn their costs, then mostly the cheaper, as rank 0 chooses (the others' offers may
     differ: their first window is then staged late). Every result is exact and all ranks took the same path."""
     got = multiproc.run(size, _paths_of_repeated_gathers, size, case, timeout=120, env=FAST_TIMEOUT)
-    assert len({paths for paths, _ in got}) == 1, got
-    paths, learned = got[0]
+    assert len({paths for paths, *_ in got}) == 1, got
+    paths, learned, _, can = got[0]
     assert paths == "S" * 40 if not learned else (paths[:4] == "SsSs" and set(paths[4:]) == {"S", "s"}), got
+    assert all(large == can for _, _, large, can in got), got
 
 
 def _windowed(size):

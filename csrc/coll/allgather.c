@@ -141,9 +141,10 @@ smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recv
     if (out != NULL && send_bytes > 0 && sendbuf != recvbuf) smc_copy(out, sendbuf, (size_t)send_bytes);
     return SMC_SUCCESS;
   }
-  /* Learned: rank 0's offer decides (coll/path_choice.c). Else the largest input, which a rank offers only if its
-   * own would. */
-  if (c->single_copy_learned ? smc_peer_desc(c, 0)->kernel_copy : smc_single_copy(c, longest)) {
+  /* Learned (below two L2s): rank 0's offer decides (coll/path_choice.c). Else the largest input, which a rank
+   * offers only if its own would. */
+  const int learned = c->single_copy_learned && longest < 2 * c->cache_bytes;
+  if (learned ? smc_peer_desc(c, 0)->kernel_copy : smc_single_copy(c, longest)) {
     c->single_copy_calls++;
     smc_result_t rc = single_copy(c, sendbuf, out, displ, every_rows, row_bytes);
     if (rc == SMC_SUCCESS) smc_single_copy_taught(c, c->allgather_classes, 1);

@@ -280,8 +280,9 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
     longest = r->total > longest ? r->total : longest;
   }
   smc_result_t rc = SMC_SUCCESS;
-  /* learned: rank 0's offer decides (coll/path_choice.c); else the largest input */
-  if (c->single_copy_learned ? smc_peer_desc(c, 0)->kernel_copy : smc_alltoall_single_copy(c, longest)) {
+  /* learned (below whole inputs of eight L2s): rank 0's offer decides (coll/path_choice.c); else the largest input */
+  const int learned = c->single_copy_learned && longest < 8 * c->cache_bytes;
+  if (learned ? smc_peer_desc(c, 0)->kernel_copy : smc_alltoall_single_copy(c, longest)) {
     c->single_copy_calls++;
     /* Into an output of 16 L2s or more, this rank's copies bypass the cache, as allgather's (coll/allgather.c).
      * A smaller output stays in the caches. */
