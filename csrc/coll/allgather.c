@@ -13,14 +13,16 @@
 #include "core/copy.h"
 #include "core/error.h"
 
+/* Inputs from which single copy is taken where it would be learned: it proved the steadier there. */
+static uint64_t learned_below(const smc_comm_t* c) { return 2 * c->cache_bytes; }
+
 /* Step 0 up to its synchronisation: window 0 in this rank's half, `desc` (whose `own` is the row count) compared.
  * An input that this rank offers to move by single copy stays where it is (its owner pushes it later); where not
  * every rank offers, smc_allgather_finish stages it after all. */
 static smc_result_t begin_step(smc_comm_t* c, const void* sendbuf, uint64_t send_bytes, smc_desc_t* desc) {
   uint64_t first = send_bytes < c->half_bytes ? send_bytes : c->half_bytes;
   c->learning.bytes = 0;
-  /* learned below two L2s: beyond, single copy proved the steadier */
-  desc->kernel_copy = smc_single_copy_learned(c, send_bytes, send_bytes, 2 * c->cache_bytes)
+  desc->kernel_copy = smc_single_copy_learned(c, send_bytes, send_bytes, learned_below(c))
                           ? smc_single_copy_offer(c, c->allgather_classes, send_bytes)
                           : smc_single_copy(c, send_bytes);
   if (first > 0 && !desc->kernel_copy) smc_copy(smc_half(c, c->rank), sendbuf, (size_t)first);
@@ -141,9 +143,9 @@ smc_result_t smc_allgather_finish(smc_comm_t* c, const void* sendbuf, void* recv
     if (out != NULL && send_bytes > 0 && sendbuf != recvbuf) smc_copy(out, sendbuf, (size_t)send_bytes);
     return SMC_SUCCESS;
   }
-  /* Learned (below two L2s): rank 0's offer decides (coll/path_choice.c). Else the largest input, which a rank
-   * offers only if its own would. */
-  const int learned = c->single_copy_learned && longest < 2 * c->cache_bytes;
+  /* Learned: rank 0's offer decides (coll/path_choice.c). Else the largest input, which a rank offers only if its
+   * own would. */
+  const int learned = c->single_copy_learned && longest < learned_below(c);
   if (learned ? smc_peer_desc(c, 0)->kernel_copy : smc_single_copy(c, longest)) {
     c->single_copy_calls++;
     smc_result_t rc = single_copy(c, sendbuf, out, displ, every_rows, row_bytes);

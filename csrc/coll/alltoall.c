@@ -195,6 +195,9 @@ out:
  * alltoall is one synchronisation. Nothing can disagree on counts (each receiver takes what is sent to it); the
  * descriptor still compares the tag (dtype and row shape). */
 
+/* Whole inputs from which single copy is taken where it would be learned: it proved the steadier there. */
+static uint64_t learned_below(const smc_comm_t* c) { return 8 * c->cache_bytes; }
+
 smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64_t* send_rows, uint64_t row_bytes,
                                 uint64_t tag, uint64_t* matrix) {
   SMC_CHECK(smc_coll_enter(c, "alltoall"));
@@ -220,8 +223,7 @@ smc_result_t smc_alltoall_begin(smc_comm_t* c, const void* sendbuf, const uint64
                          n, (unsigned long long)counts_bytes, c->half_bytes);
   memcpy(smc_half(c, c->rank), send_rows, (size_t)counts_bytes);
   c->learning.bytes = 0;
-  /* learned below whole inputs of eight L2s: beyond, single copy proved the steadier */
-  const int single = smc_single_copy_learned(c, my_total / (uint64_t)n, my_total, 8 * c->cache_bytes)
+  const int single = smc_single_copy_learned(c, my_total / (uint64_t)n, my_total, learned_below(c))
                          ? smc_single_copy_offer(c, c->alltoall_classes, my_total)
                          : smc_alltoall_single_copy(c, my_total);
   /* An input offered for single copy stays where it is; where not every rank offers, smc_alltoall_finish stages it
@@ -280,8 +282,8 @@ smc_result_t smc_alltoall_finish(smc_comm_t* c, const void* sendbuf, void* recvb
     longest = r->total > longest ? r->total : longest;
   }
   smc_result_t rc = SMC_SUCCESS;
-  /* learned (below whole inputs of eight L2s): rank 0's offer decides (coll/path_choice.c); else the largest input */
-  const int learned = c->single_copy_learned && longest < 8 * c->cache_bytes;
+  /* learned: rank 0's offer decides (coll/path_choice.c); else the largest input */
+  const int learned = c->single_copy_learned && longest < learned_below(c);
   if (learned ? smc_peer_desc(c, 0)->kernel_copy : smc_alltoall_single_copy(c, longest)) {
     c->single_copy_calls++;
     /* Into an output of 16 L2s or more, this rank's copies bypass the cache, as allgather's (coll/allgather.c).

@@ -34,27 +34,26 @@ def install(registry):
 def _from_mpi(timeout):
     basics.init()
     rank, size = basics.rank(), basics.size()
-    every = _gathered({"host": socket.gethostname(),
-                       "addresses": [a for a in interface_addresses() if not a.startswith("127.")]})
-    first = every[0]
-    port = np.zeros(1, np.int64)
+    store = where = None
     if rank == 0:  # torch's store listens on every interface; the name is where its own client finds it
         store = TCPStore("127.0.0.1", 0, size, True, timeout=timeout, wait_for_workers=False)
-        port[0] = store.port
-    collectives.broadcast_(port, 0, name="torch rendezvous port")
+        where = {"host": socket.gethostname(), "port": store.port,
+                 "addresses": [a for a in interface_addresses() if not a.startswith("127.")]}
+    where = _rank_0s(where)
     if rank != 0:
-        here = every[rank]["host"] == first["host"]
-        reached = [a for a in first["addresses"] if source_address(a) is not None]
-        host = "127.0.0.1" if here or not reached else reached[0]
-        store = TCPStore(host, int(port[0]), size, False, timeout=timeout)
+        reached = [a for a in where["addresses"] if source_address(a) is not None]
+        host = "127.0.0.1" if where["host"] == socket.gethostname() or not reached else reached[0]
+        store = TCPStore(host, where["port"], size, False, timeout=timeout)
     yield store, rank, size
     raise RuntimeError("the env:// rendezvous from MPI's numbers cannot run again: MPI's job does not change")
 
 
-def _gathered(mine):
-    """Every rank's `mine` (JSON), in rank order, through shmcomm's numpy-level allgather: the engine stays unstarted,
-    as the backend's own calls leave it."""
-    data = np.frombuffer(json.dumps(mine).encode(), np.uint8)
-    sizes = collectives.allgather(np.array([len(data)], np.int64), name="torch rendezvous sizes")
-    every = collectives.allgather(data, name="torch rendezvous")
-    return [json.loads(bytes(part)) for part in np.split(every, np.cumsum(sizes)[:-1])]
+def _rank_0s(description):
+    """Rank 0's `description` (JSON; None elsewhere) on every rank, through shmcomm's numpy-level broadcast: the
+    engine stays unstarted, as the backend's own calls leave it."""
+    data = np.frombuffer(json.dumps(description).encode(), np.uint8) if description is not None else None
+    length = np.array([0 if data is None else len(data)], np.int64)
+    collectives.broadcast_(length, 0, name="torch rendezvous length")
+    payload = data.copy() if data is not None else np.empty(int(length[0]), np.uint8)
+    collectives.broadcast_(payload, 0, name="torch rendezvous")
+    return json.loads(payload.tobytes())

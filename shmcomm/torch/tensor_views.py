@@ -3,14 +3,13 @@
 a torch ReduceOp means for a dtype, and flat, contiguous views that any dtype's bytes travel in."""
 import functools
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from shmcomm.transport import memory
 from shmcomm.vocabulary import ops
 from shmcomm.vocabulary.buffers import host_view
-from shmcomm.vocabulary.dtypes import torch_codes
+from shmcomm.vocabulary.dtypes import numpy_dtype, torch_codes
 from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
 
 _RED = dist.ReduceOp.RedOpType
@@ -26,9 +25,8 @@ _BOOL = {_SUM: ops.Max, _MAX: ops.Max, _BOR: ops.Max, _PRODUCT: ops.Min, _MIN: o
 _BITWISE = {_BAND: torch.bitwise_and, _BOR: torch.bitwise_or, _BXOR: torch.bitwise_xor}
 # What reduction() gives without a factor, by the number that torch hashes a ReduceOp or RedOpType as (its kind's).
 _PLAIN = {kind: op for kind, op in _ELEMENTWISE.items() if kind != _PREMUL_SUM}
-# The dtypes that host_view() gives numpy views of.
-_NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64, torch.int8: np.int8,
-          torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+# The dtypes that host_view() gives numpy views of: the core's, but bfloat16, which numpy lacks.
+_NUMPY = {kind: numpy_dtype(code) for kind, code in torch_codes().items() if kind is not torch.bfloat16}
 
 
 class HostViews:
