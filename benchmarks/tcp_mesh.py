@@ -13,7 +13,8 @@ import time
 import numpy as np
 
 from benchmarks.collectives import parse_size, sweep
-from shmcomm.transport.tcp import Tcp, connect_mesh
+from shmcomm.transport.tcp import Tcp
+from shmcomm.transport.tcp_connect import connect_mesh
 from shmcomm.transport import memory
 from shmcomm.vocabulary import dtypes
 from shmcomm._native import lib

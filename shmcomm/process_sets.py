@@ -97,8 +97,8 @@ def add_process_set(process_set):
 
     Raises:
         InvalidArgumentError: the ranks are empty or out of range, or a set of the same ranks exists already.
-        NotSupportedError: the ranks are on more than one host of an elastic or torchrun world, whose TCP mesh
-            cannot be divided (every rank raises it alike); in an MPI job a set may span hosts.
+        NotSupportedError: the ranks are on more than one host of an MPI job whose MPI runs serialized
+            (HOROVOD_MPI_THREADS_DISABLE; every rank raises it alike).
     """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     comm = session.communicator()
@@ -134,7 +134,7 @@ def members_only(ranks, key):
     Raises:
         InvalidArgumentError: the ranks are out of range or do not include this rank, or the key names a set of other
             ranks already.
-        NotSupportedError: the ranks are on more than one host of an elastic or torchrun world.
+        NotSupportedError: the ranks are on more than one host of an MPI job whose MPI runs serialized.
     """
     ps = ProcessSet(ranks)
     comm = session.communicator()

@@ -210,7 +210,7 @@ def test_the_folders_show_the_layers():
                        "transport", "vocabulary"]
     transports = sorted(p.stem for p in (PACKAGE / "transport").glob("*.py"))
     assert transports == ["__init__", "build_cache", "crossing", "cuda_kernels", "deadline", "handshake", "kernels",
-                          "memory", "mpi", "nccl", "nccl_library", "shm", "tcp"]
+                          "memory", "mpi", "nccl", "nccl_library", "shm", "tcp", "tcp_connect"]
 
 
 def test_no_regular_expression_reads_an_error_message():

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from test_elastic import compare_with_undisturbed
-from test_torus import CHECKS, run_checks_job
+from test_torus import CHECKS, PROCESS_SETS_ACROSS_HOSTS, run_checks_job
 
 from shmcomm.testing import exact
 from test_simhosts import job_env, open_hosts
@@ -96,6 +96,18 @@ def test_every_collective_in_an_elastic_world_across_hosts(three_hosts, tmp_path
     exact.assert_rounds_once(reports)
     assert sorted(re.findall(r"<stdout>: on (.*)", stdout)) == ["simhost0 2 2 tcp", "simhost0 2 2 tcp",
                                                                 "simhost1 1 2 tcp"], stdout
+
+
+@pytest.mark.long
+def test_process_sets_across_the_hosts_of_an_elastic_world(three_hosts, tmp_path):
+    """Sets that span the hosts of a world that met without MPI connect their members through the world's listeners:
+    every collective on them, straight and through the engine, a mismatch raised on every member, a refusal heard."""
+    script = _discovery(tmp_path, "simhost0:2\nsimhost1:2\n")
+    job = tmp_path / "job.py"
+    job.write_text(PROCESS_SETS_ACROSS_HOSTS + "print('across', shmcomm.basics.communicator().across.carrier)\n")
+    run, _ = _shmcommrun(three_hosts, script, ["-np", "4", "--min-np", "4", sys.executable, str(job)])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("sets ok") == 4 and run.stdout.count("across tcp") == 4, run.stdout[-3000:]
 
 
 @pytest.mark.long

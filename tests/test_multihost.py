@@ -354,15 +354,18 @@ SHMCOMM_BACKEND = """
     local = on_this_host[me // 2]
     y = torch.ones(1); dist.all_reduce(y, group=local)
     errors, pair = [], None
-    try:  # across the hosts: an MPI job runs it, the TCP mesh of a torchrun job refuses it
-        group = dist.new_group([1, 2])
-        if me in (1, 2):
-            z = torch.ones(1); dist.all_reduce(z, group=group)
-            errors.append(z.item() == 2.0)
-            pair = "ran"
-    except shmcomm.NotSupportedError as e:
-        errors.append("spans hosts" in str(e))
-        pair = "refused"
+    # Across the hosts: an MPI communicator of the group's ranks carries it, or TCP connections of its own.
+    group, trio = dist.new_group([1, 2]), dist.new_group([0, 2, 3])
+    if me in (1, 2):
+        z = torch.ones(1); dist.all_reduce(z, group=group)
+        m = torch.full((3,), 7.0) if me == 1 else torch.empty(3)
+        (dist.send if me == 1 else dist.recv)(m, 3 - me)
+        errors += [z.item() == 2.0, m.tolist() == [7.0] * 3]
+        pair = "ran"
+    if me != 1:
+        w = torch.empty(3); dist.all_gather_into_tensor(w, torch.full((1,), float(me)), group=trio)
+        v = torch.empty(3); dist.all_to_all_single(v, torch.arange(3.0) + 10 * me, group=trio)
+        errors += [w.tolist() == [0.0, 2.0, 3.0], v.tolist() == [10.0 * r + trio.rank() for r in (0, 2, 3)]]
     if me in (0, 1):  # point to point on one host
         t = torch.full((2,), 5.0) if me == 0 else torch.empty(2)
         (dist.send if me == 0 else dist.recv)(t, 1 - me)
@@ -410,8 +413,7 @@ def test_torchrun_starts_the_shmcomm_backend_across_hosts(two_hosts, tmp_path):
     reports = [decoder.raw_decode(out, m.start())[0] for out in outputs for m in re.finditer(r'\{"rank": ', out)]
     _check_backend_reports({report["rank"]: report for report in reports})
     assert {report["across"] for report in reports} == {"Tcp"}
-    assert sorted((report["rank"], report["pair"]) for report in reports if report["pair"]) == [(1, "refused"),
-                                                                                              (2, "refused")]
+    assert sorted((report["rank"], report["pair"]) for report in reports if report["pair"]) == [(1, "ran"), (2, "ran")]
 
 
 KILLED_UNDER_TORCHRUN = """
@@ -475,8 +477,8 @@ def _check_backend_reports(reports):
         assert report["share"] == [8.0 * me, 8.0 * me + 4] and report["b"] == [3.0, 3.0]
         assert report["got"] == [10.0 * r + me for r in range(4)]
         assert report["ddp"] and report["local"] == 2.0
-        # ranks 1 and 2 ran (MPI) or were refused (TCP) a group across the hosts; ranks 0 and 1 sent and received
-        assert report["errors"] == [True] * {0: 1, 1: 2, 2: 1, 3: 0}[me]
+        # groups across the hosts: ranks 1 and 2 (all_reduce, send/recv), ranks 0, 2 and 3; ranks 0 and 1 on a host
+        assert report["errors"] == [True] * {0: 3, 1: 3, 2: 4, 3: 2}[me]
 
 
 def _blamed_across_hosts(sim, api, runs, first=0):

@@ -22,7 +22,7 @@ from shmcomm.runner.elastic_server import MembershipServer, reaching
 from shmcomm.runner.notice_server import NoticeServer
 from shmcomm.smb import wire
 from shmcomm.transport import handshake
-from shmcomm.transport.tcp import connect_mesh
+from shmcomm.transport.tcp_connect import connect_mesh
 from shmcomm.vocabulary.exceptions import AuthenticationError, TimeoutError
 from shmcomm._native import ffi, lib
 

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The TCP transport of elastic worlds across hosts (shmcomm/transport/tcp.py), on this host's loopback: a mesh of
-ranks in threads, every collective against numpy with the same bits on every rank, a closed peer named at once, a
-late one after the deadline, and a straggler of an older world turned away."""
+"""The TCP transport of elastic worlds across hosts (shmcomm/transport/tcp.py, tcp_connect.py), on this host's
+loopback: a mesh of ranks in threads, every collective against numpy with the same bits on every rank, a closed peer
+named at once, a late one after the deadline, a straggler of an older world turned away, and process sets that
+connect their members through the world's listeners."""
 import socket
 import threading
 
@@ -10,9 +11,10 @@ import pytest
 
 from shmcomm.vocabulary import dtypes
 from shmcomm._native import ffi, lib
-from shmcomm.vocabulary.exceptions import BrokenCommunicatorError, RankFailure, TimeoutError
+from shmcomm.vocabulary.exceptions import AuthenticationError, BrokenCommunicatorError, RankFailure, TimeoutError
 from shmcomm.transport import handshake
-from shmcomm.transport.tcp import Tcp, connect_mesh
+from shmcomm.transport.tcp import Tcp
+from shmcomm.transport.tcp_connect import SetDoor, connect_mesh
 
 SECRET = bytes(range(32))  # the job's secret, as shmcommrun would hand it to the ranks
 
@@ -35,11 +37,13 @@ def _on_every_rank(n, job, timeout_s=20.0, token="t1"):
     def rank_main(r):
         try:
             transport = Tcp(connect_mesh(listeners[r], addresses, r, token, SECRET, timeout_s), r, range(n),
-                            ["host%d" % i for i in range(n)], timeout_s)
+                            ["host%d" % i for i in range(n)], timeout_s,
+                            door=SetDoor(listeners[r], addresses, token, SECRET))
             try:
                 results[r] = job(transport)
             finally:
                 transport.close()
+                transport.door.close()
         except BaseException as error:  # noqa: B902 (reported below)
             errors.append(error)
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
@@ -161,4 +165,73 @@ def test_a_connection_of_an_older_world_is_turned_away():
     theirs.setblocking(True)
     assert theirs.recv(2) == b"hi"  # the world's own connection, not the straggler's
     for sock in [stale, mine, theirs] + listeners:
+        sock.close()
+
+
+def test_sets_connect_their_members_in_any_order_and_from_several_threads():
+    """Each rank makes its sets in its own order, rank 2 two of them at once on two threads (as torch's send/recv
+    channels do): every set's members reach each other, and the set's collectives run on its own connections."""
+    sets = {11: [0, 1, 2], 12: [0, 2], 13: [1, 2]}
+
+    def job(t):
+        me, made = t.rank, {}
+
+        def make(key):
+            made[key] = t.subset(sets[key], key, "set %d" % key)
+        if me == 2:
+            threads = [threading.Thread(target=make, args=(key,)) for key in (12, 13)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+        for key in {0: (11, 12), 1: (13, 11), 2: (11,)}[me]:
+            make(key)
+        got = {}
+        for key in sorted(made):
+            data = np.array([me + 1.0])
+            code = dtypes.numpy_code(data.dtype)
+            made[key].allreduce(_ptr(data), _ptr(data), 1, code, lib.SMC_SUM, 1.0, 1.0, 1, 0, "allreduce")
+            got[key] = (made[key].rank, made[key].ranks, data[0], made[key].allgather_bytes(b"%d" % me))
+            made[key].close()
+        return got
+    for me, got in enumerate(_on_every_rank(3, job)):
+        assert sorted(got) == [key for key in sorted(sets) if me in sets[key]]
+        for key, (index, ranks, total, payloads) in got.items():
+            assert (index, ranks) == (sets[key].index(me), sets[key])
+            assert total == sum(r + 1.0 for r in sets[key])
+            assert payloads == [b"%d" % r for r in sets[key]]
+
+
+def test_a_set_member_that_never_comes_is_named_in_time():
+    def job(t):
+        t.timeout_s = 1.0
+        if t.rank == 2:
+            return None
+        with pytest.raises(TimeoutError, match=r"set 5: rank %d: ranks \[2\] did not connect" % t.rank):
+            t.subset([0, 1, 2], 5, "set 5")
+        return True
+    assert _on_every_rank(3, job)[:2] == [True, True]
+
+
+def test_a_set_connection_of_an_older_world_or_another_secret_is_not_taken():
+    listeners, addresses = _listeners(2)
+    errors = {}
+
+    def member(r, token, secret):
+        try:
+            SetDoor(listeners[r], addresses, token, secret).connect_set([0, 1], r, 5, 1.0, "set 5")
+        except Exception as error:  # noqa: B902 (checked below)
+            errors[r] = error
+    for other in (("old", SECRET), ("new", bytes(32))):
+        threads = [threading.Thread(target=member, args=args) for args in ((0, "new", SECRET), (1,) + other)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert isinstance(errors[0], TimeoutError) and "ranks [1] did not connect" in str(errors[0])
+        if other[0] == "old":
+            assert isinstance(errors[1], TimeoutError) and "could not connect to rank 0" in str(errors[1])
+        else:
+            assert isinstance(errors[1], AuthenticationError) and "rank 0 (for rank 1, set 5)" in str(errors[1])
+    for sock in listeners:
         sock.close()

@@ -40,8 +40,8 @@ def build_world(generation):
 
 def process_set(world, ranks, set_id, generation):
     """The communicator of a process set's members: a segment of their own among this host's ranks; for a set that
-    spans hosts (in an MPI job: why_no_sets_across_hosts), an MPI communicator of its members too, under the world's
-    algorithms without a torus (MPI's own collectives across hosts, after the agreement)."""
+    spans hosts (why_no_sets_across_hosts), the world's transport across hosts for its members too (an MPI
+    communicator, or TCP connections of their own), under the world's algorithms without a torus."""
     from dataclasses import replace
 
     groups = [g for g in ([r for r in group if r in ranks] for group in world.host_groups) if g]
@@ -56,7 +56,10 @@ def process_set(world, ranks, set_id, generation):
     what = "process set %d across hosts" % set_id
     opened = [host]
     try:  # whatever fails, what was made so far goes
-        across = _within(world.tuning.timeout_s, what, world.notices, world.across.subset, ranks, set_id, what)
+        if world.across.carrier == "mpi":  # MPI's waits have no deadline of their own
+            across = _within(world.tuning.timeout_s, what, world.notices, world.across.subset, ranks, set_id, what)
+        else:
+            across = world.across.subset(ranks, set_id, what)
         opened.append(across)
         paths = env.paths(world.size)
         paths = replace(paths, grid=None, algorithm="auto" if paths.algorithm == "torus" else paths.algorithm)
@@ -73,13 +76,12 @@ def process_set(world, ranks, set_id, generation):
 
 
 def why_no_sets_across_hosts(world):
-    """None where a process set may span this world's hosts (an MPI job whose MPI takes calls from several threads
-    at once), else why not, in words."""
+    """None where a process set may span this world's hosts (a world that met without MPI, or an MPI job whose MPI
+    takes calls from several threads at once), else why not, in words."""
     across = getattr(world, "across", None)
-    if across is None or across.carrier != "mpi":
-        return ("only the world's TCP mesh joins them (an elastic or torchrun job), whose connections the whole world "
-                "uses in order")
-    if not across.threads_multiple:
+    if across is None:
+        return "this world has no transport across hosts"
+    if across.carrier == "mpi" and not across.threads_multiple:
         return "MPI runs serialized (HOROVOD_MPI_THREADS_DISABLE), and such a set's MPI calls may come from threads"
     return None
 
@@ -156,7 +158,8 @@ def _mesh_across_hosts(generation, record, listener, superseded):
     (no torus: the cross-host collectives are the TCP transport's own). `superseded()` says why the world will not
     form, while it forms."""
     from shmcomm.algorithms.world import WorldComm
-    from shmcomm.transport.tcp import Tcp, connect_mesh
+    from shmcomm.transport.tcp import Tcp
+    from shmcomm.transport.tcp_connect import SetDoor, connect_mesh
 
     topo = env.topology()
     tuning = env.tuning(topo.local_size)
@@ -170,14 +173,15 @@ def _mesh_across_hosts(generation, record, listener, superseded):
     try:
         sockets = connect_mesh(listener, record["addresses"], topo.rank, record["token"], env.job_secret(),
                                tuning.start_timeout_s, superseded)
-        mesh = Tcp(sockets, topo.rank, range(topo.size), hosts, tuning.timeout_s)
+        door = SetDoor(listener, record["addresses"], record["token"], env.job_secret())
+        mesh = Tcp(sockets, topo.rank, range(topo.size), hosts, tuning.timeout_s, door=door)
         world = WorldComm(topo, tuning, HostComm(shm), None, paths, across=mesh, host_groups=groups)
     except BaseException:
         shm.close()
         if mesh is not None:
             mesh.close()
         raise
-    world.closables.append(mesh)
+    world.closables += [mesh, mesh.door]
     return world
 
 

@@ -73,7 +73,7 @@ def joined():
 
 
 def listener():
-    """The socket this process's peers connect to (transport/tcp.py's connect_mesh); None on a one-host job."""
+    """The socket this process's peers connect to (transport/tcp_connect.py); None on a one-host job."""
     return _Link.listener
 
 

@@ -29,7 +29,7 @@ def joined():
 
 
 def listener():
-    """The socket this rank's peers connect to (transport/tcp.py's connect_mesh)."""
+    """The socket this rank's peers connect to (transport/tcp_connect.py)."""
     return _Joined.listener
 
 

@@ -155,9 +155,9 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             views.movable(output).copy_(views.rows(views.movable(whole), n)[self._me])
         else:
             share = self._views.reduction(output, opts.reduceOp, what)[0]
-            collectives.reducescatter(views.rows(source, n), op=shmcomm_op,
-                                      prescale_factor=factor, name=what,
-                                      process_set=self._set, output=views.rows(share, 1))
+            # Flat: the first dimension splits into equal shares, rank order, as the rows of (n, -1) would.
+            collectives.reducescatter(source, op=shmcomm_op, prescale_factor=factor, name=what,
+                                      process_set=self._set, output=share)
         return finished([output])
 
     def reduce_scatter(self, outputs, inputs, opts=ReduceScatterOptions()):
@@ -222,10 +222,15 @@ class ShmcommProcessGroup(dist.ProcessGroup):
             raise InvalidArgumentError("%s: %d rows do not split evenly over %d ranks; pass input_split_sizes"
                                        % (what, rows, n))
         sent = self._views.data(input, what)
+        out = self._views.data(output, what)
+        if not input_splits and not output_splits and len(out) == len(sent) and output.dtype == input.dtype:
+            # Equal parts both ways, as the numpy API's alltoall without splits: a rank whose parts differ in size
+            # makes the call fail on every rank.
+            collectives.alltoall(sent, name=what, process_set=self._set, output=out)
+            return finished([output])
         width = math.prod(input.shape[1:]) * input.element_size() // sent.itemsize  # of a row, as moved
         received = sum(output_splits) if output_splits else output.shape[0] if output.dim() else 1
         expected = list(output_splits) if output_splits else [received // n] * n  # equal parts without splits
-        out = self._views.data(output, what)
         if len(out) != received * width or output.dtype != input.dtype:
             raise InvalidArgumentError("%s: the output must hold %d rows of %s like the input's, got %s of %s"
                                        % (what, received, tuple(input.shape[1:]), tuple(output.shape), output.dtype))

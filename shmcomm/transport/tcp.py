@@ -1,125 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The TCP transport: the ranks of an elastic world that spans hosts, one TCP connection between every two ranks.
+"""The TCP transport: ranks of a world that spans hosts without MPI (elastic, or started by torch's store).
 
 An elastic job cannot take its cross-host transport from MPI: an MPI world cannot lose a process and go on, nor take
 new ones in. Its worlds are formed anew at every membership (membership.py), and each world's ranks connect to each
-other here (connect_mesh) and close the connections when the world is left. A peer that dies closes its connections,
-so the survivors' next wait on it raises RankFailure naming it at once, which lets the elastic loop roll back and
-re-form. It offers the MPI transport's interface (mpi.py), so the algorithms use it alike; MPI's job (shmcommrun -H)
-remains the path for fixed worlds."""
+other (tcp_connect.py; a process set across hosts connects its members the same way) and close the connections
+when the world is left. A peer that dies closes its connections, so the survivors' next wait on it raises RankFailure
+naming it at once, which lets the elastic loop roll back and re-form. It offers the MPI transport's interface
+(mpi.py), so the algorithms use it alike."""
 import selectors
-import socket
 import struct
-import threading
 import time
 
 import numpy as np
 
 from shmcomm.vocabulary import description
 from shmcomm._native import ffi, lib
-from shmcomm.vocabulary.exceptions import AbandonedError, RankFailure, ShmCommError, TimeoutError
-from shmcomm.transport import PointToPoint, handshake, kernels
-from shmcomm.smb.wire import tuned  # small messages at once, big buffers for megabytes
+from shmcomm.vocabulary.exceptions import NotSupportedError, RankFailure, ShmCommError, TimeoutError
+from shmcomm.transport import PointToPoint, kernels
 
 _LENGTH = struct.Struct("<Q")
-_HELLO = struct.Struct("<64sQ")  # the world's token, the connecting rank
 
 
 def _bytes(ptr, nbytes):
     return np.frombuffer(ffi.buffer(ptr, nbytes), dtype=np.uint8) if nbytes else np.empty(0, np.uint8)
-
-
-def connect_mesh(listener, addresses, rank, token, secret, timeout_s, superseded=lambda: None):
-    """The sockets to every other rank of a world ({rank: socket}): this rank connects to the lower ranks and
-    accepts the higher ones on `listener` (its own, whose address is addresses[rank]), in a thread that admits them
-    from the start, so that no rank's handshake waits for its peer to finish connecting. Every connection first
-    proves both ends hold `secret`, the job's (handshake.py); one from an older world (another token) is then
-    closed. Raises TimeoutError naming the ranks that did not connect in time, or AbandonedError as soon as
-    superseded() says why this world will not form (a newer membership came)."""
-    deadline = time.monotonic() + timeout_s
-    sockets, accepted, stop = {}, {}, threading.Event()
-    acceptor = threading.Thread(target=_accept_higher, args=(listener, rank, len(addresses), token, secret, deadline,
-                                                             accepted, stop), name="shmcomm-mesh", daemon=True)
-    acceptor.start()
-    try:
-        for peer in range(rank):
-            sockets[peer] = _connect_lower(addresses, rank, peer, token, secret, deadline, timeout_s, superseded)
-        while acceptor.is_alive():
-            acceptor.join(min(0.5, max(0.01, deadline - time.monotonic())))
-            _check_superseded(superseded)
-        sockets.update(accepted)
-        if len(sockets) < len(addresses) - 1:
-            missing = [r for r in range(len(addresses)) if r != rank and r not in sockets]
-            raise TimeoutError("rank %d: ranks %s did not connect within %.0f s" % (rank, missing, timeout_s))
-    except BaseException:
-        stop.set()
-        acceptor.join()  # it wakes within its accept's timeout or its handshake's: the listener is then free
-        for sock in list(sockets.values()) + list(accepted.values()):
-            sock.close()
-        raise
-    for sock in sockets.values():
-        sock.setblocking(False)
-    return sockets
-
-
-def _connect_lower(addresses, rank, peer, token, secret, deadline, timeout_s, superseded):
-    host, port = addresses[peer].rsplit(":", 1)
-    while True:
-        try:
-            sock = tuned(socket.create_connection((host, int(port)), timeout=_step(deadline)))
-            handshake.prove(sock, secret, "rank %d (for rank %d)" % (peer, rank), _step(deadline))
-            sock.sendall(_HELLO.pack(token.encode(), rank))
-            return sock
-        except (OSError, TimeoutError) as error:  # the peer is not listening yet, or too busy to answer
-            _check_superseded(superseded)
-            if time.monotonic() > deadline:
-                raise TimeoutError("rank %d could not connect to rank %d at %s within %.0f s: %s"
-                                   % (rank, peer, addresses[peer], timeout_s, error)) from None
-            time.sleep(0.05)
-
-
-def _accept_higher(listener, rank, size, token, secret, deadline, accepted, stop):
-    """Admits the ranks above `rank` into `accepted` ({rank: socket}) until all came, `stop` is set or the deadline
-    passed."""
-    while len(accepted) < size - 1 - rank and not stop.is_set() and time.monotonic() < deadline:
-        listener.settimeout(min(0.5, max(0.01, deadline - time.monotonic())))
-        try:
-            sock, _ = listener.accept()
-        except OSError:  # no one in this slice (or the listener closed: the deadline ends the loop)
-            continue
-        if not handshake.admit(tuned(sock), secret, "rank %d's listener for its peers" % rank, _step(deadline)):
-            continue
-        sock.settimeout(_step(deadline))
-        try:
-            got = _recv_exactly(sock, _HELLO.size)
-        except OSError:
-            got = None
-        peer = _HELLO.unpack(got)[1] if got is not None else -1
-        if got is None or got[:64].rstrip(b"\0") != token.encode() or not rank < peer < size or peer in accepted:
-            sock.close()  # a straggler of an older world
-            continue
-        accepted[peer] = sock
-
-
-def _step(deadline):
-    """How long one connection attempt or hello may take: short, so that a silent peer does not hold up the rest."""
-    return min(5.0, max(0.1, deadline - time.monotonic()))
-
-
-def _check_superseded(superseded):
-    reason = superseded()
-    if reason:
-        raise AbandonedError(reason)
-
-
-def _recv_exactly(sock, n):
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
 
 
 class _Incoming:
@@ -144,11 +47,12 @@ class Tcp(PointToPoint):
 
     carrier = "tcp"
 
-    def __init__(self, sockets, rank, ranks, hosts, timeout_s, what="across hosts"):
+    def __init__(self, sockets, rank, ranks, hosts, timeout_s, what="across hosts", door=None):
         self.sockets, self.rank, self.ranks, self.size = sockets, rank, list(ranks), len(ranks)
         self.hosts = list(hosts)
         self.timeout_s = timeout_s
         self.what = what
+        self.door = door  # the tcp_connect.SetDoor that process sets across hosts connect through; None: they cannot
         self.broken = None  # why calls are refused: a wait failed, the streams are out of step
 
     def deadline(self):
@@ -158,6 +62,17 @@ class Tcp(PointToPoint):
         for sock in self.sockets.values():
             sock.close()
         self.sockets = {}
+
+    def subset(self, ranks, key, what):
+        """A transport over `ranks` (job ranks of this transport, this rank among them): its own connections between
+        them, made through the door within the deadline, which only they make, tagged by `key` (an int the same on
+        all of them and distinct among the sets made at the same time)."""
+        if self.door is None:
+            raise NotSupportedError("%s: this world's ranks cannot connect to each other again" % what)
+        me = self.ranks[self.rank]
+        sockets = self.door.connect_set(ranks, me, key, self.timeout_s, what)
+        return Tcp({ranks.index(r): sock for r, sock in sockets.items()}, ranks.index(me), ranks,
+                   [self.hosts[self.ranks.index(r)] for r in ranks], self.timeout_s, what, self.door)
 
     def _name(self, peer):
         return "rank %d on %s" % (self.ranks[peer], self.hosts[peer])
