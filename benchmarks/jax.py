@@ -8,7 +8,8 @@ places from MPI). Every rank compiles `jax.jit(lambda x: allreduce(x))` for each
 `shmcomm.jax.jit` (JAX's fast dispatch: "sealed"), and, per size, runs rounds in which each makes the same number of
 calls, alternating which goes first; a call is timed until its result is ready, and a round's time per call is the
 slowest rank's. The table gives the median (p90) over rounds of each, the bus bandwidth (2(n-1)/n x bytes / time, as
-nccl-tests), the ratios to mpi4jax, and the numpy API's shmcomm.allreduce of the same array for reference. Both
+nccl-tests), the ratios to mpi4jax, and the numpy API's shmcomm.allreduce of the same array for reference, into an
+output made once (as XLA's results come back to the same memory: jax/results_heap.py). Both
 libraries run in one process, so mpi4jax's results gain from the glibc thresholds that importing shmcomm.jax raises
 (jax/results_heap.py) as shmcomm's do; with SHMCOMM_JAX_HEAP_BYTES=0 both run on glibc's own, as an mpi4jax job does
 by default. --train adds the example's jitted step (examples/jax_digits.py's MLP, batch
@@ -90,9 +91,9 @@ def worker(args):
     rows = []
     for size in _sizes(args):
         x = jnp.ones(size // 4, jnp.float32)
-        numpy_x = np.ones(size // 4, np.float32)
+        numpy_x, numpy_out = np.ones(size // 4, np.float32), np.ones(size // 4, np.float32)
         calls = {"shmcomm": lambda: ours(x).block_until_ready(), "sealed": lambda: sealed(x).block_until_ready(),
-                 "numpy": lambda: shmcomm.allreduce(numpy_x, op=shmcomm.Sum)}
+                 "numpy": lambda: shmcomm.allreduce(numpy_x, op=shmcomm.Sum, output=numpy_out)}
         if theirs is not None:
             calls["mpi4jax"] = lambda: theirs(x).block_until_ready()
             assert float(theirs(x)[0]) == n
