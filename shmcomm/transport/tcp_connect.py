@@ -131,6 +131,7 @@ class SetDoor:
 
         Raises:
             TimeoutError: naming the members not connected within timeout_s.
+            AuthenticationError: a member below this one does not hold the job's secret, or this rank does not.
         """
         deadline = time.monotonic() + timeout_s
         sockets = {}
