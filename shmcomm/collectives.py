@@ -13,7 +13,7 @@ from shmcomm.engine.calls import (allgather_request, allreduce_request, alltoall
                                   broadcast_request, is_cuda, received_splits, reducescatter_op, reducescatter_request,
                                   resolve_set, root_index, rows_per_rank, run)
 from shmcomm.quick_path import world
-from shmcomm.vocabulary.buffers import host_view
+from shmcomm.vocabulary.buffers import held_view
 from shmcomm.vocabulary.exceptions import InvalidArgumentError
 
 
@@ -97,12 +97,13 @@ def allreduce(tensor, op=None, average=None, prescale_factor=1.0, postscale_fact
         if got is not NotImplemented:
             return got if type(got) is not int else _quick_failed(got, tensor, "allreduce", name)
     elif world.allreduce and average is None and process_set is None:
-        array = host_view(tensor)  # a CPU torch tensor takes the same call through a numpy view of its memory
-        result = None if array is None else tensor.new_empty(tensor.shape) if output is None else output
-        out = None if result is None else host_view(result)
-        got = NotImplemented if out is None else world.allreduce(array, out, op, prescale_factor, postscale_factor)
+        kept = held_view(tensor)  # a CPU torch tensor takes the same call through a numpy view of its memory
+        result = None if kept is None else tensor.new_empty(tensor.shape) if output is None else output
+        out = None if result is None else held_view(result)
+        got = NotImplemented if out is None or out[1] != kept[1] else world.allreduce(
+            kept[0], out[0], op, prescale_factor, postscale_factor, kept[1])
         if got is not NotImplemented:
-            return result if type(got) is not int else _quick_failed(got, array, "allreduce", name)
+            return result if type(got) is not int else _quick_failed(got, kept[0], "allreduce", name)
     elif world.crossing_allreduce and type(tensor) is np.ndarray and average is None and process_set is None:
         got = world.crossing_allreduce(tensor, np.empty(tensor.shape, tensor.dtype) if output is None else output, op,
                                        prescale_factor, postscale_factor)
@@ -132,11 +133,11 @@ def allreduce_(tensor, op=None, average=None, prescale_factor=1.0, postscale_fac
         if got is not NotImplemented:
             return got if type(got) is not int else _quick_failed(got, tensor, "allreduce", name)
     elif world.allreduce and average is None and process_set is None:
-        array = host_view(tensor)
-        got = NotImplemented if array is None else world.allreduce(array, array, op, prescale_factor,
-                                                                   postscale_factor)
+        kept = held_view(tensor)
+        got = NotImplemented if kept is None else world.allreduce(kept[0], kept[0], op, prescale_factor,
+                                                                  postscale_factor, kept[1])
         if got is not NotImplemented:
-            return tensor if type(got) is not int else _quick_failed(got, array, "allreduce", name)
+            return tensor if type(got) is not int else _quick_failed(got, kept[0], "allreduce", name)
     elif world.crossing_allreduce and type(tensor) is np.ndarray and average is None and process_set is None:
         got = world.crossing_allreduce(tensor, tensor, op, prescale_factor, postscale_factor)
         if got is not NotImplemented:

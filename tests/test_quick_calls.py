@@ -82,6 +82,54 @@ def test_arrays_outside_the_quick_calls_take_the_full_path():
     assert multiproc.run(2, _left_to_the_full_path, timeout=120, env=FAST_TIMEOUT) == [True, True]
 
 
+def _torch_tensors():
+    """CPU tensors take the quick call through kept views of their memory, bfloat16 ones as their int16 bits with the
+    core told the type; rank 1 passes Parameters (the full path). Results equal the float32 reduction rounded once."""
+    import torch
+
+    import shmcomm
+    from shmcomm.quick_path import world
+
+    shmcomm.init()
+    size, me = shmcomm.size(), shmcomm.rank()
+    typed = []
+    real = world.allreduce
+
+    def quick(*args):  # what the call was told of the type, where it took it (not NotImplemented)
+        got = real(*args)
+        typed.append(args[5] if got is not NotImplemented else "declined")
+        return got
+    world.allreduce = quick
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        for shape in [(), (7,), (3, 1000)]:
+            for op in (shmcomm.Sum, shmcomm.Min, shmcomm.Max):
+                ranks = [(torch.randn(shape, generator=torch.Generator().manual_seed(r)) * 3).to(dtype)
+                         for r in range(size)]
+                reduce = {shmcomm.Max: lambda xs: torch.stack(xs).max(0).values,
+                          shmcomm.Min: lambda xs: torch.stack(xs).min(0).values}.get(op, sum)
+                want = reduce([x.float() for x in ranks]).to(dtype)  # in rank order, in float32, rounded once
+                mine = ranks[me].clone()
+                x = torch.nn.Parameter(mine, requires_grad=False) if me == 1 else mine
+                assert torch.equal(shmcomm.allreduce(x, op=op), want), (dtype, shape, op)
+                assert torch.equal(shmcomm.allreduce_(x, op=op), want) and torch.equal(mine, want), (dtype, shape, op)
+    errors = []
+    for wrong in (torch.ones(3 + me, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16 if me else torch.int16)):
+        try:
+            shmcomm.allreduce_(wrong, op=shmcomm.Sum)
+        except shmcomm.MismatchError as error:
+            errors.append(type(error).__name__)
+    world.allreduce = real
+    return typed, errors
+
+
+def test_torch_tensors_take_the_quick_call_bfloat16_too():
+    for rank, (typed, errors) in enumerate(multiproc.run(3, _torch_tensors, timeout=120, env=FAST_TIMEOUT)):
+        quick = 0 if rank == 1 else 2 * 3 * 3  # per dtype: two calls per op and shape, on the quick ranks
+        assert typed[:3 * quick] == [1] * quick + [None] * 2 * quick, typed  # bfloat16 first: its type told (1)
+        # another length, another dtype: every rank raises (the wrong tensors are plain tensors on every rank)
+        assert typed[3 * quick:] == [1, 1 if rank else None] and errors == ["MismatchError"] * 2, (typed, errors)
+
+
 def _threads_run_while_waiting():
     import threading
     import time

@@ -127,10 +127,11 @@ static PyObject* finish(PyObject* x, Py_buffer* in, PyObject* out, Py_buffer* vi
   return out;
 }
 
-/* allreduce(x, out, op, prescale, postscale): op is Horovod's number (ops.ReduceOp, or None for Average); out is x
- * itself or an array of x's type, dtype and shape. */
+/* allreduce(x, out, op, prescale, postscale[, dtype]): op is Horovod's number (ops.ReduceOp, or None for Average);
+ * out is x itself or an array of x's type, dtype and shape. `dtype`, None or SMC_BFLOAT16, says that int16 arrays
+ * hold bfloat16 elements (numpy has none: a bfloat16 tensor comes as an int16 view of its memory). */
 static PyObject* quick_allreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 5 || !bound(self, BOUND_ITEMS)) return not_here();
+  if ((nargs != 5 && nargs != 6) || !bound(self, BOUND_ITEMS)) return not_here();
   smc_comm_t* comm = PyLong_AsVoidPtr(BOUND(self, BOUND_COMM));
   long size = PyLong_AsLong(BOUND(self, BOUND_SIZE));
   PyObject *x = args[0], *out = args[1], *op = args[2];
@@ -139,6 +140,15 @@ static PyObject* quick_allreduce(PyObject* self, PyObject* const* args, Py_ssize
   if (PyErr_Occurred() || comm == NULL || size < 1 || horovod_op < 0) return not_here();
   arrays_t a;
   if (!take_arrays(x, out, &a)) return not_here();
+  if (nargs == 6 && args[5] != Py_None) {
+    int ok = PyLong_AsLong(args[5]) == SMC_BFLOAT16 && a.dtype == SMC_INT16;
+    if (ok) a.tag = quick_tag(a.dtype = SMC_BFLOAT16, &a.in, 0, &ok);
+    if (!ok) {
+      if (out != x) PyBuffer_Release(&a.view);
+      PyBuffer_Release(&a.in);
+      return not_here();
+    }
+  }
   smc_result_t rc;
   Py_BEGIN_ALLOW_THREADS
   rc = smc_allreduce(comm, a.in.buf, a.view.buf, (size_t)(a.in.len / a.in.itemsize), (smc_datatype_t)a.dtype,

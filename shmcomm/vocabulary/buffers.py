@@ -51,12 +51,54 @@ def is_torch(x):
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+class _KeptViews:
+    """Numpy views of torch tensors' memory, kept by (address, shape, torch dtype) and found again for less than half
+    of what making one costs (a small collective's time is made of such costs). A view never owns that memory and is
+    handed out only for a tensor that has this memory now, while the caller holds it; a new tensor at the same memory
+    rightly gets the same view. Only views are kept, never tensors."""
+
+    KEPT = 64  # views kept before all are dropped: more than a step moves in distinct tensors, each a few hundred bytes
+
+    def __init__(self):
+        self.views = {}
+        self.torch = None  # (torch.Tensor, torch.strided, torch.bfloat16, {torch dtype: its view's numpy dtype})
+
+    def _seen(self):
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            kinds = {kind: np.dtype(np.int16) if kind is torch.bfloat16 else dtypes.numpy_dtype(code)
+                     for kind, code in dtypes.torch_codes().items()}  # bfloat16's view holds its bits
+            self.torch = (torch.Tensor, torch.strided, torch.bfloat16, kinds)
+        return self.torch
+
+    def view(self, x):
+        """(the view, None) of `x`, a contiguous dense CPU tensor of a dtype the core reduces; (its int16 view,
+        dtypes.BFLOAT16) for a bfloat16 one; else None."""
+        t = self.torch or self._seen()
+        if t is None or type(x) is not t[0] or not x.is_cpu or x.layout is not t[1] or not x.is_contiguous() \
+                or x.is_neg():
+            return None
+        key = (x.data_ptr(), x.shape, x.dtype)
+        kept = self.views.get(key)
+        if kept is None:
+            kind = t[3].get(key[2])
+            if kind is None or not key[0]:  # another dtype, or no memory (empty)
+                return None
+            if len(self.views) >= self.KEPT:
+                self.views.clear()
+            array = memory.view(memory.at(key[0]), x.numel() * kind.itemsize).view(kind).reshape(key[1])
+            kept = self.views[key] = (array, dtypes.BFLOAT16 if key[2] is t[2] else None)
+        return kept
+
+
+_kept = _KeptViews()
 _numpy_kinds = []  # the torch dtypes numpy shares, once torch is seen
 
 
 def host_view(x):
     """A numpy array sharing the memory of `x` when `x` is a contiguous CPU torch tensor of a dtype numpy has, so
-    that it can take the core's quickest calls; otherwise None (the full path then moves it, or says what is wrong)."""
+    that it can take the core's quickest calls; otherwise None (the full path then moves it, or says what is wrong).
+    The array holds `x`: it may outlive the caller's reference."""
     torch = sys.modules.get("torch")
     if torch is None or type(x) is not torch.Tensor or not x.is_cpu or x.layout is not torch.strided:
         return None
@@ -66,6 +108,13 @@ def host_view(x):
     if x.dtype not in _numpy_kinds[0] or not x.is_contiguous():
         return None
     return (x.detach() if x.requires_grad else x).numpy()
+
+
+# held_view(x): (a numpy view of the memory of `x`, None) as host_view(x) gives, for a tensor the caller holds while
+# it uses the view (the view does not hold it), kept from call to call; for a bfloat16 tensor (its int16 view,
+# dtypes.BFLOAT16), since numpy has no bfloat16 and the quick calls are told what its elements are; else None.
+# A bound method: no frame of its own.
+held_view = _kept.view
 
 
 def _numpy_failure(x, what, writable):

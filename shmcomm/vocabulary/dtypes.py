@@ -39,6 +39,7 @@ NAMES = {
     lib.SMC_INT64: "int64",
 }
 INTEGER = {lib.SMC_INT8, lib.SMC_UINT8, lib.SMC_INT16, lib.SMC_INT32, lib.SMC_INT64}
+BFLOAT16 = lib.SMC_BFLOAT16  # the code the quick calls are given for a bfloat16 tensor's int16 view
 # A CUDA tensor's dtype key is its core code plus this: ranks that pass a CUDA tensor where others pass a CPU one
 # disagree on the dtype (and every rank raises), and the engine never fuses CUDA tensors with CPU ones. Core codes
 # are below it; the keys of types the core does not reduce are 1000 and above (Buffer.dtype_key).
