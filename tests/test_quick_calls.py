@@ -171,3 +171,37 @@ def test_the_interpreter_lock_is_released_while_a_quick_call_waits():
     assert result == other == [2.0, 2.0]
     assert waited > 0.5, waited
     assert during > 0.25 * rate, (during, rate)
+
+
+def test_kept_tensor_views_follow_the_memory_and_never_hold_a_tensor():
+    """vocabulary/buffers.held_view: one view per tensor memory, shape and dtype, found again; a tensor given new
+    memory gets a view of that; nothing keeps a tensor alive; bfloat16 comes as its bits with the core's code."""
+    torch = pytest.importorskip("torch")
+    import gc
+    import weakref
+
+    from shmcomm.vocabulary import dtypes
+    from shmcomm.vocabulary.buffers import held_view
+
+    def over(kept, tensor):
+        view = kept[0]
+        return view.__array_interface__["data"][0] == tensor.data_ptr() and view.shape == tuple(tensor.shape)
+
+    t = torch.arange(6.0).reshape(2, 3)
+    first = held_view(t)
+    assert over(first, t) and first[1] is None and held_view(t) is first  # kept
+    first[0][0, 0] = 7.0
+    assert t[0, 0] == 7.0
+    t.set_(torch.arange(4.0))  # new memory under the same tensor
+    assert over(held_view(t), t)
+    bits = torch.ones(3, dtype=torch.bfloat16)
+    assert over(held_view(bits), bits) and held_view(bits)[0].dtype == np.int16
+    assert held_view(bits)[1] == dtypes.BFLOAT16 and held_view(bits.view(torch.int16))[1] is None
+    assert held_view(torch.arange(6.0).reshape(2, 3).t()) is None  # not contiguous
+    assert held_view(torch.ones(2, dtype=torch.bool)) is None and held_view(np.ones(2)) is None
+    gone = torch.ones(5)
+    held_view(gone)
+    alive = weakref.ref(gone)
+    del gone
+    gc.collect()
+    assert alive() is None
