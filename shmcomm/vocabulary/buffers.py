@@ -57,7 +57,7 @@ class _KeptViews:
     handed out only for a tensor that has this memory now, while the caller holds it; a new tensor at the same memory
     rightly gets the same view. Only views are kept, never tensors."""
 
-    KEPT = 64  # views kept before all are dropped: more than a step moves in distinct tensors, each a few hundred bytes
+    KEPT = 1024  # views kept before all are dropped: a model's tensors one by one; each a few hundred bytes
 
     def __init__(self):
         self.views = {}
