@@ -501,7 +501,10 @@ def test_kept_views_follow_each_tensors_memory_and_never_hold_a_tensor():
     assert views.plain(torch.ones(2), dist.ReduceOp.RedOpType.MAX)[1] is shmcomm.Max
     assert views.plain(torch.ones(2), dist._make_nccl_premul_sum(2.0)) is None  # a factor: the full path
     assert views.plain(torch.ones(2, dtype=torch.bool), dist.ReduceOp.SUM) is None
-    assert views.plain(torch.ones(2, dtype=torch.bfloat16), dist.ReduceOp.SUM) is None
+    bits = torch.ones(2, 2, dtype=torch.bfloat16)  # numpy has no bfloat16: the tensor itself, flat, for the collectives
+    flat, _ = views.plain(bits, dist.ReduceOp.SUM)
+    assert flat.dtype is torch.bfloat16 and flat.shape == (4,) and flat.data_ptr() == bits.data_ptr()
+    assert views.plain(bits.t(), dist.ReduceOp.SUM) is None  # not contiguous: the full path says so
     gone = torch.ones(3)
     views.data(gone, "x")
     ref = weakref.ref(gone)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from shmcomm.transport import memory
 from shmcomm.vocabulary import ops
-from shmcomm.vocabulary.buffers import host_view
+from shmcomm.vocabulary.buffers import held_view, host_view
 from shmcomm.vocabulary.dtypes import numpy_dtype, torch_codes
 from shmcomm.vocabulary.exceptions import InvalidArgumentError, NotSupportedError
 
@@ -69,9 +69,13 @@ class HostViews:
 
     def plain(self, tensor, op):
         """(data, shmcomm's op) where reduction(tensor, op) gives them with no prescale factor and data is a numpy
-        view; else None."""
+        view, or a bfloat16 tensor flat (the collectives take it through a kept view of its bits); else None."""
         shmcomm_op = _PLAIN.get(hash(op))
-        array = None if shmcomm_op is None else self._view(tensor)
+        if shmcomm_op is None:
+            return None
+        array = self._view(tensor)
+        if array is None and tensor.dtype is torch.bfloat16 and held_view(tensor) is not None:
+            array = tensor.reshape(-1)
         return None if array is None else (array, shmcomm_op)
 
 
