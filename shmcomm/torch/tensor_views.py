@@ -74,8 +74,9 @@ class HostViews:
         if shmcomm_op is None:
             return None
         array = self._view(tensor)
-        if array is None and tensor.dtype is torch.bfloat16 and held_view(tensor) is not None:
-            array = tensor.reshape(-1)
+        if array is None and tensor.dtype is torch.bfloat16 and tensor.is_contiguous():
+            flat = tensor.reshape(-1)  # a view: the kept view made here is the one the collectives then find
+            array = flat if held_view(flat) is not None else None
         return None if array is None else (array, shmcomm_op)
 
 
