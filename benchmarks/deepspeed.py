@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import shmcomm
-from benchmarks.torch_distributed import alternating, parse_options, size_text, slowest_rank
+from benchmarks.taking_turns import alternating, parse_options, size_text, slowest_rank
 from shmcomm.testing import cpu_load
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -13,10 +13,8 @@ first pair), and each ratio as the median of the rounds' ratios within its pair,
 same machine. Sizes follow nccl-tests: the buffer of all_reduce, broadcast and all_to_all_single, the output of
 all_gather_into_tensor and the input of reduce_scatter_tensor. --cpu-load N runs it all beside N CPU-bound
 processes (rank 0 starts and stops them)."""
-import argparse
 import os
 import sys
-import time
 
 import numpy as np
 import torch
@@ -25,7 +23,7 @@ import torch.distributed as dist
 import shmcomm
 import shmcomm.torch  # noqa: F401  (registers the backend)
 from benchmarks import torch_layer
-from benchmarks.collectives import parse_size
+from benchmarks.taking_turns import alternating, parse_options, size_text, slowest_rank
 from shmcomm.testing import cpu_load
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast")
@@ -61,43 +59,7 @@ def _cases(op, nbytes, n, gloo, layer):
             "numpy API + torch's layer": lambda: (numpy_api(), torch_call(layer))}
 
 
-def alternating(calls, iters):
-    """{library: seconds of each of `iters` calls}, the libraries' calls taking turns (each after a barrier, the order
-    reversed every other turn), so that whatever the machine does meets them alike; two calls each first, untimed."""
-    for call in calls.values():
-        call()
-        call()
-    libraries = list(calls)
-    times = {library: [] for library in libraries}
-    for i in range(iters):
-        for library in libraries if i % 2 == 0 else libraries[::-1]:
-            shmcomm.barrier()
-            start = time.perf_counter()
-            calls[library]()
-            times[library].append(time.perf_counter() - start)
-    return times
 
-
-def slowest_rank(times):
-    """The slowest rank's median and 90th percentile of these times."""
-    return shmcomm.allgather(np.array([[np.median(times), np.percentile(times, 90)]])).max(axis=0)
-
-
-def parse_options(argv, doc, sizes, kinds, listed):
-    """The options of an interleaved torch benchmark: (options, sizes in bytes, the kinds asked for), where `kinds`
-    names what --`listed` chooses from (ops, dtypes)."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--bytes", default=sizes, help="comma-separated sizes, K/M/G suffixes allowed")
-    parser.add_argument("--" + listed, default=",".join(kinds))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per library, case and round")
-    parser.add_argument("--cpu-load", type=int, default=0, help="CPU-bound processes beside the job")
-    options = parser.parse_args(argv)
-    chosen = getattr(options, listed).split(",")
-    unknown = sorted(set(chosen) - set(kinds))
-    if unknown:
-        parser.error("unknown %s %s; choose from %s" % (listed, unknown, ",".join(kinds)))
-    return options, [parse_size(s) for s in options.bytes.split(",")], chosen
 
 
 def main(argv=None):
@@ -143,12 +105,6 @@ def _report(rows, options, n, argv):
         print("| %s | %s | %s | %.2fx | %.2f | %.2f |" % (op, size_text(nbytes), " | ".join(cells), over_gloo,
                                                           over_numpy, floor), flush=True)
 
-
-def size_text(nbytes):
-    for unit, shift in (("M", 20), ("K", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return "%d %siB" % (nbytes >> shift, unit)
-    return "%d B" % nbytes
 
 
 if __name__ == "__main__":

@@ -49,6 +49,34 @@ def test_every_dtype_and_op(size):
     assert multiproc.run(size, _all_ops_all_dtypes, size, timeout=240) == [True] * size
 
 
+def _one_step_sizes():
+    import torch
+
+    import shmcomm
+    from shmcomm import basics
+
+    shmcomm.init()
+    me, shm = shmcomm.rank(), basics.communicator().shm
+    taken = []
+    for make, count in ((lambda v: v.astype(np.float32), 1024), (lambda v: v.astype(np.float16), 512),
+                        (lambda v: v.astype(np.float16), 1024), (lambda v: torch.from_numpy(v).bfloat16(), 512),
+                        (lambda v: torch.from_numpy(v).bfloat16(), 1024)):
+        values = [np.arange(count, dtype=np.float32) % 13 + r for r in range(2)]
+        before = shm.pieces()
+        got = shmcomm.allreduce(make(values[me]), op=shmcomm.Sum)
+        taken.append(shm.pieces() - before)
+        got = got.float().numpy() if isinstance(got, torch.Tensor) else got.astype(np.float32)
+        np.testing.assert_array_equal(got, values[0] + values[1])
+    return taken
+
+
+def test_sixteen_bit_floats_take_one_step_up_to_a_quarter_of_the_size():
+    """Under SHMCOMM_SMALL_BYTES=4096 a float32 allreduce of 4 KiB takes the one-step path (no pieces), float16 and
+    bfloat16 ones up to 1 KiB only: 2 KiB of them take the steps (their reduction converts every element to float
+    and back, so reducing every rank's whole input on every rank costs them more). Sums exact either way."""
+    assert multiproc.run(2, _one_step_sizes, env={"SHMCOMM_SMALL_BYTES": "4096"}) == [[0, 0, 1, 0, 1]] * 2
+
+
 def _largest(piece):
     """The largest array of a run with SHMCOMM_PIECE_BYTES=piece: pieces of a cache line take a synchronised step per
     line, and the 40,001-element arrays already cross hundreds of them, where the largest would cross tens of

@@ -164,6 +164,31 @@ def test_deepspeed_allreduce_against_shmcomm():
     assert all(float(r[4]) > 0 for r in rows), proc.stdout
 
 
+def test_oneccl_without_oneccl_says_how_to_install_it(tmp_path):
+    """oneCCL is never installed at run time: a prefix without it stops the driver before any job, with the commands
+    that install it there."""
+    proc = run_module("benchmarks.oneccl", ["-np", "2", "--prefix", str(tmp_path)], 60)
+    assert proc.returncode != 0
+    assert "no oneCCL with its Intel MPI in %s" % tmp_path in proc.stderr, proc.stderr
+    assert "%s/bin/pip install --no-deps oneccl==2022.2.0" % tmp_path in proc.stderr, proc.stderr
+
+
+@pytest.mark.long  # oneCCL is a peer, never a dependency: this runs where it is installed (benchmarks/README.md)
+def test_oneccl_collectives_against_shmcomm():
+    from benchmarks import oneccl
+    if not os.path.exists(os.path.join(oneccl.PREFIX, "lib", "libccl.so.2")):
+        pytest.skip("oneCCL is not installed in %s" % oneccl.PREFIX)
+    proc = run_module("benchmarks.oneccl", ["-np", "2", "--ops", "allreduce,allgather,alltoall,reducescatter,broadcast",
+                                            "--dtypes", "float32,float16", "--bytes", "8,64K", "--rounds", "1",
+                                            "--iters", "3"], 600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "us" not in line]
+    cases = [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows]
+    assert cases == [(op, dtype, size) for op in oneccl.OPS for dtype in ("float32", "float16")
+                     for size in ("8 B", "64 KiB")], proc.stdout
+    assert all(float(r[5]) > 0 for r in rows), proc.stdout
+
+
 def test_tcp_mesh_reports_set_up_and_every_size():
     proc = run_module("benchmarks.tcp_mesh", ["-np", "3", "-b", "4K", "-e", "16K", "-f", "4", "-n", "2",
                                               "--rounds", "1"], 120)

@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Allreduce and reduce-scatter over the staging slots of one host.
  *
- * Small messages (up to small_bytes) take one step: every rank copies its whole input into its half, all sync, and
- * every rank reduces all halves itself. Redundant arithmetic, but a single synchronisation, which is what latency
- * is made of.
+ * Small messages (up to small_bytes, a quarter of it for 16-bit floats) take one step: every rank copies its whole
+ * input into its half, all sync, and every rank reduces all halves itself. Redundant arithmetic, but a single
+ * synchronisation, which is what latency is made of.
  *
  * Larger messages are cut into one range per rank; rank r owns range r. Each step moves one piece of every range:
  *   1. copy-in:  rank r copies piece k of every range j != r into section j of its half. Its own piece stays in its
@@ -298,7 +298,12 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
   uint64_t start[SMC_MAX_RANKS], len[SMC_MAX_RANKS];
   p.start = start;
   p.len = len;
-  if (bytes > c->small_bytes || w != NULL) {
+  /* The one-step path reduces every rank's whole input on every rank. 16-bit floats are converted to float and back
+   * to be reduced, so that redundant work costs them more per byte than the second step saves from a quarter of
+   * the size (benchmarks/RESULTS.md). */
+  const int half_float = dtype == SMC_FLOAT16 || dtype == SMC_BFLOAT16;
+  const uint64_t small = half_float ? c->small_bytes / 4 : c->small_bytes;
+  if (bytes > small || w != NULL) {
     size_t line = SMC_CACHE_LINE / p.esize;
     size_t per = ((count + (size_t)c->size - 1) / (size_t)c->size + line - 1) / line * line;
     for (int j = 0; j < c->size; j++) {
@@ -306,7 +311,7 @@ smc_result_t smc_allreduce(smc_comm_t* c, const void* sendbuf, void* recvbuf, si
       len[j] = count - start[j] < per ? count - start[j] : per;
     }
   }
-  if (bytes <= c->small_bytes) return one_step(c, &p, count, &desc, w);
+  if (bytes <= small) return one_step(c, &p, count, &desc, w);
   /* pulled's ranges are one rank's alone only if input and output are the same buffer or apart */
   const uintptr_t in = (uintptr_t)sendbuf, out = (uintptr_t)recvbuf;
   if (smc_pull_possible(c, bytes) && (in == out || in + bytes <= out || out + bytes <= in)) {

@@ -14,7 +14,7 @@ class Tuning:
     start_timeout_s: float # init waiting for every rank
     liveness_s: float      # how often a sleeping waiter checks its peer is alive
     slot_bytes: int        # per-rank staging buffer
-    small_bytes: int       # one-step allreduce up to this size
+    small_bytes: int       # one-step allreduce up to this size (16-bit floats: a quarter)
     arena_bytes: int       # Soft Memory Box arena
     spin_us: int           # microseconds of polling before sleeping
     yield_us: int          # then microseconds of a collective's waiter yielding its core before sleeping

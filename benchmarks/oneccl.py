@@ -1,0 +1,176 @@
+# SPDX-License-Identifier: Apache-2.0
+"""shmcomm's collectives against Intel oneCCL's on this host, call by call in one job:
+
+    python -m benchmarks.oneccl -np 2 [--prefix benchmarks/.oneccl] [--ops allreduce,allgather,...]
+        [--dtypes float32,float16] [--bytes 8,1K,64K,1M,4M,16M,64M] [--rounds 5] [--iters 20] [--cpu-load N]
+
+oneCCL is a peer, never a dependency: it lives in a prefix of its own (benchmarks/README.md says how to install it
+there), and this driver starts the job with that prefix's Intel MPI, over which oneCCL runs fastest on one host
+(CCL_ATL_TRANSPORT=mpi, I_MPI_FABRICS=shm; CCL_WORKER_OFFLOAD=0, since a worker thread per rank spinning beside the
+ranks takes the cores they need). shmcomm learns the job from the same MPI. oneCCL's side is its C API (onecclAllReduce
+and the others, on host buffers: no stream) through ctypes, on numpy arrays as shmcomm's. Sizes follow nccl-tests:
+the buffer of allreduce, alltoall and broadcast (in place, from rank 0), allgather's output and reducescatter's input.
+The two take turns call by call, each call after a barrier; the table gives, per op, dtype and size, the median over
+rounds of the slowest rank's median and 90th percentile of --iters calls, and oneCCL's time over shmcomm's as the
+median of the rounds' ratios (above 1: shmcomm is faster). Both results are checked against each other once per
+case."""
+import argparse
+import ctypes
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from benchmarks.taking_turns import alternating, chosen, parser_for, size_text, sizes_of, slowest_rank
+
+PREFIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".oneccl")
+OPS = ("allreduce", "allgather", "alltoall", "reducescatter", "broadcast")
+DTYPES = {"float32": 7, "float16": 6}  # numpy's name -> onecclDataType_t
+SUM = 0  # onecclSum
+INSTALL = ("python -m venv {0} && {0}/bin/pip install --no-deps oneccl==2022.2.0 && "
+           "{0}/bin/pip install oneccl-cpu==2022.1.2 intel-sycl-rt intel-cmplr-lib-rt (benchmarks/README.md)")
+
+
+class UniqueId(ctypes.Structure):
+    """onecclUniqueId: what rank 0 makes and every rank needs to join the communicator."""
+    _fields_ = [("data", ctypes.c_char * 4096)]
+
+
+def main(argv=None):
+    parser = parser_for(__doc__, "8,1K,64K,1M,4M,16M,64M")
+    parser.add_argument("-np", type=int, default=2, help="ranks, all on this host")
+    parser.add_argument("--prefix", default=PREFIX, help="where oneCCL and its Intel MPI are installed")
+    parser.add_argument("--ops", default="allreduce")
+    parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    options = parser.parse_args(argv)
+    ops = chosen(parser, options.ops, OPS, "ops")
+    dtypes = chosen(parser, options.dtypes, DTYPES, "dtypes")
+    prefix = os.path.abspath(options.prefix)
+    if options.worker:
+        return _worker(options, prefix, ops, dtypes, argv)
+    library, mpiexec = os.path.join(prefix, "lib", "libccl.so.2"), os.path.join(prefix, "bin", "mpiexec")
+    if not (os.path.exists(library) and os.path.exists(mpiexec)):
+        raise SystemExit("benchmarks.oneccl: no oneCCL with its Intel MPI in %s; install them there: %s"
+                         % (prefix, INSTALL.format(prefix)))
+    libs = os.path.join(prefix, "lib")
+    env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [libs, os.environ.get("LD_LIBRARY_PATH")])),
+               MPI4PY_LIBMPI=os.path.join(libs, "libmpi.so.12"), MPI4PY_MPIABI="mpich", I_MPI_FABRICS="shm",
+               CCL_ATL_TRANSPORT="mpi", CCL_PLUGIN="ONECCL_LEGACY_CPU", CCL_WORKER_OFFLOAD="0", CCL_LOG_LEVEL="error")
+    command = [mpiexec, "-n", str(options.np), sys.executable, "-m", "benchmarks.oneccl", "--worker"] + argv
+    return subprocess.run(command, env=env).returncode
+
+
+def _worker(options, prefix, ops, dtypes, argv):
+    import shmcomm
+    from shmcomm.testing import cpu_load
+
+    shmcomm.init()
+    me, n = shmcomm.rank(), shmcomm.size()
+    if shmcomm.local_size() != n:
+        raise SystemExit("benchmarks.oneccl compares the libraries on one host")
+    lib, comm = _communicator(prefix, me, n)
+    rows = {}  # (op, dtype, size) -> {library: [(median, p90) per round]}
+    with cpu_load.spinning(options.cpu_load if me == 0 else 0):
+        for round_ in range(options.rounds):
+            for op in ops:
+                for dtype in dtypes:
+                    for nbytes in sizes_of(options):
+                        ours, theirs, our_out, their_out = _calls(lib, comm, op, dtype, nbytes, me, n)
+                        if round_ == 0:
+                            ours()
+                            theirs()
+                            np.testing.assert_array_equal(our_out, their_out, err_msg="%s of %s, %d bytes" % (
+                                op, dtype, nbytes))
+                        times = alternating({"shmcomm": ours, "oneCCL": theirs}, options.iters)
+                        for library, spent in times.items():
+                            rows.setdefault((op, dtype, nbytes), {}).setdefault(library, []).append(slowest_rank(spent))
+    if me == 0:
+        _report(rows, options, n, argv)
+    shmcomm.barrier()
+    lib.onecclCommDestroy(comm)
+    shmcomm.shutdown()
+
+
+def _communicator(prefix, me, n):
+    """(oneCCL's library, a communicator of the job's ranks), joined through the id rank 0 makes and shmcomm hands
+    to the others."""
+    import shmcomm
+
+    lib = ctypes.CDLL(os.path.join(prefix, "lib", "libccl.so.2"))
+    lib.onecclGetErrorString.restype = ctypes.c_char_p
+
+    def checked(result, function, arguments):
+        if result != 0:
+            raise RuntimeError("oneCCL: %s failed: %s" % (function.__name__, lib.onecclGetErrorString(result).decode()))
+        return result
+    for name in ("onecclGetUniqueId", "onecclCommInitRank", "onecclCommDestroy", "onecclAllReduce", "onecclAllGather",
+                 "onecclAllToAll", "onecclReduceScatter", "onecclBroadcast"):
+        getattr(lib, name).errcheck = checked  # each raises, naming oneCCL's reason, where it did not succeed
+    uid = UniqueId()
+    if me == 0:
+        lib.onecclGetUniqueId(ctypes.byref(uid))
+    raw = np.frombuffer(ctypes.string_at(ctypes.addressof(uid), ctypes.sizeof(uid)), np.uint8).copy()
+    shmcomm.broadcast_(raw, 0)
+    ctypes.memmove(ctypes.addressof(uid), raw.ctypes.data, raw.nbytes)
+    comm = ctypes.c_void_p()
+    lib.onecclCommInitRank(ctypes.byref(comm), ctypes.c_size_t(n), uid, me)
+    return lib, comm
+
+
+def _calls(lib, comm, op, dtype, nbytes, me, n):
+    """(shmcomm's call, oneCCL's call, shmcomm's output, oneCCL's output) on arrays made once; oneCCL's arguments
+    are made once too, so that its calls through ctypes cost as little as they can."""
+    import shmcomm
+
+    code, item = DTYPES[dtype], np.dtype(dtype).itemsize
+    count = max(nbytes // item // n * n, n)
+    x = (np.arange(count) % 251 + me).astype(dtype)
+    ours, theirs = np.empty(count, dtype), np.empty(count, dtype)
+    part = count // n
+
+    def call(function, *args):
+        return lambda: function(*args)
+
+    def at(a):
+        return ctypes.c_void_p(a.ctypes.data)
+    if op == "allreduce":
+        return (lambda: shmcomm.allreduce(x, op=shmcomm.Sum, output=ours),
+                call(lib.onecclAllReduce, at(x), at(theirs), ctypes.c_size_t(count), code, SUM, comm, None),
+                ours, theirs)
+    if op == "allgather":
+        mine = x[:part]
+        return (lambda: shmcomm.allgather(mine, output=ours),
+                call(lib.onecclAllGather, at(mine), at(theirs), ctypes.c_size_t(part), code, comm, None), ours, theirs)
+    if op == "alltoall":
+        return (lambda: shmcomm.alltoall(x, output=ours),
+                call(lib.onecclAllToAll, at(x), at(theirs), ctypes.c_size_t(part), code, comm, None), ours, theirs)
+    if op == "reducescatter":
+        ours, theirs = ours[:part], theirs[:part]
+        return (lambda: shmcomm.reducescatter(x, op=shmcomm.Sum, output=ours),
+                call(lib.onecclReduceScatter, at(x), at(theirs), ctypes.c_size_t(part), code, SUM, comm, None),
+                ours, theirs)
+    ours[:], theirs[:] = x, x  # broadcast, in place from rank 0
+    return (lambda: shmcomm.broadcast_(ours, 0),
+            call(lib.onecclBroadcast, at(theirs), at(theirs), ctypes.c_size_t(count), code, 0, comm, None),
+            ours, theirs)
+
+
+def _report(rows, options, n, argv):
+    print("# python -m benchmarks.oneccl %s | np=%d%s | medians over %d rounds of the slowest rank's median and p90 "
+          "of %d calls" % (" ".join(a for a in argv if a != "--worker"), n,
+                           " beside %d CPU-bound processes" % options.cpu_load if options.cpu_load else "",
+                           options.rounds, options.iters))
+    print("| op | dtype | size | shmcomm us (p90) | oneCCL us (p90) | oneCCL / shmcomm |")
+    print("|---|---|---|---|---|---|")
+    for (op, dtype, nbytes), by_library in rows.items():
+        ours, theirs = (np.array(by_library[lib]) for lib in ("shmcomm", "oneCCL"))
+        print("| %s | %s | %s | %.1f (%.1f) | %.1f (%.1f) | %.2f |" % (
+            op, dtype, size_text(nbytes), *(1e6 * np.median(ours, axis=0)), *(1e6 * np.median(theirs, axis=0)),
+            np.median(theirs[:, 0] / ours[:, 0])), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
