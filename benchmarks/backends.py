@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NAMES = ("shmcomm", "mpi", "openmpi", "gloo", "torch_shmcomm", "memcpy")
+NAMES = ("shmcomm", "mpi", "openmpi", "gloo", "torch_shmcomm", "memcpy", "oneccl", "deepspeed")
 MPI_NAMES = ("mpi", "openmpi")  # "mpi" is the MPICH wheel that mpi4py loads by default; benchmarks/openmpi.py
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOP_GRACE_S = 10  # after SIGTERM, how long a timed-out job gets to stop its ranks before SIGKILL
@@ -67,8 +67,13 @@ def unavailable(name):
     if name == "openmpi":
         from benchmarks import openmpi
         return openmpi.missing()
-    if name in ("gloo", "torch_shmcomm") and importlib.util.find_spec("torch") is None:
+    if name in ("gloo", "torch_shmcomm", "deepspeed") and importlib.util.find_spec("torch") is None:
         return "torch is not installed"
+    if name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        return "DeepSpeed is not installed (pip install deepspeed torch==2.13.0)"
+    if name == "oneccl":
+        from benchmarks import oneccl
+        return oneccl.missing()
     return None
 
 
@@ -82,7 +87,8 @@ def free_loopback_port():
 def launch_command(launcher, nranks, module, args):
     """The command that starts `nranks` ranks of `python -m module args`: under shmcommrun ("shmcomm", also used
     for gloo, which needs only a rank and a size), mpiexec ("mpi", kept on this host's loopback), Open MPI's
-    mpiexec ("openmpi", with job_environment(openmpi.environment())), or as one plain process ("single")."""
+    mpiexec ("openmpi", with job_environment(openmpi.environment())), oneCCL's Intel MPI ("oneccl", with
+    job_environment(oneccl.environment())), or as one plain process ("single")."""
     target = [sys.executable, "-m", module] + [str(a) for a in args]
     if launcher == "shmcomm":
         return [sys.executable, "-m", "shmcomm.runner", "-np", str(nranks)] + target
@@ -91,6 +97,9 @@ def launch_command(launcher, nranks, module, args):
     if launcher == "openmpi":
         from benchmarks import openmpi
         return openmpi.launch_command(nranks, target)
+    if launcher == "oneccl":
+        from benchmarks import oneccl
+        return oneccl.launch_command(nranks, target)
     return target
 
 
@@ -145,6 +154,8 @@ _CLASSES = {
     "gloo": ("benchmarks.backend_gloo", "GlooBackend"),
     "torch_shmcomm": ("benchmarks.backend_torch_shmcomm", "TorchShmcommBackend"),
     "memcpy": ("benchmarks.backend_memcpy", "MemcpyBackend"),
+    "oneccl": ("benchmarks.backend_oneccl", "OnecclBackend"),
+    "deepspeed": ("benchmarks.backend_deepspeed", "DeepspeedBackend"),
 }
 
 

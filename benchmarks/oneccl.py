@@ -51,16 +51,34 @@ def main(argv=None):
     prefix = os.path.abspath(options.prefix)
     if options.worker:
         return _worker(options, prefix, ops, dtypes, argv)
-    library, mpiexec = os.path.join(prefix, "lib", "libccl.so.2"), os.path.join(prefix, "bin", "mpiexec")
-    if not (os.path.exists(library) and os.path.exists(mpiexec)):
-        raise SystemExit("benchmarks.oneccl: no oneCCL with its Intel MPI in %s; install them there: %s"
-                         % (prefix, INSTALL.format(prefix)))
+    why = missing(prefix)
+    if why:
+        raise SystemExit("benchmarks.oneccl: %s" % why)
+    command = launch_command(options.np, [sys.executable, "-m", "benchmarks.oneccl", "--worker"] + argv, prefix)
+    return subprocess.run(command, env=dict(os.environ, **environment(prefix))).returncode
+
+
+def missing(prefix=PREFIX):
+    """Why oneCCL cannot run from `prefix`, with the commands that install it there; None when it can."""
+    if os.path.exists(os.path.join(prefix, "lib", "libccl.so.2")) and os.path.exists(os.path.join(prefix, "bin",
+                                                                                                    "mpiexec")):
+        return None
+    return "no oneCCL with its Intel MPI in %s; install them there: %s" % (prefix, INSTALL.format(prefix))
+
+
+def environment(prefix=PREFIX):
+    """The variables a job of oneCCL's ranks needs: its libraries, mpi4py on its Intel MPI, and the transport over
+    which it runs fastest on one host."""
     libs = os.path.join(prefix, "lib")
-    env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [libs, os.environ.get("LD_LIBRARY_PATH")])),
-               MPI4PY_LIBMPI=os.path.join(libs, "libmpi.so.12"), MPI4PY_MPIABI="mpich", I_MPI_FABRICS="shm",
-               CCL_ATL_TRANSPORT="mpi", CCL_PLUGIN="ONECCL_LEGACY_CPU", CCL_WORKER_OFFLOAD="0", CCL_LOG_LEVEL="error")
-    command = [mpiexec, "-n", str(options.np), sys.executable, "-m", "benchmarks.oneccl", "--worker"] + argv
-    return subprocess.run(command, env=env).returncode
+    return dict(LD_LIBRARY_PATH=os.pathsep.join(filter(None, [libs, os.environ.get("LD_LIBRARY_PATH")])),
+                MPI4PY_LIBMPI=os.path.join(libs, "libmpi.so.12"), MPI4PY_MPIABI="mpich", I_MPI_FABRICS="shm",
+                CCL_ATL_TRANSPORT="mpi", CCL_PLUGIN="ONECCL_LEGACY_CPU", CCL_WORKER_OFFLOAD="0",
+                CCL_LOG_LEVEL="error")
+
+
+def launch_command(nranks, target, prefix=PREFIX):
+    """The command that starts `nranks` ranks of `target` under oneCCL's Intel MPI (with environment(prefix))."""
+    return [os.path.join(prefix, "bin", "mpiexec"), "-n", str(nranks)] + list(target)
 
 
 def _worker(options, prefix, ops, dtypes, argv):
@@ -71,7 +89,8 @@ def _worker(options, prefix, ops, dtypes, argv):
     me, n = shmcomm.rank(), shmcomm.size()
     if shmcomm.local_size() != n:
         raise SystemExit("benchmarks.oneccl compares the libraries on one host")
-    lib, comm = _communicator(prefix, me, n)
+    lib = load(prefix)
+    comm = communicator(lib, me, n, lambda raw: shmcomm.broadcast_(raw, 0))
     rows = {}  # (op, dtype, size) -> {library: [(median, p90) per round]}
     with cpu_load.spinning(options.cpu_load if me == 0 else 0):
         for round_ in range(options.rounds):
@@ -94,11 +113,8 @@ def _worker(options, prefix, ops, dtypes, argv):
     shmcomm.shutdown()
 
 
-def _communicator(prefix, me, n):
-    """(oneCCL's library, a communicator of the job's ranks), joined through the id rank 0 makes and shmcomm hands
-    to the others."""
-    import shmcomm
-
+def load(prefix=PREFIX):
+    """oneCCL's C library from `prefix`, each call raising with oneCCL's reason where it does not succeed."""
     lib = ctypes.CDLL(os.path.join(prefix, "lib", "libccl.so.2"))
     lib.onecclGetErrorString.restype = ctypes.c_char_p
 
@@ -108,16 +124,22 @@ def _communicator(prefix, me, n):
         return result
     for name in ("onecclGetUniqueId", "onecclCommInitRank", "onecclCommDestroy", "onecclAllReduce", "onecclAllGather",
                  "onecclAllToAll", "onecclReduceScatter", "onecclBroadcast"):
-        getattr(lib, name).errcheck = checked  # each raises, naming oneCCL's reason, where it did not succeed
+        getattr(lib, name).errcheck = checked
+    return lib
+
+
+def communicator(lib, rank, size, share):
+    """A oneCCL communicator of the job's ranks, joined through the id rank 0 makes; `share(raw)` broadcasts a uint8
+    array from rank 0 in place, with the other library of the job."""
     uid = UniqueId()
-    if me == 0:
+    if rank == 0:
         lib.onecclGetUniqueId(ctypes.byref(uid))
     raw = np.frombuffer(ctypes.string_at(ctypes.addressof(uid), ctypes.sizeof(uid)), np.uint8).copy()
-    shmcomm.broadcast_(raw, 0)
+    share(raw)
     ctypes.memmove(ctypes.addressof(uid), raw.ctypes.data, raw.nbytes)
     comm = ctypes.c_void_p()
-    lib.onecclCommInitRank(ctypes.byref(comm), ctypes.c_size_t(n), uid, me)
-    return lib, comm
+    lib.onecclCommInitRank(ctypes.byref(comm), ctypes.c_size_t(size), uid, rank)
+    return comm
 
 
 def _calls(lib, comm, op, dtype, nbytes, me, n):

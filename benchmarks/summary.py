@@ -5,9 +5,9 @@ and one plot of every backend, each run (an idle machine, a busy one) side by si
     python -m benchmarks.summary benchmarks/results/np2_idle.json benchmarks/results/np2_busy.json \\
         --labels idle,busy --plots benchmarks/results > table.md
 
-Each table row gives, per run, shmcomm's median and p90 time, the fastest peer's (MPICH, Open MPI, gloo; memcpy is
-no peer) and the peer's median over shmcomm's: above 1.00 shmcomm is faster. Each run's command, date and machine
-follow the tables, as the JSON recorded them.
+Each table row gives, per run, shmcomm's median and p90 time, the fastest peer's (MPICH, Open MPI, gloo, and oneCCL
+and DeepSpeed's op where they ran; memcpy is no peer) and the peer's median over shmcomm's: above 1.00 shmcomm is
+faster. Each run's command, date and machine follow the tables, as the JSON recorded them.
 """
 import argparse
 import json
@@ -16,8 +16,8 @@ import sys
 
 from benchmarks import report
 
-PEERS = ("mpi", "openmpi", "gloo")
-PEER_NAMES = {"mpi": "MPICH", "openmpi": "Open MPI", "gloo": "gloo"}
+PEERS = ("mpi", "openmpi", "gloo", "oneccl", "deepspeed")
+PEER_NAMES = {"mpi": "MPICH", "openmpi": "Open MPI", "gloo": "gloo", "oneccl": "oneCCL", "deepspeed": "DeepSpeed"}
 
 
 def _cell(result, op, nominal):
@@ -72,7 +72,8 @@ def plot(path, runs, labels, op):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    colours = {"shmcomm": "tab:red", "mpi": "tab:blue", "openmpi": "tab:green", "gloo": "tab:orange"}
+    colours = {"shmcomm": "tab:red", "mpi": "tab:blue", "openmpi": "tab:green", "gloo": "tab:orange",
+               "oneccl": "tab:purple", "deepspeed": "tab:brown"}
     half = report.summary_half(op)
     for run, label, style in zip(runs, labels, ("-", "--", ":", "-.")):
         for name in ("shmcomm",) + PEERS:

@@ -199,7 +199,8 @@ def test_tcp_mesh_reports_set_up_and_every_size():
     assert all(0 < float(row[1]) <= float(row[2]) for row in rows[2:]), proc.stdout
 
 
-# The default run compares with MPICH; the second tier with every backend (Open MPI and torch's gloo too).
+# The default run compares with MPICH; the second tier with every backend (Open MPI, torch's gloo, and oneCCL and
+# DeepSpeed's op where they are installed).
 @pytest.mark.parametrize("names", [("shmcomm", "mpi", "memcpy"), pytest.param(backends.NAMES, marks=pytest.mark.long)],
                          ids=["mpich", "every-backend"])
 def test_collectives_every_backend_and_op(tmp_path, names):
@@ -218,7 +219,7 @@ def test_collectives_every_backend_and_op(tmp_path, names):
     document = json.loads(out.read_text())
     results = document["results"]
     expected = ["shmcomm"]
-    for name in [name for name in ("mpi", "openmpi", "gloo", "torch_shmcomm") if name in names]:
+    for name in [name for name in ("mpi", "openmpi", "gloo", "torch_shmcomm", "oneccl", "deepspeed") if name in names]:
         why = backends.unavailable(name)
         if why:  # said on the console, and the rest must still run
             assert "%s skipped" % name in proc.stdout
