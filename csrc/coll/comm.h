@@ -50,6 +50,8 @@ struct smc_comm {
   int spin_us;
   int yield_us;
   int yield_now_us;          /* the yield of the next wait: yield_us, less after waits that outlasted it (step.c) */
+  uint64_t waits_beside_peer; /* step waits (with yield_us) that yielded: a peer last ran on this rank's CPU */
+  uint64_t waits_apart;       /* step waits (with yield_us) that polled instead: every peer last ran elsewhere */
   smc_result_t broken;     /* non-success once a failure left the protocol state unknown */
   char broken_msg[512];
   smc_failure_t broken_failure; /* the failure data of that failure, repeated by every later refusal */

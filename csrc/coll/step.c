@@ -1,5 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Steps, synchronisation and the descriptor check shared by every collective (see coll/comm.h). */
+#define _GNU_SOURCE
+#include <sched.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -33,19 +35,32 @@ smc_result_t smc_comm_usable(smc_comm_t* c, const char* what) {
   return SMC_SUCCESS;
 }
 
+/* Whether a peer last posted from the CPU this rank runs on (CPUs unknown count as shared). */
+static int cpu_shared(const smc_comm_t* c) {
+  const int here = sched_getcpu();
+  for (int r = 0; r < c->size; r++) {
+    const int32_t theirs = atomic_load_explicit(&c->ctl[r].cpu, memory_order_relaxed);
+    if (r != c->rank && (here < 0 || theirs == 0 || theirs - 1 == here)) return 1;
+  }
+  return 0;
+}
+
 /* Waits for rank r to have posted `target`; a timeout names every rank that has not. */
 static smc_result_t wait_peer(smc_comm_t* c, int r, uint32_t target, const char* what) {
   peer_ref_t ref = {c, r, what};
-  /* Yielding is on when ranks outnumber cores: then the yield loop polls, and spinning first only keeps the core
-   * from the rank that shares it, which is likely the one waited for. */
-  smc_wait_opts_t opts = {c->yield_us > 0 ? 0 : c->spin_us, c->timeout_s, c->liveness_s, check_peer, &ref,
-                          c->yield_now_us};
+  /* A waiter yields its core only where a peer last ran on it: there the yield lets that peer (likely the one
+   * waited for) run at once. Where every peer runs on another CPU, a yield could only hand the core to an unrelated
+   * busy process for a whole scheduler slice, so the waiter polls for the same budget instead, then sleeps. */
+  const int shared = c->yield_us > 0 && cpu_shared(c);
+  if (c->yield_us > 0) ++*(shared ? &c->waits_beside_peer : &c->waits_apart);
+  smc_wait_opts_t opts = {c->yield_us > 0 ? (shared ? 0 : c->yield_now_us) : c->spin_us, c->timeout_s,
+                          c->liveness_s, check_peer, &ref, shared ? c->yield_now_us : 0};
   double waiting_since = c->yield_us > 0 ? smc_now() : 0;
   smc_result_t rc = smc_wait_reach(&c->ctl[r].seq, &c->ctl[r].sleepers, target, &opts);
   if (c->yield_us > 0) {
-    /* A wait that outlasted the whole yield slept in the end: the peer was computing, and yielding meanwhile took
-     * part of the core from whoever shares it. Each such wait halves the next yield; a wait short enough for the
-     * whole yield to catch it restores it. */
+    /* A wait that outlasted the whole yield (or poll) slept in the end: the peer was computing, and yielding or
+     * polling meanwhile took part of the core from whoever shares it. Each such wait halves the next budget; a wait
+     * short enough for the whole budget to catch it restores it. */
     double waited_us = 1e6 * (smc_now() - waiting_since);
     c->yield_now_us = waited_us > c->yield_us ? c->yield_now_us / 2 : c->yield_us;
   }
@@ -67,9 +82,15 @@ static smc_result_t wait_peer(smc_comm_t* c, int r, uint32_t target, const char*
   return SMC_SUCCESS;
 }
 
+/* Posts this rank's next step, saying from which CPU. */
+static void post_step(smc_comm_t* c, uint32_t target) {
+  atomic_store_explicit(&c->ctl[c->rank].cpu, sched_getcpu() + 1, memory_order_relaxed);
+  smc_post(&c->ctl[c->rank].seq, &c->ctl[c->rank].sleepers, target);
+}
+
 smc_result_t smc_sync(smc_comm_t* c, const char* what) {
   uint32_t target = ++c->seq;
-  smc_post(&c->ctl[c->rank].seq, &c->ctl[c->rank].sleepers, target);
+  post_step(c, target);
   for (int r = 0; r < c->size; r++)
     if (r != c->rank) SMC_CHECK(wait_peer(c, r, target, what));
   return SMC_SUCCESS;
@@ -196,7 +217,7 @@ smc_result_t smc_coll_begin_early(smc_comm_t* c, smc_desc_t* desc, int root, con
   desc->early = 1;
   c->ctl[me].desc[c->parity] = *desc;
   const uint32_t target = ++c->seq;
-  smc_post(&c->ctl[me].seq, &c->ctl[me].sleepers, target);
+  post_step(c, target);
   c->unsettled = 1;
   if (me == root) return SMC_SUCCESS;
   SMC_CHECK(wait_peer(c, root, target, what));

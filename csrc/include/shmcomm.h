@@ -97,16 +97,14 @@ typedef struct {
   size_t small_bytes;     /* allreduce up to this many bytes takes the one-step path */
   size_t arena_bytes;     /* room for Soft Memory Boxes */
   int spin_us;            /* microseconds a waiter polls before it sleeps on a futex */
-  int yield_us;           /* then microseconds a collective's waiter hands its core on (sched_yield) before it
-                           * sleeps: with more ranks than cores, the rank it waits for is often queued behind it */
+  int yield_us;           /* then microseconds a step's waiter yields (a peer last ran on its CPU), or polls, before
+                           * it sleeps; with it, no polling first */
   size_t single_copy_bytes; /* allgather inputs and alltoall parts per peer (their mean) of at least this size move
                              * by single copy (CMA) where every rank may reach its peers' memory; 0: never */
   size_t broadcast_single_copy_bytes; /* the same for broadcast buffers; 0: never */
-  size_t cache_bytes;     /* one core's L2 cache: sizes single copy's chunks, and from which sizes its copies bypass
-                           * the caches; 0: 1 MiB */
+  size_t cache_bytes;     /* one core's L2: single copy's chunks, and where its copies start to bypass it; 0: 1 MiB */
   int single_copy_probed; /* 1: where the kernel's copy proves slow at init on any rank (coll/cma.c), allgathers and
-                           * alltoalls learn whether single copy pays (smc_comm_single_copy_learned); 0: it always
-                           * does from single_copy_bytes */
+                           * alltoalls learn whether single copy pays; 0: it always does from single_copy_bytes */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
                            * so that a step's copies stay in the cache; 0: as many as a staging half holds */
   int piece_probed;       /* 1: piece_bytes sizes pulled steps only, staged ones take a half's share; 0: both */
@@ -187,6 +185,8 @@ uint64_t smc_comm_pieces(smc_comm_t* comm);
 uint64_t smc_comm_single_copy_calls(smc_comm_t* comm);
 /* Buffers (ranges of whole huge pages) this rank collapsed into transparent huge pages (smc_config_t.huge_pages). */
 uint64_t smc_comm_huge_collapses(smc_comm_t* comm);
+/* Step waits (with yield_us) that yielded, a peer having last posted from this rank's CPU; that polled; for tests. */
+void smc_comm_waits(smc_comm_t* comm, uint64_t* yielded, uint64_t* polled);
 /* Ranks whose process is gone, as a bit mask (bit i = the communicator's i-th rank, job_ranks[i]; the first 64
  * only); for error reports and tests. Overwrites this thread's last failure. */
 uint64_t smc_comm_failed_ranks(smc_comm_t* comm);

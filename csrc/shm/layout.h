@@ -16,7 +16,7 @@
 #define SMC_CACHE_LINE 64
 #define SMC_PAGE 4096
 #define SMC_MAGIC 0x31474553434d53ULL /* "SMCSEG1" */
-#define SMC_LAYOUT_VERSION 7
+#define SMC_LAYOUT_VERSION 8
 #define SMC_MAX_RANKS 1024
 #define SMC_MAX_BOXES 256
 #define SMC_BOX_NAME_MAX 64
@@ -68,6 +68,7 @@ typedef struct {
   /* Line 1, written by the owner on every step, polled by everyone: the owner's progress counter. */
   _Atomic uint32_t seq __attribute__((aligned(SMC_CACHE_LINE)));
   _Atomic uint32_t sleepers; /* peers asleep on seq; the owner wakes them only when non-zero */
+  _Atomic int32_t cpu;       /* 1 + the CPU the owner ran on when it last posted seq; 0 before */
   /* Line 2, liveness: the owner holds `alive` while attached; the kernel releases it as "owner died" if the
    * process dies, which peers observe with a trylock. */
   int32_t pid __attribute__((aligned(SMC_CACHE_LINE)));

@@ -50,11 +50,11 @@ def tuning(local_size):
     # Where the waits poll without yielding (SHMCOMM_YIELD_US=0) and the ranks have a core each, polling for up to a
     # millisecond rides out the scheduling hiccups that would otherwise make a small allreduce a chain of wake-ups.
     default_spin_us = 1000 if local_size <= cores else 2
-    # A waiter yields its core to whatever is queued on it before sleeping, for about a scheduler slice per rank
-    # sharing a core: the peer it waits for then runs first. Not only with more ranks than cores: any other busy
-    # process (a data loader, another job) can put a rank's peer behind it on one core at any moment, where a
-    # waiter that polls keeps the peer off the core for its whole budget; on an idle core a yield costs one system
-    # call per look (csrc/shm/wait.c; figures in benchmarks/RESULTS.md).
+    # A waiter yields its core before sleeping, for about a scheduler slice per rank sharing a core, where a peer
+    # last ran on that core: the peer it waits for then runs first. Not only with more ranks than cores: any other
+    # busy process (a data loader, another job) can put a rank's peer behind it on one core at any moment. Where
+    # every peer runs elsewhere it polls for as long instead, since a yield there could only give the core to that
+    # busy process for a whole slice (csrc/coll/step.c; figures in benchmarks/RESULTS.md).
     default_yield_us = 1000 * -(-local_size // cores)
     l2_bytes = machine.cache_bytes(2) or (1 << 20)
     # Single copy costs a system call per peer and saves a copy: it pays from pieces of about 16 KiB, where one copy
