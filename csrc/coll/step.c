@@ -53,8 +53,11 @@ static smc_result_t wait_peer(smc_comm_t* c, int r, uint32_t target, const char*
    * busy process for a whole scheduler slice, so the waiter polls for the same budget instead, then sleeps. */
   const int shared = c->yield_us > 0 && cpu_shared(c);
   if (c->yield_us > 0) ++*(shared ? &c->waits_beside_peer : &c->waits_apart);
-  smc_wait_opts_t opts = {c->yield_us > 0 ? (shared ? 0 : c->yield_now_us) : c->spin_us, c->timeout_s,
-                          c->liveness_s, check_peer, &ref, shared ? c->yield_now_us : 0};
+  /* Polled for at most a liveness interval, as the yield is (shm/wait.c), so that a dead peer is still seen soon. */
+  const double most_us = 1e6 * c->liveness_s;
+  const int poll_us = c->yield_now_us < most_us ? c->yield_now_us : (int)most_us;
+  smc_wait_opts_t opts = {c->yield_us > 0 ? (shared ? 0 : poll_us) : c->spin_us, c->timeout_s, c->liveness_s,
+                          check_peer, &ref, shared ? c->yield_now_us : 0};
   double waiting_since = c->yield_us > 0 ? smc_now() : 0;
   smc_result_t rc = smc_wait_reach(&c->ctl[r].seq, &c->ctl[r].sleepers, target, &opts);
   if (c->yield_us > 0) {
