@@ -332,8 +332,8 @@ uint64_t smc_comm_pulled_calls(smc_comm_t* c) { return c != NULL ? c->pulled_cal
 
 uint64_t smc_comm_pieces(smc_comm_t* c) { return c != NULL ? c->pieces : 0; }
 void smc_comm_waits(smc_comm_t* c, uint64_t* yielded, uint64_t* polled) {
-  *yielded = c != NULL ? c->waits_beside_peer : 0;
-  *polled = c != NULL ? c->waits_apart : 0;
+  if (yielded != NULL) *yielded = c != NULL ? c->waits_beside_peer : 0;
+  if (polled != NULL) *polled = c != NULL ? c->waits_apart : 0;
 }
 
 uint64_t smc_comm_single_copy_calls(smc_comm_t* c) { return c != NULL ? c->single_copy_calls : 0; }
