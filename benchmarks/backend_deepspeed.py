@@ -7,6 +7,7 @@ import importlib.metadata
 import numpy as np
 import torch
 
+import shmcomm
 from benchmarks import deepspeed
 from benchmarks.backend_shmcomm import ShmcommBackend
 from benchmarks.backends import Unsupported
@@ -17,8 +18,6 @@ class DeepspeedBackend(ShmcommBackend):
 
     def __init__(self, **options):
         super().__init__(**options)
-        import shmcomm
-
         if shmcomm.local_size() != self.size:
             raise SystemExit("DeepSpeed's shared-memory allreduce needs every rank on one host")
         self.op, self.level = deepspeed.load(self.size, self.rank)
@@ -39,8 +38,6 @@ class DeepspeedBackend(ShmcommBackend):
         return run
 
     def close(self):
-        import shmcomm
-
         shmcomm.barrier()
         deepspeed.remove_segments(self.rank)
         super().close()
