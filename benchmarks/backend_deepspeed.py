@@ -14,6 +14,7 @@ from benchmarks.backends import Unsupported
 
 
 class DeepspeedBackend(ShmcommBackend):
+    """shmcomm's backend (its barrier and combining), with DeepSpeed's allreduce in place of every operation it has."""
     name = "deepspeed"
 
     def __init__(self, **options):

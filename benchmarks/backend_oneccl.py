@@ -16,10 +16,10 @@ DTYPES = {np.dtype(name): code for name, code in oneccl.DTYPES.items()}
 class OnecclBackend(MpiBackend):
     """The job's MPI backend (its barrier and combining), with oneCCL's collectives in place of MPI's."""
 
-    def __init__(self, **options):
+    def __init__(self, prefix=oneccl.PREFIX, **options):
         super().__init__(**options)
         self.name = "oneccl"
-        self.lib = oneccl.load()
+        self.lib = oneccl.load(prefix)
         self.ccl = oneccl.communicator(self.lib, self.rank, self.size, lambda raw: self.comm.Bcast(raw, root=0))
         version = ctypes.c_int()
         self.lib.onecclGetVersion(ctypes.byref(version))

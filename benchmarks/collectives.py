@@ -73,7 +73,9 @@ def _touched(count, dtype):
     return array
 
 
-def _buffers(coll, lay, dtype, inplace, rank):
+def buffers_for(coll, lay, dtype, inplace, rank):
+    """The Buffers of one measurement of `coll` with layout `lay`, every page touched (in place: nccl-tests' layout,
+    this rank's input a block of the output where the collective gathers)."""
     if inplace:
         whole = _touched(max(lay.send, lay.recv), dtype)
         mine = whole[rank * lay.block:(rank + 1) * lay.block] if coll.gathers else whole[:lay.send]
@@ -117,7 +119,7 @@ def count_wrong(backend, coll, lay, buffers, run, dtype):
 
 def measure_half(backend, coll, lay, dtype, inplace, options):
     """One half of a row (out-of-place or in-place): its times and #wrong, or {"na": why}."""
-    buffers = _buffers(coll, lay, dtype, inplace, backend.rank)
+    buffers = buffers_for(coll, lay, dtype, inplace, backend.rank)
     try:
         run = backend.prepare(coll.name, buffers)
     except backends.Unsupported as why:

@@ -12,8 +12,9 @@ and the others, on host buffers: no stream) through ctypes, on numpy arrays as s
 the buffer of allreduce, alltoall and broadcast (in place, from rank 0), allgather's output and reducescatter's input.
 The two take turns call by call, each call after a barrier; the table gives, per op, dtype and size, the median over
 rounds of the slowest rank's median and 90th percentile of --iters calls, and oneCCL's time over shmcomm's as the
-median of the rounds' ratios (above 1: shmcomm is faster). Both results are checked against each other once per
-case."""
+median of the rounds' ratios (above 1: shmcomm is faster). Both libraries' calls are those of
+benchmarks.collectives' backends (backend_shmcomm.py, backend_oneccl.py) on its buffers, and their results are
+checked element by element once per case."""
 import argparse
 import ctypes
 import os
@@ -22,6 +23,7 @@ import sys
 
 import numpy as np
 
+import shmcomm
 from benchmarks.taking_turns import alternating, chosen, parser_for, size_text, sizes_of, slowest_rank
 
 PREFIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".oneccl")
@@ -82,35 +84,44 @@ def launch_command(nranks, target, prefix=PREFIX):
 
 
 def _worker(options, prefix, ops, dtypes, argv):
-    import shmcomm
+    from benchmarks.backend_oneccl import OnecclBackend
+    from benchmarks.backend_shmcomm import ShmcommBackend
+    from benchmarks.collectives import buffers_for
+    from benchmarks.operations import COLLECTIVES
     from shmcomm.testing import cpu_load
 
-    shmcomm.init()
-    me, n = shmcomm.rank(), shmcomm.size()
+    ours = ShmcommBackend()
+    me, n = ours.rank, ours.size
     if shmcomm.local_size() != n:
         raise SystemExit("benchmarks.oneccl compares the libraries on one host")
-    lib = load(prefix)
-    comm = communicator(lib, me, n, lambda raw: shmcomm.broadcast_(raw, 0))
+    theirs = OnecclBackend(prefix=prefix)
     rows = {}  # (op, dtype, size) -> {library: [(median, p90) per round]}
     with cpu_load.spinning(options.cpu_load if me == 0 else 0):
         for round_ in range(options.rounds):
             for op in ops:
-                for dtype in dtypes:
+                coll = COLLECTIVES[op]
+                for dtype in map(np.dtype, dtypes):
                     for nbytes in sizes_of(options):
-                        ours, theirs, our_out, their_out = _calls(lib, comm, op, dtype, nbytes, me, n)
-                        if round_ == 0:
-                            ours()
-                            theirs()
-                            np.testing.assert_array_equal(our_out, their_out, err_msg="%s of %s, %d bytes" % (
-                                op, dtype, nbytes))
-                        times = alternating({"shmcomm": ours, "oneCCL": theirs}, options.iters)
+                        lay = coll.layout(nbytes // dtype.itemsize, n)
+                        calls = {}
+                        for name, backend in (("shmcomm", ours), ("oneCCL", theirs)):
+                            # broadcast in place, as MPI_Bcast; the others out of place
+                            buffers = buffers_for(coll, lay, dtype, op == "broadcast", me)
+                            buffers.send[...] = coll.data(me, n, lay, dtype)
+                            calls[name] = backend.prepare(op, buffers)
+                            if round_ == 0:  # every element exact, or the benchmark stops
+                                np.testing.assert_array_equal(calls[name](), coll.expected(me, n, lay, dtype),
+                                                              err_msg="%s's %s of %s, %d bytes" % (
+                                                                  name, op, dtype, nbytes))
+                        times = alternating(calls, options.iters)
                         for library, spent in times.items():
-                            rows.setdefault((op, dtype, nbytes), {}).setdefault(library, []).append(slowest_rank(spent))
+                            rows.setdefault((op, dtype.name, nbytes), {}).setdefault(library, []).append(
+                                slowest_rank(spent))
     if me == 0:
         _report(rows, options, n, argv)
-    shmcomm.barrier()
-    lib.onecclCommDestroy(comm)
-    shmcomm.shutdown()
+    ours.barrier()
+    theirs.close()
+    ours.close()
 
 
 def load(prefix=PREFIX):
@@ -140,44 +151,6 @@ def communicator(lib, rank, size, share):
     comm = ctypes.c_void_p()
     lib.onecclCommInitRank(ctypes.byref(comm), ctypes.c_size_t(size), uid, rank)
     return comm
-
-
-def _calls(lib, comm, op, dtype, nbytes, me, n):
-    """(shmcomm's call, oneCCL's call, shmcomm's output, oneCCL's output) on arrays made once; oneCCL's arguments
-    are made once too, so that its calls through ctypes cost as little as they can."""
-    import shmcomm
-
-    code, item = DTYPES[dtype], np.dtype(dtype).itemsize
-    count = max(nbytes // item // n * n, n)
-    x = (np.arange(count) % 251 + me).astype(dtype)
-    ours, theirs = np.empty(count, dtype), np.empty(count, dtype)
-    part = count // n
-
-    def call(function, *args):
-        return lambda: function(*args)
-
-    def at(a):
-        return ctypes.c_void_p(a.ctypes.data)
-    if op == "allreduce":
-        return (lambda: shmcomm.allreduce(x, op=shmcomm.Sum, output=ours),
-                call(lib.onecclAllReduce, at(x), at(theirs), ctypes.c_size_t(count), code, SUM, comm, None),
-                ours, theirs)
-    if op == "allgather":
-        mine = x[:part]
-        return (lambda: shmcomm.allgather(mine, output=ours),
-                call(lib.onecclAllGather, at(mine), at(theirs), ctypes.c_size_t(part), code, comm, None), ours, theirs)
-    if op == "alltoall":
-        return (lambda: shmcomm.alltoall(x, output=ours),
-                call(lib.onecclAllToAll, at(x), at(theirs), ctypes.c_size_t(part), code, comm, None), ours, theirs)
-    if op == "reducescatter":
-        ours, theirs = ours[:part], theirs[:part]
-        return (lambda: shmcomm.reducescatter(x, op=shmcomm.Sum, output=ours),
-                call(lib.onecclReduceScatter, at(x), at(theirs), ctypes.c_size_t(part), code, SUM, comm, None),
-                ours, theirs)
-    ours[:], theirs[:] = x, x  # broadcast, in place from rank 0
-    return (lambda: shmcomm.broadcast_(ours, 0),
-            call(lib.onecclBroadcast, at(theirs), at(theirs), ctypes.c_size_t(count), code, 0, comm, None),
-            ours, theirs)
 
 
 def _report(rows, options, n, argv):
