@@ -116,9 +116,9 @@ def fuzz_plain_calls(fuzz, comm):
             fuzz.call("smc_comm_set_spin", (handle, fuzz.pick([-(1 << 31), -1, 0, 5, (1 << 31) - 1]),
                                             fuzz.pick([-(1 << 31), -1, 0, 1000, (1 << 31) - 1])), returns_code=False)
             fuzz.call("smc_comm_failed_ranks", (handle,), returns_code=False)
-            counts = ffi.new("uint64_t[2]")
-            fuzz.call("smc_comm_waits", (handle, fuzz.pick([ffi.NULL, counts]), fuzz.pick([ffi.NULL, counts + 1])),
-                      returns_code=False)
+            counts = ffi.new("uint64_t[3]")
+            fuzz.call("smc_comm_waits", (handle, fuzz.pick([ffi.NULL, counts]), fuzz.pick([ffi.NULL, counts + 1]),
+                                         fuzz.pick([ffi.NULL, counts + 2])), returns_code=False)
     fuzz.call("smc_comm_set_spin", (comm, 10, 10), returns_code=False)
     fuzz.call("smc_comm_destroy", (ffi.NULL,), returns_code=False)
     for dtype in ENUM_NEGATIVE + [0, 8, 9, 100, (1 << 31) - 1]:

@@ -298,7 +298,8 @@ hvd.barrier()
 if hvd.rank() == 0:
     from shmcomm.startup import session
     addresses, port = session.communicator().box_network.server.address
-    (folder / "server").write_text(json.dumps([addresses, port]))
+    (folder / "server.part").write_text(json.dumps([addresses, port]))
+    (folder / "server.part").rename(folder / "server")  # whole when the test sees it
     deadline = time.monotonic() + 60
     while not (folder / "probed").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

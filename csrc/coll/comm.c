@@ -5,7 +5,9 @@
  * Once every rank has attached, rank 0 removes the name: the memory lives on in the mappings, and nothing can be
  * left behind in /dev/shm, whatever happens to the job afterwards. Only a crash during init can leave a name, and
  * the launcher removes every name carrying its job token. */
+#define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -192,6 +194,9 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->liveness_s = cfg->liveness_s;
   c->spin_us = cfg->spin_us < 0 ? 0 : cfg->spin_us;
   c->yield_us = c->yield_now_us = cfg->yield_us < 0 ? 0 : cfg->yield_us;
+  cpu_set_t cpus;
+  c->cpu_each = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && c->size <= CPU_COUNT(&cpus);
+  c->move_in = c->move_every = 1;
   c->single_copy_bytes = cfg->single_copy_bytes;
   c->broadcast_single_copy_bytes = cfg->broadcast_single_copy_bytes;
   c->cache_bytes = cfg->cache_bytes > 0 ? cfg->cache_bytes : (1u << 20);
@@ -331,9 +336,10 @@ uint64_t smc_comm_pull_from(smc_comm_t* c) {
 uint64_t smc_comm_pulled_calls(smc_comm_t* c) { return c != NULL ? c->pulled_calls : 0; }
 
 uint64_t smc_comm_pieces(smc_comm_t* c) { return c != NULL ? c->pieces : 0; }
-void smc_comm_waits(smc_comm_t* c, uint64_t* yielded, uint64_t* polled) {
+void smc_comm_waits(smc_comm_t* c, uint64_t* yielded, uint64_t* polled, uint64_t* moved) {
   if (yielded != NULL) *yielded = c != NULL ? c->waits_beside_peer : 0;
   if (polled != NULL) *polled = c != NULL ? c->waits_apart : 0;
+  if (moved != NULL) *moved = c != NULL ? c->moves : 0;
 }
 
 uint64_t smc_comm_single_copy_calls(smc_comm_t* c) { return c != NULL ? c->single_copy_calls : 0; }

@@ -52,6 +52,10 @@ struct smc_comm {
   int yield_now_us;          /* the yield of the next wait: yield_us, less after waits that outlasted it (step.c) */
   uint64_t waits_beside_peer; /* step waits (with yield_us) that yielded: a peer last ran on this rank's CPU */
   uint64_t waits_apart;       /* step waits (with yield_us) that polled instead: every peer last ran elsewhere */
+  int cpu_each;              /* the ranks are no more than the CPUs this rank may run on (step.c, moving apart) */
+  uint32_t move_in, move_every; /* waits beside a lower rank until this rank next moves apart, and between moves */
+  uint64_t apart_at_move;    /* waits_apart at the last move */
+  uint64_t moves;            /* moves apart (step.c) */
   smc_result_t broken;     /* non-success once a failure left the protocol state unknown */
   char broken_msg[512];
   smc_failure_t broken_failure; /* the failure data of that failure, repeated by every later refusal */

@@ -1,13 +1,19 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Steps, synchronisation and the descriptor check shared by every collective (see coll/comm.h). */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <sched.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "coll/comm.h"
 #include "core/clock.h"
 #include "core/error.h"
+
+#define MOST_WAITS_BETWEEN_MOVES 1024 /* a rank whose moves do not hold tries once in this many waits beside a peer */
+#define MOVE_HELD 64                  /* waits apart after a move that show it held */
 
 typedef struct {
   smc_comm_t* comm;
@@ -45,13 +51,66 @@ static int cpu_shared(const smc_comm_t* c) {
   return 0;
 }
 
+/* Whether a lower rank than this one last posted from this rank's CPU: of two ranks packed on one CPU, the higher
+ * moves, so that both do not move onto the same other CPU. */
+static int lower_rank_beside(const smc_comm_t* c) {
+  const int here = sched_getcpu();
+  for (int r = 0; r < c->rank; r++)
+    if (atomic_load_explicit(&c->ctl[r].cpu, memory_order_relaxed) - 1 == here) return 1;
+  return 0;
+}
+
+/* How many tasks the machine has runnable now (/proc/loadavg's fourth field, "runnable/all"); a large number where it
+ * cannot be read, so that nothing moves on a guess. */
+static int runnable_tasks(void) {
+  char text[128];
+  int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 1 << 30;
+  ssize_t got = read(fd, text, sizeof(text) - 1);
+  close(fd);
+  if (got <= 0) return 1 << 30;
+  text[got] = 0;
+  const char* field = text;
+  for (int k = 0; k < 3 && field != NULL; k++) field = strchr(field + 1, ' ');
+  return field != NULL ? atoi(field + 1) : 1 << 30;
+}
+
+/* Where each rank could have a CPU of its own, ranks packed on one CPU stay there: their waits hand the CPU only to
+ * each other, so the scheduler sees one busy CPU and no reason to spread them. If another CPU is free (no more tasks
+ * runnable than CPUs), the higher of them moves itself there by leaving its own CPU out of its affinity for a moment;
+ * the affinity is then restored, so it stays free to go wherever the scheduler sends it later. Where every CPU is
+ * taken, packed ranks are left as they are: they hand each other their CPU at once, where a rank moved beside a busy
+ * process would wait for it a scheduler slice at a time. A move that does not hold is tried half as often each
+ * time, down to once in MOST_WAITS_BETWEEN_MOVES waits. */
+static void move_apart(smc_comm_t* c) {
+  if (c->waits_apart - c->apart_at_move >= MOVE_HELD) c->move_every = 1; /* the last move held: try soon again */
+  if (--c->move_in > 0) return;
+  c->move_every = c->move_every < MOST_WAITS_BETWEEN_MOVES ? 2 * c->move_every : c->move_every;
+  c->move_in = c->move_every;
+  c->apart_at_move = c->waits_apart;
+  cpu_set_t allowed, others;
+  const int here = sched_getcpu();
+  if (here < 0 || sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+  others = allowed;
+  CPU_CLR(here, &others);
+  if (CPU_COUNT(&others) > 0 && runnable_tasks() <= CPU_COUNT(&allowed) &&
+      sched_setaffinity(0, sizeof(others), &others) == 0) {
+    c->moves++;
+    sched_setaffinity(0, sizeof(allowed), &allowed);
+  }
+}
+
 /* Waits for rank r to have posted `target`; a timeout names every rank that has not. */
 static smc_result_t wait_peer(smc_comm_t* c, int r, uint32_t target, const char* what) {
   peer_ref_t ref = {c, r, what};
   /* A waiter yields its core only where a peer last ran on it: there the yield lets that peer (likely the one
    * waited for) run at once. Where every peer runs on another CPU, a yield could only hand the core to an unrelated
    * busy process for a whole scheduler slice, so the waiter polls for the same budget instead, then sleeps. */
-  const int shared = c->yield_us > 0 && cpu_shared(c);
+  int shared = c->yield_us > 0 && cpu_shared(c);
+  if (shared && c->cpu_each && lower_rank_beside(c)) {
+    move_apart(c);
+    shared = cpu_shared(c);
+  }
   if (c->yield_us > 0) ++*(shared ? &c->waits_beside_peer : &c->waits_apart);
   /* Polled for at most a liveness interval, as the yield is (shm/wait.c), so that a dead peer is still seen soon. */
   const double most_us = 1e6 * c->liveness_s;

@@ -185,8 +185,8 @@ uint64_t smc_comm_pieces(smc_comm_t* comm);
 uint64_t smc_comm_single_copy_calls(smc_comm_t* comm);
 /* Buffers (ranges of whole huge pages) this rank collapsed into transparent huge pages (smc_config_t.huge_pages). */
 uint64_t smc_comm_huge_collapses(smc_comm_t* comm);
-/* Step waits (with yield_us) that yielded, a peer having last posted from this rank's CPU; that polled; for tests. */
-void smc_comm_waits(smc_comm_t* comm, uint64_t* yielded, uint64_t* polled);
+/* Step waits (with yield_us) that yielded to a peer on this rank's CPU; that polled; moves to another CPU; for tests. */
+void smc_comm_waits(smc_comm_t* comm, uint64_t* yielded, uint64_t* polled, uint64_t* moved);
 /* Ranks whose process is gone, as a bit mask (bit i = the communicator's i-th rank, job_ranks[i]; the first 64
  * only); for error reports and tests. Overwrites this thread's last failure. */
 uint64_t smc_comm_failed_ranks(smc_comm_t* comm);

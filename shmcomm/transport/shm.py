@@ -176,11 +176,11 @@ class SharedMemory(Transport):
         return lib.smc_comm_pieces(self.handle)
 
     def waits(self):
-        """(waits that yielded to a peer on this rank's CPU, waits that polled with every peer elsewhere) of the
-        steps, where waiters yield (for tests)."""
-        counts = ffi.new("uint64_t[2]")
-        lib.smc_comm_waits(self.handle, counts, counts + 1)
-        return counts[0], counts[1]
+        """(waits that yielded to a peer on this rank's CPU, waits that polled with every peer elsewhere, moves of
+        this rank to another CPU away from a lower rank) of the steps, where waiters yield (for tests)."""
+        counts = ffi.new("uint64_t[3]")
+        lib.smc_comm_waits(self.handle, counts, counts + 1, counts + 2)
+        return counts[0], counts[1], counts[2]
 
     def huge_collapses(self):
         """How many of this rank's buffers were collapsed into huge pages for the peers' kernel copies (for tests)."""
