@@ -83,7 +83,7 @@ static int runnable_tasks(void) {
  * process would wait for it a scheduler slice at a time. A move that does not hold is tried half as often each
  * time, down to once in MOST_WAITS_BETWEEN_MOVES waits. */
 static void move_apart(smc_comm_t* c) {
-  if (c->waits_apart - c->apart_at_move >= MOVE_HELD) c->move_every = 1; /* the last move held: try soon again */
+  if (c->waits_apart - c->apart_at_move >= MOVE_HELD) c->move_every = c->move_in = 1; /* the last move held */
   if (--c->move_in > 0) return;
   c->move_every = c->move_every < MOST_WAITS_BETWEEN_MOVES ? 2 * c->move_every : c->move_every;
   c->move_in = c->move_every;
