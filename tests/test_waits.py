@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where a collective's waiters yield their core: only on a CPU that a peer last ran on. Elsewhere a yield could
 only hand the core to an unrelated busy process for a scheduler slice, so the waiter polls instead. Ranks packed on
-one CPU while another is free move apart."""
+one CPU move apart."""
 import os
 
 import numpy as np
@@ -42,10 +42,6 @@ def test_a_waiter_yields_only_where_a_peer_shares_its_cpu(placement):
             assert beside == 0 and apart > 0, (beside, apart)
 
 
-def _runnable_tasks():
-    return int(open("/proc/loadavg").read().split()[3].split("/")[0])
-
-
 def _packed_then_free():
     import shmcomm
     from shmcomm import basics
@@ -57,21 +53,15 @@ def _packed_then_free():
     for _ in range(20):  # both ranks post from the one CPU
         shmcomm.allreduce(x, op=shmcomm.Sum)
     os.sched_setaffinity(0, set(CPUS[:2]))  # free to run on either, but left where they are
-    busy = _runnable_tasks()
     for _ in range(200):
         assert (shmcomm.allreduce(x, op=shmcomm.Sum) == 3).all()
     moved = shm.waits()[2]
-    busy = max(busy, _runnable_tasks())
     shmcomm.shutdown()
-    return moved, busy
+    return moved
 
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to place the ranks apart")
-def test_ranks_packed_on_one_cpu_move_apart_where_another_is_free():
-    """Both ranks run on one CPU and may then run on two: the higher moves to the other, the lower stays. Where
-    more tasks than CPUs were runnable, they rightly stay packed, and the test cannot tell."""
-    (moved0, busy0), (moved1, busy1) = multiproc.run(2, _packed_then_free, timeout=120)
-    assert moved0 == 0
-    if max(busy0, busy1) > 2 and moved1 == 0:
-        pytest.skip("more tasks than CPUs were runnable: the ranks rightly stayed packed")
-    assert moved1 >= 1
+def test_ranks_packed_on_one_cpu_move_apart():
+    """Both ranks run on one CPU and may then run on two: the higher moves to the other, the lower stays."""
+    moved0, moved1 = multiproc.run(2, _packed_then_free, timeout=120)
+    assert moved0 == 0 and moved1 >= 1, (moved0, moved1)

@@ -1,12 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Steps, synchronisation and the descriptor check shared by every collective (see coll/comm.h). */
 #define _GNU_SOURCE
-#include <fcntl.h>
 #include <sched.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "coll/comm.h"
 #include "core/clock.h"
@@ -60,28 +57,12 @@ static int lower_rank_beside(const smc_comm_t* c) {
   return 0;
 }
 
-/* How many tasks the machine has runnable now (/proc/loadavg's fourth field, "runnable/all"); a large number where it
- * cannot be read, so that nothing moves on a guess. */
-static int runnable_tasks(void) {
-  char text[128];
-  int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 1 << 30;
-  ssize_t got = read(fd, text, sizeof(text) - 1);
-  close(fd);
-  if (got <= 0) return 1 << 30;
-  text[got] = 0;
-  const char* field = text;
-  for (int k = 0; k < 3 && field != NULL; k++) field = strchr(field + 1, ' ');
-  return field != NULL ? atoi(field + 1) : 1 << 30;
-}
-
 /* Where each rank could have a CPU of its own, ranks packed on one CPU stay there: their waits hand the CPU only to
- * each other, so the scheduler sees one busy CPU and no reason to spread them. If another CPU is free (no more tasks
- * runnable than CPUs), the higher of them moves itself there by leaving its own CPU out of its affinity for a moment;
- * the affinity is then restored, so it stays free to go wherever the scheduler sends it later. Where every CPU is
- * taken, packed ranks are left as they are: they hand each other their CPU at once, where a rank moved beside a busy
- * process would wait for it a scheduler slice at a time. A move that does not hold is tried half as often each
- * time, down to once in MOST_WAITS_BETWEEN_MOVES waits. */
+ * each other, so the scheduler sees one busy CPU and no reason to spread them. The higher of them moves itself to
+ * another CPU by leaving its own out of its affinity for a moment; the affinity is then restored, so it stays free
+ * to go wherever the scheduler sends it later. Also beside busy processes: two ranks on two CPUs then still beat two
+ * taking turns on one (benchmarks/RESULTS.md). A move that does not hold is tried half as often each time, down to
+ * once in MOST_WAITS_BETWEEN_MOVES waits. */
 static void move_apart(smc_comm_t* c) {
   if (c->waits_apart - c->apart_at_move >= MOVE_HELD) c->move_every = c->move_in = 1; /* the last move held */
   if (--c->move_in > 0) return;
@@ -93,8 +74,7 @@ static void move_apart(smc_comm_t* c) {
   if (here < 0 || sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
   others = allowed;
   CPU_CLR(here, &others);
-  if (CPU_COUNT(&others) > 0 && runnable_tasks() <= CPU_COUNT(&allowed) &&
-      sched_setaffinity(0, sizeof(others), &others) == 0) {
+  if (CPU_COUNT(&others) > 0 && sched_setaffinity(0, sizeof(others), &others) == 0) {
     c->moves++;
     sched_setaffinity(0, sizeof(allowed), &allowed);
   }
