@@ -10,6 +10,7 @@ calls in each placement, then the run's median and p90. Launchers differ in wher
 (benchmarks/RESULTS.md); --cpu-load runs K CPU-bound processes beside the job."""
 import argparse
 import ctypes
+import time
 
 import numpy as np
 
@@ -36,8 +37,6 @@ def main(argv=None):
 
 def _measure(args, shmcomm, nbytes):
     """Times the calls, checks the last result and prints the report (rank 0)."""
-    import time
-
     me, size = shmcomm.rank(), shmcomm.size()
     count = max(size, nbytes // 4 // size * size)
     full = np.full(count, me + 1, np.float32)

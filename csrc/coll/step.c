@@ -38,22 +38,13 @@ smc_result_t smc_comm_usable(smc_comm_t* c, const char* what) {
   return SMC_SUCCESS;
 }
 
-/* Whether a peer last posted from the CPU this rank runs on (CPUs unknown count as shared). */
-static int cpu_shared(const smc_comm_t* c) {
-  const int here = sched_getcpu();
-  for (int r = 0; r < c->size; r++) {
+/* Whether a peer among ranks 0 to below - 1 last posted from CPU `here`; a CPU not known (this rank's or the
+ * peer's) counts as `unknown` says. */
+static int posted_from(const smc_comm_t* c, int here, int below, int unknown) {
+  for (int r = 0; r < below; r++) {
     const int32_t theirs = atomic_load_explicit(&c->ctl[r].cpu, memory_order_relaxed);
-    if (r != c->rank && (here < 0 || theirs == 0 || theirs - 1 == here)) return 1;
+    if (r != c->rank && (here < 0 || theirs == 0 ? unknown : theirs - 1 == here)) return 1;
   }
-  return 0;
-}
-
-/* Whether a lower rank than this one last posted from this rank's CPU: of two ranks packed on one CPU, the higher
- * moves, so that both do not move onto the same other CPU. */
-static int lower_rank_beside(const smc_comm_t* c) {
-  const int here = sched_getcpu();
-  for (int r = 0; r < c->rank; r++)
-    if (atomic_load_explicit(&c->ctl[r].cpu, memory_order_relaxed) - 1 == here) return 1;
   return 0;
 }
 
@@ -63,21 +54,20 @@ static int lower_rank_beside(const smc_comm_t* c) {
  * to go wherever the scheduler sends it later. Also beside busy processes: two ranks on two CPUs then still beat two
  * taking turns on one (benchmarks/RESULTS.md). A move that does not hold is tried half as often each time, down to
  * once in MOST_WAITS_BETWEEN_MOVES waits. */
-static void move_apart(smc_comm_t* c) {
+static int move_apart(smc_comm_t* c, int here) {
   if (c->waits_apart - c->apart_at_move >= MOVE_HELD) c->move_every = c->move_in = 1; /* the last move held */
-  if (--c->move_in > 0) return;
+  if (--c->move_in > 0) return 0;
   c->move_every = c->move_every < MOST_WAITS_BETWEEN_MOVES ? 2 * c->move_every : c->move_every;
   c->move_in = c->move_every;
   c->apart_at_move = c->waits_apart;
   cpu_set_t allowed, others;
-  const int here = sched_getcpu();
-  if (here < 0 || sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+  if (here < 0 || sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return 0;
   others = allowed;
   CPU_CLR(here, &others);
-  if (CPU_COUNT(&others) > 0 && sched_setaffinity(0, sizeof(others), &others) == 0) {
-    c->moves++;
-    sched_setaffinity(0, sizeof(allowed), &allowed);
-  }
+  if (CPU_COUNT(&others) == 0 || sched_setaffinity(0, sizeof(others), &others) != 0) return 0;
+  c->moves++;
+  sched_setaffinity(0, sizeof(allowed), &allowed);
+  return 1;
 }
 
 /* Waits for rank r to have posted `target`; a timeout names every rank that has not. */
@@ -86,11 +76,11 @@ static smc_result_t wait_peer(smc_comm_t* c, int r, uint32_t target, const char*
   /* A waiter yields its core only where a peer last ran on it: there the yield lets that peer (likely the one
    * waited for) run at once. Where every peer runs on another CPU, a yield could only hand the core to an unrelated
    * busy process for a whole scheduler slice, so the waiter polls for the same budget instead, then sleeps. */
-  int shared = c->yield_us > 0 && cpu_shared(c);
-  if (shared && c->cpu_each && lower_rank_beside(c)) {
-    move_apart(c);
-    shared = cpu_shared(c);
-  }
+  const int here = sched_getcpu();
+  int shared = c->yield_us > 0 && posted_from(c, here, c->size, 1);
+  /* Of two ranks packed on one CPU, the higher moves, so that both do not move onto the same other CPU. */
+  if (shared && c->cpu_each && posted_from(c, here, c->rank, 0) && move_apart(c, here))
+    shared = posted_from(c, sched_getcpu(), c->size, 1);
   if (c->yield_us > 0) ++*(shared ? &c->waits_beside_peer : &c->waits_apart);
   /* Polled for at most a liveness interval, as the yield is (shm/wait.c), so that a dead peer is still seen soon. */
   const double most_us = 1e6 * c->liveness_s;
