@@ -165,7 +165,7 @@ class _Job:
         return any(returncode in (-signum, 128 + signum) for signum in sent if signum is not None)
 
     def supervise(self):
-        """Waits for every started rank; returns the job's exit code."""
+        """Waits for every started rank and its output; returns the job's exit code."""
         left = len(self.processes)
         first_failure = None
         blamed = None
@@ -203,6 +203,7 @@ class _Job:
                 self.stop()
             elif not self._explained_by_stop(returncode) and rank != blamed:
                 other_failures.append(f"rank {rank} {describe_exit(returncode)}")
+        self.drain_output()  # the ranks' last lines come before the launcher's verdict, which ends the output
         if other_failures:
             say("also failed: " + "; ".join(other_failures))
         if first_failure is not None:
@@ -269,9 +270,7 @@ def run_job(command, environments, kill_grace_seconds, output_dir=None, stamp=Fa
             job.stop()
             job.supervise()
             return code
-        code = job.supervise()
-        job.drain_output()
-        return code
+        return job.supervise()
     finally:
         job.kill()  # only reaches ranks still running, i.e. after an unexpected error in the launcher
         for signum, handler in previous_handlers.items():
