@@ -241,6 +241,35 @@ def test_a_rank_that_dies_while_pulling_is_named():
     assert results[0][0] == "ok" and results[0][1] == (1, True, True), results
 
 
+def _outputs_past_the_cache(size):
+    """Out-of-place allreduces whose results bypass the cache (SHMCOMM_SHARED_CACHE_BYTES at its floor: every
+    pipelined size), into outputs at every offset from a 16-byte boundary: the same bits as in place."""
+    import shmcomm
+
+    _all_ops_all_dtypes(size)
+    me = shmcomm.rank()
+    digests = []
+    for count in (40_001, 300_003):
+        x = np.random.default_rng(me + count).standard_normal(count).astype(np.float32)
+        for shift in range(4):
+            out = np.empty(count + 4, np.float32)[shift:shift + count]
+            assert shmcomm.allreduce(x, op=shmcomm.Sum, output=out) is out
+            inplace = x.copy()
+            shmcomm.allreduce_(inplace, op=shmcomm.Sum)
+            assert out.tobytes() == inplace.tobytes(), (count, shift)
+        digests.append(hashlib.sha256(out.tobytes()).hexdigest())
+    return digests
+
+
+@pytest.mark.parametrize("size,pull", [(2, "0"), (2, "1"), (3, "1")])
+def test_outputs_that_bypass_the_cache(size, pull):
+    """Staged and pulled, the reduced pieces reach an output apart from the input by streaming stores (csrc/coll/
+    allreduce.c, bypasses) where the data outgrow the last-level cache: forced here at every pipelined size."""
+    env = {"SHMCOMM_PULL_BYTES": pull, "SHMCOMM_SHARED_CACHE_BYTES": "4096"}
+    digests = multiproc.run(size, _outputs_past_the_cache, size, timeout=240, env=env)
+    assert all(d == digests[0] for d in digests), digests
+
+
 def _average_and_scaling(size):
     import shmcomm
 

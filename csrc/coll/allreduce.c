@@ -12,7 +12,8 @@
  *   3. reduce:   rank r reduces section r of every half (and its own input) into its output. Each element is reduced
  *                by exactly one rank in a fixed operand order, so every rank ends with bit-identical results.
  *   For allreduce, also:
- *   3b. rank r copies its reduced piece into section r of its half;
+ *   3b. rank r copies its reduced piece into section r of its half (or, where the output streams past the cache,
+ *       reduces into that section and streams the piece into its output from there: bypasses);
  *   4. sync
  *   5. gather:   rank r copies section j of rank j's half into its output, for every j != r.
  *   Or, where the ranks pull (two ranks whose kernel copy is fast, or where pulling proves the cheaper path:
@@ -73,6 +74,14 @@ static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
   return p->len[j] - done < per_piece ? (size_t)(p->len[j] - done) : per_piece;
 }
 
+/* Whether an allreduce's output is written with streaming stores: where the ranks' inputs and outputs together
+ * outgrow the last-level cache, it leaves the cache before anyone reads it, and a cached store first reads every line
+ * it writes, a third more memory traffic where the memory is the limit. */
+static int bypasses(const smc_comm_t* c, const plan_t* p) {
+  const int n = c->size;
+  return 2 * (uint64_t)n * (p->start[n - 1] + p->len[n - 1]) * p->esize > c->shared_cache_bytes;
+}
+
 /* Pulling. Each rank publishes its input and its output in its first step's descriptor (`own` and `addr`, 0: it
  * will not pull), and the ranks pull only if every one did, so every rank takes the same path whatever its settings.
  * Rank r then reads range r of every peer's input by the kernel's copy (process_vm_readv) into its half, which no
@@ -120,6 +129,9 @@ static smc_result_t pulled(smc_comm_t* c, const plan_t* p, const uint64_t* ins, 
   const int me = c->rank, n = c->size;
   const size_t es = p->esize;
   uint8_t* mine = smc_half(c, me);
+  /* An output apart from the input takes each reduced piece from this rank's own section (no peer's piece lands
+   * there) by streaming stores, where it is too large to stay in cache (bypasses). */
+  const int bypass = p->gather && p->dst != p->src && bypasses(c, p);
   smc_result_t rc = SMC_SUCCESS;
   for (size_t k = 0; rc == SMC_SUCCESS; k++) {
     size_t l = piece_len(p, me, k, per_piece);
@@ -131,12 +143,14 @@ static smc_result_t pulled(smc_comm_t* c, const plan_t* p, const uint64_t* ins, 
       if (j != me) rc = smc_cma_read(c, j, mine + (size_t)j * section, ins[j] + at, l * es, what);
     }
     uint8_t* out = p->gather ? p->dst + at : p->dst + k * per_piece * es;
+    uint8_t* reduced = bypass ? mine + (size_t)me * section : out;
     if (rc == SMC_SUCCESS)
-      rc = smc_reduce(out, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor);
+      rc = smc_reduce(reduced, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor);
     for (int d = 1; p->gather && d < n && rc == SMC_SUCCESS; d++) {
       int j = (me + d) % n;
-      rc = smc_cma_write(c, j, outs[j] + at, out, l * es, what);
+      rc = smc_cma_write(c, j, outs[j] + at, reduced, l * es, what);
     }
+    if (bypass && rc == SMC_SUCCESS) smc_copy_streaming(out, reduced, l * es);
   }
   smc_flip(c); /* even after a failure: the peers wait in the last synchronisation */
   c->pulled_calls++;
@@ -228,6 +242,7 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   uint64_t longest = 0;
   for (int j = 0; j < n; j++) longest = p->len[j] > longest ? p->len[j] : longest;
   size_t steps = longest == 0 ? 1 : (size_t)((longest + per_piece - 1) / per_piece);
+  const int bypass = p->gather && p->dst != p->src && bypasses(c, p);
 
   for (size_t k = 0; k < steps; k++) {
     uint8_t* mine = smc_half(c, me);
@@ -254,15 +269,22 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
       size_t at = p->start[me] + k * per_piece;
       for (int j = 0; j < n; j++) srcs[j] = j == me ? (const void*)(p->src + at * es) : smc_half(c, j) + (size_t)me * section;
       uint8_t* out = p->gather ? p->dst + at * es : p->dst + k * per_piece * es;
-      SMC_CHECK(smc_reduce(out, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor));
-      if (p->gather) smc_copy(mine + (size_t)me * section, out, l * es);
+      uint8_t* shared = mine + (size_t)me * section;
+      if (bypass) { /* reduced where the peers read it, then streamed out */
+        SMC_CHECK(smc_reduce(shared, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor));
+        smc_copy_streaming(out, shared, l * es);
+      } else {
+        SMC_CHECK(smc_reduce(out, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor));
+        if (p->gather) smc_copy(shared, out, l * es);
+      }
     }
     if (p->gather) {
       SMC_CHECK(smc_sync(c, what));
       for (int j = 0; j < n; j++) {
         size_t lj = piece_len(p, j, k, per_piece);
         if (j != me && lj > 0)
-          smc_copy(p->dst + (p->start[j] + k * per_piece) * es, smc_half(c, j) + (size_t)j * section, lj * es);
+          (bypass ? smc_copy_streaming : smc_copy)(p->dst + (p->start[j] + k * per_piece) * es,
+                                                   smc_half(c, j) + (size_t)j * section, lj * es);
       }
     }
     smc_flip(c);

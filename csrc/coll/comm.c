@@ -200,6 +200,7 @@ smc_result_t smc_comm_create(const smc_config_t* cfg, smc_comm_t** out) {
   c->single_copy_bytes = cfg->single_copy_bytes;
   c->broadcast_single_copy_bytes = cfg->broadcast_single_copy_bytes;
   c->cache_bytes = cfg->cache_bytes > 0 ? cfg->cache_bytes : (1u << 20);
+  c->shared_cache_bytes = cfg->shared_cache_bytes > 0 ? cfg->shared_cache_bytes : 8 * c->cache_bytes;
   c->single_copy_probed = cfg->single_copy_probed;
   c->piece_bytes = cfg->piece_bytes;
   c->piece_probed = cfg->piece_probed;

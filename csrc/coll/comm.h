@@ -63,6 +63,7 @@ struct smc_comm {
   uint64_t single_copy_bytes; /* inputs of at least this size move by single copy (coll/cma.c); 0: never */
   uint64_t broadcast_single_copy_bytes; /* broadcast's (smc_config_t) */
   uint64_t cache_bytes;       /* one core's L2 (smc_config_t.cache_bytes) */
+  uint64_t shared_cache_bytes; /* the last-level cache (smc_config_t.shared_cache_bytes) */
   int single_copy_probed;     /* smc_config_t's */
   int single_copy_learned;    /* the kernel's copy proved slow at init: allgathers and alltoalls learn whether single
                                * copy pays (coll/path_choice.c) */

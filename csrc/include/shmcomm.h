@@ -103,6 +103,7 @@ typedef struct {
                              * by single copy (CMA) where every rank may reach its peers' memory; 0: never */
   size_t broadcast_single_copy_bytes; /* the same for broadcast buffers; 0: never */
   size_t cache_bytes;     /* one core's L2: single copy's chunks, and where its copies start to bypass it; 0: 1 MiB */
+  size_t shared_cache_bytes; /* the last-level cache: allreduces whose data outgrow it write results past it; 0: 8 L2s */
   int single_copy_probed; /* 1: where the kernel's copy proves slow at init on any rank (coll/cma.c), allgathers and
                            * alltoalls learn whether single copy pays; 0: it always does from single_copy_bytes */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,
@@ -119,9 +120,8 @@ typedef struct {
   int huge_pages;         /* 1: a buffer that peers reach by the kernel's copy has the whole huge pages inside it
                            * collapsed into transparent huge pages the second time it is used so (coll/huge_pages.c);
                            * 0: buffers are left as they are */
-  int race_pause_us;      /* tests only: a box accumulate or exchange reads its range, sleeps this long, then writes
-                           * it, all under the box lock, so that a lock that does not exclude makes an update get lost
-                           * every time instead of rarely; 0 in any real job */
+  int race_pause_us;      /* tests only: a box accumulate or exchange pauses this long between its read and its write
+                           * under the box lock, so that a lock that does not exclude loses an update every time */
   const int* job_ranks;   /* size entries: the job rank of each rank here, for messages and failure data; NULL
                            * means rank r is job rank r. Copied by smc_comm_create. */
   const uint32_t* abandon;  /* NULL, or a word another thread of the caller sets to non-zero when the world being

@@ -23,6 +23,7 @@ class Tuning:
     piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
     pull_bytes: int        # allreduces and reduce-scatters from this size read the peers' inputs; 0: never
     cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
+    shared_cache_bytes: int  # the last-level cache: allreduces whose data outgrow it write their results past it
     single_copy_probed: bool  # the thresholds are defaults: learned per size where the kernel's copy is slow
     shared_buffers: bool   # the engine's fusion buffer and shmcomm.shared_empty are mapped by every rank of the host
     shared_from_bytes: int  # collectives on shared buffers from this size read and write the peers' directly
@@ -92,6 +93,8 @@ def tuning(local_size):
         # proved fast at init; elsewhere each rank learns whether it pays (csrc/coll/path_choice.c).
         pull_bytes=_number("PULL_BYTES", 128 << 10 if local_size == 2 <= cores else 0, int, low=0, high=MAX_BYTES),
         cache_bytes=_number("CACHE_BYTES", l2_bytes, int, low=4096, high=MAX_BYTES),
+        shared_cache_bytes=_number("SHARED_CACHE_BYTES", machine.cache_bytes(3) or 8 * l2_bytes, int, low=4096,
+                                   high=MAX_BYTES),
         single_copy_probed=not is_set("SINGLE_COPY_BYTES"),
         # An in-place allreduce of memory every rank maps reads and writes the peers' buffers directly
         # (csrc/coll/window.c). It synchronises twice where the small path does once, which costs more the more ranks

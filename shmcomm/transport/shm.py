@@ -104,6 +104,7 @@ class SharedMemory(Transport):
         cfg.pull_bytes = tuning.pull_bytes
         cfg.shared_from_bytes = tuning.shared_from_bytes
         cfg.cache_bytes = tuning.cache_bytes
+        cfg.shared_cache_bytes = tuning.shared_cache_bytes
         cfg.single_copy_probed = tuning.single_copy_probed
         cfg.huge_pages = tuning.huge_pages
         cfg.pull_probed = tuning.pull_probed
