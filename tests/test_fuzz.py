@@ -117,7 +117,8 @@ def test_allreduce_pieces_follow_the_l2_only_while_every_rank_has_a_core(monkeyp
     """SHMCOMM_PIECE_BYTES's default: an eighth of the L2 the machine reports, at least 128 KiB, for pulled steps
     only (piece_probed: staged ones take a half's share); 0 (a staging half's share) with more ranks than cores, where
     each step costs context switches; set, it sizes both. Single copy from 16 KiB, or from the L2's size with more
-    ranks than cores for broadcast; the L2 sizes its chunks either way."""
+    ranks than cores for broadcast; the L2 sizes its chunks either way, and the last-level cache (8 L2s where the
+    machine does not say) where allreduces' outputs start to stream past it."""
     from shmcomm import env
     from shmcomm.env import machine
 
@@ -131,6 +132,7 @@ def test_allreduce_pieces_follow_the_l2_only_while_every_rank_has_a_core(monkeyp
     assert env.tuning(cores + 1).piece_bytes == 0 and env.tuning(cores + 1).single_copy_bytes == 32 << 10
     assert env.tuning(cores + 1).broadcast_single_copy_bytes == max(32 << 10, l2)
     assert env.tuning(cores).cache_bytes == env.tuning(cores + 1).cache_bytes == l2
+    assert env.tuning(cores).shared_cache_bytes == (machine.cache_bytes(3) or 8 * l2)
     monkeypatch.setenv("SHMCOMM_PIECE_BYTES", "4096")
     assert env.tuning(cores + 1).piece_bytes == 4096 and not env.tuning(cores).piece_probed
     # Allreduces and reduce-scatters pull from 128 KiB at two ranks with a core each, never otherwise unless set.
