@@ -243,7 +243,8 @@ def test_a_rank_that_dies_while_pulling_is_named():
 
 def _outputs_past_the_cache(size):
     """Out-of-place allreduces whose results bypass the cache (SHMCOMM_SHARED_CACHE_BYTES at its floor: every
-    pipelined size), into outputs at every offset from a 16-byte boundary: the same bits as in place."""
+    pipelined size), into outputs at every offset from a 16-byte boundary: the same bits as in place; and
+    reduce-scatters, whose outputs bypass it the same way."""
     import shmcomm
 
     _all_ops_all_dtypes(size)
@@ -258,13 +259,19 @@ def _outputs_past_the_cache(size):
             shmcomm.allreduce_(inplace, op=shmcomm.Sum)
             assert out.tobytes() == inplace.tobytes(), (count, shift)
         digests.append(hashlib.sha256(out.tobytes()).hexdigest())
+    for count in (1001, 70_003):
+        every = [np.random.default_rng(10 * r + count).integers(0, 100, count * size).astype(np.float32)
+                 for r in range(size)]
+        got = shmcomm.reducescatter(every[me], op=shmcomm.Sum)
+        np.testing.assert_array_equal(got, np.sum(every, axis=0)[me * count:(me + 1) * count])
     return digests
 
 
 @pytest.mark.parametrize("size,pull", [(2, "0"), (2, "1"), (3, "1")])
 def test_outputs_that_bypass_the_cache(size, pull):
     """Staged and pulled, the reduced pieces reach an output apart from the input by streaming stores (csrc/coll/
-    allreduce.c, bypasses) where the data outgrow the last-level cache: forced here at every pipelined size."""
+    allreduce.c, bypasses) where the data outgrow the last-level cache: forced here at every pipelined size, for
+    allreduces and reduce-scatters."""
     env = {"SHMCOMM_PULL_BYTES": pull, "SHMCOMM_SHARED_CACHE_BYTES": "4096"}
     digests = multiproc.run(size, _outputs_past_the_cache, size, timeout=240, env=env)
     assert all(d == digests[0] for d in digests), digests

@@ -12,8 +12,9 @@
  *   3. reduce:   rank r reduces section r of every half (and its own input) into its output. Each element is reduced
  *                by exactly one rank in a fixed operand order, so every rank ends with bit-identical results.
  *   For allreduce, also:
- *   3b. rank r copies its reduced piece into section r of its half (or, where the output streams past the cache,
- *       reduces into that section and streams the piece into its output from there: bypasses);
+ *   3b. rank r copies its reduced piece into section r of its half (or, where an output apart from the input
+ *       streams past the cache, reduces into that section and streams the piece out from there, as does a
+ *       reduce-scatter's: bypasses);
  *   4. sync
  *   5. gather:   rank r copies section j of rank j's half into its output, for every j != r.
  *   Or, where the ranks pull (two ranks whose kernel copy is fast, or where pulling proves the cheaper path:
@@ -74,9 +75,9 @@ static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
   return p->len[j] - done < per_piece ? (size_t)(p->len[j] - done) : per_piece;
 }
 
-/* Whether an allreduce's output is written with streaming stores: where the ranks' inputs and outputs together
- * outgrow the last-level cache, it leaves the cache before anyone reads it, and a cached store first reads every line
- * it writes, a third more memory traffic where the memory is the limit. */
+/* Whether an output apart from the input is written with streaming stores: where the ranks' inputs and outputs
+ * together outgrow the last-level cache, it leaves the cache before anyone reads it, and a cached store first reads
+ * every line it writes, a third more memory traffic where the memory is the limit. */
 static int bypasses(const smc_comm_t* c, const plan_t* p) {
   const int n = c->size;
   return 2 * (uint64_t)n * (p->start[n - 1] + p->len[n - 1]) * p->esize > c->shared_cache_bytes;
@@ -130,8 +131,9 @@ static smc_result_t pulled(smc_comm_t* c, const plan_t* p, const uint64_t* ins, 
   const size_t es = p->esize;
   uint8_t* mine = smc_half(c, me);
   /* An output apart from the input takes each reduced piece from this rank's own section (no peer's piece lands
-   * there) by streaming stores, where it is too large to stay in cache (bypasses). */
-  const int bypass = p->gather && p->dst != p->src && bypasses(c, p);
+   * there) by streaming stores, where it is too large to stay in cache (bypasses); an allreduce's peers are written
+   * from there too. */
+  const int bypass = p->dst != p->src && bypasses(c, p);
   smc_result_t rc = SMC_SUCCESS;
   for (size_t k = 0; rc == SMC_SUCCESS; k++) {
     size_t l = piece_len(p, me, k, per_piece);
@@ -242,7 +244,7 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   uint64_t longest = 0;
   for (int j = 0; j < n; j++) longest = p->len[j] > longest ? p->len[j] : longest;
   size_t steps = longest == 0 ? 1 : (size_t)((longest + per_piece - 1) / per_piece);
-  const int bypass = p->gather && p->dst != p->src && bypasses(c, p);
+  const int bypass = p->dst != p->src && bypasses(c, p);
 
   for (size_t k = 0; k < steps; k++) {
     uint8_t* mine = smc_half(c, me);
@@ -270,7 +272,7 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
       for (int j = 0; j < n; j++) srcs[j] = j == me ? (const void*)(p->src + at * es) : smc_half(c, j) + (size_t)me * section;
       uint8_t* out = p->gather ? p->dst + at * es : p->dst + k * per_piece * es;
       uint8_t* shared = mine + (size_t)me * section;
-      if (bypass) { /* reduced where the peers read it, then streamed out */
+      if (bypass) { /* reduced into its section (where an allreduce's peers read it), then streamed out */
         SMC_CHECK(smc_reduce(shared, srcs, n, l, p->dtype, p->op, p->prescale, p->postscale, p->divisor));
         smc_copy_streaming(out, shared, l * es);
       } else {

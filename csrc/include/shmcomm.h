@@ -103,7 +103,7 @@ typedef struct {
                              * by single copy (CMA) where every rank may reach its peers' memory; 0: never */
   size_t broadcast_single_copy_bytes; /* the same for broadcast buffers; 0: never */
   size_t cache_bytes;     /* one core's L2: single copy's chunks, and where its copies start to bypass it; 0: 1 MiB */
-  size_t shared_cache_bytes; /* the last-level cache: allreduces whose data outgrow it write results past it; 0: 8 L2s */
+  size_t shared_cache_bytes; /* the last-level cache: reductions whose data outgrow it write past it; 0: 8 L2s */
   int single_copy_probed; /* 1: where the kernel's copy proves slow at init on any rank (coll/cma.c), allgathers and
                            * alltoalls learn whether single copy pays; 0: it always does from single_copy_bytes */
   size_t piece_bytes;     /* allreduce and reduce-scatter move at most this many bytes of each rank's range per step,

@@ -23,7 +23,7 @@ class Tuning:
     piece_bytes: int       # allreduce/reducescatter bytes of each rank's range per step; 0: a staging half's share
     pull_bytes: int        # allreduces and reduce-scatters from this size read the peers' inputs; 0: never
     cache_bytes: int       # one core's L2: single copy's chunks, and from which sizes its copies bypass the caches
-    shared_cache_bytes: int  # the last-level cache: allreduces whose data outgrow it write their results past it
+    shared_cache_bytes: int  # the last-level cache: reductions whose data outgrow it write their results past it
     single_copy_probed: bool  # the thresholds are defaults: learned per size where the kernel's copy is slow
     shared_buffers: bool   # the engine's fusion buffer and shmcomm.shared_empty are mapped by every rank of the host
     shared_from_bytes: int  # collectives on shared buffers from this size read and write the peers' directly
