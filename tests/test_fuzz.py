@@ -118,7 +118,7 @@ def test_allreduce_pieces_follow_the_l2_only_while_every_rank_has_a_core(monkeyp
     only (piece_probed: staged ones take a half's share); 0 (a staging half's share) with more ranks than cores, where
     each step costs context switches; set, it sizes both. Single copy from 16 KiB, or from the L2's size with more
     ranks than cores for broadcast; the L2 sizes its chunks either way, and the last-level cache (8 L2s where the
-    machine does not say) where allreduces' outputs start to stream past it."""
+    machine does not say) where reductions' outputs start to stream past it."""
     from shmcomm import env
     from shmcomm.env import machine
 
