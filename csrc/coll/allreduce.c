@@ -75,12 +75,16 @@ static size_t piece_len(const plan_t* p, int j, size_t k, size_t per_piece) {
   return p->len[j] - done < per_piece ? (size_t)(p->len[j] - done) : per_piece;
 }
 
-/* Whether an output apart from the input is written with streaming stores: where the ranks' inputs and outputs
- * together outgrow the last-level cache, it leaves the cache before anyone reads it, and a cached store first reads
- * every line it writes, a third more memory traffic where the memory is the limit. */
+/* Bytes of the whole buffer the ranges cover. */
+static uint64_t total_bytes(const smc_comm_t* c, const plan_t* p) {
+  return (p->start[c->size - 1] + p->len[c->size - 1]) * p->esize;
+}
+
+/* Whether the output is written with streaming stores: where it lies apart from the input and the ranks' inputs and
+ * outputs together outgrow the last-level cache, it leaves the cache before anyone reads it, and a cached store first
+ * reads every line it writes, a third more memory traffic where the memory is the limit. */
 static int bypasses(const smc_comm_t* c, const plan_t* p) {
-  const int n = c->size;
-  return 2 * (uint64_t)n * (p->start[n - 1] + p->len[n - 1]) * p->esize > c->shared_cache_bytes;
+  return p->dst != p->src && 2 * (uint64_t)c->size * total_bytes(c, p) > c->shared_cache_bytes;
 }
 
 /* Pulling. Each rank publishes its input and its output in its first step's descriptor (`own` and `addr`, 0: it
@@ -133,7 +137,7 @@ static smc_result_t pulled(smc_comm_t* c, const plan_t* p, const uint64_t* ins, 
   /* An output apart from the input takes each reduced piece from this rank's own section (no peer's piece lands
    * there) by streaming stores, where it is too large to stay in cache (bypasses); an allreduce's peers are written
    * from there too. */
-  const int bypass = p->dst != p->src && bypasses(c, p);
+  const int bypass = bypasses(c, p);
   smc_result_t rc = SMC_SUCCESS;
   for (size_t k = 0; rc == SMC_SUCCESS; k++) {
     size_t l = piece_len(p, me, k, per_piece);
@@ -244,7 +248,7 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
   uint64_t longest = 0;
   for (int j = 0; j < n; j++) longest = p->len[j] > longest ? p->len[j] : longest;
   size_t steps = longest == 0 ? 1 : (size_t)((longest + per_piece - 1) / per_piece);
-  const int bypass = p->dst != p->src && bypasses(c, p);
+  const int bypass = bypasses(c, p);
 
   for (size_t k = 0; k < steps; k++) {
     uint8_t* mine = smc_half(c, me);
@@ -253,9 +257,9 @@ static smc_result_t pipelined(smc_comm_t* c, const plan_t* p, smc_desc_t* desc, 
       SMC_CHECK(smc_coll_begin(c, desc, what));
       uint8_t* bufs[SMC_MAX_RANKS];
       uint64_t ins[SMC_MAX_RANKS], outs[SMC_MAX_RANKS];
-      if (smc_windows_agreed(c, w, (p->start[n - 1] + p->len[n - 1]) * es, bufs))
+      if (smc_windows_agreed(c, w, total_bytes(c, p), bufs))
         return in_windows(c, p, bufs, cached / es, what);
-      if (pulling_agreed(c, p, (p->start[n - 1] + p->len[n - 1]) * es, ins, outs))
+      if (pulling_agreed(c, p, total_bytes(c, p), ins, outs))
         return pulled(c, p, ins, outs, cached, cached / es, what);
       if (someone_copies_late(c)) {
         if (desc->window != 0 || desc->kernel_copy) copy_in(c, p, 0, section, per_piece);
