@@ -20,12 +20,16 @@ typedef struct {
 
 #define SMC_CHOICE_CLASSES 24 /* sizes a communicator learns apart, a power of two each (coll/path_choice.c) */
 
+#define SMC_CHOICE_RECENT 5 /* calls of the path taken whose median cost stands for it (coll/path_choice.c) */
+
 typedef struct {
   double cost[2];        /* seconds per byte of the staged [0] path and the kernel's copy [1], as last learned; 0:
                           * untried */
+  double recent[2][SMC_CHOICE_RECENT]; /* each path's costs since it was last tried afresh; 0: none */
   uint32_t until_other;  /* calls until the path not taken is tried again */
   uint32_t interval;     /* the last such wait: it doubles each time that path loses */
   uint32_t warming;      /* calls taken to learn both paths' first costs (coll/path_choice.c) */
+  uint32_t trying;       /* the path not taken is being tried: its first call is over and taught nothing */
 } smc_choice_class_t;
 
 struct smc_comm {

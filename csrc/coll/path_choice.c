@@ -6,13 +6,17 @@
  * a shared machine the first slows several times over for seconds at a time while the second holds (benchmarks/
  * RESULTS.md, "The machine's slow spells"), and which is cheaper differs from one machine and day to the next, so no
  * fixed choice is right there. Each rank keeps, per collective and power of two of the size, what each path cost per
- * byte: the path it takes by a running mean, the other as last tried. It offers the cheaper and now and then the
- * other, half as often each time that one loses, down to once in LAST_INTERVAL calls times how many times dearer it
- * was, so that trying a far dearer path costs little on average. The first call of each path only warms it (its
- * pages, its caches) and teaches nothing. Every rank learns from the path each call took, but rank 0's offer decides
- * (coll/allreduce.c, coll/allgather.c, coll/alltoall.c): ranks that tried the other path each on its own schedule
- * would seldom try it together, and a lone try takes the usual path and teaches nothing new. The others offer the
- * cheaper as they learned it, which says whether they stage their first piece before the ranks agree. */
+ * byte: the path it takes by the median of its last few calls (a call that lost its core to another process says
+ * nothing about the path, and a mean swung by one such call flipped the choice), the other as last tried. It offers
+ * the cheaper and now and then the other, half as often each time that one loses, down to once in LAST_INTERVAL calls
+ * times how many times dearer it was, so that trying a far dearer path costs little on average. The first call of
+ * each path, and of each try of the other, only warms it (its pages, its caches) and teaches nothing. Every rank
+ * learns from the path each call took, but rank 0's offer decides (coll/allreduce.c, coll/allgather.c,
+ * coll/alltoall.c): ranks that tried the other path each on its own schedule would seldom try it together, and a
+ * lone try takes the usual path and teaches nothing new. The others offer the cheaper as they learned it, which says
+ * whether they stage their first piece before the ranks agree. */
+#include <string.h>
+
 #include "coll/comm.h"
 #include "core/clock.h"
 
@@ -26,6 +30,18 @@ static smc_choice_class_t* class_of(smc_choice_class_t* classes, uint64_t base, 
   int k = 0;
   while (k < SMC_CHOICE_CLASSES - 1 && (bytes >> (k + 1)) >= base) k++;
   return &classes[k];
+}
+
+/* The median of the costs in `recent` (0: none), those of a few calls. */
+static double median(const double* recent) {
+  double sorted[SMC_CHOICE_RECENT];
+  int n = 0;
+  for (; n < SMC_CHOICE_RECENT && recent[n] > 0; n++) {
+    int at = n;
+    for (; at > 0 && sorted[at - 1] > recent[n]; at--) sorted[at] = sorted[at - 1];
+    sorted[at] = recent[n];
+  }
+  return n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
 }
 
 /* A path never learned (a buffer that overlaps its output cannot pull) never counts as the cheaper. */
@@ -42,14 +58,23 @@ void smc_choice_learn(smc_choice_class_t* classes, uint64_t base, uint64_t bytes
   smc_choice_class_t* k = class_of(classes, base, bytes);
   const double cost = seconds / (double)bytes;
   if (k->warming < WARMING) {
-    if (++k->warming > WARMING / 2) k->cost[took] = cost;
+    if (++k->warming > WARMING / 2) k->cost[took] = k->recent[took][0] = cost;
     if (k->warming == WARMING) k->until_other = k->interval = FIRST_INTERVAL;
     return;
   }
   const int tried = k->cost[took] == 0 || k->until_other == 0;
+  if (tried && !k->trying) { /* the try's first call: the next takes the same path and is learned */
+    k->trying = 1;
+    return;
+  }
+  k->trying = 0;
   const int was_cheaper = kernel_cheaper(k);
   /* A path tried now and then starts afresh from what it cost now: its old figure may come from another spell. */
-  k->cost[took] = tried ? cost : 0.75 * k->cost[took] + 0.25 * cost;
+  double* recent = k->recent[took];
+  if (tried) memset(recent, 0, sizeof(k->recent[took]));
+  memmove(recent + 1, recent, sizeof(double) * (SMC_CHOICE_RECENT - 1));
+  recent[0] = cost;
+  k->cost[took] = median(recent);
   if (!tried) {
     k->until_other--;
     return;
