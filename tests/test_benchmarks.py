@@ -135,6 +135,17 @@ def test_kernel_copy_reports_both_kinds_of_pages():
     assert "no whole huge page inside" in proc.stdout.splitlines()[2], proc.stdout  # 64 KiB holds none
 
 
+def test_reduction_reports_every_dtype_size_and_source_count():
+    proc = run_module("benchmarks.reduction", ["--elements", "1K,3000", "--dtypes", "float32,bfloat16,int32",
+                                               "--sources", "2,3", "--tries", "1"], 120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    assert [(row[0], int(row[1]), int(row[2])) for row in rows] == [
+        (dtype, elements, sources) for dtype in ("float32", "bfloat16", "int32") for elements in (1024, 3000)
+        for sources in (2, 3)], proc.stdout
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows), proc.stdout
+
+
 def test_torch_distributed_against_gloo_and_the_numpy_api():
     pytest.importorskip("torch")
     proc = run_module("shmcomm.runner", ["-np", "2", sys.executable, "-m", "benchmarks.torch_distributed", "--bytes",

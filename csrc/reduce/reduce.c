@@ -12,7 +12,8 @@
  *    once per call, not per element.
  *  - float16 and bfloat16 are converted block by block to float and then go through the float32 kernels, so they
  *    accumulate in float and round once. float16 uses the F16C instructions when the CPU has them (gcc 12 does not
- *    vectorise _Float16 casts); they give the same bits as the portable conversions in half.h.
+ *    vectorise _Float16 casts); they give the same bits as the portable conversions in half.h. Two float or bfloat16
+ *    sources summed (two ranks) take one fused pass instead.
  *  - HOT adds target_clones on x86-64 gcc, so one portable binary runs AVX-512 or AVX2 code where the CPU has it.
  *  - Floating-point contraction is off: an FMA in one clone and not in another would make results depend on the
  *    CPU, while ranks must agree bit for bit with each other and with a plain scalar reference.
@@ -134,6 +135,25 @@ DEFINE_FROM_DOUBLE(i64, int64_t, INT64_MIN, INT64_MAX)
     }                                                                                        \
   }
 
+/* Two sources summed without a prescale (two ranks' inputs): one pass, where the steps above take three, each storing.
+ * No restrict: dst may be either source, and gcc's run-time check still vectorises that. The same operations in the
+ * same order as the steps, so the same bits. Integers take the steps. */
+#define DEFINE_PAIR_FLOAT(name, T, IN_T, IN, OUT)                                                            \
+  HOT static int name##_pair(void* d, const void* x, const void* y, size_t n, double post, int64_t div) {  \
+    IN_T* dst = d;                                                                                          \
+    const IN_T *a = x, *b = y;                                                                              \
+    const T f = (T)(post / (double)div);                                                                    \
+    if (post == 1.0 && div == 1) {                                                                          \
+      for (size_t i = 0; i < n; i++) dst[i] = OUT(IN(a[i]) + IN(b[i]));                                     \
+    } else {                                                                                                \
+      for (size_t i = 0; i < n; i++) dst[i] = OUT((IN(a[i]) + IN(b[i])) * f);                               \
+    }                                                                                                       \
+    return 1;                                                                                               \
+  }
+#define AS_IS(x) (x)
+#define DEFINE_PAIR_INT(name, T, IN_T, IN, OUT) \
+  static int name##_pair(void* d, const void* x, const void* y, size_t n, double post, int64_t div) { return 0; }
+
 /* All steps for one dtype, plus its block driver and an axpby entry with the uniform signatures of the table. */
 #define DEFINE_KERNELS(name, T, W, KIND)                                                                      \
   DEFINE_FIRST(name, T, KIND)                                                                                \
@@ -143,12 +163,15 @@ DEFINE_FROM_DOUBLE(i64, int64_t, INT64_MIN, INT64_MAX)
   DEFINE_COMBINE(name, T, W, KIND, prod, OP_PROD)                                                            \
   DEFINE_FINISH_##KIND(name, T)                                                                              \
   DEFINE_AXPBY_##KIND(name, T, W)                                                                            \
+  DEFINE_PAIR_##KIND(name, T, T, AS_IS, AS_IS)                                                                \
   typedef void (*name##_combine_fn)(T* restrict acc, const T* restrict src, size_t n, double pre);          \
   static name##_combine_fn name##_combine_for(smc_redop_t op) {                                             \
     return op == SMC_SUM ? name##_sum : op == SMC_MIN ? name##_min : op == SMC_MAX ? name##_max : name##_prod; \
   }                                                                                                          \
   static void name##_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op,     \
                             double pre, double post, int64_t div) {                                          \
+    if (nsrcs == 2 && op == SMC_SUM && pre == 1.0 && name##_pair(dst, srcs[0], srcs[1], count, post, div))  \
+      return;                                                                                                \
     name##_combine_fn combine = name##_combine_for(op);                                                      \
     _Alignas(64) T acc[BLOCK];                                                                               \
     for (size_t off = 0; off < count; off += BLOCK) {                                                        \
@@ -254,17 +277,21 @@ static void half_axpby(void* dst, const void* src, size_t count, double alpha, d
   }
 }
 
+#define BF16_IN(x) smc_bf16_to_float(x)
+DEFINE_PAIR_FLOAT(bf16, float, uint16_t, BF16_IN, smc_float_to_bf16)
+
+static void bf16_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op, double pre,
+                        double post, int64_t div) {
+  if (nsrcs == 2 && op == SMC_SUM && pre == 1.0 && bf16_pair(dst, srcs[0], srcs[1], count, post, div)) return;
+  half_reduce(dst, srcs, nsrcs, count, op, pre, post, div, bf16_to_float, bf16_from_float);
+}
+
 static void f16_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op, double pre,
                        double post, int64_t div) {
   to_float_fn to_float;
   from_float_fn from_float;
   f16_conversions(&to_float, &from_float);
   half_reduce(dst, srcs, nsrcs, count, op, pre, post, div, to_float, from_float);
-}
-
-static void bf16_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op, double pre,
-                        double post, int64_t div) {
-  half_reduce(dst, srcs, nsrcs, count, op, pre, post, div, bf16_to_float, bf16_from_float);
 }
 
 static void f16_axpby_any(void* dst, const void* src, size_t count, double alpha, double beta) {
@@ -274,8 +301,12 @@ static void f16_axpby_any(void* dst, const void* src, size_t count, double alpha
   half_axpby(dst, src, count, alpha, beta, to_float, from_float);
 }
 
-static void bf16_axpby_any(void* dst, const void* src, size_t count, double alpha, double beta) {
-  half_axpby(dst, src, count, alpha, beta, bf16_to_float, bf16_from_float);
+/* No restrict: dst may be src. */
+HOT static void bf16_axpby_any(void* dst, const void* src, size_t count, double alpha, double beta) {
+  const float a = (float)alpha, b = (float)beta;
+  uint16_t* d = dst;
+  const uint16_t* s = src;
+  for (size_t i = 0; i < count; i++) d[i] = smc_float_to_bf16(b * BF16_IN(d[i]) + a * BF16_IN(s[i]));
 }
 
 /* ---- entry points ---- */
