@@ -14,7 +14,8 @@
  *    accumulate in float and round once. float16 uses the F16C instructions when the CPU has them (gcc 12 does not
  *    vectorise _Float16 casts); they give the same bits as the portable conversions in half.h. Two float or bfloat16
  *    sources summed (two ranks) take one fused pass instead.
- *  - HOT adds target_clones on x86-64 gcc, so one portable binary runs AVX-512 or AVX2 code where the CPU has it.
+ *  - HOT adds target_clones on x86-64 gcc, so one portable binary runs AVX-512 (with its 16-bit element instructions,
+ *    which 16-bit floats need to fill 512-bit registers) or AVX2 code where the CPU has it.
  *  - Floating-point contraction is off: an FMA in one clone and not in another would make results depend on the
  *    CPU, while ranks must agree bit for bit with each other and with a plain scalar reference.
  */
@@ -40,7 +41,7 @@
 #elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define SMC_X86_DISPATCH 1
 #include <immintrin.h>
-#define HOT __attribute__((target_clones("avx512f", "avx2", "default")))
+#define HOT __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define HOT
 #endif
