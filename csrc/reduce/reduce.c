@@ -12,7 +12,7 @@
  *    once per call, not per element.
  *  - float16 and bfloat16 are converted block by block to float and then go through the float32 kernels, so they
  *    accumulate in float and round once. float16 uses the F16C instructions when the CPU has them (gcc 12 does not
- *    vectorise _Float16 casts); they give the same bits as the portable conversions in half.h. Two float or bfloat16
+ *    vectorise _Float16 casts); they give the same bits as the portable conversions in half.h. Two floating-point
  *    sources summed (two ranks) take one fused pass instead.
  *  - HOT adds target_clones on x86-64 gcc, so one portable binary runs AVX-512 (with its 16-bit element instructions,
  *    which 16-bit floats need to fill 512-bit registers) or AVX2 code where the CPU has it.
@@ -231,6 +231,27 @@ __attribute__((target("avx,f16c"))) static void f16c_from_float(uint16_t* restri
   for (size_t i = vec_end; i < n; i++) out[i] = smc_float_to_half(in[i]);
 }
 
+/* Two float16 sources summed in one pass, as DEFINE_PAIR_FLOAT does for the other floats. dst may be either source:
+ * each vector is read in full before it is written. */
+__attribute__((target("avx,f16c"))) static void f16c_pair(void* d, const void* x, const void* y, size_t n,
+                                                          double post, int64_t div) {
+  uint16_t* dst = d;
+  const uint16_t *a = x, *b = y;
+  const float f = (float)(post / (double)div);
+  const int scaled = post != 1.0 || div != 1;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 s = _mm256_add_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(a + i))),
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + i))));
+    if (scaled) s = _mm256_mul_ps(s, _mm256_set1_ps(f));
+    _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; i++) {
+    float s = smc_half_to_float(a[i]) + smc_half_to_float(b[i]);
+    dst[i] = smc_float_to_half(scaled ? s * f : s);
+  }
+}
+
 static int cpu_has_f16c(void) {
   __builtin_cpu_init(); /* cheap once done; needed only if we run before libgcc's constructor */
   return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
@@ -292,6 +313,12 @@ static void f16_reduce(void* dst, const void* const* srcs, int nsrcs, size_t cou
   to_float_fn to_float;
   from_float_fn from_float;
   f16_conversions(&to_float, &from_float);
+#ifdef SMC_X86_DISPATCH
+  if (nsrcs == 2 && op == SMC_SUM && pre == 1.0 && to_float == f16c_to_float) {
+    f16c_pair(dst, srcs[0], srcs[1], count, post, div);
+    return;
+  }
+#endif
   half_reduce(dst, srcs, nsrcs, count, op, pre, post, div, to_float, from_float);
 }
 
