@@ -11,9 +11,10 @@
  *    kind of scaling (FLOAT or INT); the table near the bottom lists the dtypes. Dispatch on dtype and op happens
  *    once per call, not per element.
  *  - float16 and bfloat16 are converted block by block to float and then go through the float32 kernels, so they
- *    accumulate in float and round once. float16 uses the F16C instructions when the CPU has them (gcc 12 does not
- *    vectorise _Float16 casts); they give the same bits as the portable conversions in half.h. Two floating-point
- *    sources summed (two ranks) take one fused pass instead.
+ *    accumulate in float and round once. float16 uses the F16C instructions when the CPU has them (reduce/x86.h; gcc
+ *    12 does not vectorise _Float16 casts); they give the same bits as the portable conversions in half.h. Two
+ *    floating-point sources summed (two ranks) take one fused pass instead, bfloat16's with AVX512_BF16's rounding
+ *    where the CPU has it.
  *  - HOT adds target_clones on x86-64 gcc, so one portable binary runs AVX-512 (with its 16-bit element instructions,
  *    which 16-bit floats need to fill 512-bit registers) or AVX2 code where the CPU has it.
  *  - Floating-point contraction is off: an FMA in one clone and not in another would make results depend on the
@@ -211,51 +212,7 @@ DEFINE_CONVERSIONS(f16, smc_half_to_float, smc_float_to_half)
 DEFINE_CONVERSIONS(bf16, smc_bf16_to_float, smc_float_to_bf16)
 
 #ifdef SMC_X86_DISPATCH
-/* 8 halves per instruction, faster than the bit manipulation. Rounding is set in the instruction (nearest even), not
- * taken from MXCSR; NaNs come out quiet with the top payload bits, as in half.h. */
-__attribute__((target("avx,f16c"))) static void f16c_to_float(float* restrict out, const uint16_t* restrict in,
-                                                              size_t n) {
-  size_t vec_end = n & ~(size_t)7;
-  for (size_t i = 0; i < vec_end; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(in + i))));
-  }
-  for (size_t i = vec_end; i < n; i++) out[i] = smc_half_to_float(in[i]);
-}
-
-__attribute__((target("avx,f16c"))) static void f16c_from_float(uint16_t* restrict out, const float* restrict in,
-                                                                size_t n) {
-  size_t vec_end = n & ~(size_t)7;
-  for (size_t i = 0; i < vec_end; i += 8) {
-    _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
-  }
-  for (size_t i = vec_end; i < n; i++) out[i] = smc_float_to_half(in[i]);
-}
-
-/* Two float16 sources summed in one pass, as DEFINE_PAIR_FLOAT does for the other floats. dst may be either source:
- * each vector is read in full before it is written. */
-__attribute__((target("avx,f16c"))) static void f16c_pair(void* d, const void* x, const void* y, size_t n,
-                                                          double post, int64_t div) {
-  uint16_t* dst = d;
-  const uint16_t *a = x, *b = y;
-  const float f = (float)(post / (double)div);
-  const int scaled = post != 1.0 || div != 1;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 s = _mm256_add_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(a + i))),
-                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + i))));
-    if (scaled) s = _mm256_mul_ps(s, _mm256_set1_ps(f));
-    _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT));
-  }
-  for (; i < n; i++) {
-    float s = smc_half_to_float(a[i]) + smc_half_to_float(b[i]);
-    dst[i] = smc_float_to_half(scaled ? s * f : s);
-  }
-}
-
-static int cpu_has_f16c(void) {
-  __builtin_cpu_init(); /* cheap once done; needed only if we run before libgcc's constructor */
-  return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-}
+#include "reduce/x86.h"
 #endif
 
 static void f16_conversions(to_float_fn* to_float, from_float_fn* from_float) {
@@ -304,6 +261,12 @@ DEFINE_PAIR_FLOAT(bf16, float, uint16_t, BF16_IN, smc_float_to_bf16)
 
 static void bf16_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op, double pre,
                         double post, int64_t div) {
+#ifdef SMC_X86_DISPATCH
+  if (nsrcs == 2 && op == SMC_SUM && pre == 1.0 && cpu_has_bf16_rounding()) {
+    bf16_pair_native(dst, srcs[0], srcs[1], count, post, div);
+    return;
+  }
+#endif
   if (nsrcs == 2 && op == SMC_SUM && pre == 1.0 && bf16_pair(dst, srcs[0], srcs[1], count, post, div)) return;
   half_reduce(dst, srcs, nsrcs, count, op, pre, post, div, bf16_to_float, bf16_from_float);
 }
