@@ -176,8 +176,16 @@ DEFINE_FROM_DOUBLE(i64, int64_t, INT64_MIN, INT64_MAX)
       return;                                                                                                \
     name##_combine_fn combine = name##_combine_for(op);                                                      \
     _Alignas(64) T acc[BLOCK];                                                                               \
+    /* More sources summed: the first two in one pass, the last with the scaling, two stores fewer per block */ \
+    const int sums = nsrcs > 2 && op == SMC_SUM && pre == 1.0 && name##_pair(dst, srcs[0], srcs[1], 0, 1, 1); \
     for (size_t off = 0; off < count; off += BLOCK) {                                                        \
       size_t n = count - off < BLOCK ? count - off : BLOCK;                                                  \
+      if (sums) {                                                                                            \
+        name##_pair(acc, (const T*)srcs[0] + off, (const T*)srcs[1] + off, n, 1.0, 1);                      \
+        for (int k = 2; k < nsrcs - 1; k++) combine(acc, (const T*)srcs[k] + off, n, pre);                  \
+        name##_pair((T*)dst + off, acc, (const T*)srcs[nsrcs - 1] + off, n, post, div);                     \
+        continue;                                                                                            \
+      }                                                                                                      \
       name##_first(acc, (const T*)srcs[0] + off, n, pre);                                                    \
       for (int k = 1; k < nsrcs; k++) combine(acc, (const T*)srcs[k] + off, n, pre);                         \
       name##_finish((T*)dst + off, acc, n, post, div);                                                       \
