@@ -155,6 +155,8 @@ DEFINE_FROM_DOUBLE(i64, int64_t, INT64_MIN, INT64_MAX)
 #define AS_IS(x) (x)
 #define DEFINE_PAIR_INT(name, T, IN_T, IN, OUT) \
   static int name##_pair(void* d, const void* x, const void* y, size_t n, double post, int64_t div) { return 0; }
+#define PAIRS_FLOAT 1
+#define PAIRS_INT 0
 
 /* All steps for one dtype, plus its block driver and an axpby entry with the uniform signatures of the table. */
 #define DEFINE_KERNELS(name, T, W, KIND)                                                                      \
@@ -177,7 +179,7 @@ DEFINE_FROM_DOUBLE(i64, int64_t, INT64_MIN, INT64_MAX)
     name##_combine_fn combine = name##_combine_for(op);                                                      \
     _Alignas(64) T acc[BLOCK];                                                                               \
     /* More sources summed: the first two in one pass, the last with the scaling, two stores fewer per block */ \
-    const int sums = nsrcs > 2 && op == SMC_SUM && pre == 1.0 && name##_pair(dst, srcs[0], srcs[1], 0, 1, 1); \
+    const int sums = PAIRS_##KIND && nsrcs > 2 && op == SMC_SUM && pre == 1.0;                               \
     for (size_t off = 0; off < count; off += BLOCK) {                                                        \
       size_t n = count - off < BLOCK ? count - off : BLOCK;                                                  \
       if (sums) {                                                                                            \
