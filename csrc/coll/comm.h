@@ -29,7 +29,7 @@ typedef struct {
   uint32_t until_other;  /* calls until the path not taken is tried again */
   uint32_t interval;     /* the last such wait: it doubles each time that path loses */
   uint32_t warming;      /* calls taken to learn both paths' first costs (coll/path_choice.c) */
-  uint32_t trying;       /* the path not taken is being tried: its first call is over and taught nothing */
+  uint32_t trying;       /* a try (of the path not taken, or of one never learned) has had its first call */
 } smc_choice_class_t;
 
 struct smc_comm {

@@ -32,7 +32,8 @@ static smc_choice_class_t* class_of(smc_choice_class_t* classes, uint64_t base, 
   return &classes[k];
 }
 
-/* The median of the costs in `recent` (0: none), those of a few calls. */
+/* The median of the costs in `recent` (0: none), those of a few calls; of an even number, the lower middle one, so
+ * that of two calls the slower alone never moves it. */
 static double median(const double* recent) {
   double sorted[SMC_CHOICE_RECENT];
   int n = 0;
@@ -41,7 +42,7 @@ static double median(const double* recent) {
     for (; at > 0 && sorted[at - 1] > recent[n]; at--) sorted[at] = sorted[at - 1];
     sorted[at] = recent[n];
   }
-  return n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+  return sorted[(n - 1) / 2];
 }
 
 /* A path never learned (a buffer that overlaps its output cannot pull) never counts as the cheaper. */
@@ -54,7 +55,7 @@ int smc_choice_offer(smc_choice_class_t* classes, uint64_t base, uint64_t bytes,
 }
 
 void smc_choice_learn(smc_choice_class_t* classes, uint64_t base, uint64_t bytes, int took, double seconds) {
-  if (bytes == 0 || seconds <= 0) return;
+  if (bytes == 0 || !(seconds > 0)) return;
   smc_choice_class_t* k = class_of(classes, base, bytes);
   const double cost = seconds / (double)bytes;
   if (k->warming < WARMING) {

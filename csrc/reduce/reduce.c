@@ -5,7 +5,8 @@
  *  - smc_reduce walks the data in blocks of BLOCK elements. Per block it loads srcs[0] into an accumulator array of
  *    the compute type (applying prescale), folds in srcs[1], srcs[2], ... in that order, then scales the block and
  *    stores it to dst. The accumulator stays in L1, results depend only on the inputs, and dst may be the very same
- *    buffer as any src (each block is read in full before it is written).
+ *    buffer as any src (each block is read in full before it is written). Sums without a prescale fuse steps
+ *    (DEFINE_PAIR_FLOAT, below): the stores of the steps bound them, not the arithmetic.
  *  - Each step is a small loop over restrict pointers that gcc -O3 vectorises. To vectorise, a loop must know its
  *    dtype and op at compile time, so DEFINE_KERNELS stamps out the steps for one dtype from its type, wrap type and
  *    kind of scaling (FLOAT or INT); the table near the bottom lists the dtypes. Dispatch on dtype and op happens
@@ -13,8 +14,8 @@
  *  - float16 and bfloat16 are converted block by block to float and then go through the float32 kernels, so they
  *    accumulate in float and round once. float16 uses the F16C instructions when the CPU has them (reduce/x86.h; gcc
  *    12 does not vectorise _Float16 casts); they give the same bits as the portable conversions in half.h. Two
- *    floating-point sources summed (two ranks) take one fused pass instead, bfloat16's with AVX512_BF16's rounding
- *    where the CPU has it.
+ *    bfloat16 sources summed (two ranks) take one fused pass instead, with AVX512_BF16's rounding where the CPU has
+ *    it; two float16 ones too where it has F16C.
  *  - HOT adds target_clones on x86-64 gcc, so one portable binary runs AVX-512 (with its 16-bit element instructions,
  *    which 16-bit floats need to fill 512-bit registers) or AVX2 code where the CPU has it.
  *  - Floating-point contraction is off: an FMA in one clone and not in another would make results depend on the
@@ -42,7 +43,11 @@
 #elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define SMC_X86_DISPATCH 1
 #include <immintrin.h>
+#if __GNUC__ >= 12 /* the first to take an architecture level in target_clones */
 #define HOT __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define HOT __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 #else
 #define HOT
 #endif

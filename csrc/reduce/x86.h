@@ -53,7 +53,7 @@ __attribute__((target("avx,f16c"))) static void f16c_pair(void* d, const void* x
 }
 
 /* bfloat16's pair with the CPU's rounding instruction (AVX512_BF16), which takes a float subnormal as zero: lanes
- * holding one take half.h's rounding instead, so the bits are the same on every CPU and in any FP environment. */
+ * holding one take half.h's rounding instead, so the bits are the portable code's on every CPU. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void bf16_pair_native(
     void* d, const void* x, const void* y, size_t n, double post, int64_t div) {
   uint16_t* dst = d;
