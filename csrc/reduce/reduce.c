@@ -146,7 +146,7 @@ DEFINE_FROM_DOUBLE(i64, int64_t, INT64_MIN, INT64_MAX)
  * No restrict: dst may be either source, and gcc's run-time check still vectorises that. The same operations in the
  * same order as the steps, so the same bits. Integers take the steps. */
 #define DEFINE_PAIR_FLOAT(name, T, IN_T, IN, OUT)                                                            \
-  HOT static int name##_pair(void* d, const void* x, const void* y, size_t n, double post, int64_t div) {  \
+  HOT static void name##_pair(void* d, const void* x, const void* y, size_t n, double post, int64_t div) { \
     IN_T* dst = d;                                                                                          \
     const IN_T *a = x, *b = y;                                                                              \
     const T f = (T)(post / (double)div);                                                                    \
@@ -155,13 +155,15 @@ DEFINE_FROM_DOUBLE(i64, int64_t, INT64_MIN, INT64_MAX)
     } else {                                                                                                \
       for (size_t i = 0; i < n; i++) dst[i] = OUT((IN(a[i]) + IN(b[i])) * f);                               \
     }                                                                                                       \
-    return 1;                                                                                               \
   }
 #define AS_IS(x) (x)
 #define DEFINE_PAIR_INT(name, T, IN_T, IN, OUT) \
-  static int name##_pair(void* d, const void* x, const void* y, size_t n, double post, int64_t div) { return 0; }
+  static void name##_pair(void* d, const void* x, const void* y, size_t n, double post, int64_t div) {}
 #define PAIRS_FLOAT 1
 #define PAIRS_INT 0
+
+/* Whether a reduction is two sources summed without a prescale, which the pair passes take. */
+static inline int pair_sum(int nsrcs, smc_redop_t op, double pre) { return nsrcs == 2 && op == SMC_SUM && pre == 1.0; }
 
 /* All steps for one dtype, plus its block driver and an axpby entry with the uniform signatures of the table. */
 #define DEFINE_KERNELS(name, T, W, KIND)                                                                      \
@@ -179,8 +181,10 @@ DEFINE_FROM_DOUBLE(i64, int64_t, INT64_MIN, INT64_MAX)
   }                                                                                                          \
   static void name##_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op,     \
                             double pre, double post, int64_t div) {                                          \
-    if (nsrcs == 2 && op == SMC_SUM && pre == 1.0 && name##_pair(dst, srcs[0], srcs[1], count, post, div))  \
+    if (PAIRS_##KIND && pair_sum(nsrcs, op, pre)) {                                                          \
+      name##_pair(dst, srcs[0], srcs[1], count, post, div);                                                  \
       return;                                                                                                \
+    }                                                                                                        \
     name##_combine_fn combine = name##_combine_for(op);                                                      \
     _Alignas(64) T acc[BLOCK];                                                                               \
     /* More sources summed: the first two in one pass, the last with the scaling, two stores fewer per block */ \
@@ -276,13 +280,16 @@ DEFINE_PAIR_FLOAT(bf16, float, uint16_t, BF16_IN, smc_float_to_bf16)
 
 static void bf16_reduce(void* dst, const void* const* srcs, int nsrcs, size_t count, smc_redop_t op, double pre,
                         double post, int64_t div) {
+  if (pair_sum(nsrcs, op, pre)) {
 #ifdef SMC_X86_DISPATCH
-  if (nsrcs == 2 && op == SMC_SUM && pre == 1.0 && cpu_has_bf16_rounding()) {
-    bf16_pair_native(dst, srcs[0], srcs[1], count, post, div);
+    if (cpu_has_bf16_rounding()) {
+      bf16_pair_native(dst, srcs[0], srcs[1], count, post, div);
+      return;
+    }
+#endif
+    bf16_pair(dst, srcs[0], srcs[1], count, post, div);
     return;
   }
-#endif
-  if (nsrcs == 2 && op == SMC_SUM && pre == 1.0 && bf16_pair(dst, srcs[0], srcs[1], count, post, div)) return;
   half_reduce(dst, srcs, nsrcs, count, op, pre, post, div, bf16_to_float, bf16_from_float);
 }
 
@@ -292,7 +299,7 @@ static void f16_reduce(void* dst, const void* const* srcs, int nsrcs, size_t cou
   from_float_fn from_float;
   f16_conversions(&to_float, &from_float);
 #ifdef SMC_X86_DISPATCH
-  if (nsrcs == 2 && op == SMC_SUM && pre == 1.0 && to_float == f16c_to_float) {
+  if (pair_sum(nsrcs, op, pre) && to_float == f16c_to_float) {
     f16c_pair(dst, srcs[0], srcs[1], count, post, div);
     return;
   }
