@@ -35,7 +35,11 @@ broadcasts from the rank let out last instead.
 --torch-memory takes every buffer of both libraries from torch's allocator, as a training job's tensors are. numpy asks
 the kernel for transparent huge pages for arrays from 4 MiB and torch does not, and the kernel's copy (single copy, in
 shmcomm and in MPI) pins the pages it reaches one by one: where huge pages are only given on request, the two kinds of
-memory are different benchmarks from 4 MiB."""
+memory are different benchmarks from 4 MiB.
+
+Each row ends with a verdict on the medians and one on the p90s, MPI's over shmcomm's per round: `met` where the
+median of the rounds' ratios is at least 1, `spread` where it is not but some round's is (shmcomm level with MPI
+within the spread of the rounds), `BEHIND` where every round's is below 1. The last line lists the cells behind."""
 import argparse
 import os
 import sys
@@ -222,21 +226,38 @@ def _report(options, argv, comm, MPI, cases, variable, values, slowest):
     print("# slowest rank's %s per round; MPI/shmcomm above 1: shmcomm is faster. Median of the rounds." % (
         "mean of --iters calls back to back" if options.loop else "median of calls each after a barrier"))
     if variable is None:
-        print("#  op                 bytes  shmcomm us   (p90)      MPI us   (p90)  MPI/shmcomm  per round")
+        print("#  op                 bytes  shmcomm us   (p90)      MPI us   (p90)  MPI/shmcomm  median p90  per round")
     else:
         print("# %s = %s: shmcomm us and MPI/shmcomm for each, then MPI us" % (variable, ", ".join(values)))
     medians, p90s = slowest[..., 0], slowest[..., 1]
+    behind = []
     for i, (op, nbytes) in enumerate(cases):
         mpi = medians[:, i, -1]
         if variable is None:
             ratios = mpi / medians[:, i, 0]
-            print("   %-13s %12d %11.1f %7.1f %11.1f %7.1f %12.2f  %s" % (
+            verdicts = verdict(ratios), verdict(p90s[:, i, -1] / p90s[:, i, 0])
+            behind += ["%s %d (%s)" % (op, nbytes, what) for what, v in zip(("median", "p90"), verdicts) if v == BEHIND]
+            print("   %-13s %12d %11.1f %7.1f %11.1f %7.1f %12.2f  %6s %6s  %s" % (
                 op, nbytes, np.median(medians[:, i, 0]) * 1e6, np.median(p90s[:, i, 0]) * 1e6, np.median(mpi) * 1e6,
-                np.median(p90s[:, i, -1]) * 1e6, np.median(ratios), " ".join("%.2f" % v for v in ratios)))
+                np.median(p90s[:, i, -1]) * 1e6, np.median(ratios), verdicts[0], verdicts[1],
+                " ".join("%.2f" % v for v in ratios)))
         else:
             print("   %-13s %12d  %s  MPI %.1f" % (op, nbytes, "  ".join(
                 "%s: %.1f %.2fx" % (value, np.median(medians[:, i, v]) * 1e6, np.median(mpi / medians[:, i, v]))
                 for v, value in enumerate(values)), np.median(mpi) * 1e6))
+    if variable is None:
+        print("# behind MPI in every round: %s" % (", ".join(behind) or "none"))
+
+
+BEHIND = "BEHIND"
+
+
+def verdict(ratios):
+    """`met`, `spread` or BEHIND for the rounds' ratios of MPI's time over shmcomm's (see the module's docstring)."""
+    ratios = np.asarray(ratios, dtype=float)
+    if np.median(ratios) >= 1:
+        return "met"
+    return "spread" if ratios.max() >= 1 else BEHIND
 
 
 def _configure(variable, value):

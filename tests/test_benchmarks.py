@@ -47,9 +47,23 @@ def test_interleaved_runs_both_libraries_in_one_job():
     assert sorted((row[0], int(row[1])) for row in rows) == sorted(
         (op, size) for op in interleaved.OPS for size in (4096, 1 << 20))
     assert "broadcast" in interleaved.OPS
-    # op bytes shmcomm (p90) MPI (p90) ratio, a ratio per round; each median no later than its p90
-    assert all(len(row) == 9 and 0 < float(row[2]) <= float(row[3]) and 0 < float(row[4]) <= float(row[5])
+    # op bytes shmcomm (p90) MPI (p90) ratio, verdicts on the medians and p90s, a ratio per round; each median no
+    # later than its p90
+    assert all(len(row) == 11 and 0 < float(row[2]) <= float(row[3]) and 0 < float(row[4]) <= float(row[5])
                for row in rows), proc.stdout
+    assert all(row[7] in ("met", "spread", "BEHIND") and row[8] in ("met", "spread", "BEHIND") for row in rows)
+    listed = [line for line in proc.stdout.splitlines() if line.startswith("# behind MPI in every round: ")]
+    behind = sum(row[i] == "BEHIND" for row in rows for i in (7, 8))
+    assert len(listed) == 1 and (listed[0].endswith(": none") if behind == 0 else listed[0].count(",") == behind - 1)
+
+
+def test_interleaved_verdicts_follow_the_rounds():
+    """A cell is met where the median of the rounds' ratios (MPI's time over shmcomm's) reaches 1, level within the
+    spread where only some round's does, behind where none does."""
+    assert interleaved.verdict([1.0, 0.5, 1.2]) == "met"
+    assert interleaved.verdict([0.8, 0.9, 1.01]) == "spread"
+    assert interleaved.verdict([0.99, 0.5, 0.98]) == "BEHIND"
+    assert interleaved.verdict([2.0]) == "met" and interleaved.verdict([0.7]) == "BEHIND"
 
 
 def test_interleaved_compares_settings_in_one_job():
