@@ -146,12 +146,12 @@ static smc_result_t move_direct(smc_comm_t* c, int r, uint8_t* local, uint64_t r
 }
 
 /* The kernel's copy is `rep movsb`, with the slow placement core/copy.h describes. Such moves go through a
- * cache-sized bounce buffer at the remote buffer's offset in a cache line, and memcpy (streaming stores, for the
- * largest reads: see move) moves each chunk between it and the local buffer while it is in cache. The chunk is a
- * quarter of the L2 (smc_config_t.cache_bytes): the bounce and the lines being written share that cache. */
+ * cache-sized bounce buffer at the remote buffer's offset in a cache line, and memcpy moves each chunk between it and
+ * the local buffer while it is in cache. The chunk is a quarter of the L2 (smc_config_t.cache_bytes): the bounce and
+ * the lines being written share that cache. */
 
 static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
-                                 int stream, const char* what) {
+                                 const char* what) {
   if (c->bounce == NULL) {
     size_t want = (size_t)(c->cache_bytes / 4);
     want = want < (16u << 10) ? (16u << 10) : want > (1u << 20) ? (1u << 20) : want;
@@ -170,10 +170,7 @@ static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t 
     size_t len = bytes < c->bounce_bytes ? (size_t)bytes : c->bounce_bytes;
     if (write) memcpy(at, local, len);
     SMC_CHECK(move_direct(c, r, at, remote, len, write, what));
-    if (!write && stream)
-      smc_copy_streaming(local, at, len);
-    else if (!write)
-      memcpy(local, at, len);
+    if (!write) memcpy(local, at, len);
     local += len;
     remote += len;
     bytes -= len;
@@ -184,12 +181,10 @@ static smc_result_t move_bounced(smc_comm_t* c, int r, uint8_t* local, uint64_t 
 static smc_result_t move(smc_comm_t* c, int r, uint8_t* local, uint64_t remote, uint64_t bytes, int write,
                          const char* what) {
   const void* far = (const void*)(uintptr_t)remote;
-  /* A read of 8 L2s or more also goes through the bounce, and on with streaming stores: the kernel's copy stores
-   * through the cache, reading every destination line first, a third more memory traffic where the memory is the
-   * limit. Smaller reads stay in the caches, where the bounce is a copy more (benchmarks/RESULTS.md). */
-  int stream = !write && bytes >= 8 * c->cache_bytes;
-  if (stream || (bytes > 2048 && (write ? smc_short_distance(far, local) : smc_short_distance(local, far))))
-    return move_bounced(c, r, local, remote, bytes, write, stream, what);
+  /* Large reads go straight too: a bounce with streaming stores, to save the kernel's copy reading each destination
+   * line first, cost more than that copy saved, with a rank per core and more (benchmarks/RESULTS.md). */
+  if (bytes > 2048 && (write ? smc_short_distance(far, local) : smc_short_distance(local, far)))
+    return move_bounced(c, r, local, remote, bytes, write, what);
   return move_direct(c, r, local, remote, bytes, write, what);
 }
 
