@@ -37,9 +37,10 @@ the kernel for transparent huge pages for arrays from 4 MiB and torch does not, 
 shmcomm and in MPI) pins the pages it reaches one by one: where huge pages are only given on request, the two kinds of
 memory are different benchmarks from 4 MiB.
 
-Each row ends with a verdict on the medians and one on the p90s, MPI's over shmcomm's per round: `met` where the
+Without --setting, each row ends with a verdict on the medians and one on the p90s, MPI's over shmcomm's per round: `met` where the
 median of the rounds' ratios is at least 1, `spread` where it is not but some round's is (shmcomm level with MPI
-within the spread of the rounds), `BEHIND` where every round's is below 1. The last line lists the cells behind."""
+within the spread of the rounds), `BEHIND` where every round's is below 1 (with one round, every cell below 1). The last line lists the cells
+behind."""
 import argparse
 import os
 import sys
@@ -219,7 +220,7 @@ def _rounds(options, comm, shmcomm, MPI, cases, variable, values, root):
 
 
 def _report(options, argv, comm, MPI, cases, variable, values, slowest):
-    library = MPI.Get_library_version().splitlines()[0].strip()
+    library = MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()
     print("# mpiexec -n %d python -m benchmarks.interleaved %s | %s UTC | %s" % (
         comm.size, " ".join(sys.argv[1:] if argv is None else argv),
         time.strftime("%Y-%m-%d %H:%M", time.gmtime()), library))
